@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny random models built from configs, a tiny tokenizer, offline hub."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Nothing in the test suite may reach a model or dataset hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY_VOCAB = 128
+
+
+def tiny_config(model_type: str, n_layers: int = 4):
+    """A tiny config of a supported architecture (random weights, seconds to build)."""
+    import transformers as tf
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=32, num_attention_heads=4,
+                  num_hidden_layers=n_layers, max_position_embeddings=128)
+    if model_type == "llama":
+        return tf.LlamaConfig(intermediate_size=64, num_key_value_heads=2, **common)
+    if model_type == "qwen2":
+        return tf.Qwen2Config(intermediate_size=64, num_key_value_heads=2, **common)
+    if model_type == "mistral":
+        return tf.MistralConfig(intermediate_size=64, num_key_value_heads=2, **common)
+    if model_type == "gemma3_text":
+        return tf.Gemma3TextConfig(intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                                   sliding_window=16, **common)
+    if model_type == "opt":
+        return tf.OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **common)
+    if model_type == "gpt2":
+        return tf.GPT2Config(vocab_size=TINY_VOCAB, n_embd=32, n_head=4, n_layer=n_layers,
+                             n_positions=128)
+    if model_type == "bert":
+        return tf.BertConfig(intermediate_size=64, **common)
+    raise ValueError(model_type)
+
+
+def build_tiny_model(model_type: str, n_layers: int = 4, seed: int = 0):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, n_layers)
+    cls = tf.BertModel if model_type == "bert" else tf.AutoModelForCausalLM
+    model = cls(config) if cls is tf.BertModel else cls.from_config(config)
+    return model.eval()
+
+
+@pytest.fixture
+def tiny_model():
+    """Factory: ``tiny_model("llama", n_layers=4)``."""
+    return build_tiny_model
+
+
+def build_tiny_tokenizer():
+    """A word-level tokenizer over a small fixed vocabulary, with bos/eos/pad/unk."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("the a of and to in is was for on with as by at from that it his her they this "
+             "king queen river city war year people first time new made who which were had "
+             "but not be or an are have one their been has more after also two other into "
+             "over only its when than most some would there out about can up may "
+             "what so no if all my your our we you he she him them me us do did does said "
+             ). split()
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(set(words)) + list(".,;:!?'\"()-"))}
+    assert len(vocab) <= TINY_VOCAB
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def fedcompress_cache(tmp_path, monkeypatch):
+    """An empty, private FEDCOMPRESS_CACHE."""
+    monkeypatch.setenv("FEDCOMPRESS_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The embedded default model (SmolLM2-135M-Instruct), loaded once per test session."""
+    from fedcompress.models import load_model
+
+    return load_model("smollm2-135m", device="cpu")
