@@ -34,7 +34,7 @@ def tiny_config(model_type: str, n_layers: int = 4):
         return tf.OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **common)
     if model_type == "gpt2":
         return tf.GPT2Config(vocab_size=TINY_VOCAB, n_embd=32, n_head=4, n_layer=n_layers,
-                             n_positions=128)
+                             n_positions=128, bos_token_id=1, eos_token_id=2)
     if model_type == "bert":
         return tf.BertConfig(intermediate_size=64, **common)
     raise ValueError(model_type)

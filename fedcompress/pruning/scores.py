@@ -1,0 +1,122 @@
+"""Stateless pruning math: importance scores (magnitude, Wanda) and SparseGPT's OBS update.
+
+All arithmetic runs in :data:`fedcompress.models.CALC_DTYPE` (float32) whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fedcompress.models import CALC_DTYPE
+from fedcompress.pruning.select import select_prune_mask
+
+logger = logging.getLogger(__name__)
+
+#: SparseGPT defaults from Frantar & Alistarh (2023).
+SPARSEGPT_BLOCKSIZE = 128
+SPARSEGPT_PERCDAMP = 0.01
+#: How many times the dampening is multiplied by 10 before a failing Cholesky is an error.
+SPARSEGPT_MAX_DAMP_RETRIES = 6
+
+
+def magnitude_scores(weight: torch.Tensor) -> torch.Tensor:
+    """|W|."""
+    return weight.detach().to(CALC_DTYPE).abs()
+
+
+def wanda_scores(weight: torch.Tensor, sq_norm: torch.Tensor) -> torch.Tensor:
+    """Wanda: ``|W_ij| * ||X_j||_2`` (up to a per-layer constant: ``sq_norm`` is the mean of
+    ``x_j^2`` over tokens, so its square root is ``||X_j||_2 / sqrt(tokens)``)."""
+    if sq_norm.shape != (weight.shape[1],):
+        raise ValueError(f"input statistics of length {tuple(sq_norm.shape)} do not match a "
+                         f"weight with {weight.shape[1]} input features")
+    return weight.detach().to(CALC_DTYPE).abs() * sq_norm.to(CALC_DTYPE).sqrt().unsqueeze(0)
+
+
+class CholeskyError(RuntimeError):
+    """The dampened Hessian stayed non positive-definite after every retry."""
+
+
+def _inverse_hessian_cholesky(hessian: torch.Tensor, percdamp: float,
+                              name: str = "") -> torch.Tensor:
+    """Upper Cholesky factor of the inverse of the dampened Hessian.
+
+    Dampening: ``percdamp * mean(diag(H))`` added to the diagonal. When the Cholesky
+    factorisation fails, the dampening is raised tenfold (logged), up to
+    :data:`SPARSEGPT_MAX_DAMP_RETRIES` times; then :class:`CholeskyError`.
+    """
+    eye = torch.eye(hessian.shape[0], dtype=CALC_DTYPE, device=hessian.device)
+    mean_diag = torch.mean(torch.diag(hessian))
+    damp_frac = percdamp
+    for attempt in range(SPARSEGPT_MAX_DAMP_RETRIES + 1):
+        try:
+            chol = torch.linalg.cholesky(hessian + damp_frac * mean_diag * eye)
+            hinv = torch.cholesky_inverse(chol)
+            return torch.linalg.cholesky(hinv, upper=True)
+        except torch.linalg.LinAlgError:
+            if attempt == SPARSEGPT_MAX_DAMP_RETRIES:
+                break
+            logger.warning("SparseGPT %s: Cholesky failed with dampening %.3g x mean diag; "
+                           "raising it to %.3g", name, damp_frac, damp_frac * 10)
+            damp_frac *= 10
+    raise CholeskyError(f"SparseGPT {name}: the Hessian is not positive definite even with "
+                        f"dampening {damp_frac:.3g} x mean(diag(H))")
+
+
+@torch.no_grad()
+def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, sparsity: float,
+                    group: str = "layer", nm: tuple[int, int] | None = None,
+                    blocksize: int = SPARSEGPT_BLOCKSIZE, percdamp: float = SPARSEGPT_PERCDAMP,
+                    name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseGPT (Frantar & Alistarh, 2023): prune mask and OBS-updated weights.
+
+    Columns are processed in blocks of ``blocksize``; in each block the mask is chosen from the
+    OBS saliency ``w^2 / [H^-1]_jj^2`` *within the block*: ``group="layer"`` compares the whole
+    block (SparseGPT's own adaptive mask selection), ``"row"`` each row of the block, ``"column"``
+    each column; with N:M the N lowest of every M columns. Each pruned weight's error is
+    compensated on the not-yet-processed weights of its row.
+
+    Returns ``(prune_mask, new_weight)`` with ``new_weight`` in float32 (pruned entries are 0).
+    """
+    W = weight.detach().to(CALC_DTYPE).clone()
+    H = hessian.to(CALC_DTYPE).clone()
+    rows, cols = W.shape
+    if H.shape != (cols, cols):
+        raise ValueError(f"Hessian of shape {tuple(H.shape)} does not match {cols} input features")
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    hinv = _inverse_hessian_cholesky(H, percdamp, name)
+    mask = torch.zeros_like(W, dtype=torch.bool)
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        count = i2 - i1
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = hinv[i1:i2, i1:i2]
+        diag = torch.diag(Hinv1).unsqueeze(0)
+        if nm is None:
+            mask1 = select_prune_mask(W1.pow(2) / diag.pow(2), sparsity, group)
+        else:
+            mask1 = torch.zeros_like(W1, dtype=torch.bool)
+        for i in range(count):
+            if nm is not None and i % nm[1] == 0:
+                run = slice(i, i + nm[1])
+                mask1[:, run] = select_prune_mask(W1[:, run].pow(2) / diag[:, run].pow(2),
+                                                  0.0, nm=nm)
+            w = W1[:, i]
+            d = Hinv1[i, i]
+            q = w.clone()
+            q[mask1[:, i]] = 0
+            Q1[:, i] = q
+            err = (w - q) / d
+            W1[:, i:] -= err.unsqueeze(1).matmul(Hinv1[i, i:].unsqueeze(0))
+            Err1[:, i] = err
+        W[:, i1:i2] = Q1
+        mask[:, i1:i2] = mask1
+        W[:, i2:] -= Err1.matmul(hinv[i1:i2, i2:])
+    W[mask] = 0
+    return mask, W

@@ -1,0 +1,230 @@
+"""The calibration walker: one sequential, layer-by-layer pass over a model's decoder layers.
+
+The pass follows Wanda and SparseGPT: the calibration windows are embedded once, then for each
+decoder layer in turn
+
+1. the inputs of its linear layers are captured by forward hooks into running statistics
+   (:class:`LayerStats`), from the layer's current (already pruned upstream) inputs;
+2. a caller-supplied function turns the statistics into prune masks (and, for SparseGPT, updated
+   weights) for that layer's linear layers;
+3. the masks are applied to a *copy* of the layer, and the samples are forwarded through the
+   pruned copy to become the inputs of the next layer.
+
+The model itself is never mutated, so one dense model loaded per process can serve many clients.
+The steps are exposed separately (:func:`capture_layer_inputs`, :func:`collect_stats`,
+:func:`forward_layer`) because the iterative federated mode runs one layer per round and keeps the
+activations between rounds; :func:`walk` composes them for the one-shot pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from fedcompress.models import CALC_DTYPE, ModelAdapter, weight_matrix
+
+logger = logging.getLogger(__name__)
+
+
+class _StopForward(Exception):
+    """Raised by a hook to stop a forward pass once the wanted inputs are captured."""
+
+
+@dataclass
+class LayerInputs:
+    """Hidden states entering a decoder layer, for every calibration window.
+
+    ``hidden`` is ``[n_windows, seqlen, hidden_size]`` in the model's dtype. ``layer_kwargs[i]``
+    are the keyword arguments the model passes to decoder layer ``i`` (attention mask, rotary
+    position embeddings, ...), captured with batch size 1; they broadcast over any batch.
+    """
+
+    hidden: torch.Tensor
+    layer_kwargs: list[dict]
+    layer: int = 0  # index of the decoder layer these hidden states enter
+
+    def to_state(self) -> dict:
+        return {"hidden": self.hidden, "layer_kwargs": self.layer_kwargs, "layer": self.layer}
+
+
+def _batches(n: int, batch_size: int) -> Iterator[slice]:
+    for start in range(0, n, batch_size):
+        yield slice(start, min(start + batch_size, n))
+
+
+@torch.no_grad()
+def capture_layer_inputs(model: nn.Module, windows: torch.Tensor,
+                         batch_size: int = 8) -> LayerInputs:
+    """Embed the windows ``[n, seqlen]`` and capture what enters decoder layer 0.
+
+    Also records the per-layer keyword arguments (one batch-1 forward with a pre-hook on every
+    layer) so each layer can later be called on its own.
+    """
+    if windows.dim() != 2 or windows.dtype != torch.long:
+        raise ValueError(f"calibration windows must be a LongTensor [n, seqlen], got "
+                         f"{tuple(windows.shape)} {windows.dtype}")
+    adapter = ModelAdapter(model)
+    device = next(model.parameters()).device
+    windows = windows.to(device)
+
+    captured: list[torch.Tensor] = []
+    kwargs_per_layer: list[dict | None] = [None] * len(adapter)
+
+    def grab_hidden(_module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        captured.append(hidden.detach())
+        raise _StopForward
+
+    def make_kwarg_hook(index: int):
+        def hook(_module, args, kwargs):
+            kept = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values",
+                                                                 "past_key_value", "use_cache")}
+            kwargs_per_layer[index] = kept
+            if index == len(adapter) - 1:
+                raise _StopForward
+        return hook
+
+    handles = [layer.register_forward_pre_hook(make_kwarg_hook(i), with_kwargs=True)
+               for i, layer in enumerate(adapter.layers)]
+    try:
+        try:
+            model(windows[:1], use_cache=False)
+        except _StopForward:
+            pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    handle = adapter.layers[0].register_forward_pre_hook(grab_hidden, with_kwargs=True)
+    try:
+        for rows in _batches(len(windows), batch_size):
+            try:
+                model(windows[rows], use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    if any(k is None for k in kwargs_per_layer):
+        raise RuntimeError("could not capture the inputs of every decoder layer")
+    return LayerInputs(torch.cat(captured), kwargs_per_layer, 0)  # type: ignore[arg-type]
+
+
+class LayerStats:
+    """Running statistics of the inputs of one linear layer (float32).
+
+    ``sq_norm[j]`` is the running mean over tokens of ``x_j^2`` (Wanda's ``scaler_row``: the
+    squared column norm ``||X_j||_2^2`` divided by the token count). With ``hessian=True`` also
+    ``H = 2/N * X^T X`` over the N tokens seen (SparseGPT's Hessian), accumulated as a running
+    mean so its scale does not depend on the number of windows.
+    """
+
+    def __init__(self, in_features: int, device: torch.device, hessian: bool = False):
+        self.tokens = 0
+        self.sq_norm = torch.zeros(in_features, dtype=CALC_DTYPE, device=device)
+        self.hessian = (torch.zeros(in_features, in_features, dtype=CALC_DTYPE, device=device)
+                        if hessian else None)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(CALC_DTYPE)
+        n = x.shape[0]
+        total = self.tokens + n
+        self.sq_norm.mul_(self.tokens / total).add_(x.pow(2).sum(0), alpha=1.0 / total)
+        if self.hessian is not None:
+            self.hessian.mul_(self.tokens / total).addmm_(x.T, x, alpha=2.0 / total)
+        self.tokens = total
+
+
+def _call_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def collect_stats(layer: nn.Module, inputs: LayerInputs, hessian: bool = False,
+                  batch_size: int = 8) -> dict[str, LayerStats]:
+    """Forward the inputs through ``layer`` and gather the statistics of each linear layer."""
+    linears = ModelAdapter.linear_layers(layer)
+    device = inputs.hidden.device
+    stats = {name: LayerStats(weight_matrix(m).shape[1], device, hessian)
+             for name, m in linears.items()}
+    handles = [m.register_forward_pre_hook(lambda _m, args, name=name: stats[name].add(args[0]))
+               for name, m in linears.items()]
+    try:
+        kwargs = inputs.layer_kwargs[inputs.layer]
+        for rows in _batches(len(inputs.hidden), batch_size):
+            _call_layer(layer, inputs.hidden[rows], kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats
+
+
+def masked_layer_copy(layer: nn.Module, masks: dict[str, torch.Tensor],
+                      weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """A copy of ``layer`` with updated weights (if given) and pruned weights set to zero."""
+    pruned = copy.deepcopy(layer)
+    linears = ModelAdapter.linear_layers(pruned)
+    unknown = set(masks) - set(linears)
+    if unknown:
+        raise KeyError(f"masks for unknown linear layers {sorted(unknown)}; the layer has "
+                       f"{sorted(linears)}")
+    with torch.no_grad():
+        for name, mask in masks.items():
+            w = weight_matrix(linears[name])
+            if weights is not None and name in weights:
+                w.copy_(weights[name].to(w.dtype))
+            if mask.shape != w.shape:
+                raise ValueError(f"mask of {name} has shape {tuple(mask.shape)}, the weight "
+                                 f"{tuple(w.shape)}")
+            w.masked_fill_(mask.to(w.device), 0)
+    return pruned
+
+
+@torch.no_grad()
+def forward_layer(layer: nn.Module, inputs: LayerInputs, batch_size: int = 8) -> LayerInputs:
+    """The inputs of the next layer: ``inputs`` forwarded through ``layer``."""
+    kwargs = inputs.layer_kwargs[inputs.layer]
+    outs = torch.empty_like(inputs.hidden)
+    for rows in _batches(len(inputs.hidden), batch_size):
+        outs[rows] = _call_layer(layer, inputs.hidden[rows], kwargs)
+    return LayerInputs(outs, inputs.layer_kwargs, inputs.layer + 1)
+
+
+#: ``(layer_index, layer, stats) -> (prune masks, updated weights or None)`` for one layer.
+LayerPruneFn = Callable[[int, nn.Module, dict[str, LayerStats]],
+                        tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]]
+
+
+@dataclass
+class WalkResult:
+    """Prune masks (True = pruned) per decoder layer and linear layer name."""
+
+    masks: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    weights: list[dict[str, torch.Tensor] | None] = field(default_factory=list)
+
+
+def walk(model: nn.Module, windows: torch.Tensor, prune_fn: LayerPruneFn,
+         hessian: bool = False, batch_size: int = 8, keep_weights: bool = False,
+         progress: bool = False) -> WalkResult:
+    """One sequential pass: per layer, statistics -> ``prune_fn`` -> forward through the pruned
+    copy. Returns every layer's masks (and SparseGPT's updated weights if ``keep_weights``)."""
+    from tqdm.auto import tqdm
+
+    adapter = ModelAdapter(model)
+    inputs = capture_layer_inputs(model, windows, batch_size)
+    result = WalkResult()
+    for index in tqdm(range(len(adapter)), desc="pruning layers", disable=not progress, leave=False):
+        layer = adapter.layers[index]
+        stats = collect_stats(layer, inputs, hessian=hessian, batch_size=batch_size)
+        masks, weights = prune_fn(index, layer, stats)
+        pruned = masked_layer_copy(layer, masks, weights)
+        inputs = forward_layer(pruned, inputs, batch_size)
+        result.masks.append({k: v.cpu() for k, v in masks.items()})
+        result.weights.append({k: v.cpu() for k, v in weights.items()}
+                              if keep_weights and weights else None)
+        del pruned, stats
+    return result

@@ -1,0 +1,137 @@
+"""Exact, hand-checked tests of mask aggregation and the mask codec."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedcompress.masks.aggregate import (
+    VoteCounter, count_dtype, global_mask, scale_weights, vote_counts)
+from fedcompress.masks.codec import MaskDecodeError, decode_mask, encode_mask
+
+B = torch.tensor  # shorthand
+
+
+def test_count_dtype_is_wide_enough():
+    assert count_dtype(1) == torch.uint8
+    assert count_dtype(255) == torch.uint8
+    assert count_dtype(256) == torch.int16
+    assert count_dtype(40000) == torch.int32
+
+
+def test_vote_counts_hand_checked():
+    m1 = B([[1, 0, 1], [0, 0, 1]], dtype=torch.bool)
+    m2 = B([[1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    m3 = B([[1, 0, 0], [1, 0, 1]], dtype=torch.bool)
+    counts = vote_counts([m1, m2, m3], 3)
+    assert counts.tolist() == [[3, 1, 1], [1, 0, 3]]
+    assert counts.dtype == torch.uint8
+
+
+def test_counts_do_not_overflow_with_300_clients():
+    counts = vote_counts([torch.ones(2, 2, dtype=torch.bool)] * 300, 300)
+    assert counts.tolist() == [[300, 300], [300, 300]]
+
+
+def test_counter_rejects_bad_masks():
+    counter = VoteCounter((2, 3), 2)
+    with pytest.raises(ValueError, match="shape"):
+        counter.add(torch.zeros(3, 2, dtype=torch.bool))
+    with pytest.raises(TypeError, match="bool"):
+        counter.add(torch.zeros(2, 3))
+    counter.add(torch.zeros(2, 3, dtype=torch.bool))
+    counter.add(torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="more than"):
+        counter.add(torch.zeros(2, 3, dtype=torch.bool))
+
+
+COUNTS = B([[3, 1, 1, 0], [2, 2, 0, 3]])
+WEIGHT = B([[0.5, -0.1, 0.2, 0.9], [0.3, -0.05, 0.7, 0.4]])
+
+
+def test_global_mask_layer_group():
+    # 50% of 8 = 4 highest counts: 3, 3, then the two 2s.
+    mask = global_mask(COUNTS, 0.5, "layer", weight=WEIGHT)
+    assert mask.tolist() == [[True, False, False, False], [True, True, False, True]]
+
+
+def test_global_mask_row_group_tie_by_magnitude():
+    # per row 2: row0 = 3 then a tie 1 vs 1 -> smaller |W| (0.1 at col 1) is pruned.
+    mask = global_mask(COUNTS, 0.5, "row", tie_break="magnitude", weight=WEIGHT)
+    assert mask.tolist() == [[True, True, False, False], [False, True, False, True]]
+    # row1: 3, then tie 2 vs 2 -> |-0.05| < 0.3 -> col 1.
+
+
+def test_global_mask_row_group_tie_by_index():
+    mask = global_mask(COUNTS, 0.5, "row", tie_break="index")
+    assert mask.tolist() == [[True, True, False, False], [True, False, False, True]]
+
+
+def test_global_mask_column_group():
+    mask = global_mask(COUNTS, 0.5, "column", weight=WEIGHT)
+    # each column keeps one of two rows: col0 3>2, col1 2>1, col2 tie 1 vs 0 -> row0, col3 3>0
+    assert mask.tolist() == [[True, False, True, False], [False, True, False, True]]
+
+
+def test_global_mask_random_ties_are_seeded():
+    counts = torch.zeros(8, 8, dtype=torch.uint8)  # all tied
+    a = global_mask(counts, 0.5, "layer", tie_break="random", seed=1)
+    b = global_mask(counts, 0.5, "layer", tie_break="random", seed=1)
+    c = global_mask(counts, 0.5, "layer", tie_break="random", seed=2)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert int(a.sum()) == 32
+
+
+def test_global_mask_nm():
+    counts = B([[0, 3, 1, 2, 5, 5, 0, 1]])
+    mask = global_mask(counts, 0.0, nm=(2, 4), tie_break="index")
+    assert mask.tolist() == [[False, True, False, True, True, True, False, False]]
+
+
+def test_one_client_global_mask_equals_its_mask():
+    torch.manual_seed(0)
+    w = torch.randn(16, 32)
+    mine = torch.zeros_like(w, dtype=torch.bool)
+    mine.view(-1)[torch.randperm(w.numel())[: w.numel() // 2]] = True
+    for group in ("layer",):
+        assert torch.equal(global_mask(vote_counts([mine], 1), 0.5, group, weight=w), mine)
+
+
+def test_scale_weights():
+    w = torch.tensor([[1.0, 2.0], [4.0, -8.0]], dtype=torch.bfloat16)
+    counts = torch.tensor([[0, 1], [2, 3]], dtype=torch.uint8)
+    scaled = scale_weights(w, counts, 4)
+    assert scaled.dtype == torch.bfloat16
+    assert scaled.float().tolist() == [[1.0, 1.5], [2.0, -2.0]]
+
+
+def test_bad_sparsity_and_group_and_tie_break():
+    with pytest.raises(ValueError, match=r"outside \[0, 1\)"):
+        global_mask(COUNTS, 1.0, "layer", weight=WEIGHT)
+    with pytest.raises(ValueError, match="comparison group"):
+        global_mask(COUNTS, 0.5, "block", weight=WEIGHT)
+    with pytest.raises(ValueError, match="tie-break"):
+        global_mask(COUNTS, 0.5, "row", tie_break="coin")
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (64, 128), (7, 9)])
+def test_codec_round_trip(shape):
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(shape, generator=gen) < 0.5
+    payload = encode_mask(mask)
+    assert payload.dtype == np.uint8 and payload.size == (mask.numel() + 7) // 8
+    assert torch.equal(decode_mask(payload, shape), mask)
+
+
+def test_codec_refuses_garbage():
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    payload = encode_mask(mask)
+    with pytest.raises(MaskDecodeError, match="expected 2 bytes"):
+        decode_mask(payload[:1], (3, 5))
+    with pytest.raises(MaskDecodeError, match="uint8"):
+        decode_mask(payload.astype(np.float32), (3, 5))
+    with pytest.raises(MaskDecodeError, match="padding"):
+        decode_mask(np.array([255, 255], dtype=np.uint8), (3, 5))
+    with pytest.raises(MaskDecodeError, match="expected 3 bytes"):
+        decode_mask(payload, (4, 5))
