@@ -474,10 +474,17 @@ def remove_layers(model: nn.Module, indices: list[int] | tuple[int, ...]) -> nn.
 
 
 def model_context_length(model: nn.Module) -> int | None:
-    """The longest sequence the model's position embeddings allow, if the config says."""
-    config = _text_config(model)
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if value:
-            return int(value)
+    """The longest sequence the model accepts, or None if its config does not say.
+
+    Looks at ``config.text_config`` first (multimodal configs such as Gemma 3 nest the text model
+    there), then the top-level config, for ``n_positions``, ``max_position_embeddings``, ``n_ctx``.
+    """
+    config = getattr(model, "config", model)
+    for cfg in (getattr(config, "text_config", None), config):
+        if cfg is None:
+            continue
+        for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+            value = getattr(cfg, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
     return None
