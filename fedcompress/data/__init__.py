@@ -1,0 +1,80 @@
+"""Data for federated compression: corpora, calibration windows, client partitions, QA tasks.
+
+* :mod:`~fedcompress.data.corpora`: bundled corpora (``wiki``, ``shakespeare``; offline), hub
+  loaders for users online (``wikitext2``, ``c4``, ``ptb``, Wanda's definitions) and local files;
+  :func:`corpus_text` is the exact text perplexity is measured on.
+* :mod:`~fedcompress.data.calibration`: seeded random token windows (Wanda-style), optionally
+  labelled by source corpus.
+* :mod:`~fedcompress.data.partition`: IID and Dirichlet (quantity or label skew) client splits.
+* :mod:`~fedcompress.data.tasks`: bundled BIG-bench multiple-choice tasks as JSONL.
+* :mod:`~fedcompress.data.build`: regenerates ``bundled/`` from the source archives.
+"""
+
+from fedcompress.data.calibration import (
+    calibration_windows,
+    mixed_calibration_windows,
+    sample_windows,
+    tokenize_corpus,
+)
+from fedcompress.data.corpora import (
+    BUNDLED_CORPORA,
+    BUNDLED_DIR,
+    CORPUS_SPLITS,
+    HUB_CORPORA,
+    Document,
+    corpus_text,
+    load_corpus,
+)
+from fedcompress.data.errors import (
+    CorpusFormatError,
+    DataError,
+    EmptyCorpusError,
+    InvalidParameterError,
+    NotEnoughTokensError,
+    PartitionError,
+    TaskFormatError,
+    UnknownCorpusError,
+    UnknownSplitError,
+    UnknownTaskError,
+)
+from fedcompress.data.partition import dirichlet_partition, iid_partition
+from fedcompress.data.tasks import (
+    BUNDLED_TASKS,
+    TASK_SPLITS,
+    TaskExample,
+    load_task,
+    task_files,
+    validate_example,
+)
+
+__all__ = [
+    "BUNDLED_CORPORA",
+    "BUNDLED_DIR",
+    "BUNDLED_TASKS",
+    "CORPUS_SPLITS",
+    "HUB_CORPORA",
+    "TASK_SPLITS",
+    "CorpusFormatError",
+    "DataError",
+    "Document",
+    "EmptyCorpusError",
+    "InvalidParameterError",
+    "NotEnoughTokensError",
+    "PartitionError",
+    "TaskExample",
+    "TaskFormatError",
+    "UnknownCorpusError",
+    "UnknownSplitError",
+    "UnknownTaskError",
+    "calibration_windows",
+    "corpus_text",
+    "dirichlet_partition",
+    "iid_partition",
+    "load_corpus",
+    "load_task",
+    "mixed_calibration_windows",
+    "sample_windows",
+    "task_files",
+    "tokenize_corpus",
+    "validate_example",
+]

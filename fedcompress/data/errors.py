@@ -1,0 +1,103 @@
+"""Exceptions raised by :mod:`fedcompress.data`.
+
+Every error is a :class:`ValueError` subclass whose message names the offending value and what
+was expected, so a bad configuration fails loudly at the point where it is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, TypeGuard
+
+import numpy as np
+
+__all__ = [
+    "CorpusFormatError",
+    "DataError",
+    "EmptyCorpusError",
+    "InvalidParameterError",
+    "NotEnoughTokensError",
+    "PartitionError",
+    "TaskFormatError",
+    "UnknownCorpusError",
+    "UnknownSplitError",
+    "UnknownTaskError",
+    "check_positive_int",
+    "check_seed",
+    "format_choices",
+]
+
+
+class DataError(ValueError):
+    """Base class of every error raised by :mod:`fedcompress.data`."""
+
+
+class InvalidParameterError(DataError):
+    """A numeric argument (count, length, seed, concentration) is out of its valid range."""
+
+
+class UnknownCorpusError(DataError):
+    """A corpus name is neither bundled, a known hub corpus, nor an existing local path."""
+
+
+class UnknownSplitError(DataError):
+    """A split name is not one the corpus or task provides."""
+
+
+class EmptyCorpusError(DataError):
+    """A corpus, split or file holds no text."""
+
+
+class CorpusFormatError(DataError):
+    """A local or bundled corpus file does not follow the documented format."""
+
+
+class UnknownTaskError(DataError):
+    """A task name is neither bundled nor an existing local ``.jsonl`` file or directory."""
+
+
+class TaskFormatError(DataError):
+    """A task file line does not follow the multiple-choice schema."""
+
+
+class NotEnoughTokensError(DataError):
+    """A corpus is too short to cut a calibration window of the requested length."""
+
+
+class PartitionError(DataError):
+    """A partition request cannot be satisfied (e.g. more clients than items)."""
+
+
+def format_choices(values: Iterable[str]) -> str:
+    """Render a list of valid names for an error message: ``'a', 'b', 'c'``."""
+    return ", ".join(repr(v) for v in values)
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` as an ``int`` if it is an integer >= 1, else raise.
+
+    Booleans are rejected even though ``bool`` subclasses ``int``: ``n=True`` is always a bug.
+    """
+    if not _is_integer(value):
+        raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}")
+    as_int = int(value)
+    if as_int <= 0:
+        raise InvalidParameterError(f"{name} must be a positive integer, got {as_int}")
+    return as_int
+
+
+def check_seed(value: object) -> int:
+    """Return ``value`` as an ``int`` if it is a valid seed (an integer >= 0), else raise."""
+    if not _is_integer(value):
+        raise InvalidParameterError(f"seed must be a non-negative integer, got {value!r}")
+    as_int = int(value)
+    if as_int < 0:
+        raise InvalidParameterError(f"seed must be a non-negative integer, got {as_int}")
+    return as_int
+
+
+def _is_integer(value: object) -> TypeGuard[int | np.integer[Any]]:
+    """True for Python and NumPy integers, False for booleans and everything else."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    return isinstance(value, (int, np.integer))

@@ -1,0 +1,222 @@
+"""Run reports: ``report.json`` (machine-readable), ``report.md`` (a readable table), ``config.toml``.
+
+Every command writes its output folder through :class:`RunReport`. Results are written to disk
+as soon as each one is added, so an interrupted or failing run never loses finished results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import tomli_w
+
+logger = logging.getLogger(__name__)
+
+_VERSIONED = ("fedcompress", "torch", "transformers", "flwr", "lm_eval", "peft", "opacus",
+              "numpy", "datasets")
+
+
+def versions() -> dict[str, str]:
+    """Versions of Python, the platform, the key packages and the git commit of the source."""
+    found = {"python": platform.python_version(), "platform": platform.platform()}
+    for name in _VERSIONED:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    try:
+        source = Path(__file__).resolve().parent.parent
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True, timeout=5)
+        if commit.returncode == 0:
+            found["git_commit"] = commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return found
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no inf/nan
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return value.item()
+    return value
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+    if value is None:
+        return "-"
+    return str(value)
+
+
+def results_table(results: list[dict], columns: list[str] | None = None) -> tuple[list[str],
+                                                                                   list[list[str]]]:
+    """Scalar columns (in first-seen order) and formatted rows of a list of result records."""
+    if columns is None:
+        columns = []
+        for record in results:
+            for key, value in record.items():
+                if key not in columns and not isinstance(value, (dict, list)):
+                    columns.append(key)
+    rows = [[_fmt(record.get(col)) for col in columns] for record in results]
+    return columns, rows
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class RunReport:
+    """Collects one run's config, seeds, timings and results; writes them under ``out_dir``."""
+
+    def __init__(self, out_dir: str | Path, command: str, config: dict[str, Any],
+                 seeds: dict[str, int] | None = None, argv: list[str] | None = None):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.command = command
+        self.config = config
+        self.seeds = dict(seeds or {})
+        argv = list(sys.argv if argv is None else argv)
+        self.command_line = shlex.join(["fedcompress", *argv[1:]]) if argv else command
+        self.reproduce = f"fedcompress {command} --config {self.out_dir / 'config.toml'}"
+        self.started = _dt.datetime.now(_dt.timezone.utc)
+        self.timings: dict[str, float] = {}
+        self.results: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {}
+        self.status = "running"
+        self.versions = versions()
+        _atomic_write(self.out_dir / "config.toml",
+                      tomli_w.dumps({k: v for k, v in _jsonable(config).items() if v is not None}))
+        self.write()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase of the run (added up if the phase repeats)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+            self.write()
+
+    def add_result(self, record: dict[str, Any]) -> None:
+        """Append a result record (needs a ``name``) and write the report at once."""
+        if "name" not in record:
+            raise ValueError(f"a result record needs a 'name': {record}")
+        self.results.append(dict(record))
+        self.write()
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable({
+            "command": self.command,
+            "command_line": self.command_line,
+            "reproduce": self.reproduce,
+            "status": self.status,
+            "started": self.started.isoformat(),
+            "config": self.config,
+            "seeds": self.seeds,
+            "versions": self.versions,
+            "timings": self.timings,
+            "results": self.results,
+            **self.extra,
+        })
+
+    def result_groups(self) -> dict[tuple[str, ...], list[dict]]:
+        """Results grouped by their set of scalar fields (one table per kind of record)."""
+        groups: dict[tuple[str, ...], list[dict]] = {}
+        for record in self.results:
+            key = tuple(k for k, v in record.items() if not isinstance(v, (dict, list)))
+            groups.setdefault(key, []).append(record)
+        return groups
+
+    def markdown(self) -> str:
+        tables = [markdown_table(*results_table(records, list(key)))
+                  for key, records in self.result_groups().items()]
+        parts = [
+            f"# fedcompress {self.command}",
+            "",
+            f"Status: **{self.status}**, started {self.started.isoformat(timespec='seconds')}.",
+            "",
+            "Command line:",
+            "",
+            f"    {self.command_line}",
+            "",
+            f"Reproduce: `{self.reproduce}`",
+            "",
+            "## Results",
+            "",
+            "\n\n".join(tables) if tables else "(no results)",
+            "",
+            "## Timings (s)",
+            "",
+            markdown_table(["phase", "seconds"],
+                           [[k, f"{v:.2f}"] for k, v in self.timings.items()]),
+            "",
+            "## Config",
+            "",
+            markdown_table(["key", "value"], [[k, _fmt(v)] for k, v in self.config.items()]),
+            "",
+            "## Versions",
+            "",
+            markdown_table(["package", "version"], [[k, v] for k, v in self.versions.items()]),
+            "",
+        ]
+        return "\n".join(parts)
+
+    def write(self) -> None:
+        _atomic_write(self.out_dir / "report.json", json.dumps(self.to_dict(), indent=2) + "\n")
+        _atomic_write(self.out_dir / "report.md", self.markdown())
+
+    def finish(self, status: str = "ok") -> None:
+        self.status = status
+        self.write()
+        logger.info("report written to %s", self.out_dir / "report.json")
+
+    def print_table(self, console=None, title: str | None = None) -> None:
+        """Print the results as rich tables: one per kind of record (same set of fields)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console(width=None if sys.stdout.isatty() else 160)
+        for key, records in self.result_groups().items():
+            columns, rows = results_table(records, list(key))
+            table = Table(title=title or f"fedcompress {self.command}")
+            for col in columns:
+                table.add_column(col, justify="left" if col in ("name", "dataset") else "right")
+            for row in rows:
+                table.add_row(*row)
+            console.print(table)
+        console.print(f"report: {self.out_dir / 'report.json'}  |  {self.out_dir / 'report.md'}")

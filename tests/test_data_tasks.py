@@ -1,0 +1,117 @@
+"""Multiple-choice task loading, validation, and errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedcompress.data import (
+    BUNDLED_TASKS,
+    TASK_SPLITS,
+    TaskFormatError,
+    UnknownSplitError,
+    UnknownTaskError,
+    load_task,
+    task_files,
+    validate_example,
+)
+
+GOOD = {"id": "t-0", "question": "Is it?", "choices": ["Yes", "No"], "label": 1}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    return path
+
+
+@pytest.mark.parametrize("name", BUNDLED_TASKS)
+def test_bundled_tasks_have_every_split(name: str) -> None:
+    files = task_files(name)
+    assert list(files) == list(TASK_SPLITS)
+    for split, path in files.items():
+        assert path.name == f"{split}.jsonl" and path.is_file()
+    example = load_task(name, "test")[0]
+    assert set(example) == {"id", "question", "choices", "label"}
+
+
+def test_bundled_task_content_matches_source_conventions() -> None:
+    strategyqa = load_task("strategyqa", "validation")
+    assert all(ex["choices"] == ["Yes", "No"] for ex in strategyqa)
+    nli = load_task("presuppositions_as_nli", "test")
+    assert all(ex["question"].startswith("This is a natural language inference task.")
+               for ex in nli)
+    assert all(ex["choices"] == ["entailment", "neutral", "contradiction"] for ex in nli)
+
+
+def test_unknown_task_lists_the_available_ones() -> None:
+    with pytest.raises(UnknownTaskError) as info:
+        load_task("boolq", "test")
+    for name in BUNDLED_TASKS:
+        assert repr(name) in str(info.value)
+    assert "'boolq'" in str(info.value)
+
+
+def test_unknown_split() -> None:
+    with pytest.raises(UnknownSplitError, match=r"'social_iqa' has no split 'dev'"):
+        load_task("social_iqa", "dev")
+
+
+def test_local_file_serves_every_split(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "mine.jsonl", [GOOD, {**GOOD, "id": "t-1", "extra": 1}])
+    assert task_files(str(path)) == {split: path for split in TASK_SPLITS}
+    examples = load_task(str(path), "train")
+    assert examples == [GOOD, {**GOOD, "id": "t-1"}]  # extra fields dropped
+    assert load_task(str(path), "test") == examples
+
+
+def test_local_directory_provides_its_splits(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "test.jsonl", [GOOD])
+    assert task_files(str(tmp_path)) == {"test": tmp_path / "test.jsonl"}
+    assert load_task(str(tmp_path), "test") == [GOOD]
+    with pytest.raises(UnknownSplitError, match=r"'train'.*expected one of 'test'"):
+        load_task(str(tmp_path), "train")
+
+
+def test_empty_directory_or_missing_file_is_unknown(tmp_path: Path) -> None:
+    with pytest.raises(UnknownTaskError):
+        task_files(str(tmp_path))
+    with pytest.raises(UnknownTaskError):
+        task_files(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        ({"label": 2}, r"'label' must be an integer index in \[0, 1\], got 2"),
+        ({"label": -1}, "got -1"),
+        ({"label": True}, "got True"),
+        ({"label": "1"}, "got '1'"),
+        ({"choices": ["only"]}, "at least 2 strings"),
+        ({"choices": "Yes/No"}, "at least 2 strings"),
+        ({"choices": ["Yes", 3]}, "choice 1 must be a string"),
+        ({"question": ""}, "'question' must be a non-empty string"),
+        ({"id": 5}, "'id' must be a non-empty string"),
+    ],
+)
+def test_schema_violations(change: dict, pattern: str) -> None:
+    with pytest.raises(TaskFormatError, match=pattern):
+        validate_example({**GOOD, **change}, where="x")
+
+
+def test_missing_field_and_line_numbers(tmp_path: Path) -> None:
+    bad = {k: v for k, v in GOOD.items() if k != "label"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, bad])
+    with pytest.raises(TaskFormatError, match=r"bad.jsonl:2: missing field\(s\) 'label'"):
+        load_task(str(path), "test")
+
+
+def test_duplicate_ids_and_empty_files(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "dup.jsonl", [GOOD, GOOD])
+    with pytest.raises(TaskFormatError, match="duplicate example id 't-0'"):
+        load_task(str(path), "test")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n", "utf-8")
+    with pytest.raises(TaskFormatError, match="holds no examples"):
+        load_task(str(empty), "test")
