@@ -1,0 +1,105 @@
+"""FedPrLLM ClientApp: compute this node's local prune masks on its private calibration windows.
+
+Actions (``message_type``):
+
+* ``train.masks`` (one-shot): every layer's masks in one reply;
+* ``train.layer_mask`` (iterative): one layer per round; this node keeps its activations in its
+  Flower context state and first applies the server's global mask of the previous layer.
+
+The dense model is loaded once per process (cached) and never mutated across calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedcompress.data.calibration import tokenize_corpus
+from fedcompress.data.corpora import load_corpus
+from fedcompress.models import load_model
+from fedcompress.pruning.federated import (
+    FedPrLLMConfig, client_windows, decode_masks, encode_masks, expected_shapes,
+    iterative_client_step, masks_by_layer)
+from fedcompress.pruning.local import local_masks
+
+logger = logging.getLogger(__name__)
+app = ClientApp()
+
+
+@functools.lru_cache(maxsize=2)
+def _model(spec: str, dtype: str):
+    loaded = load_model(spec, device=None, dtype=dtype)
+    return loaded.model, loaded.tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def _windows(config: FedPrLLMConfig, data_path: str | None) -> list[torch.Tensor]:
+    """All clients' windows (a seeded pool split by partition); cheap next to pruning."""
+    _, tokenizer = _model(config.model, config.dtype)
+    tokens = tokenize_corpus(tokenizer, load_corpus(data_path or config.calib_text,
+                                                    config.calib_split))
+    return client_windows(tokens, config.clients, config.samples_per_client, config.seqlen,
+                          config.partition, config.alpha, config.seed)
+
+
+_KWARGS: dict[tuple, list[dict]] = {}
+
+
+def _setup(message: Message, context: Context):
+    config = FedPrLLMConfig.from_dict(dict(message.content["config"]))
+    partition = int(context.node_config.get("partition-id", -1))
+    if not 0 <= partition < config.clients:
+        raise ValueError(f"node partition-id {partition} is outside [0, {config.clients})")
+    model, _ = _model(config.model, config.dtype)
+    windows = _windows(config, context.node_config.get("data-path"))[partition]
+    return config, partition, model, windows
+
+
+def _reply(message: Message, payload: dict, metrics: dict) -> Message:
+    arrays = ArrayRecord({key: Array(value) for key, value in payload.items()})
+    metrics["bytes_up"] = sum(int(v.nbytes) for v in payload.values())
+    return Message(RecordDict({"masks": arrays, "metrics": MetricRecord(metrics)}),
+                   reply_to=message)
+
+
+@app.train("masks")
+def oneshot_masks(message: Message, context: Context) -> Message:
+    """All local masks from one sequential pass over this node's windows."""
+    config, partition, model, windows = _setup(message, context)
+    start = time.perf_counter()
+    result = local_masks(model, windows, config.prune, batch_size=config.batch_size)
+    return _reply(message, encode_masks(result.masks),
+                  {"seconds": time.perf_counter() - start, "windows": len(windows),
+                   "partition": partition})
+
+
+@app.train("layer_mask")
+def iterative_layer_mask(message: Message, context: Context) -> Message:
+    """Masks of one decoder layer, after applying the global mask of the previous one."""
+    config, partition, model, windows = _setup(message, context)
+    layer = int(message.content["round"]["layer"])
+    start = time.perf_counter()
+    prev_hidden = prev_global = None
+    if layer > 0:
+        if "fedprllm" not in context.state:
+            raise RuntimeError(f"round for layer {layer}: this node holds no activations of "
+                               f"layer {layer - 1} (did it miss the previous round?)")
+        prev_hidden = torch.from_numpy(context.state["fedprllm"]["hidden"].numpy())
+        payload = {key: arr.numpy() for key, arr in message.content["global"].items()}
+        decoded = decode_masks(payload, expected_shapes(model, [layer - 1]),
+                               config.prune.target_sparsity, config.mask_tolerance)
+        prev_global = masks_by_layer(decoded)[layer - 1]
+    cache_key = (config.model, config.dtype, config.seqlen)
+    masks, hidden, kwargs = iterative_client_step(
+        model, windows, layer, prev_hidden, prev_global, config.prune,
+        _KWARGS.get(cache_key), config.batch_size)
+    _KWARGS[cache_key] = kwargs
+    context.state["fedprllm"] = ArrayRecord({"hidden": Array(hidden.contiguous().numpy())})
+    return _reply(message, encode_masks([masks], first_layer=layer),
+                  {"seconds": time.perf_counter() - start, "layer": layer,
+                   "partition": partition})

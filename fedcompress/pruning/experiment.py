@@ -1,0 +1,110 @@
+"""Server-side pieces of a FedPrLLM run that need no Flower: data, baselines, evaluation.
+
+The ServerApp (``server/fedprllm.py``) and the benchmark scripts compose these.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fedcompress.data.calibration import tokenize_corpus
+from fedcompress.data.corpora import corpus_text, load_corpus
+from fedcompress.eval.perplexity import perplexity
+from fedcompress.models import LoadedModel, load_model
+from fedcompress.pruning.federated import FedPrLLMConfig, client_windows
+from fedcompress.pruning.local import apply_masks, local_masks, sparsity_report
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Where and how pruned models are evaluated (server only)."""
+
+    eval_text: str = "wiki"
+    eval_split: str = "test"
+    eval_seqlen: int = 256
+    eval_windows: int = 0  # 0: every window of the split
+
+    def to_dict(self) -> dict:
+        return dict(eval_text=self.eval_text, eval_split=self.eval_split,
+                    eval_seqlen=self.eval_seqlen, eval_windows=self.eval_windows)
+
+
+@dataclass
+class Experiment:
+    """The global model, every client's windows and the evaluation text of one run."""
+
+    config: FedPrLLMConfig
+    eval_config: EvalConfig
+    loaded: LoadedModel
+    windows: list[torch.Tensor]
+    eval_text: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.loaded.model
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    def fresh_copy(self) -> nn.Module:
+        """A copy of the dense global model, to be pruned."""
+        return copy.deepcopy(self.model)
+
+    def evaluate(self, name: str, model: nn.Module, **extra) -> dict:
+        """A result record: perplexity on the evaluation text and sparsity of ``model``."""
+        start = time.perf_counter()
+        ppl = perplexity(model, self.tokenizer, self.eval_text, seqlen=self.eval_config.eval_seqlen,
+                         batch_size=self.config.batch_size,
+                         max_windows=self.eval_config.eval_windows or None, progress=False)
+        sparsity = sparsity_report(model)
+        record = {"name": name, "perplexity": ppl.perplexity,
+                  "sparsity": sparsity["overall"], **extra,
+                  "eval_seconds": time.perf_counter() - start,
+                  "sparsity_per_layer": sparsity["per_layer"]}
+        logger.info("%s: perplexity %.3f (sparsity %.3f)", name, ppl.perplexity,
+                    sparsity["overall"])
+        return record
+
+    def centralized(self) -> tuple[nn.Module, float]:
+        """One pruning pass on the union of every client's windows (with SparseGPT's weight
+        update, as the method prunes centrally). Returns the pruned copy and its seconds."""
+        union = torch.cat(self.windows)
+        start = time.perf_counter()
+        result = local_masks(self.model, union, self.config.prune,
+                             batch_size=self.config.batch_size, keep_weights=True)
+        seconds = time.perf_counter() - start
+        return apply_masks(self.fresh_copy(), result.masks, result.weights), seconds
+
+    def local_only(self, client: int = 0) -> tuple[nn.Module, float]:
+        """Client ``client`` prunes alone on its own windows (local-only baseline)."""
+        start = time.perf_counter()
+        result = local_masks(self.model, self.windows[client], self.config.prune,
+                             batch_size=self.config.batch_size, keep_weights=True)
+        seconds = time.perf_counter() - start
+        return apply_masks(self.fresh_copy(), result.masks, result.weights), seconds
+
+
+def prepare_experiment(config: FedPrLLMConfig, eval_config: EvalConfig,
+                       device: str | None = None) -> Experiment:
+    """Load the global model, cut every client's calibration windows, read the eval text."""
+    timings = {}
+    start = time.perf_counter()
+    loaded = load_model(config.model, device=device, dtype=config.dtype)
+    timings["load_model"] = time.perf_counter() - start
+    start = time.perf_counter()
+    tokens = tokenize_corpus(loaded.tokenizer, load_corpus(config.calib_text, config.calib_split))
+    windows = client_windows(tokens, config.clients, config.samples_per_client, config.seqlen,
+                             config.partition, config.alpha, config.seed)
+    eval_text = corpus_text(load_corpus(eval_config.eval_text, eval_config.eval_split))
+    timings["data"] = time.perf_counter() - start
+    return Experiment(config, eval_config, loaded, windows, eval_text, timings)

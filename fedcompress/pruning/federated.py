@@ -1,0 +1,355 @@
+"""FedPrLLM (federated pruning by mask voting) as plain functions, no Flower.
+
+The Flower layers (``clients/fedprllm.py``, ``strategies/fedprllm.py``, ``server/fedprllm.py``)
+call these; so do the in-process baselines and the benchmarks, so every path shares one
+implementation:
+
+* :func:`client_windows`: the calibration windows of every client (a seeded pool of
+  ``clients x samples_per_client`` windows, split iid or by Dirichlet(alpha));
+* :func:`encode_masks` / :func:`decode_masks`: one client's masks to and from the wire
+  (bit-packed), with validation of names, shapes, dtype and sparsity;
+* :class:`MaskAggregator`: streaming vote counts per linear layer, then the global masks by
+  top-k within the server's comparison group, with the documented tie-break, and optional
+  weight scaling.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcompress.masks.aggregate import TIE_BREAKS, VoteCounter, global_mask, scale_weights
+from fedcompress.masks.codec import MaskDecodeError, decode_mask, encode_mask, packed_nbytes
+from fedcompress.models import ModelAdapter, weight_matrix
+from fedcompress.pruning.select import check_group
+
+logger = logging.getLogger(__name__)
+
+MODES = ("oneshot", "iterative")
+PARTITIONS = ("iid", "dirichlet")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server turns vote counts into the global mask."""
+
+    group: str = "layer"
+    scale: bool = False
+    tie_break: str = "magnitude"
+    seed: int = 0
+
+    def __post_init__(self):
+        check_group(self.group)
+        if self.tie_break not in TIE_BREAKS:
+            raise ValueError(f"unknown tie-break {self.tie_break!r}: expected one of "
+                             f"{', '.join(TIE_BREAKS)}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.group}{'+scale' if self.scale else ''}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def mask_key(layer: int, name: str) -> str:
+    """Wire name of the mask of linear layer ``name`` in decoder layer ``layer``."""
+    return f"layers.{layer}.{name}"
+
+
+def expected_shapes(model: nn.Module, layers: Iterable[int] | None = None) -> dict[str, tuple]:
+    """Wire key -> ``[out, in]`` shape of every prunable linear layer (of ``layers``)."""
+    adapter = ModelAdapter(model)
+    indices = range(len(adapter)) if layers is None else layers
+    return {mask_key(i, name): tuple(weight_matrix(m).shape)
+            for i in indices for name, m in ModelAdapter.linear_layers(adapter.layers[i]).items()}
+
+
+# ------------------------------------------------------------------------------------------
+# Client data
+# ------------------------------------------------------------------------------------------
+
+def check_federation(clients: int, samples_per_client: int, seqlen: int) -> None:
+    """Clear errors before any work for impossible federations."""
+    if not isinstance(clients, int) or clients <= 0:
+        raise ValueError(f"number of clients {clients!r} must be a positive integer")
+    if not isinstance(samples_per_client, int) or samples_per_client <= 0:
+        raise ValueError(f"samples per client {samples_per_client!r} must be a positive integer")
+    if not isinstance(seqlen, int) or seqlen < 2:
+        raise ValueError(f"seqlen {seqlen!r} must be an integer >= 2")
+
+
+def client_windows(tokens: torch.Tensor, clients: int, samples_per_client: int, seqlen: int,
+                   partition: str = "iid", alpha: float = 1.0, seed: int = 0,
+                   total_windows: int | None = None) -> list[torch.Tensor]:
+    """Every client's calibration windows.
+
+    A pool of ``total_windows`` (default ``clients * samples_per_client``) windows of ``seqlen``
+    tokens is drawn at seeded random offsets of ``tokens`` (Wanda's sampling), then split among
+    the clients: ``iid`` gives each client ``samples_per_client`` windows; ``dirichlet`` draws
+    client sizes from Dirichlet(alpha) (at least one window each). The centralized baseline uses
+    the union of the pool.
+    """
+    from fedcompress.data.calibration import sample_windows
+    from fedcompress.data.partition import dirichlet_partition, iid_partition
+
+    check_federation(clients, samples_per_client, seqlen)
+    total = total_windows or clients * samples_per_client
+    if clients > total:
+        raise ValueError(f"more clients ({clients}) than calibration windows ({total})")
+    pool = sample_windows(tokens, total, seqlen, np.random.default_rng(seed))
+    if partition == "iid":
+        parts = iid_partition(total, clients, seed)
+    elif partition == "dirichlet":
+        parts = dirichlet_partition(total, clients, alpha, seed)
+    else:
+        raise ValueError(f"unknown partition {partition!r}: expected one of {', '.join(PARTITIONS)}")
+    return [pool[torch.as_tensor(np.sort(p), dtype=torch.long)] for p in parts]
+
+
+# ------------------------------------------------------------------------------------------
+# Wire format
+# ------------------------------------------------------------------------------------------
+
+class InvalidMaskError(ValueError):
+    """A client's masks are unusable (missing/extra layer, shape, dtype, sparsity)."""
+
+
+def encode_masks(masks: list[dict[str, torch.Tensor]], first_layer: int = 0
+                 ) -> dict[str, np.ndarray]:
+    """Per-layer masks (from the walker) to ``{wire key: bit-packed uint8 array}``."""
+    return {mask_key(first_layer + i, name): encode_mask(mask)
+            for i, layer in enumerate(masks) for name, mask in layer.items()}
+
+
+def decode_masks(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
+                 target_sparsity: float, tolerance: float = 0.05) -> dict[str, torch.Tensor]:
+    """Decode and validate one client's payload against the expected keys and shapes.
+
+    Every mask must be present, bit-packed for its shape, and have a sparsity within
+    ``tolerance`` of ``target_sparsity``; otherwise :class:`InvalidMaskError` says why.
+    """
+    missing = sorted(set(shapes) - set(payload))
+    extra = sorted(set(payload) - set(shapes))
+    if missing or extra:
+        raise InvalidMaskError(f"mask names do not match the model: missing {missing[:3]}"
+                               f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
+                               f"{'...' if len(extra) > 3 else ''}")
+    masks = {}
+    for key, shape in shapes.items():
+        try:
+            mask = decode_mask(payload[key], shape, key)
+        except MaskDecodeError as err:
+            raise InvalidMaskError(str(err)) from err
+        sparsity = mask.float().mean().item()
+        if abs(sparsity - target_sparsity) > tolerance:
+            raise InvalidMaskError(f"{key}: sparsity {sparsity:.3f}, requested "
+                                   f"{target_sparsity:.3f} (tolerance {tolerance})")
+        masks[key] = mask
+    return masks
+
+
+def payload_nbytes(shapes: dict[str, tuple]) -> int:
+    return sum(packed_nbytes(shape) for shape in shapes.values())
+
+
+# ------------------------------------------------------------------------------------------
+# Aggregation
+# ------------------------------------------------------------------------------------------
+
+@dataclass
+class MaskAggregator:
+    """Streaming FedPrLLM aggregation for a set of linear layers of the global model.
+
+    ``add`` one client's decoded masks at a time (memory: one integer count tensor per linear
+    layer); ``global_masks`` then picks the highest counts within ``server.group``.
+    """
+
+    model: nn.Module
+    max_clients: int
+    layers: list[int] | None = None
+    counters: dict[str, VoteCounter] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.shapes = expected_shapes(self.model, self.layers)
+        self.counters = {k: VoteCounter(s, self.max_clients) for k, s in self.shapes.items()}
+        self.clients = 0
+
+    def add(self, masks: dict[str, torch.Tensor]) -> None:
+        if set(masks) != set(self.shapes):
+            raise InvalidMaskError("mask names do not match the aggregated layers")
+        for key, mask in masks.items():
+            self.counters[key].add(mask)
+        self.clients += 1
+
+    def counts(self) -> dict[str, torch.Tensor]:
+        return {k: c.counts for k, c in self.counters.items()}
+
+    def _weight(self, key: str) -> torch.Tensor:
+        _, layer, name = key.split(".", 2)
+        linear = ModelAdapter.linear_layers(ModelAdapter(self.model).layers[int(layer)])[name]
+        return weight_matrix(linear)
+
+    def global_masks(self, server: ServerConfig, sparsity: float,
+                     nm: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+        if self.clients == 0:
+            raise ValueError("no client masks were aggregated")
+        return {key: global_mask(counter.counts, sparsity, server.group, server.tie_break,
+                                 self._weight(key).detach().cpu(), server.seed, nm)
+                for key, counter in self.counters.items()}
+
+    @torch.no_grad()
+    def prune(self, model: nn.Module, server: ServerConfig, sparsity: float,
+              nm: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+        """Prune ``model`` (a copy of the global model) in place; return the global masks."""
+        masks = self.global_masks(server, sparsity, nm)
+        adapter = ModelAdapter(model)
+        for key, mask in masks.items():
+            _, layer, name = key.split(".", 2)
+            w = weight_matrix(ModelAdapter.linear_layers(adapter.layers[int(layer)])[name])
+            if server.scale:
+                w.copy_(scale_weights(w, self.counters[key].counts.to(w.device), self.clients))
+            w.masked_fill_(mask.to(w.device), 0)
+        return masks
+
+
+def masks_by_layer(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """``{wire key: mask}`` to ``{layer index: {linear name: mask}}``."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, mask in flat.items():
+        _, layer, name = key.split(".", 2)
+        out.setdefault(int(layer), {})[name] = mask
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Run configuration
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FedPrLLMConfig:
+    """One FedPrLLM run. Defaults: the paper's best recipe on the embedded model (Wanda with its
+    own row-wise local comparison, 50%, server layer comparison, one-shot, no scaling), 16 iid
+    clients with 4 windows of 256 tokens each."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    method: str = "wanda"
+    sparsity: float = 0.5
+    nm: str = "none"
+    local_group: str = "row"
+    group: str = "layer"
+    scale: bool = False
+    tie_break: str = "magnitude"
+    mode: str = "oneshot"
+    clients: int = 16
+    samples_per_client: int = 4
+    seqlen: int = 256
+    partition: str = "iid"
+    alpha: float = 1.0
+    seed: int = 0
+    calib_text: str = "wiki"
+    calib_split: str = "train"
+    batch_size: int = 4
+    min_clients: int = 0  # 0: every client must reply with a valid mask
+    mask_tolerance: float = 0.05
+
+    def __post_init__(self):
+        self.prune  # validates method, sparsity, local group, N:M
+        self.server  # validates group and tie-break
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: expected one of {', '.join(MODES)}")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"unknown partition {self.partition!r}: expected one of "
+                             f"{', '.join(PARTITIONS)}")
+        check_federation(self.clients, self.samples_per_client, self.seqlen)
+        if self.partition == "dirichlet" and not self.alpha > 0:
+            raise ValueError(f"Dirichlet alpha {self.alpha!r} must be > 0")
+        if not 0 <= self.min_clients <= self.clients:
+            raise ValueError(f"min_clients {self.min_clients} must be in [0, {self.clients}]")
+
+    @property
+    def prune(self):
+        from fedcompress.pruning.local import PruneConfig
+
+        return PruneConfig(self.method, self.sparsity, self.local_group, self.nm)
+
+    @property
+    def server(self) -> ServerConfig:
+        return ServerConfig(self.group, self.scale, self.tie_break, self.seed)
+
+    @property
+    def required_clients(self) -> int:
+        return self.min_clients or self.clients
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "FedPrLLMConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown FedPrLLM setting(s) {unknown}: expected some of "
+                             f"{sorted(known)}")
+        typed = {}
+        for key, value in values.items():
+            kind = type(getattr(cls, key)) if hasattr(cls, key) else str
+            typed[key] = kind(value) if kind is not bool else _as_bool(key, value)
+        return cls(**typed)
+
+
+def _as_bool(key: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{key}={value!r}: expected true or false")
+
+
+# ------------------------------------------------------------------------------------------
+# Iterative mode: one decoder layer per round
+# ------------------------------------------------------------------------------------------
+
+def iterative_client_step(model: nn.Module, windows: torch.Tensor, layer: int,
+                          prev_hidden: torch.Tensor | None,
+                          prev_global: dict[str, torch.Tensor] | None, prune,
+                          layer_kwargs: list[dict] | None = None, batch_size: int = 8
+                          ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[dict]]:
+    """One client's round of iterative FedPrLLM.
+
+    ``prev_hidden`` are the inputs of decoder layer ``layer - 1`` that this client kept from the
+    previous round; they are forwarded through that layer pruned with the server's global mask
+    ``prev_global``, giving the inputs of ``layer``, from which the local masks of ``layer`` are
+    computed. Returns ``(masks of layer, inputs of layer to keep, layer_kwargs)``.
+    """
+    from fedcompress.pruning.local import layer_prune_fn
+    from fedcompress.pruning.walker import (
+        LayerInputs, capture_layer_inputs, collect_stats, forward_layer, masked_layer_copy)
+
+    adapter = ModelAdapter(model)
+    if not 0 <= layer < len(adapter):
+        raise ValueError(f"layer {layer} out of range: the model has {len(adapter)} layers")
+    if layer == 0 or layer_kwargs is None:
+        captured = capture_layer_inputs(model, windows if layer == 0 else windows[:1], batch_size)
+        layer_kwargs = captured.layer_kwargs
+    if layer == 0:
+        inputs = captured
+    else:
+        if prev_hidden is None or prev_global is None:
+            raise ValueError(f"round for layer {layer} needs the inputs of layer {layer - 1} and "
+                             "its global mask")
+        previous = masked_layer_copy(adapter.layers[layer - 1], prev_global)
+        inputs = forward_layer(previous, LayerInputs(prev_hidden, layer_kwargs, layer - 1),
+                               batch_size)
+    stats = collect_stats(adapter.layers[layer], inputs, hessian=prune.needs_hessian,
+                          batch_size=batch_size)
+    masks, _ = layer_prune_fn(prune)(layer, adapter.layers[layer], stats)
+    return masks, inputs.hidden, layer_kwargs

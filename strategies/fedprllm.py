@@ -1,0 +1,180 @@
+"""FedPrLLM server strategies: collect client prune masks, validate them, vote.
+
+:class:`FedPrLLM` (one-shot: one round, every layer) and :class:`IterativeFedPrLLM` (one round
+per decoder layer; the global mask of each layer is broadcast with the next round's request)
+are Flower :class:`~flwr.serverapp.strategy.Strategy` subclasses; the math lives in
+:mod:`fedcompress.pruning.federated` and :mod:`fedcompress.masks.aggregate`.
+
+A reply that is an error, or whose masks fail validation (names, shapes, dtype, sparsity), is
+logged with its reason and left out of the vote; the round fails with
+:class:`NotEnoughClientsError` when fewer than ``config.required_clients`` valid masks remain.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedcompress.pruning.federated import (
+    FedPrLLMConfig, InvalidMaskError, MaskAggregator, decode_masks, encode_masks,
+    expected_shapes, masks_by_layer)
+from fedcompress.models import ModelAdapter
+
+logger = logging.getLogger(__name__)
+
+
+class NotEnoughClientsError(RuntimeError):
+    """Fewer valid client masks than the run requires."""
+
+
+class FedPrLLM(Strategy):
+    """One-shot FedPrLLM: one round in which every client sends every layer's masks."""
+
+    action = "train.masks"
+
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module):
+        self.config = config
+        self.model = model
+        self.rejected: list[dict] = []
+        self.client_metrics: list[dict] = []
+        self.bytes_down = 0
+        self.aggregator = self._new_aggregator()
+        self.shapes = self.aggregator.shapes
+
+    def _new_aggregator(self, layers: list[int] | None = None) -> MaskAggregator:
+        return MaskAggregator(self.model, self.config.clients, layers)
+
+    # -- Strategy API --------------------------------------------------------------------------
+    def _nodes(self, grid: Grid) -> list[int]:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) < self.config.required_clients:
+            raise NotEnoughClientsError(f"{len(nodes)} nodes connected, the run needs "
+                                        f"{self.config.required_clients}")
+        return nodes[: self.config.clients]
+
+    def _content(self, server_round: int) -> RecordDict:
+        return RecordDict({"config": ConfigRecord(self.config.to_dict())})
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        content = self._content(server_round)
+        messages = [Message(content, node, self.action, group_id=str(server_round))
+                    for node in self._nodes(grid)]
+        self.bytes_down += len(messages) * sum(r.count_bytes() for r in content.values())
+        return messages
+
+    def _collect(self, server_round: int, replies: Iterable[Message],
+                 aggregator: MaskAggregator, target: float) -> None:
+        valid = 0
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                self._reject(server_round, node, f"client error: {reply.error.reason}")
+                continue
+            try:
+                payload = {k: a.numpy() for k, a in reply.content["masks"].items()}
+                masks = decode_masks(payload, aggregator.shapes, target,
+                                     self.config.mask_tolerance)
+            except (InvalidMaskError, KeyError, TypeError, ValueError) as err:
+                self._reject(server_round, node, f"invalid masks: {err}")
+                continue
+            aggregator.add(masks)
+            metrics = dict(reply.content["metrics"]) if "metrics" in reply.content else {}
+            self.client_metrics.append({"round": server_round, "node": node, **metrics})
+            valid += 1
+        if valid < self.config.required_clients:
+            raise NotEnoughClientsError(
+                f"round {server_round}: {valid} valid client mask set(s), the run needs "
+                f"{self.config.required_clients} (rejected: "
+                f"{[r['reason'] for r in self.rejected if r['round'] == server_round]})")
+
+    def _reject(self, server_round: int, node: int, reason: str) -> None:
+        logger.warning("round %d: client node %s left out of the vote: %s", server_round, node,
+                       reason)
+        self.rejected.append({"round": server_round, "node": node, "reason": reason})
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self._collect(server_round, replies, self.aggregator,
+                      self.config.prune.target_sparsity)
+        return None, MetricRecord({"valid_clients": self.aggregator.clients,
+                                   "rejected": len(self.rejected)})
+
+    def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
+        return []  # evaluation of the pruned model runs on the server
+
+    def aggregate_evaluate(self, server_round, replies) -> MetricRecord | None:
+        return None
+
+    def summary(self) -> None:
+        logger.info("%s: %s", type(self).__name__, self.config)
+
+    @property
+    def num_rounds(self) -> int:
+        return 1
+
+    # -- Result --------------------------------------------------------------------------------
+    def prune(self, model: torch.nn.Module, server=None) -> dict[str, torch.Tensor]:
+        """Prune a copy of the global model with the vote (``server`` overrides the config's
+        server variant: one-shot masks serve every variant)."""
+        return self.aggregator.prune(model, server or self.config.server,
+                                     self.config.prune.target_sparsity, self.config.prune.nm_pattern)
+
+
+class IterativeFedPrLLM(FedPrLLM):
+    """Iterative FedPrLLM: round ``r`` aggregates decoder layer ``r - 1``; its global mask goes
+    to the clients with the next round's request."""
+
+    action = "train.layer_mask"
+
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module):
+        super().__init__(config, model)
+        self.layer_aggregators: dict[int, MaskAggregator] = {}
+        self.global_masks: dict[int, dict[str, torch.Tensor]] = {}
+
+    def _new_aggregator(self, layers: list[int] | None = None) -> MaskAggregator:
+        return MaskAggregator(self.model, self.config.clients, layers if layers else [0])
+
+    @property
+    def num_rounds(self) -> int:
+        return len(ModelAdapter(self.model))
+
+    def _content(self, server_round: int) -> RecordDict:
+        layer = server_round - 1
+        content = super()._content(server_round)
+        content["round"] = ConfigRecord({"layer": layer})
+        if layer > 0:
+            packed = encode_masks([self.global_masks[layer - 1]], first_layer=layer - 1)
+            content["global"] = ArrayRecord({k: Array(v) for k, v in packed.items()})
+        return content
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        layer = server_round - 1
+        aggregator = self._new_aggregator([layer])
+        self._collect(server_round, replies, aggregator, self.config.prune.target_sparsity)
+        self.layer_aggregators[layer] = aggregator
+        flat = aggregator.global_masks(self.config.server, self.config.prune.target_sparsity,
+                                       self.config.prune.nm_pattern)
+        self.global_masks[layer] = masks_by_layer(flat)[layer]
+        return None, MetricRecord({"layer": layer, "valid_clients": aggregator.clients})
+
+    def prune(self, model: torch.nn.Module, server=None) -> dict[str, torch.Tensor]:
+        if server is not None and server != self.config.server:
+            raise ValueError("iterative masks depend on the server variant used in the rounds; "
+                             f"this run used {self.config.server}")
+        masks = {}
+        for aggregator in self.layer_aggregators.values():
+            masks.update(aggregator.prune(model, self.config.server,
+                                          self.config.prune.target_sparsity,
+                                          self.config.prune.nm_pattern))
+        return masks
+
+
+def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module) -> FedPrLLM:
+    return (IterativeFedPrLLM if config.mode == "iterative" else FedPrLLM)(config, model)
