@@ -37,12 +37,17 @@ def _model(spec: str, dtype: str):
     return loaded.model, loaded.tokenizer
 
 
+@functools.lru_cache(maxsize=2)
+def _tokens(spec: str, dtype: str, corpus: str, split: str) -> torch.Tensor:
+    _, tokenizer = _model(spec, dtype)
+    return tokenize_corpus(tokenizer, load_corpus(corpus, split))
+
+
 @functools.lru_cache(maxsize=4)
 def _windows(config: FedPrLLMConfig, data_path: str | None) -> list[torch.Tensor]:
     """All clients' windows (a seeded pool split by partition); cheap next to pruning."""
-    _, tokenizer = _model(config.model, config.dtype)
-    tokens = tokenize_corpus(tokenizer, load_corpus(data_path or config.calib_text,
-                                                    config.calib_split))
+    tokens = _tokens(config.model, config.dtype, data_path or config.calib_text,
+                     config.calib_split)
     return client_windows(tokens, config.clients, config.samples_per_client, config.seqlen,
                           config.partition, config.alpha, config.seed)
 

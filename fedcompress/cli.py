@@ -9,7 +9,9 @@ and ``--out DIR``; options given on the command line override the file. Each run
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import logging
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -222,6 +224,125 @@ def run_eval(settings: dict[str, Any], progress: bool = True):
     report.finish("ok")
     report.print_table()
     return report
+
+
+PRUNE_DEFAULTS: dict[str, Any] = {
+    # FedPrLLM (sent to the clients)
+    "model": models.DEFAULT_MODEL, "dtype": "float32", "method": "wanda", "sparsity": 0.5,
+    "nm": "none", "local_group": "row", "group": "layer", "scale": False,
+    "tie_break": "magnitude", "mode": "oneshot", "clients": 16, "samples_per_client": 4,
+    "seqlen": 256, "partition": "iid", "alpha": 1.0, "seed": 0, "calib_text": "wiki",
+    "calib_split": "train", "batch_size": 4, "min_clients": 0, "mask_tolerance": 0.05,
+    # evaluation and server
+    "eval_text": "wiki", "eval_split": "test", "eval_seqlen": 256, "eval_windows": 0,
+    "out": None, "device": "", "baselines": "dense,centralized,local-only",
+    "variants": "configured", "save_model": True, "timeout": 3600.0,
+    "cpus_per_client": 1.0,
+}
+
+
+def _opt(name: str, help_text: str, **kwargs):
+    default = PRUNE_DEFAULTS.get(name.lstrip("-").replace("-", "_"))
+    return typer.Option(name, help=f"{help_text} [default: {default}]", show_default=False,
+                        **kwargs)
+
+
+@app.command("prune")
+def prune_command(
+    model: Annotated[Optional[str], _opt("--model", "Model spec (as in `eval`).")] = None,
+    method: Annotated[Optional[str], _opt("--method", "Local pruning: magnitude, wanda, "
+                                                      "sparsegpt.")] = None,
+    sparsity: Annotated[Optional[float], _opt("--sparsity", "Fraction of weights pruned in "
+                                                            "each linear layer, in [0, 1).")] = None,
+    nm: Annotated[Optional[str], _opt("--nm", "N:M semi-structured pattern, e.g. 2:4 "
+                                              "(overrides --sparsity), or none.")] = None,
+    local_group: Annotated[Optional[str], _opt("--local-group", "Clients' comparison group: "
+                                                                "layer, row, column.")] = None,
+    group: Annotated[Optional[str], _opt("--group", "Server's comparison group for the vote: "
+                                                    "layer, row, column.")] = None,
+    scale: Annotated[Optional[bool], _opt("--scale/--no-scale", "Scale kept weights by "
+                                                                "(m - votes)/m.")] = None,
+    mode: Annotated[Optional[str], _opt("--mode", "oneshot (one round) or iterative (one "
+                                                  "round per layer).")] = None,
+    tie_break: Annotated[Optional[str], _opt("--tie-break", "Among equal vote counts prune "
+                                             "first: magnitude (smaller |W|), random (seeded), "
+                                             "index.")] = None,
+    clients: Annotated[Optional[int], _opt("--clients", "Number of clients.")] = None,
+    samples_per_client: Annotated[Optional[int], _opt("--samples-per-client",
+                                                      "Calibration windows per client.")] = None,
+    seqlen: Annotated[Optional[int], _opt("--seqlen", "Tokens per calibration window.")] = None,
+    partition: Annotated[Optional[str], _opt("--partition", "iid or dirichlet.")] = None,
+    alpha: Annotated[Optional[float], _opt("--alpha", "Dirichlet concentration.")] = None,
+    min_clients: Annotated[Optional[int], _opt("--min-clients", "Fewest valid clients to go "
+                                                                "on with (0: all).")] = None,
+    calib_text: Annotated[Optional[str], _opt("--calib-text", "Calibration corpus: bundled "
+                                              "name, hub name or .txt/.jsonl file.")] = None,
+    eval_text: Annotated[Optional[str], _opt("--eval-text", "Evaluation corpus (as "
+                                                            "--calib-text).")] = None,
+    eval_windows: Annotated[Optional[int], _opt("--eval-windows", "Evaluate on the first N "
+                                                "windows (0: the whole split).")] = None,
+    eval_seqlen: Annotated[Optional[int], _opt("--eval-seqlen", "Evaluation window.")] = None,
+    baselines: Annotated[Optional[str], _opt("--baselines", "Comma-separated: dense, "
+                                             "centralized, local-only (or none).")] = None,
+    variants: Annotated[Optional[str], _opt("--variants", "Server variants evaluated from "
+                                            "the same one-shot masks: configured or all "
+                                            "(3 groups x scaling).")] = None,
+    save_model: Annotated[Optional[bool], _opt("--save-model/--no-save-model",
+                                               "save_pretrained the pruned model in OUT/model."
+                                               )] = None,
+    batch_size: Annotated[Optional[int], _opt("--batch-size", "Windows per forward.")] = None,
+    cpus_per_client: Annotated[Optional[float], _opt("--cpus-per-client", "Ray CPUs per "
+                                                     "virtual client (sets parallelism).")] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    seed: SeedOpt = None,
+    out: OutOpt = None,
+    config: ConfigOpt = None,
+    log_level: LogOpt = "INFO",
+) -> None:
+    """Federated pruning (FedPrLLM) on Flower's Simulation Engine, with baselines and a report."""
+    _setup_logging(log_level)
+    cli = {k: v for k, v in locals().items() if k in PRUNE_DEFAULTS}
+    cli["out"] = None if out is None else str(out)
+    cli["baselines"] = "" if baselines == "none" else baselines
+    settings = resolve_settings("prune", config, cli, PRUNE_DEFAULTS)
+    run_prune(settings)
+
+
+def run_prune(settings: dict[str, Any]):
+    """The body of ``fedcompress prune``: validate everything, then simulate."""
+    # The CLI is the composition root: it may start the Flower apps; no library module does.
+    from server.fedprllm import split_settings
+    from server.simulation import simulate_fedprllm
+
+    settings = dict(settings)
+    settings["out"] = settings["out"] or str(default_out("prune"))
+    cpus = float(settings.pop("cpus_per_client"))
+    split_settings(settings)  # raises on any bad value before Ray starts
+    simulate_fedprllm(settings, num_cpus_per_client=cpus)
+    report = json.loads((Path(settings["out"]) / "report.json").read_text())
+    _print_prune_summary(report)
+    return report
+
+
+def _print_prune_summary(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    table = Table(title="fedcompress prune")
+    for col in ("name", "perplexity", "sparsity", "prune s", "eval s"):
+        table.add_column(col, justify="left" if col == "name" else "right")
+    for r in report["results"]:
+        prune_s = r.get("prune_seconds", r.get("federated_seconds"))
+        table.add_row(r["name"], f"{r['perplexity']:.3f}", f"{r['sparsity']:.3f}",
+                      "-" if prune_s is None else f"{prune_s:.1f}", f"{r['eval_seconds']:.1f}")
+    console.print(table)
+    timings = ", ".join(f"{k} {v:.1f}s" for k, v in report["timings"].items())
+    console.print(f"phases: {timings}")
+    if report.get("rejected"):
+        console.print(f"[yellow]rejected clients: {report['rejected']}")
+    console.print(f"report: {report['config']['out']}/report.json | report.md")
 
 
 @app.command("models")

@@ -13,6 +13,7 @@ logged with its reason and left out of the vote; the round fails with
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterable
 
 import torch
@@ -37,8 +38,9 @@ class FedPrLLM(Strategy):
 
     action = "train.masks"
 
-    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module):
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0):
         self.config = config
+        self.node_wait = node_wait
         self.model = model
         self.rejected: list[dict] = []
         self.client_metrics: list[dict] = []
@@ -51,7 +53,13 @@ class FedPrLLM(Strategy):
 
     # -- Strategy API --------------------------------------------------------------------------
     def _nodes(self, grid: Grid) -> list[int]:
-        nodes = sorted(grid.get_node_ids())
+        """The first ``clients`` connected nodes (sorted ids: the same nodes every round),
+        waiting up to ``node_wait`` seconds for them to connect."""
+        deadline = time.monotonic() + self.node_wait
+        while len(nodes := sorted(grid.get_node_ids())) < self.config.clients:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         if len(nodes) < self.config.required_clients:
             raise NotEnoughClientsError(f"{len(nodes)} nodes connected, the run needs "
                                         f"{self.config.required_clients}")
@@ -132,8 +140,8 @@ class IterativeFedPrLLM(FedPrLLM):
 
     action = "train.layer_mask"
 
-    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module):
-        super().__init__(config, model)
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0):
+        super().__init__(config, model, node_wait)
         self.layer_aggregators: dict[int, MaskAggregator] = {}
         self.global_masks: dict[int, dict[str, torch.Tensor]] = {}
 

@@ -1,0 +1,249 @@
+"""FedPrLLM end to end on tiny models: the real ClientApp and strategy (messages handled in
+process, without Ray), the iterative mode, bad clients, and one real Flower simulation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedcompress.models import load_model
+from fedcompress.pruning.federated import (
+    FedPrLLMConfig, InvalidMaskError, MaskAggregator, client_windows, decode_masks,
+    encode_masks, expected_shapes, iterative_client_step, mask_key)
+from fedcompress.pruning.local import PruneConfig, local_masks
+from strategies.fedprllm import FedPrLLM, IterativeFedPrLLM, NotEnoughClientsError
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from conftest import build_tiny_model, build_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama-fed")
+    build_tiny_model("llama", n_layers=3).save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(tiny_dir, device="cpu")
+
+
+def config_for(tiny_dir, **kw) -> FedPrLLMConfig:
+    base = dict(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16, batch_size=2)
+    base.update(kw)
+    return FedPrLLMConfig(**base)
+
+
+def windows_for(tiny, config):
+    from clients.fedprllm import _tokens
+
+    tokens = _tokens(config.model, config.dtype, config.calib_text, config.calib_split)
+    return client_windows(tokens, config.clients, config.samples_per_client, config.seqlen,
+                          config.partition, config.alpha, config.seed)
+
+
+class Federation:
+    """Real ClientApp messages handled in-process: a node per partition, its own state."""
+
+    def __init__(self, n: int):
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        self.contexts = {100 + i: Context(run_id=1, node_id=100 + i,
+                                          node_config={"partition-id": i, "num-partitions": n},
+                                          state=RecordDict(), run_config={}, series_id=0)
+                         for i in range(n)}
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        from clients.fedprllm import app
+
+        return [app(msg, self.contexts[msg.metadata.dst_node_id]) for msg in messages]
+
+
+def run_rounds(strategy, grid):
+    for rnd in range(1, strategy.num_rounds + 1):
+        replies = grid.send_and_receive(strategy.configure_train(rnd, ArrayRecord(),
+                                                                 ConfigRecord(), grid))
+        strategy.aggregate_train(rnd, replies)
+
+
+# -- configuration errors, before any work --------------------------------------------------
+@pytest.mark.parametrize("kw, message", [
+    (dict(sparsity=1.0), r"outside \[0, 1\)"), (dict(sparsity=-0.1), "outside"),
+    (dict(clients=0), "positive integer"), (dict(nm="4:4"), "N:M"),
+    (dict(group="block"), "comparison group"), (dict(mode="async"), "mode"),
+    (dict(tie_break="coin"), "tie-break"), (dict(partition="dirichlet", alpha=0.0), "alpha"),
+    (dict(method="obs"), "pruning method"), (dict(min_clients=20), "min_clients"),
+])
+def test_bad_config(kw, message):
+    with pytest.raises(ValueError, match=message):
+        FedPrLLMConfig(**kw)
+
+
+def test_more_clients_than_windows():
+    with pytest.raises(ValueError, match="more clients"):
+        client_windows(torch.arange(1000), 8, 1, 16, total_windows=4)
+
+
+def test_unknown_setting():
+    with pytest.raises(ValueError, match="unknown FedPrLLM setting"):
+        FedPrLLMConfig.from_dict({"sparsty": 0.5})
+
+
+# -- the wire format and validation ----------------------------------------------------------
+def test_masks_round_trip_and_validation(tiny):
+    shapes = expected_shapes(tiny.model)
+    windows = torch.randint(5, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    result = local_masks(tiny.model, windows, PruneConfig("wanda", 0.5, "row"))
+    payload = encode_masks(result.masks)
+    decoded = decode_masks(payload, shapes, 0.5)
+    assert all(torch.equal(decoded[mask_key(i, n)], m)
+               for i, layer in enumerate(result.masks) for n, m in layer.items())
+    key = mask_key(0, "self_attn.q_proj")
+    bad = dict(payload)
+    bad[key] = payload[key][:-1]
+    with pytest.raises(InvalidMaskError, match="bytes"):
+        decode_masks(bad, shapes, 0.5)
+    bad[key] = payload[key].astype(np.int32)
+    with pytest.raises(InvalidMaskError, match="uint8"):
+        decode_masks(bad, shapes, 0.5)
+    bad = {k: v for k, v in payload.items() if k != key}
+    with pytest.raises(InvalidMaskError, match="missing"):
+        decode_masks(bad, shapes, 0.5)
+    bad = dict(payload, **{"layers.0.evil": payload[key]})
+    with pytest.raises(InvalidMaskError, match="unexpected"):
+        decode_masks(bad, shapes, 0.5)
+    with pytest.raises(InvalidMaskError, match="sparsity"):
+        decode_masks(payload, shapes, 0.7)
+
+
+# -- ClientApp + strategy, in process ----------------------------------------------------------
+def test_oneshot_federation_equals_in_process_vote(tiny_dir, tiny):
+    config = config_for(tiny_dir)
+    strategy = FedPrLLM(config, tiny.model)
+    run_rounds(strategy, Federation(config.clients))
+    assert strategy.aggregator.clients == 4 and not strategy.rejected
+
+    # The same vote computed directly from each client's local masks.
+    reference = MaskAggregator(tiny.model, 4)
+    for windows in windows_for(tiny, config):
+        result = local_masks(tiny.model, windows, config.prune)
+        reference.add(decode_masks(encode_masks(result.masks), reference.shapes, 0.5))
+    for key, counts in reference.counts().items():
+        assert torch.equal(counts, strategy.aggregator.counts()[key])
+    pruned = strategy.prune(load_model(tiny_dir, device="cpu").model)
+    assert all(abs(m.float().mean().item() - 0.5) < 1e-3 for m in pruned.values())
+
+
+def test_one_client_equals_local_only(tiny_dir, tiny):
+    config = config_for(tiny_dir, clients=1, samples_per_client=4)
+    strategy = FedPrLLM(config, tiny.model)
+    run_rounds(strategy, Federation(1))
+    fed = strategy.aggregator.global_masks(config.server, 0.5)
+    local = local_masks(tiny.model, windows_for(tiny, config)[0], config.prune)
+    for i, layer in enumerate(local.masks):
+        for name, mask in layer.items():
+            assert torch.equal(fed[mask_key(i, name)], mask), (i, name)
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_iterative_layer0_equals_oneshot_and_runs_all_layers(tiny_dir, tiny, method):
+    config = config_for(tiny_dir, method=method, mode="iterative")
+    windows = windows_for(tiny, config)[0]
+    oneshot = local_masks(tiny.model, windows, config.prune)
+    masks0, hidden, kwargs = iterative_client_step(tiny.model, windows, 0, None, None,
+                                                   config.prune)
+    for name, mask in masks0.items():
+        assert torch.equal(mask, oneshot.masks[0][name])
+    if method == "wanda":  # no weight update: own masks as "global" reproduce the one-shot pass
+        masks1, _, _ = iterative_client_step(tiny.model, windows, 1, hidden, masks0,
+                                             config.prune, kwargs)
+        for name, mask in masks1.items():
+            assert torch.equal(mask, oneshot.masks[1][name])
+
+    strategy = IterativeFedPrLLM(config, tiny.model)
+    run_rounds(strategy, Federation(config.clients))
+    assert strategy.num_rounds == 3 and sorted(strategy.global_masks) == [0, 1, 2]
+    assert not strategy.rejected
+
+
+def _tamper(reply: Message, how: str) -> Message:
+    masks = {k: a.numpy() for k, a in reply.content["masks"].items()}
+    key = next(iter(masks))
+    if how == "shape":
+        masks[key] = masks[key][:-3]
+    elif how == "dtype":
+        masks[key] = masks[key].astype(np.float32)
+    elif how == "name":
+        masks["layers.0.unknown"] = masks.pop(key)
+    elif how == "sparsity":
+        masks[key] = np.full_like(masks[key], 255)
+    content = RecordDict({"masks": ArrayRecord({k: Array(v) for k, v in masks.items()}),
+                          "metrics": MetricRecord({"seconds": 0.0})})
+    return Message(content, reply_to=Message(RecordDict(), dst_node_id=reply.metadata.src_node_id,
+                                             message_type="train.masks"))
+
+
+@pytest.mark.parametrize("how", ["shape", "dtype", "name", "sparsity"])
+def test_bad_client_is_left_out_and_run_goes_on(tiny_dir, tiny, how, caplog):
+    config = config_for(tiny_dir, min_clients=3)
+    strategy = FedPrLLM(config, tiny.model)
+    grid = Federation(4)
+    replies = grid.send_and_receive(strategy.configure_train(1, ArrayRecord(), ConfigRecord(),
+                                                             grid))
+    replies[1] = _tamper(replies[1], how)
+    strategy.aggregate_train(1, replies)
+    assert strategy.aggregator.clients == 3
+    assert len(strategy.rejected) == 1 and "invalid masks" in strategy.rejected[0]["reason"]
+    assert "left out of the vote" in caplog.text
+
+
+def test_too_few_valid_clients_fail_clearly(tiny_dir, tiny):
+    config = config_for(tiny_dir)  # min_clients 0: all four must be valid
+    strategy = FedPrLLM(config, tiny.model)
+    grid = Federation(4)
+    replies = grid.send_and_receive(strategy.configure_train(1, ArrayRecord(), ConfigRecord(),
+                                                             grid))
+    replies[0] = _tamper(replies[0], "shape")
+    with pytest.raises(NotEnoughClientsError, match="3 valid client mask set"):
+        strategy.aggregate_train(1, replies)
+
+
+# -- a real Flower simulation (Ray) -----------------------------------------------------------
+@pytest.mark.simulation
+def test_flower_simulation_four_clients(tiny_dir, tiny, tmp_path):
+    from server.simulation import simulate_fedprllm
+
+    out = tmp_path / "sim"
+    settings = dict(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16, batch_size=2,
+                    eval_seqlen=16, eval_windows=4, out=str(out), device="cpu",
+                    baselines="dense,centralized,local-only", variants="all")
+    simulate_fedprllm(settings)
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok" and report["rejected"] == []
+    names = [r["name"] for r in report["results"]]
+    assert names[0] == "dense" and names[-2:] == ["centralized", "local-only"]
+    assert len([n for n in names if n.startswith("fedprllm-oneshot-")]) == 6
+    fed = next(r for r in report["results"] if r["name"] == "fedprllm-oneshot-layer")
+    assert fed["valid_clients"] == 4 and fed["rounds"] == 1
+    assert abs(fed["sparsity"] - 0.5) < 1e-3
+    assert fed["bytes_up_per_client"] == sum((np.prod(s) + 7) // 8
+                                             for s in expected_shapes(tiny.model).values())
+    assert (out / "model" / "config.json").exists()
+
+    # The simulated vote equals the in-process vote of the same clients.
+    config = config_for(tiny_dir)
+    strategy = FedPrLLM(config, tiny.model)
+    run_rounds(strategy, Federation(4))
+    model = load_model(tiny_dir, device="cpu").model
+    strategy.prune(model)
+    saved = load_model(str(out / "model"), device="cpu").model
+    for (k, a), (_, b) in zip(model.state_dict().items(), saved.state_dict().items()):
+        assert torch.equal(a, b), k
