@@ -16,6 +16,7 @@ import logging
 import time
 
 import torch
+import transformers
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -29,6 +30,8 @@ from fedcompress.pruning.local import local_masks
 
 logger = logging.getLogger(__name__)
 app = ClientApp()
+# Many clients share a terminal: no per-client weight-loading bars.
+transformers.utils.logging.disable_progress_bar()
 
 
 @functools.lru_cache(maxsize=2)
@@ -70,6 +73,15 @@ def _reply(message: Message, payload: dict, metrics: dict) -> Message:
     metrics["bytes_up"] = sum(int(v.nbytes) for v in payload.values())
     return Message(RecordDict({"masks": arrays, "metrics": MetricRecord(metrics)}),
                    reply_to=message)
+
+
+@app.query("warmup")
+def warmup(message: Message, context: Context) -> Message:
+    """Load the model and cut the windows (what a site does at start-up), reply when ready."""
+    start = time.perf_counter()
+    _setup(message, context)
+    return Message(RecordDict({"metrics": MetricRecord(
+        {"seconds": time.perf_counter() - start})}), reply_to=message)
 
 
 @app.train("masks")

@@ -41,6 +41,7 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(message)s", datefmt="[%X]",
                         handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
                         force=True)
+    logging.getLogger("flwr").propagate = False  # Flower logs through its own handler
 
 
 def resolve_settings(command: str, config_file: Path | None, cli: dict[str, Any],
@@ -235,7 +236,7 @@ PRUNE_DEFAULTS: dict[str, Any] = {
     "calib_split": "train", "batch_size": 4, "min_clients": 0, "mask_tolerance": 0.05,
     # evaluation and server
     "eval_text": "wiki", "eval_split": "test", "eval_seqlen": 256, "eval_windows": 0,
-    "out": None, "device": "", "baselines": "dense,centralized,local-only",
+    "out": None, "device": "auto", "baselines": "dense,centralized,local-only",
     "variants": "configured", "save_model": True, "timeout": 3600.0,
     "cpus_per_client": 1.0,
 }

@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 EVAL_KEYS = ("eval_text", "eval_split", "eval_seqlen", "eval_windows")
 SERVER_KEYS = ("out", "device", "baselines", "variants", "save_model", "timeout")
-SERVER_DEFAULTS = {"out": "runs/prune", "device": "", "baselines": "dense,centralized,local-only",
-                   "variants": "configured", "save_model": True, "timeout": 3600.0}
+SERVER_DEFAULTS = {"out": "runs/prune", "device": "auto",
+                   "baselines": "dense,centralized,local-only", "variants": "configured",
+                   "save_model": True, "timeout": 3600.0}
 
 
 def split_settings(settings: dict) -> tuple[FedPrLLMConfig, EvalConfig, dict]:
@@ -57,7 +58,8 @@ def run_fedprllm(grid: Grid, settings: dict) -> RunReport:
                        seeds={"seed": config.seed})
     try:
         with report.phase("setup"):
-            exp = prepare_experiment(config, eval_config, device=server["device"] or None)
+            device = None if server["device"] in ("", "auto") else server["device"]
+            exp = prepare_experiment(config, eval_config, device=device)
         report.extra["model"] = {"spec": exp.loaded.spec, **exp.loaded.info}
         baselines = [b for b in str(server["baselines"]).split(",") if b]
         if "dense" in baselines:
@@ -65,6 +67,8 @@ def run_fedprllm(grid: Grid, settings: dict) -> RunReport:
                 report.add_result(exp.evaluate("dense", exp.model))
 
         strategy = make_strategy(config, exp.model)
+        with report.phase("engine_startup"):
+            startup = strategy.warmup(grid, timeout=float(server["timeout"]))
         start = time.perf_counter()
         with report.phase("federated_pruning"):
             strategy.start(grid, ArrayRecord(), num_rounds=strategy.num_rounds,
@@ -77,7 +81,7 @@ def run_fedprllm(grid: Grid, settings: dict) -> RunReport:
                 "valid_clients": config.clients - len({r["node"] for r in strategy.rejected}),
                 "bytes_up_per_client": up,
                 "bytes_down_per_client": strategy.bytes_down // max(config.clients, 1),
-                "federated_seconds": fed_seconds,
+                "federated_seconds": fed_seconds, "startup_seconds": startup,
                 "client_seconds_mean": sum(client_seconds) / max(len(client_seconds), 1)}
         report.extra["rejected"] = strategy.rejected
         report.extra["clients"] = strategy.client_metrics
