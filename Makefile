@@ -23,8 +23,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: install
-	$(VENV)/bin/fedcompress eval --model smollm2-135m --ppl wiki --seqlen 256 --tasks all --limit 100 \
-		--out $(DEMO_OUT)
+	# FedPrLLM on the embedded model: 16 simulated clients (Flower + Ray), Wanda 50%, one-shot,
+	# server layer comparison; dense / centralized / local-only / fedprllm perplexity and times.
+	# Evaluation on the first 40 windows of the wiki test split (--eval-windows 0: all of it).
+	$(VENV)/bin/fedcompress prune --eval-windows 40 --out $(DEMO_OUT)
 
 test: install
 	$(PY) -m pytest -q

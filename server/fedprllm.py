@@ -84,6 +84,7 @@ def run_fedprllm(grid: Grid, settings: dict) -> RunReport:
                 "federated_seconds": fed_seconds, "startup_seconds": startup,
                 "client_seconds_mean": sum(client_seconds) / max(len(client_seconds), 1)}
         report.extra["rejected"] = strategy.rejected
+        report.extra["client_startup_seconds"] = strategy.warmup_seconds
         report.extra["clients"] = strategy.client_metrics
 
         for variant in server_variants(config, server["variants"]):

@@ -73,10 +73,13 @@ class FedPrLLM(Strategy):
         replies = grid.send_and_receive(
             [Message(content, node, "query.warmup") for node in self._nodes(grid)],
             timeout=timeout)
+        self.warmup_seconds = []
         for reply in replies:
             if reply.has_error():
                 self._reject(0, reply.metadata.src_node_id,
                              f"client error at start-up: {reply.error.reason}")
+            else:
+                self.warmup_seconds.append(float(reply.content["metrics"]["seconds"]))
         return time.monotonic() - start
 
     def _content(self, server_round: int) -> RecordDict:
@@ -174,10 +177,13 @@ class IterativeFedPrLLM(FedPrLLM):
         replies = grid.send_and_receive(
             [Message(content, node, "query.warmup") for node in self._nodes(grid)],
             timeout=timeout)
+        self.warmup_seconds = []
         for reply in replies:
             if reply.has_error():
                 self._reject(0, reply.metadata.src_node_id,
                              f"client error at start-up: {reply.error.reason}")
+            else:
+                self.warmup_seconds.append(float(reply.content["metrics"]["seconds"]))
         return time.monotonic() - start
 
     def _content(self, server_round: int) -> RecordDict:
