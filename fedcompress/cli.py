@@ -313,13 +313,15 @@ def prune_command(
 def run_prune(settings: dict[str, Any]):
     """The body of ``fedcompress prune``: validate everything, then simulate."""
     # The CLI is the composition root: it may start the Flower apps; no library module does.
-    from server.fedprllm import split_settings
+    from server.fedprllm import check_settings
     from server.simulation import simulate_fedprllm
 
     settings = dict(settings)
     settings["out"] = settings["out"] or str(default_out("prune"))
     cpus = float(settings.pop("cpus_per_client"))
-    split_settings(settings)  # raises on any bad value before Ray starts
+    if not cpus > 0:
+        raise ConfigError(f"--cpus-per-client {cpus}: expected a positive number")
+    check_settings(settings)  # raises on any bad value before Ray starts
     simulate_fedprllm(settings, num_cpus_per_client=cpus)
     report = json.loads((Path(settings["out"]) / "report.json").read_text())
     _print_prune_summary(report)

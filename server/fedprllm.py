@@ -41,6 +41,16 @@ def split_settings(settings: dict) -> tuple[FedPrLLMConfig, EvalConfig, dict]:
     return FedPrLLMConfig.from_dict(flat), eval_config, server
 
 
+def check_settings(settings: dict) -> None:
+    """Every setting valid, before any model is loaded or any engine started."""
+    config, _, server = split_settings(settings)
+    server_variants(config, server["variants"])
+    unknown = set(str(server["baselines"]).split(",")) - {"", "dense", "centralized", "local-only"}
+    if unknown:
+        raise ValueError(f"unknown baseline(s) {sorted(unknown)}: expected some of dense, "
+                         "centralized, local-only (or none)")
+
+
 def server_variants(config: FedPrLLMConfig, which: str) -> list[ServerConfig]:
     """``configured``: the run's server variant; ``all``: every group x scaling (one-shot)."""
     if which == "configured" or config.mode == "iterative":

@@ -14,9 +14,10 @@ def simulate_fedprllm(settings: dict, num_cpus_per_client: float = 1.0,
     from flwr.simulation import run_simulation
 
     from clients.fedprllm import app as client_app
-    from server.fedprllm import make_app, split_settings
+    from server.fedprllm import check_settings, make_app, split_settings
 
-    config, _, _ = split_settings(settings)  # fail on bad settings before Ray starts
+    check_settings(settings)  # fail on bad settings before Ray starts
+    config, _, _ = split_settings(settings)
     # Ray workers must not try to reach a hub either, and must find the same model cache.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

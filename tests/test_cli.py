@@ -116,3 +116,27 @@ def test_failed_run_keeps_finished_results(tiny_model_dir, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "failed"
     assert len(report["results"]) == 1 and report["results"][0]["perplexity"] > 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sparsity", "1.0"], r"outside [0, 1)"),
+    (["--clients", "0"], "positive integer"),
+    (["--nm", "4:2"], "N:M"),
+    (["--group", "block"], "comparison group"),
+    (["--mode", "async"], "mode"),
+    (["--variants", "some"], "variants"),
+    (["--baselines", "dense,oracle"], "oracle"),
+])
+def test_prune_bad_input_fails_before_any_work(monkeypatch, capsys, tmp_path, args, message):
+    import time
+
+    start = time.perf_counter()
+    code, err = run_main(monkeypatch, capsys, "prune", "--out", str(tmp_path / "o"), *args)
+    assert code == 2
+    assert message in err
+    assert time.perf_counter() - start < 30  # no Ray start, no model load
+
+
+def test_prune_help():
+    result = CliRunner().invoke(app, ["prune", "--help"])
+    assert result.exit_code == 0 and "--tie-break" in result.output
