@@ -10,12 +10,13 @@ import pytest
 from fedcompress.data import (
     BUNDLED_TASKS,
     TASK_SPLITS,
+    EmptyTaskError,
     TaskFormatError,
     UnknownSplitError,
     UnknownTaskError,
     load_task,
     task_files,
-    validate_example,
+    validate_examples,
 )
 
 GOOD = {"id": "t-0", "question": "Is it?", "choices": ["Yes", "No"], "label": 1}
@@ -84,34 +85,60 @@ def test_empty_directory_or_missing_file_is_unknown(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "pattern"),
     [
-        ({"label": 2}, r"'label' must be an integer index in \[0, 1\], got 2"),
-        ({"label": -1}, "got -1"),
-        ({"label": True}, "got True"),
-        ({"label": "1"}, "got '1'"),
-        ({"choices": ["only"]}, "at least 2 strings"),
-        ({"choices": "Yes/No"}, "at least 2 strings"),
-        ({"choices": ["Yes", 3]}, "choice 1 must be a string"),
-        ({"question": ""}, "'question' must be a non-empty string"),
-        ({"id": 5}, "'id' must be a non-empty string"),
+        ({"label": 2}, r"field 'label' must be an integer index in \[0, 1\], got 2"),
+        ({"label": -1}, r"field 'label' .*got -1"),
+        ({"label": True}, r"field 'label' .*got True"),
+        ({"label": "1"}, r"field 'label' .*got '1'"),
+        ({"choices": ["only"]}, "field 'choices' must be a list of at least 2 strings"),
+        ({"choices": "Yes/No"}, "field 'choices' must be a list of at least 2 strings"),
+        ({"choices": ["Yes", 3]}, "field 'choices' entry 1 must be a non-empty string, got 3"),
+        ({"choices": ["Yes", " "]}, "field 'choices' entry 1 must be a non-empty string"),
+        ({"question": ""}, "record id='t-0': field 'question' must be a non-empty string"),
+        ({"id": 5}, "record id='#0': field 'id' must be a non-empty string, got 5"),
     ],
 )
 def test_schema_violations(change: dict, pattern: str) -> None:
-    with pytest.raises(TaskFormatError, match=pattern):
-        validate_example({**GOOD, **change}, where="x")
+    with pytest.raises(TaskFormatError, match=pattern) as info:
+        validate_examples("x", [{**GOOD, **change}])
+    assert str(info.value).startswith("task 'x', record id=")
+    assert info.value.task == "x"
+
+
+def test_records_must_be_a_list_of_dicts() -> None:
+    with pytest.raises(TaskFormatError, match="task 'x': records must be a list of dicts, got str"):
+        validate_examples("x", "abc")  # type: ignore[arg-type]
+    with pytest.raises(TaskFormatError, match=r"record id='#1': field '<record>' must be a dict"):
+        validate_examples("x", [GOOD, ["t-1"]])  # type: ignore[list-item]
+    with pytest.raises(EmptyTaskError, match="task 'x' has no records$"):
+        validate_examples("x", [])
 
 
 def test_missing_field_and_line_numbers(tmp_path: Path) -> None:
     bad = {k: v for k, v in GOOD.items() if k != "label"}
     path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, bad])
-    with pytest.raises(TaskFormatError, match=r"bad.jsonl:2: missing field\(s\) 'label'"):
+    pattern = r"id='t-0' at \S*bad.jsonl:2: field 'label' is missing"
+    with pytest.raises(TaskFormatError, match=pattern):
         load_task(str(path), "test")
+    with pytest.raises(TaskFormatError, match=r"field 'id' is missing \(and 'label'\)"):
+        validate_examples("x", [{"question": "Is it?", "choices": ["Yes", "No"]}])
 
 
 def test_duplicate_ids_and_empty_files(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "dup.jsonl", [GOOD, GOOD])
-    with pytest.raises(TaskFormatError, match="duplicate example id 't-0'"):
+    pattern = r"id='t-0' at \S*dup.jsonl:2: field 'id' is a duplicate"
+    with pytest.raises(TaskFormatError, match=pattern):
         load_task(str(path), "test")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n", "utf-8")
-    with pytest.raises(TaskFormatError, match="holds no examples"):
+    with pytest.raises(EmptyTaskError, match=r"has no records in \S*empty.jsonl"):
         load_task(str(empty), "test")
+
+
+def test_invalid_json_names_file_and_line(tmp_path: Path) -> None:
+    # Moved from test_eval_zeroshot.py (the eval-side directory reader is gone): JSON is parsed
+    # before any record is validated, so the broken line 2 is reported, not line 1's schema.
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"id": "a"}\n{not json\n', encoding="utf-8")
+    pattern = r"task '\S*broken.jsonl': \S*broken.jsonl:2: not valid JSON"
+    with pytest.raises(TaskFormatError, match=pattern):
+        load_task(str(path), "test")

@@ -12,14 +12,15 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import fedcompress.data
+from fedcompress.data.tasks import load_task
 from fedcompress.eval import (
     DEFAULT_PROMPT,
     EmptyTaskError,
-    MalformedRecordError,
+    TaskFormatError,
     TaskResult,
     UnknownSplitError,
     UnknownTaskError,
-    load_task_dir,
     zero_shot,
 )
 
@@ -189,20 +190,20 @@ def test_other_split_and_few_shot(model, tokenizer) -> None:
         zero_shot(model, tokenizer, {"toy": {"test": make_records()}}, num_fewshot=1)
 
 
-def test_task_directory_input(model, tokenizer, tmp_path) -> None:
+def test_records_read_from_a_task_directory(model, tokenizer, tmp_path) -> None:
+    # Task files are read by the data layer (the CLI's path); zero_shot takes its records as is.
+    # Invalid JSON lines are tested in test_data_tasks.py::test_invalid_json_names_file_and_line.
     task_dir = tmp_path / "toy"
     task_dir.mkdir()
     (task_dir / "test.jsonl").write_text(
         "\n".join(json.dumps(r) for r in make_records()) + "\n", encoding="utf-8"
     )
-    assert load_task_dir(tmp_path) == {"toy": {"test": make_records()}}
-    res = zero_shot(model, tokenizer, tmp_path, limit=5, progress=False)
+    tasks = {"toy": {"test": load_task(str(task_dir), "test")}}
+    assert tasks == {"toy": {"test": make_records()}}
+    res = zero_shot(model, tokenizer, tasks, limit=5, progress=False)
     assert res["toy"].n == 5
     with pytest.raises(UnknownTaskError, match=r"\['nope'\].*\['toy'\]"):
-        zero_shot(model, tokenizer, str(tmp_path), names=["nope"])
-    (task_dir / "broken.jsonl").write_text('{"id": "a"}\n{not json\n', encoding="utf-8")
-    with pytest.raises(MalformedRecordError, match=r"broken.jsonl:2"):
-        load_task_dir(tmp_path)
+        zero_shot(model, tokenizer, tasks, names=["nope"])
 
 
 # ---------------------------------------------------------------------------- side effects
@@ -248,6 +249,15 @@ def test_model_and_tokenizer_are_not_mutated() -> None:
 
 
 # ---------------------------------------------------------------------------- errors
+def test_task_errors_are_the_data_layers() -> None:
+    assert UnknownTaskError is fedcompress.data.UnknownTaskError
+    assert UnknownSplitError is fedcompress.data.UnknownSplitError
+    assert EmptyTaskError is fedcompress.data.EmptyTaskError
+    assert TaskFormatError is fedcompress.data.TaskFormatError
+    for cls in (UnknownTaskError, UnknownSplitError, EmptyTaskError, TaskFormatError):
+        assert issubclass(cls, ValueError)
+
+
 def test_unknown_task_and_split(model, tokenizer) -> None:
     tasks = {"toy": {"test": make_records()}}
     with pytest.raises(UnknownTaskError, match=r"\['other'\].*available: \['toy'\]"):
@@ -274,6 +284,7 @@ def test_empty_records(model, tokenizer) -> None:
         ({"choices": ["green", "  "]}, "q3", "choices"),
         ({"choices": ["green", 3]}, "q3", "choices"),
         ({"question": 5}, "q3", "question"),
+        ({"question": " "}, "q3", "question"),
         ({"id": 3}, "#3", "id"),
         ({"id": "q0"}, "q0", "id"),  # duplicate
     ],
@@ -283,8 +294,9 @@ def test_malformed_record_names_id_and_field(
 ) -> None:
     records = make_records()
     records[3] = {**records[3], **change}
-    with pytest.raises(MalformedRecordError) as info:
+    with pytest.raises(TaskFormatError) as info:
         zero_shot(model, tokenizer, {"toy": {"test": records}})
+    assert info.value.task == "toy"
     assert info.value.record_id == record_id
     assert info.value.field == field
     assert f"id={record_id!r}" in str(info.value) and f"field {field!r}" in str(info.value)
@@ -293,7 +305,7 @@ def test_malformed_record_names_id_and_field(
 def test_missing_field(model, tokenizer) -> None:
     records = make_records()
     del records[2]["choices"]
-    with pytest.raises(MalformedRecordError, match=r"id='q2': field 'choices' is missing"):
+    with pytest.raises(TaskFormatError, match=r"id='q2': field 'choices' is missing"):
         zero_shot(model, tokenizer, {"toy": {"test": records}})
 
 

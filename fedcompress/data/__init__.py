@@ -6,7 +6,8 @@
 * :mod:`~fedcompress.data.calibration`: seeded random token windows (Wanda-style), optionally
   labelled by source corpus.
 * :mod:`~fedcompress.data.partition`: IID and Dirichlet (quantity or label skew) client splits.
-* :mod:`~fedcompress.data.tasks`: bundled BIG-bench multiple-choice tasks as JSONL.
+* :mod:`~fedcompress.data.tasks`: bundled BIG-bench multiple-choice tasks as JSONL, and the one
+  validator of task records (also used by :mod:`fedcompress.eval`).
 * :mod:`~fedcompress.data.build`: regenerates ``bundled/`` from the source archives.
 """
 
@@ -29,6 +30,7 @@ from fedcompress.data.errors import (
     CorpusFormatError,
     DataError,
     EmptyCorpusError,
+    EmptyTaskError,
     InvalidParameterError,
     NotEnoughTokensError,
     PartitionError,
@@ -44,7 +46,7 @@ from fedcompress.data.tasks import (
     TaskExample,
     load_task,
     task_files,
-    validate_example,
+    validate_examples,
 )
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "DataError",
     "Document",
     "EmptyCorpusError",
+    "EmptyTaskError",
     "InvalidParameterError",
     "NotEnoughTokensError",
     "PartitionError",
@@ -76,5 +79,5 @@ __all__ = [
     "sample_windows",
     "task_files",
     "tokenize_corpus",
-    "validate_example",
+    "validate_examples",
 ]

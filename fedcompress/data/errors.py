@@ -15,6 +15,7 @@ __all__ = [
     "CorpusFormatError",
     "DataError",
     "EmptyCorpusError",
+    "EmptyTaskError",
     "InvalidParameterError",
     "NotEnoughTokensError",
     "PartitionError",
@@ -57,7 +58,31 @@ class UnknownTaskError(DataError):
 
 
 class TaskFormatError(DataError):
-    """A task file line does not follow the multiple-choice schema."""
+    """A task record (or a task file line) does not follow the multiple-choice schema.
+
+    Attributes:
+        task: Name of the task the record belongs to (``None`` if not known).
+        record_id: The record's ``id``, or ``"#<index>"`` when the id itself is missing/invalid
+            (``None`` for errors that are not about one record, e.g. invalid JSON).
+        field: Name of the offending field (``None`` for errors not about one field).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        task: str | None = None,
+        record_id: str | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.task = task
+        self.record_id = record_id
+        self.field = field
+
+
+class EmptyTaskError(DataError):
+    """A task split, or the set of tasks to evaluate, holds no examples."""
 
 
 class NotEnoughTokensError(DataError):

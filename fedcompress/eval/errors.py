@@ -2,16 +2,26 @@
 
 Every class subclasses :class:`ValueError`, so callers that only care about "bad input" can catch
 that, while tests and the CLI can tell the causes apart.
+
+The errors about multiple-choice tasks (unknown task or split, empty task, malformed record) are
+the data layer's own classes (:mod:`fedcompress.data.errors`), re-exported here: the records are
+validated by :func:`fedcompress.data.tasks.validate_examples`.
 """
 
 from __future__ import annotations
 
+from fedcompress.data.errors import (
+    EmptyTaskError,
+    TaskFormatError,
+    UnknownSplitError,
+    UnknownTaskError,
+)
+
 __all__ = [
     "EmptyTaskError",
     "EvalInputError",
-    "MalformedRecordError",
     "SeqlenError",
-    "TaskSpecError",
+    "TaskFormatError",
     "TextTooShortError",
     "UnknownSplitError",
     "UnknownTaskError",
@@ -19,7 +29,7 @@ __all__ = [
 
 
 class EvalInputError(ValueError):
-    """Base class of every input error raised by the evaluation helpers."""
+    """Base class of the input errors raised by the evaluation helpers themselves."""
 
 
 # --------------------------------------------------------------------------------- perplexity
@@ -29,36 +39,3 @@ class SeqlenError(EvalInputError):
 
 class TextTooShortError(EvalInputError):
     """The evaluation text is empty or has fewer tokens than one window."""
-
-
-# --------------------------------------------------------------------------------- zero-shot
-class TaskSpecError(EvalInputError):
-    """Base class of the errors about multiple-choice task records and task selection."""
-
-
-class UnknownTaskError(TaskSpecError):
-    """A requested task name is not among the tasks that were given."""
-
-
-class UnknownSplitError(TaskSpecError):
-    """A task has no records for the requested split."""
-
-
-class EmptyTaskError(TaskSpecError):
-    """A task split has no records (or none left after ``limit``)."""
-
-
-class MalformedRecordError(TaskSpecError):
-    """A record breaks ``{"id": str, "question": str, "choices": [str, ...], "label": int}``.
-
-    Attributes:
-        task: Name of the task the record belongs to.
-        record_id: The record's ``id`` (or ``"#<index>"`` when the id itself is missing/invalid).
-        field: Name of the offending field.
-    """
-
-    def __init__(self, message: str, *, task: str, record_id: str, field: str) -> None:
-        super().__init__(message)
-        self.task = task
-        self.record_id = record_id
-        self.field = field

@@ -1,11 +1,13 @@
 """Zero-shot (or few-shot) multiple-choice accuracy through lm-eval, on an in-memory model.
 
 Tasks are plain records, ``{"id": str, "question": str, "choices": [str, ...], "label": int}``,
-grouped by task name and split. :func:`zero_shot` writes them to a temporary directory as JSONL,
-generates one lm-eval task YAML per task there, and runs ``lm_eval.evaluator.evaluate`` on an
-``HFLM`` wrapping the model object, with a ``TaskManager`` that only indexes that directory (the
-hundreds of built-in lm-eval tasks are never scanned). Hugging Face hub access is forced off for
-the whole call, so nothing is ever fetched from the network.
+grouped by task name and split (e.g. read by :func:`fedcompress.data.tasks.load_task`), and
+checked by the data layer's validator, :func:`fedcompress.data.tasks.validate_examples`.
+:func:`zero_shot` writes them to a temporary directory as JSONL, generates one lm-eval task YAML
+per task there, and runs ``lm_eval.evaluator.evaluate`` on an ``HFLM`` wrapping the model object,
+with a ``TaskManager`` that only indexes that directory (the hundreds of built-in lm-eval tasks
+are never scanned). Hugging Face hub access is forced off for the whole call, so nothing is ever
+fetched from the network.
 """
 
 from __future__ import annotations
@@ -14,10 +16,8 @@ import contextlib
 import copy
 import functools
 import importlib
-import json
 import logging
 import math
-import os
 import re
 import tempfile
 import time
@@ -29,14 +29,11 @@ from typing import Any
 import torch
 import yaml
 
+from fedcompress.data._jsonl import write_jsonl
+from fedcompress.data.errors import EmptyTaskError, UnknownSplitError, UnknownTaskError
+from fedcompress.data.tasks import TaskExample, validate_examples
 from fedcompress.eval._common import eval_mode, hub_offline
-from fedcompress.eval.errors import (
-    EmptyTaskError,
-    MalformedRecordError,
-    TaskSpecError,
-    UnknownSplitError,
-    UnknownTaskError,
-)
+from fedcompress.eval.errors import EvalInputError
 from fedcompress.eval.perplexity import CALC_DTYPE
 
 __all__ = [
@@ -44,8 +41,6 @@ __all__ = [
     "Record",
     "TaskRecords",
     "TaskResult",
-    "load_task_dir",
-    "validate_records",
     "zero_shot",
 ]
 
@@ -91,130 +86,9 @@ class TaskResult:
     chance: float
 
 
-# ------------------------------------------------------------------------------------ records
-def _record_label(i: int, record: Any) -> str:
-    rid = record.get("id") if isinstance(record, Mapping) else None
-    return rid if isinstance(rid, str) and rid else f"#{i}"
-
-
-def validate_records(task: str, records: Sequence[Record]) -> list[dict[str, Any]]:
-    """Check records against the schema and return normalized copies with only its four fields.
-
-    Raises:
-        EmptyTaskError: ``records`` is empty.
-        MalformedRecordError: a record is not a mapping, misses a field, has a field of the wrong
-            type, fewer than 2 choices, an empty choice, a label out of range, or an id already
-            used by an earlier record. The message names the task, the record id and the field.
-    """
-    if isinstance(records, (str, bytes)) or not isinstance(records, Sequence):
-        raise TaskSpecError(
-            f"task {task!r}: records must be a list of dicts, got {type(records).__name__}"
-        )
-    if len(records) == 0:
-        raise EmptyTaskError(f"task {task!r} has no records")
-    out: list[dict[str, Any]] = []
-    seen: set[str] = set()
-
-    def bad(i: int, record: Any, field: str, what: str) -> MalformedRecordError:
-        rid = _record_label(i, record)
-        return MalformedRecordError(
-            f"task {task!r}, record id={rid!r}: field {field!r} {what}",
-            task=task,
-            record_id=rid,
-            field=field,
-        )
-
-    for i, rec in enumerate(records):
-        if not isinstance(rec, Mapping):
-            raise bad(i, rec, "<record>", f"must be a dict, got {type(rec).__name__}")
-        for name in ("id", "question", "choices", "label"):
-            if name not in rec:
-                raise bad(i, rec, name, "is missing")
-        rid, question, choices, label = rec["id"], rec["question"], rec["choices"], rec["label"]
-        if not isinstance(rid, str) or not rid:
-            raise bad(i, rec, "id", f"must be a non-empty str, got {rid!r}")
-        if rid in seen:
-            raise bad(i, rec, "id", "is a duplicate of an earlier record's id")
-        seen.add(rid)
-        if not isinstance(question, str):
-            raise bad(i, rec, "question", f"must be a str, got {type(question).__name__}")
-        if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
-            raise bad(i, rec, "choices", f"must be a list of str, got {type(choices).__name__}")
-        if len(choices) < 2:
-            raise bad(i, rec, "choices", f"must have at least 2 entries, got {len(choices)}")
-        for j, choice in enumerate(choices):
-            if not isinstance(choice, str) or not choice.strip():
-                raise bad(i, rec, "choices", f"entry {j} must be a non-empty str, got {choice!r}")
-        if isinstance(label, bool) or not isinstance(label, int):
-            raise bad(i, rec, "label", f"must be an int, got {label!r}")
-        if not 0 <= label < len(choices):
-            raise bad(i, rec, "label", f"={label} is outside [0, {len(choices) - 1}]")
-        out.append({"id": rid, "question": question, "choices": list(choices), "label": label})
-    return out
-
-
-def load_task_dir(
-    root: str | os.PathLike[str],
-    names: Sequence[str] | None = None,
-    splits: Sequence[str] | None = None,
-) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Read tasks stored as ``<root>/<task>/<split>.jsonl`` (one record per line).
-
-    Args:
-        root: Directory holding one sub-directory per task.
-        names: Tasks to read (default: every sub-directory with at least one ``.jsonl``).
-        splits: Splits to read (default: every ``.jsonl`` file of each task).
-
-    Raises:
-        FileNotFoundError: ``root`` is not a directory.
-        UnknownTaskError: a name in ``names`` has no directory under ``root``.
-        MalformedRecordError: a line is not valid JSON (the error names file and line).
-    """
-    base = Path(root)
-    if not base.is_dir():
-        raise FileNotFoundError(f"task directory {str(base)!r} does not exist")
-    available = sorted(p.name for p in base.iterdir() if p.is_dir() and any(p.glob("*.jsonl")))
-    if names is None:
-        names = available
-    unknown = [n for n in names if n not in available]
-    if unknown:
-        raise UnknownTaskError(
-            f"unknown task(s) {unknown} in {str(base)!r}; available: {available}"
-        )
-    tasks: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for name in names:
-        files = sorted((base / name).glob("*.jsonl"))
-        tasks[name] = {}
-        for path in files:
-            if splits is not None and path.stem not in splits:
-                continue
-            records: list[dict[str, Any]] = []
-            with path.open(encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise MalformedRecordError(
-                            f"{path}:{lineno}: not valid JSON ({exc.msg})",
-                            task=name,
-                            record_id=f"line {lineno}",
-                            field="<json>",
-                        ) from exc
-            tasks[name][path.stem] = records
-    return tasks
-
-
 # ------------------------------------------------------------------------------------ lm-eval
 def _slug(name: str) -> str:
     return re.sub(r"[^0-9A-Za-z_]+", "_", name).strip("_")[:40] or "task"
-
-
-def _write_jsonl(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
-    with path.open("w", encoding="utf-8") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
 def _task_config(
@@ -279,7 +153,7 @@ def _quiet_lm_eval(progress: bool) -> Iterator[None]:
 
 
 def _select(
-    tasks: TaskRecords | str | os.PathLike[str],
+    tasks: TaskRecords,
     names: Sequence[str] | None,
     split: str,
     fewshot_split: str | None,
@@ -288,13 +162,9 @@ def _select(
     """Pick the evaluation split (and the few-shot split) of each requested task."""
     if isinstance(names, str):
         names = [names]
-    if isinstance(tasks, (str, os.PathLike)):
-        wanted = [split] + ([fewshot_split] if fewshot_split else [])
-        tasks = load_task_dir(tasks, names=names, splits=None if num_fewshot else wanted)
     if not isinstance(tasks, Mapping):
-        raise TaskSpecError(
-            "tasks must be {task: {split: [records]}} or a directory of <task>/<split>.jsonl, "
-            f"got {type(tasks).__name__}"
+        raise EvalInputError(
+            f"tasks must be {{task: {{split: [records]}}}}, got {type(tasks).__name__}"
         )
     if not tasks:
         raise EmptyTaskError("no tasks given")
@@ -305,14 +175,14 @@ def _select(
     if unknown:
         raise UnknownTaskError(f"unknown task name(s) {unknown}; available: {sorted(tasks)}")
     if len(set(selected)) != len(selected):
-        raise TaskSpecError(f"task names are repeated in {selected}")
+        raise EvalInputError(f"task names are repeated in {selected}")
 
     eval_sets: dict[str, Sequence[Record]] = {}
     shot_sets: dict[str, Sequence[Record] | None] = {}
     for name in selected:
         splits = tasks[name]
         if not isinstance(splits, Mapping):
-            raise TaskSpecError(
+            raise EvalInputError(
                 f"task {name!r}: expected {{split: [records]}}, got {type(splits).__name__}"
             )
         if split not in splits:
@@ -340,7 +210,7 @@ def _select(
 def zero_shot(
     model: torch.nn.Module,
     tokenizer: Any,
-    tasks: TaskRecords | str | os.PathLike[str],
+    tasks: TaskRecords,
     names: Sequence[str] | None = None,
     split: str = "test",
     limit: int | None = None,
@@ -367,9 +237,9 @@ def zero_shot(
             also calls ``model.tie_weights()``, a no-op for models whose tied weights are tied.
         tokenizer: The model's (fast or slow) transformers tokenizer. It is not modified: if it
             has no pad token, lm-eval works on a copy.
-        tasks: ``{task_name: {split_name: [record, ...]}}`` or a directory laid out as
-            ``<task_name>/<split_name>.jsonl``. Records follow ``{"id": str, "question": str,
-            "choices": [str, ...], "label": int}``.
+        tasks: ``{task_name: {split_name: [record, ...]}}``. Records follow ``{"id": str,
+            "question": str, "choices": [str, ...], "label": int}`` (as returned by
+            :func:`fedcompress.data.tasks.load_task`, which also reads task directories).
         names: Tasks to evaluate (default: all of ``tasks``).
         split: Split to evaluate.
         limit: Evaluate only the first ``limit`` records of the split (file/list order).
@@ -387,8 +257,10 @@ def zero_shot(
     Raises:
         UnknownTaskError: a name in ``names`` is not in ``tasks``.
         UnknownSplitError: a task lacks ``split`` (or a usable few-shot split).
-        EmptyTaskError: no tasks, or a task split with no records.
-        MalformedRecordError: a record breaks the schema (names the record id and the field).
+        EmptyTaskError: no tasks, or a task split with no records (or too few for the shots).
+        TaskFormatError: a record breaks the schema (see
+            :func:`fedcompress.data.tasks.validate_examples`; names the task, record id, field).
+        EvalInputError: ``tasks`` is not ``{task: {split: [records]}}`` or repeats a name.
         ValueError: ``limit``, ``batch_size`` or ``num_fewshot`` out of range.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -399,13 +271,13 @@ def zero_shot(
         raise ValueError(f"num_fewshot must be an int >= 0, got {num_fewshot!r}")
 
     eval_sets, shot_sets = _select(tasks, names, split, fewshot_split, num_fewshot)
-    prepared: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = {}
+    prepared: dict[str, tuple[list[TaskExample], list[TaskExample] | None]] = {}
     for name, records in eval_sets.items():
-        clean = validate_records(name, records)
+        clean = validate_examples(name, records)
         if limit is not None:
             clean = clean[:limit]
         shots = shot_sets[name]
-        clean_shots = validate_records(name, shots) if shots is not None else None
+        clean_shots = validate_examples(name, shots) if shots is not None else None
         if clean_shots is not None and len(clean_shots) < num_fewshot:
             raise EmptyTaskError(
                 f"task {name!r}: num_fewshot={num_fewshot} but the few-shot split has only "
@@ -423,10 +295,10 @@ def zero_shot(
             task_dir = root / "tasks" / task_id
             task_dir.mkdir(parents=True)
             data_files = {_EVAL_SPLIT: str(task_dir / f"{_EVAL_SPLIT}.jsonl")}
-            _write_jsonl(Path(data_files[_EVAL_SPLIT]), records)
+            write_jsonl(Path(data_files[_EVAL_SPLIT]), records)
             if shots is not None:
                 data_files[_FEWSHOT_SPLIT] = str(task_dir / f"{_FEWSHOT_SPLIT}.jsonl")
-                _write_jsonl(Path(data_files[_FEWSHOT_SPLIT]), shots)
+                write_jsonl(Path(data_files[_FEWSHOT_SPLIT]), shots)
             config = _task_config(task_id, data_files, str(root / "hf_cache"), prompt)
             (task_dir / f"{task_id}.yaml").write_text(
                 yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8"
