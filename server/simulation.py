@@ -28,6 +28,44 @@ def simulate_fedprllm(settings: dict, num_cpus_per_client: float = 1.0,
         "init_args": {"logging_level": logging.WARNING, "log_to_driver": True,
                       "include_dashboard": False},
     }
-    run_simulation(server_app=make_app(settings), client_app=client_app,
-                   num_supernodes=config.clients, backend_config=backend_config,
-                   verbose_logging=verbose)
+    before = _ray_pids()
+    try:
+        run_simulation(server_app=make_app(settings), client_app=client_app,
+                       num_supernodes=config.clients, backend_config=backend_config,
+                       verbose_logging=verbose)
+    finally:
+        reap_ray_orphans(before)
+
+
+def _ray_pids() -> set[int]:
+    import psutil
+
+    pids = set()
+    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+        text = " ".join(proc.info["cmdline"] or []) or (proc.info["name"] or "")
+        if text.startswith("ray::") or "/ray/" in text:
+            pids.add(proc.info["pid"])
+    return pids
+
+
+def reap_ray_orphans(before: set[int], grace: float = 3.0) -> list[int]:
+    """Kill Ray helper processes that this run started and that outlived it as orphans
+    (``ray.shutdown`` can leave a dashboard/runtime-env agent behind). Processes of another
+    live Ray instance keep their parent and are not touched."""
+    import time
+
+    import psutil
+
+    time.sleep(grace)
+    killed = []
+    for pid in _ray_pids() - before:
+        try:
+            proc = psutil.Process(pid)
+            if proc.ppid() == 1:
+                proc.kill()
+                killed.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    if killed:
+        logger.info("stopped %d leftover Ray process(es): %s", len(killed), killed)
+    return killed

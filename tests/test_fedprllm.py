@@ -219,13 +219,19 @@ def test_too_few_valid_clients_fail_clearly(tiny_dir, tiny):
 # -- a real Flower simulation (Ray) -----------------------------------------------------------
 @pytest.mark.simulation
 def test_flower_simulation_four_clients(tiny_dir, tiny, tmp_path):
-    from server.simulation import simulate_fedprllm
+    import psutil
 
+    from server.simulation import _ray_pids, simulate_fedprllm
+
+    before = _ray_pids()
     out = tmp_path / "sim"
     settings = dict(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16, batch_size=2,
                     eval_seqlen=16, eval_windows=4, out=str(out), device="cpu",
                     baselines="dense,centralized,local-only", variants="all")
     simulate_fedprllm(settings)
+    orphans = [p for p in _ray_pids() - before if psutil.pid_exists(p)
+               and psutil.Process(p).ppid() == 1 and psutil.Process(p).status() != "zombie"]
+    assert orphans == [], "the simulation left Ray processes behind"
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "ok" and report["rejected"] == []
     names = [r["name"] for r in report["results"]]
