@@ -169,23 +169,6 @@ class IterativeFedPrLLM(FedPrLLM):
     def num_rounds(self) -> int:
         return len(ModelAdapter(self.model))
 
-    def warmup(self, grid: Grid, timeout: float) -> float:
-        """Ask every client to load its model and data before the timed rounds (the engine's
-        and the sites' one-off start-up); returns its wall time in seconds."""
-        start = time.monotonic()
-        content = RecordDict({"config": ConfigRecord(self.config.to_dict())})
-        replies = grid.send_and_receive(
-            [Message(content, node, "query.warmup") for node in self._nodes(grid)],
-            timeout=timeout)
-        self.warmup_seconds = []
-        for reply in replies:
-            if reply.has_error():
-                self._reject(0, reply.metadata.src_node_id,
-                             f"client error at start-up: {reply.error.reason}")
-            else:
-                self.warmup_seconds.append(float(reply.content["metrics"]["seconds"]))
-        return time.monotonic() - start
-
     def _content(self, server_round: int) -> RecordDict:
         layer = server_round - 1
         content = super()._content(server_round)
