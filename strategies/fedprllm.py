@@ -22,7 +22,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedcompress.pruning.federated import (
-    FedPrLLMConfig, InvalidMaskError, MaskAggregator, decode_masks, encode_masks,
+    FedPrLLMConfig, InvalidMaskError, MaskAggregator, check_payload, encode_masks,
     expected_shapes, masks_by_layer)
 from fedcompress.models import ModelAdapter
 
@@ -103,12 +103,12 @@ class FedPrLLM(Strategy):
                 continue
             try:
                 payload = {k: a.numpy() for k, a in reply.content["masks"].items()}
-                masks = decode_masks(payload, aggregator.shapes, target,
-                                     self.config.mask_tolerance)
+                packed = check_payload(payload, aggregator.shapes, target,
+                                       self.config.mask_tolerance)
             except (InvalidMaskError, KeyError, TypeError, ValueError) as err:
                 self._reject(server_round, node, f"invalid masks: {err}")
                 continue
-            aggregator.add(masks)
+            aggregator.add_packed(packed)
             metrics = dict(reply.content["metrics"]) if "metrics" in reply.content else {}
             self.client_metrics.append({"round": server_round, "node": node, **metrics})
             valid += 1
@@ -144,9 +144,10 @@ class FedPrLLM(Strategy):
         return 1
 
     # -- Result --------------------------------------------------------------------------------
-    def prune(self, model: torch.nn.Module, server=None) -> dict[str, torch.Tensor]:
+    def prune(self, model: torch.nn.Module, server=None) -> dict[str, float]:
         """Prune a copy of the global model with the vote (``server`` overrides the config's
-        server variant: one-shot masks serve every variant)."""
+        server variant: one-shot masks serve every variant); returns each linear layer's
+        pruned fraction."""
         return self.aggregator.prune(model, server or self.config.server,
                                      self.config.prune.target_sparsity, self.config.prune.nm_pattern)
 
@@ -189,16 +190,16 @@ class IterativeFedPrLLM(FedPrLLM):
         self.global_masks[layer] = masks_by_layer(flat)[layer]
         return None, MetricRecord({"layer": layer, "valid_clients": aggregator.clients})
 
-    def prune(self, model: torch.nn.Module, server=None) -> dict[str, torch.Tensor]:
+    def prune(self, model: torch.nn.Module, server=None) -> dict[str, float]:
         if server is not None and server != self.config.server:
             raise ValueError("iterative masks depend on the server variant used in the rounds; "
                              f"this run used {self.config.server}")
-        masks = {}
+        pruned = {}
         for aggregator in self.layer_aggregators.values():
-            masks.update(aggregator.prune(model, self.config.server,
+            pruned.update(aggregator.prune(model, self.config.server,
                                           self.config.prune.target_sparsity,
                                           self.config.prune.nm_pattern))
-        return masks
+        return pruned
 
 
 def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module) -> FedPrLLM:

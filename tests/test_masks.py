@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fedcompress.masks.aggregate import (
-    VoteCounter, count_dtype, global_mask, scale_weights, vote_counts)
-from fedcompress.masks.codec import MaskDecodeError, decode_mask, encode_mask
+    count_dtype, count_packed, global_mask, scale_weights, vote_counts)
+from fedcompress.masks.codec import MaskDecodeError, check_packed, decode_mask, encode_mask
 
 B = torch.tensor  # shorthand
 
@@ -34,16 +34,79 @@ def test_counts_do_not_overflow_with_300_clients():
     assert counts.tolist() == [[300, 300], [300, 300]]
 
 
-def test_counter_rejects_bad_masks():
-    counter = VoteCounter((2, 3), 2)
+def test_vote_counts_reject_bad_masks():
     with pytest.raises(ValueError, match="shape"):
-        counter.add(torch.zeros(3, 2, dtype=torch.bool))
+        vote_counts([torch.zeros(2, 3, dtype=torch.bool), torch.zeros(3, 2, dtype=torch.bool)])
     with pytest.raises(TypeError, match="bool"):
-        counter.add(torch.zeros(2, 3))
-    counter.add(torch.zeros(2, 3, dtype=torch.bool))
-    counter.add(torch.zeros(2, 3, dtype=torch.bool))
-    with pytest.raises(ValueError, match="more than"):
-        counter.add(torch.zeros(2, 3, dtype=torch.bool))
+        vote_counts([torch.zeros(2, 3)])
+    with pytest.raises(ValueError, match="announced"):
+        vote_counts([torch.zeros(2, 3, dtype=torch.bool)] * 3, 2)
+    with pytest.raises(ValueError, match="no masks"):
+        vote_counts([])
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 64, 255, 256, 300])
+def test_count_packed_equals_unpacked_sum(m):
+    rng = np.random.default_rng(m)
+    for numel in (1, 7, 8, 9, 63, 64, 65, 1000, 4099):
+        masks = rng.random((m, numel)) < rng.random()
+        counts = count_packed([np.packbits(x) for x in masks], numel, chunk_words=3)
+        assert counts.dtype == count_dtype(m)
+        assert counts.tolist() == masks.sum(0).tolist()
+
+
+def _reference_top(counts, key, k, dim):
+    """The obvious implementation: stable sort by key, then stable sort by count descending."""
+    mask = torch.zeros_like(counts, dtype=torch.bool)
+    if k == 0:
+        return mask
+    by_key = torch.sort(key, dim=dim, stable=True).indices
+    ranked = torch.gather(counts.to(torch.int64), dim, by_key)
+    order = torch.gather(by_key, dim, torch.sort(-ranked, dim=dim, stable=True).indices)
+    mask.scatter_(dim, order.narrow(dim, 0, k), True)
+    return mask
+
+
+@pytest.mark.parametrize("tie_break", ["magnitude", "random", "index"])
+@pytest.mark.parametrize("group", ["layer", "row", "column"])
+@pytest.mark.parametrize("clients", [1, 3, 16])
+def test_global_mask_equals_sorting_reference(group, tie_break, clients):
+    gen = torch.Generator().manual_seed(clients)
+    weight = torch.randn(24, 40, generator=gen).round(decimals=1)  # many |W| ties too
+    counts = torch.randint(0, clients + 1, (24, 40), generator=gen, dtype=torch.uint8)
+    if tie_break == "magnitude":
+        key = weight.abs()
+    elif tie_break == "random":
+        key = torch.rand(counts.shape, generator=torch.Generator().manual_seed(5))
+    else:
+        key = torch.zeros(counts.shape)
+    for sparsity in (0.0, 0.1, 0.5, 0.9):
+        got = global_mask(counts, sparsity, group, tie_break, weight, seed=5)
+        if group == "layer":
+            want = _reference_top(counts.reshape(1, -1), key.reshape(1, -1),
+                                  int(sparsity * counts.numel()), 1).reshape(counts.shape)
+        elif group == "row":
+            want = _reference_top(counts, key, int(sparsity * 40), 1)
+        else:
+            want = _reference_top(counts, key, int(sparsity * 24), 0)
+        assert torch.equal(got, want), (group, tie_break, sparsity)
+
+
+def test_global_mask_refuses_nan_weights_at_ties():
+    counts = torch.zeros(2, 4, dtype=torch.uint8)
+    weight = torch.tensor([[0.1, float("nan"), 0.2, 0.3], [0.1, 0.2, 0.3, 0.4]])
+    with pytest.raises(ValueError, match="NaN"):
+        global_mask(counts, 0.5, "row", "magnitude", weight)
+
+
+def test_check_packed_counts_bits_and_refuses_padding():
+    mask = torch.tensor([[True, False, True], [True, True, False]])
+    payload = encode_mask(mask)
+    assert check_packed(payload, (2, 3)) == 4
+    bad = payload.copy()
+    bad[-1] |= 1
+    with pytest.raises(MaskDecodeError, match="padding"):
+        check_packed(bad, (2, 3))
 
 
 COUNTS = B([[3, 1, 1, 0], [2, 2, 0, 3]])

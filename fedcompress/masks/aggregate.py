@@ -1,6 +1,7 @@
 """Server-side aggregation of client prune masks (FedPrLLM, Sec. 3.2): pure functions.
 
-``counts = sum_i M_i`` (votes to prune each weight, an integer wide enough for the client count);
+``counts = sum_i M_i`` (votes to prune each weight, an integer wide enough for the client count,
+counted directly on the bit-packed masks, 64 weights per word operation);
 the global prune mask takes the ``k`` *highest* counts within the server's comparison group
 (``layer``/``row``/``column``, or N:M runs), and optional weight scaling multiplies each kept
 weight by ``(m - count) / m``, the fraction of clients that kept it.
@@ -14,8 +15,10 @@ Tie-break among equal vote counts (``tie_break``):
 
 from __future__ import annotations
 
-from typing import Iterable
+import sys
+from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from fedcompress.models import CALC_DTYPE
@@ -37,63 +40,162 @@ def count_dtype(n_clients: int) -> torch.dtype:
     return torch.int64
 
 
-class VoteCounter:
-    """Streaming sum of prune masks of one weight matrix (memory: one count tensor)."""
-
-    def __init__(self, shape: tuple[int, ...], max_clients: int):
-        self.counts = torch.zeros(shape, dtype=count_dtype(max_clients))
-        self.max_clients = max_clients
-        self.clients = 0
-
-    def add(self, mask: torch.Tensor) -> None:
-        if mask.dtype != torch.bool:
-            raise TypeError(f"a prune mask must be bool, got {mask.dtype}")
-        if tuple(mask.shape) != tuple(self.counts.shape):
-            raise ValueError(f"mask of shape {tuple(mask.shape)} does not match "
-                             f"{tuple(self.counts.shape)}")
-        if self.clients >= self.max_clients:
-            raise ValueError(f"more than the announced {self.max_clients} masks")
-        self.counts += mask.to(self.counts.dtype)
-        self.clients += 1
+_LANES = np.zeros(256, dtype=np.uint64)  # byte -> its 8 bits (MSB first) as 8 byte lanes
+for _byte in range(256):
+    for _bit in range(8):
+        if _byte >> (7 - _bit) & 1:
+            _LANES[_byte] |= np.uint64(1 << (8 * _bit))
+if sys.byteorder != "little":  # lane b must be byte b of the uint64 in memory
+    _LANES = _LANES.byteswap()
 
 
-def vote_counts(masks: Iterable[torch.Tensor], n_clients: int) -> torch.Tensor:
-    """``sum_i M_i`` over the clients' bool prune masks."""
-    counter = None
-    for mask in masks:
-        counter = counter or VoteCounter(tuple(mask.shape), n_clients)
-        counter.add(mask)
-    if counter is None:
+def _bit_planes(words: list[np.ndarray]) -> list[np.ndarray]:
+    """Bit-sliced population count of equal-length uint64 vectors (a Wallace tree of full
+    adders, 5 word operations per input word): returns planes ``p_j`` with
+    ``sum_j 2**j * bit(p_j) == number of inputs with that bit set``, per bit position."""
+    levels = [list(words)]
+    planes = []
+    j = 0
+    while j < len(levels):
+        items = levels[j]
+        while len(items) > 1:
+            if len(levels) == j + 1:
+                levels.append([])
+            if len(items) >= 3:
+                a, b, c = items.pop(), items.pop(), items.pop()
+                t = a ^ b
+                items.append(t ^ c)
+                levels[j + 1].append((a & b) | (t & c))
+            else:
+                a, b = items.pop(), items.pop()
+                items.append(a ^ b)
+                levels[j + 1].append(a & b)
+        planes.append(items[0])
+        j += 1
+    return planes
+
+
+def count_packed(payloads: Sequence[np.ndarray], numel: int, chunk_words: int = 8192
+                 ) -> torch.Tensor:
+    """``sum_i M_i`` of bit-packed masks (the codec's format: ``numpy.packbits``, MSB first),
+    without unpacking each client's mask: the bits are counted 64 at a time in bit-sliced
+    form (chunks small enough to stay in cache), then the few count planes are expanded once.
+    The payloads must already be validated (``codec.check_packed``). Returns counts of shape
+    ``[numel]`` in :func:`count_dtype` of the number of payloads.
+    """
+    m = len(payloads)
+    if m == 0:
         raise ValueError("no masks to aggregate")
-    return counter.counts
+    nbytes = (numel + 7) // 8
+    nwords = (nbytes + 7) // 8
+    stacked = np.zeros((m, nwords * 8), dtype=np.uint8)
+    for i, payload in enumerate(payloads):
+        if payload.shape != (nbytes,):
+            raise ValueError(f"payload {i} has shape {payload.shape}, expected ({nbytes},)")
+        stacked[i, :nbytes] = payload
+    words = stacked.view(np.uint64)
+    planes = np.zeros((max(m.bit_length(), 1), nwords), dtype=np.uint64)
+    for start in range(0, nwords, chunk_words):
+        chunk = _bit_planes([words[i, start:start + chunk_words] for i in range(m)])
+        for j, plane in enumerate(chunk):
+            planes[j, start:start + chunk_words] = plane
+    plane_bytes = planes.view(np.uint8)[:, :nbytes]
+    if m <= 255:  # every count fits a byte lane: expand the planes 8 bits at a time
+        lanes = np.zeros(nbytes, dtype=np.uint64)
+        for j in range(plane_bytes.shape[0]):
+            lanes += _LANES[plane_bytes[j]] << np.uint64(j)
+        counts = lanes.view(np.uint8)[:numel]
+    else:
+        counts = np.zeros(numel, dtype=np.int64)
+        for j in range(plane_bytes.shape[0]):
+            counts += np.unpackbits(plane_bytes[j])[:numel].astype(np.int64) << j
+    return torch.from_numpy(np.ascontiguousarray(counts)).to(count_dtype(m))
+
+
+def vote_counts(masks: Iterable[torch.Tensor], n_clients: int | None = None) -> torch.Tensor:
+    """``sum_i M_i`` over the clients' bool prune masks (all of one shape), in
+    :func:`count_dtype` of the number of masks; ``n_clients``, when given, must match it."""
+    masks = list(masks)
+    if not masks:
+        raise ValueError("no masks to aggregate")
+    shape = tuple(masks[0].shape)
+    for i, mask in enumerate(masks):
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask {i}: a prune mask must be bool, got {mask.dtype}")
+        if tuple(mask.shape) != shape:
+            raise ValueError(f"mask {i} of shape {tuple(mask.shape)} does not match {shape}")
+    if n_clients is not None and n_clients != len(masks):
+        raise ValueError(f"{len(masks)} masks for {n_clients} announced clients")
+    packed = [np.packbits(m.detach().cpu().numpy().reshape(-1)) for m in masks]
+    return count_packed(packed, int(np.prod(shape))).reshape(shape)
 
 
 def _tie_key(counts: torch.Tensor, tie_break: str, weight: torch.Tensor | None,
-             seed: int) -> torch.Tensor:
-    """Secondary key, ascending = pruned first among equal counts."""
+             seed: int) -> np.ndarray | None:
+    """Secondary key (numpy float32; its absolute value ascending = pruned first among equal
+    counts); ``None`` for index order."""
     if tie_break == "magnitude":
         if weight is None:
             raise ValueError("tie_break='magnitude' needs the weight")
         if weight.shape != counts.shape:
             raise ValueError(f"weight shape {tuple(weight.shape)} != counts {tuple(counts.shape)}")
-        return weight.detach().to(CALC_DTYPE).abs()
+        return weight.detach().cpu().to(CALC_DTYPE).numpy()
     if tie_break == "random":
         gen = torch.Generator().manual_seed(seed)
-        return torch.rand(counts.shape, generator=gen, dtype=CALC_DTYPE)
+        return torch.rand(counts.shape, generator=gen, dtype=CALC_DTYPE).numpy()
     if tie_break == "index":
-        return torch.zeros(counts.shape, dtype=CALC_DTYPE)
+        return None
     raise ValueError(f"unknown tie-break {tie_break!r}: expected one of {', '.join(TIE_BREAKS)}")
 
 
-def _top_counts_along(counts: torch.Tensor, key: torch.Tensor, k: int, dim: int) -> torch.Tensor:
-    """Bool mask of the k highest counts along ``dim``; ties: lowest ``key``, then lowest index."""
-    mask = torch.zeros_like(counts, dtype=torch.bool)
-    if k == 0:
-        return mask
-    by_key = torch.sort(key, dim=dim, stable=True).indices
-    ranked = torch.gather(counts.to(torch.int64), dim, by_key)
-    order = torch.gather(by_key, dim, torch.sort(-ranked, dim=dim, stable=True).indices)
-    mask.scatter_(dim, order.narrow(dim, 0, k), True)
+def _row_popcount(bits: np.ndarray) -> np.ndarray:
+    """Number of True entries in every row of a bool matrix (bit-packed, then popcount)."""
+    return np.bitwise_count(np.packbits(bits, axis=1)).sum(axis=1, dtype=np.int64)
+
+
+def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int) -> np.ndarray:
+    """Bool mask of the ``k`` highest counts in every row of ``counts`` ``[rows, n]``.
+
+    Ties among equal counts: the lower ``|key|`` first (``None``: no key), then the lower
+    column index. The result equals a stable sort by (count descending, key ascending, index
+    ascending), computed without sorting whole rows: a per-row threshold count by bisection over
+    the small integer range of the counts, then an exact ranking of only the tied weights at the
+    threshold, in the rows where some but not all of them are selected. (numpy: its integer
+    comparisons and bit counts are many times faster than torch's on the CPU.)
+    """
+    c = counts
+    rows, n = c.shape
+    if k == 0 or rows == 0:
+        return np.zeros(c.shape, dtype=bool)
+    # Bisection: ge(t) = #(c >= t) does not increase with t; find the largest t with ge(t) >= k.
+    lo = np.zeros(rows, dtype=np.int64)  # ge(0) = n >= k
+    hi = np.full(rows, int(c.max()) + 1, dtype=np.int64)  # ge(max + 1) = 0 < k
+    while (hi - lo > 1).any():
+        mid = (lo + hi) // 2
+        ok = _row_popcount(c >= mid.astype(c.dtype)[:, None]) >= k
+        lo = np.where(ok, mid, lo)
+        hi = np.where(ok, hi, mid)
+    threshold = lo.astype(c.dtype)[:, None]
+    mask = c > threshold
+    need = k - _row_popcount(mask)  # how many of the tied weights each row still prunes
+    tied = c == threshold
+    n_tied = _row_popcount(tied)
+    mask |= tied & (need == n_tied)[:, None]  # rows that prune every tied weight
+    partial = (need > 0) & (need < n_tied)
+    if partial.any():
+        row, col = np.nonzero(tied & partial[:, None])
+        if key is None:
+            order = np.lexsort((col, row))  # by row, then index
+        else:
+            tie_keys = np.abs(key[row, col])
+            if not np.isfinite(tie_keys).all():
+                raise ValueError("tie-break key has NaN or infinite entries (weights?)")
+            order = np.lexsort((col, tie_keys, row))  # by row, then key, then index
+        row, col = row[order], col[order]
+        starts = np.zeros(rows + 1, dtype=np.int64)
+        starts[1:] = np.cumsum(np.bincount(row, minlength=rows))
+        chosen = np.arange(row.size) - starts[row] < need[row]
+        mask[row[chosen], col[chosen]] = True
     return mask
 
 
@@ -104,22 +206,25 @@ def global_mask(counts: torch.Tensor, sparsity: float, group: str = "layer",
     if counts.dim() != 2:
         raise ValueError(f"counts must be a matrix [out, in], got shape {tuple(counts.shape)}")
     key = _tie_key(counts, tie_break, weight, seed)
-    rows, cols = counts.shape
+    c = counts.detach().cpu().numpy()
+    rows, cols = c.shape
     if nm is not None:
         n, m = nm
         if cols % m:
             raise ValueError(f"N:M {n}:{m} needs in_features divisible by {m}, got {cols}")
-        shape3 = (rows, cols // m, m)
-        return _top_counts_along(counts.reshape(shape3), key.reshape(shape3), n, 2).reshape(
-            rows, cols)
-    check_sparsity(sparsity)
-    check_group(group)
-    if group == "layer":
-        return _top_counts_along(counts.reshape(1, -1), key.reshape(1, -1),
-                                 int(sparsity * counts.numel()), 1).reshape(rows, cols)
-    if group == "row":
-        return _top_counts_along(counts, key, int(sparsity * cols), 1)
-    return _top_counts_along(counts, key, int(sparsity * rows), 0)
+        mask = _top_counts_rows(c.reshape(-1, m), None if key is None else key.reshape(-1, m), n)
+    else:
+        check_sparsity(sparsity)
+        check_group(group)
+        if group == "layer":
+            mask = _top_counts_rows(c.reshape(1, -1), None if key is None else key.reshape(1, -1),
+                                    int(sparsity * c.size))
+        elif group == "row":
+            mask = _top_counts_rows(c, key, int(sparsity * cols))
+        else:
+            mask = _top_counts_rows(np.ascontiguousarray(c.T), None if key is None else key.T,
+                                    int(sparsity * rows)).T
+    return torch.from_numpy(np.ascontiguousarray(mask).reshape(rows, cols))
 
 
 def scale_weights(weight: torch.Tensor, counts: torch.Tensor, n_clients: int) -> torch.Tensor:

@@ -26,7 +26,9 @@ def encode_mask(mask: torch.Tensor) -> np.ndarray:
     return np.packbits(mask.detach().cpu().numpy().reshape(-1))
 
 
-def decode_mask(payload: np.ndarray, shape: tuple[int, ...], name: str = "mask") -> torch.Tensor:
+def check_packed(payload: np.ndarray, shape: tuple[int, ...], name: str = "mask") -> int:
+    """Validate a bit-packed payload for ``shape`` without unpacking it (dtype, exact length,
+    zero padding bits); returns the number of set bits (pruned weights)."""
     if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8:
         kind = payload.dtype if isinstance(payload, np.ndarray) else type(payload).__name__
         raise MaskDecodeError(f"{name}: expected a uint8 bit-packed array, got {kind}")
@@ -36,7 +38,13 @@ def decode_mask(payload: np.ndarray, shape: tuple[int, ...], name: str = "mask")
         raise MaskDecodeError(f"{name}: payload of {payload.size} bytes (shape "
                               f"{payload.shape}), expected {expected} bytes for shape "
                               f"{tuple(shape)}")
-    bits = np.unpackbits(payload)
-    if bits[numel:].any():
+    pad = 8 * expected - numel
+    if pad and int(payload[-1]) & ((1 << pad) - 1):
         raise MaskDecodeError(f"{name}: non-zero padding bits: payload corrupted")
-    return torch.from_numpy(bits[:numel].astype(bool).reshape(shape))
+    return int(np.bitwise_count(payload).sum(dtype=np.int64))
+
+
+def decode_mask(payload: np.ndarray, shape: tuple[int, ...], name: str = "mask") -> torch.Tensor:
+    check_packed(payload, shape, name)
+    numel = int(np.prod(shape))
+    return torch.from_numpy(np.unpackbits(payload, count=numel).astype(bool).reshape(shape))

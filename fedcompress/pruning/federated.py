@@ -6,11 +6,11 @@ implementation:
 
 * :func:`client_windows`: the calibration windows of every client (a seeded pool of
   ``clients x samples_per_client`` windows, split iid or by Dirichlet(alpha));
-* :func:`encode_masks` / :func:`decode_masks`: one client's masks to and from the wire
-  (bit-packed), with validation of names, shapes, dtype and sparsity;
-* :class:`MaskAggregator`: streaming vote counts per linear layer, then the global masks by
-  top-k within the server's comparison group, with the documented tie-break, and optional
-  weight scaling.
+* :func:`encode_masks` / :func:`check_payload` / :func:`decode_masks`: one client's masks to
+  and from the wire (bit-packed), with validation of names, shapes, dtype and sparsity;
+* :class:`MaskAggregator`: vote counts of the packed masks, one linear layer at a time, then
+  the global masks by top-k within the server's comparison group, with the documented
+  tie-break, and optional weight scaling.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcompress.masks.aggregate import TIE_BREAKS, VoteCounter, global_mask, scale_weights
-from fedcompress.masks.codec import MaskDecodeError, decode_mask, encode_mask, packed_nbytes
+from fedcompress.masks.aggregate import TIE_BREAKS, count_packed, global_mask, scale_weights
+from fedcompress.masks.codec import (
+    MaskDecodeError, check_packed, decode_mask, encode_mask, packed_nbytes)
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.select import check_group
 
@@ -127,31 +128,35 @@ def encode_masks(masks: list[dict[str, torch.Tensor]], first_layer: int = 0
             for i, layer in enumerate(masks) for name, mask in layer.items()}
 
 
-def decode_masks(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
-                 target_sparsity: float, tolerance: float = 0.05) -> dict[str, torch.Tensor]:
-    """Decode and validate one client's payload against the expected keys and shapes.
-
-    Every mask must be present, bit-packed for its shape, and have a sparsity within
-    ``tolerance`` of ``target_sparsity``; otherwise :class:`InvalidMaskError` says why.
-    """
+def check_payload(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
+                  target_sparsity: float, tolerance: float = 0.05) -> dict[str, np.ndarray]:
+    """Validate one client's bit-packed payload against the expected keys and shapes, without
+    unpacking it: every mask must be present, bit-packed for its shape, and have a sparsity
+    within ``tolerance`` of ``target_sparsity``; otherwise :class:`InvalidMaskError` says why.
+    Returns the payload restricted to ``shapes``' keys, in their order."""
     missing = sorted(set(shapes) - set(payload))
     extra = sorted(set(payload) - set(shapes))
     if missing or extra:
         raise InvalidMaskError(f"mask names do not match the model: missing {missing[:3]}"
                                f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
                                f"{'...' if len(extra) > 3 else ''}")
-    masks = {}
     for key, shape in shapes.items():
         try:
-            mask = decode_mask(payload[key], shape, key)
+            pruned = check_packed(payload[key], shape, key)
         except MaskDecodeError as err:
             raise InvalidMaskError(str(err)) from err
-        sparsity = mask.float().mean().item()
+        sparsity = pruned / max(int(np.prod(shape)), 1)
         if abs(sparsity - target_sparsity) > tolerance:
             raise InvalidMaskError(f"{key}: sparsity {sparsity:.3f}, requested "
                                    f"{target_sparsity:.3f} (tolerance {tolerance})")
-        masks[key] = mask
-    return masks
+    return {key: payload[key] for key in shapes}
+
+
+def decode_masks(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
+                 target_sparsity: float, tolerance: float = 0.05) -> dict[str, torch.Tensor]:
+    """:func:`check_payload`, then unpack every mask to a bool tensor."""
+    checked = check_payload(payload, shapes, target_sparsity, tolerance)
+    return {key: decode_mask(checked[key], shapes[key], key) for key in shapes}
 
 
 def payload_nbytes(shapes: dict[str, tuple]) -> int:
@@ -166,56 +171,93 @@ def payload_nbytes(shapes: dict[str, tuple]) -> int:
 class MaskAggregator:
     """Streaming FedPrLLM aggregation for a set of linear layers of the global model.
 
-    ``add`` one client's decoded masks at a time (memory: one integer count tensor per linear
-    layer); ``global_masks`` then picks the highest counts within ``server.group``.
+    ``add_packed`` keeps one client's validated bit-packed payload (1 bit per weight: the
+    message as received, never unpacked); the vote counts of a linear layer are computed when
+    that layer's global mask is needed (:func:`~fedcompress.masks.aggregate.count_packed`),
+    one layer at a time, so the extra memory is one layer's counts, not the model's
+    (``cache_counts=True`` keeps them, for benchmarks that evaluate many server variants).
     """
 
     model: nn.Module
     max_clients: int
     layers: list[int] | None = None
-    counters: dict[str, VoteCounter] = field(default_factory=dict)
+    cache_counts: bool = False
 
     def __post_init__(self):
         self.shapes = expected_shapes(self.model, self.layers)
-        self.counters = {k: VoteCounter(s, self.max_clients) for k, s in self.shapes.items()}
+        self.payloads: dict[str, list[np.ndarray]] = {k: [] for k in self.shapes}
+        self._counts: dict[str, torch.Tensor] = {}
         self.clients = 0
 
-    def add(self, masks: dict[str, torch.Tensor]) -> None:
-        if set(masks) != set(self.shapes):
+    def add_packed(self, payload: dict[str, np.ndarray]) -> None:
+        """One client's payload, already validated by :func:`check_payload`."""
+        if set(payload) != set(self.shapes):
             raise InvalidMaskError("mask names do not match the aggregated layers")
-        for key, mask in masks.items():
-            self.counters[key].add(mask)
+        if self.clients >= self.max_clients:
+            raise ValueError(f"more than the announced {self.max_clients} clients")
+        for key, packed in payload.items():
+            self.payloads[key].append(packed)
+        self._counts.clear()
         self.clients += 1
 
-    def counts(self) -> dict[str, torch.Tensor]:
-        return {k: c.counts for k, c in self.counters.items()}
+    def add(self, masks: dict[str, torch.Tensor]) -> None:
+        """One client's bool masks (in-process callers): packed, checked, then added."""
+        if set(masks) != set(self.shapes):
+            raise InvalidMaskError("mask names do not match the aggregated layers")
+        packed = {}
+        for key, mask in masks.items():
+            if tuple(mask.shape) != tuple(self.shapes[key]):
+                raise InvalidMaskError(f"{key}: mask of shape {tuple(mask.shape)}, expected "
+                                       f"{tuple(self.shapes[key])}")
+            packed[key] = encode_mask(mask)
+        self.add_packed(packed)
 
-    def _weight(self, key: str) -> torch.Tensor:
+    def layer_counts(self, key: str) -> torch.Tensor:
+        """Vote counts ``sum_i M_i`` of one linear layer."""
+        if key in self._counts:
+            return self._counts[key]
+        if self.clients == 0:
+            raise ValueError("no client masks were aggregated")
+        shape = self.shapes[key]
+        counts = count_packed(self.payloads[key], int(np.prod(shape))).reshape(shape)
+        if self.cache_counts:
+            self._counts[key] = counts
+        return counts
+
+    def counts(self) -> dict[str, torch.Tensor]:
+        return {k: self.layer_counts(k) for k in self.shapes}
+
+    def _weight(self, key: str, model: nn.Module | None = None) -> torch.Tensor:
         _, layer, name = key.split(".", 2)
-        linear = ModelAdapter.linear_layers(ModelAdapter(self.model).layers[int(layer)])[name]
-        return weight_matrix(linear)
+        adapter = ModelAdapter(model if model is not None else self.model)
+        return weight_matrix(ModelAdapter.linear_layers(adapter.layers[int(layer)])[name])
+
+    def global_mask(self, key: str, server: ServerConfig, sparsity: float,
+                    nm: tuple[int, int] | None = None,
+                    counts: torch.Tensor | None = None) -> torch.Tensor:
+        counts = self.layer_counts(key) if counts is None else counts
+        return global_mask(counts, sparsity, server.group, server.tie_break,
+                           self._weight(key).detach().cpu(), server.seed, nm)
 
     def global_masks(self, server: ServerConfig, sparsity: float,
                      nm: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
-        if self.clients == 0:
-            raise ValueError("no client masks were aggregated")
-        return {key: global_mask(counter.counts, sparsity, server.group, server.tie_break,
-                                 self._weight(key).detach().cpu(), server.seed, nm)
-                for key, counter in self.counters.items()}
+        return {key: self.global_mask(key, server, sparsity, nm) for key in self.shapes}
 
     @torch.no_grad()
     def prune(self, model: nn.Module, server: ServerConfig, sparsity: float,
-              nm: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
-        """Prune ``model`` (a copy of the global model) in place; return the global masks."""
-        masks = self.global_masks(server, sparsity, nm)
-        adapter = ModelAdapter(model)
-        for key, mask in masks.items():
-            _, layer, name = key.split(".", 2)
-            w = weight_matrix(ModelAdapter.linear_layers(adapter.layers[int(layer)])[name])
+              nm: tuple[int, int] | None = None) -> dict[str, float]:
+        """Prune ``model`` (a copy of the global model) in place, one linear layer at a time
+        (no mask or count of another layer is kept); return each layer's pruned fraction."""
+        pruned = {}
+        for key in self.shapes:
+            counts = self.layer_counts(key)
+            mask = self.global_mask(key, server, sparsity, nm, counts)
+            w = self._weight(key, model)
             if server.scale:
-                w.copy_(scale_weights(w, self.counters[key].counts.to(w.device), self.clients))
+                w.copy_(scale_weights(w, counts.to(w.device), self.clients))
             w.masked_fill_(mask.to(w.device), 0)
-        return masks
+            pruned[key] = mask.float().mean().item()
+        return pruned
 
 
 def masks_by_layer(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
