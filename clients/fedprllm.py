@@ -20,12 +20,10 @@ import transformers
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcompress.data.calibration import tokenize_corpus
-from fedcompress.data.corpora import load_corpus
 from fedcompress.models import load_model
 from fedcompress.pruning.federated import (
-    FedPrLLMConfig, client_windows, decode_masks, encode_masks, expected_shapes,
-    iterative_client_step, masks_by_layer)
+    FedPrLLMConfig, decode_masks, encode_masks, expected_shapes,
+    federation_windows, iterative_client_step, masks_by_layer)
 from fedcompress.pruning.local import local_masks
 
 logger = logging.getLogger(__name__)
@@ -40,19 +38,11 @@ def _model(spec: str, dtype: str):
     return loaded.model, loaded.tokenizer
 
 
-@functools.lru_cache(maxsize=2)
-def _tokens(spec: str, dtype: str, corpus: str, split: str) -> torch.Tensor:
-    _, tokenizer = _model(spec, dtype)
-    return tokenize_corpus(tokenizer, load_corpus(corpus, split))
-
-
 @functools.lru_cache(maxsize=4)
 def _windows(config: FedPrLLMConfig, data_path: str | None) -> list[torch.Tensor]:
     """All clients' windows (a seeded pool split by partition); cheap next to pruning."""
-    tokens = _tokens(config.model, config.dtype, data_path or config.calib_text,
-                     config.calib_split)
-    return client_windows(tokens, config.clients, config.samples_per_client, config.seqlen,
-                          config.partition, config.alpha, config.seed)
+    _, tokenizer = _model(config.model, config.dtype)
+    return federation_windows(tokenizer, config, data_path)[0]
 
 
 _KWARGS: dict[tuple, list[dict]] = {}

@@ -14,7 +14,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedcompress.models import load_model
 from fedcompress.pruning.federated import (
     FedPrLLMConfig, InvalidMaskError, MaskAggregator, client_windows, decode_masks,
-    encode_masks, expected_shapes, iterative_client_step, mask_key)
+    encode_masks, expected_shapes, federation_windows, iterative_client_step, mask_key)
 from fedcompress.pruning.local import PruneConfig, local_masks
 from strategies.fedprllm import FedPrLLM, IterativeFedPrLLM, NotEnoughClientsError
 
@@ -41,11 +41,7 @@ def config_for(tiny_dir, **kw) -> FedPrLLMConfig:
 
 
 def windows_for(tiny, config):
-    from clients.fedprllm import _tokens
-
-    tokens = _tokens(config.model, config.dtype, config.calib_text, config.calib_split)
-    return client_windows(tokens, config.clients, config.samples_per_client, config.seqlen,
-                          config.partition, config.alpha, config.seed)
+    return federation_windows(tiny.tokenizer, config)[0]
 
 
 class Federation:
@@ -254,3 +250,16 @@ def test_flower_simulation_four_clients(tiny_dir, tiny, tmp_path):
     saved = load_model(str(out / "model"), device="cpu").model
     for (k, a), (_, b) in zip(model.state_dict().items(), saved.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def test_federation_windows_over_several_corpora(tiny):
+    config = FedPrLLMConfig(model="unused", clients=4, samples_per_client=3, seqlen=16,
+                            calib_text="wiki+shakespeare", partition="dirichlet", alpha=0.05)
+    windows, sources = federation_windows(tiny.tokenizer, config)
+    assert sum(len(w) for w in windows) == 12 and all(len(w) >= 1 for w in windows)
+    assert sorted(s for part in sources for s in part) == ["shakespeare"] * 6 + ["wiki"] * 6
+    # A small alpha concentrates each client on few sources; the split is seeded.
+    again, again_sources = federation_windows(tiny.tokenizer, config)
+    assert again_sources == sources and all(torch.equal(a, b) for a, b in zip(again, windows))
+    with pytest.raises(ValueError, match="twice"):
+        federation_windows(tiny.tokenizer, FedPrLLMConfig(model="x", calib_text="wiki+wiki"))

@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fedcompress.data.calibration import tokenize_corpus
 from fedcompress.data.corpora import corpus_text, load_corpus
 from fedcompress.eval.perplexity import perplexity
 from fedcompress.models import LoadedModel, load_model
-from fedcompress.pruning.federated import FedPrLLMConfig, client_windows
+from fedcompress.pruning.federated import FedPrLLMConfig, federation_windows
 from fedcompress.pruning.local import apply_masks, local_masks, sparsity_report
 
 logger = logging.getLogger(__name__)
@@ -95,16 +94,17 @@ class Experiment:
 
 
 def prepare_experiment(config: FedPrLLMConfig, eval_config: EvalConfig,
-                       device: str | None = None) -> Experiment:
-    """Load the global model, cut every client's calibration windows, read the eval text."""
+                       device: str | None = None, loaded: LoadedModel | None = None
+                       ) -> Experiment:
+    """Load the global model (unless ``loaded`` is given), cut every client's calibration
+    windows, read the eval text."""
     timings = {}
     start = time.perf_counter()
-    loaded = load_model(config.model, device=device, dtype=config.dtype)
+    if loaded is None:
+        loaded = load_model(config.model, device=device, dtype=config.dtype)
     timings["load_model"] = time.perf_counter() - start
     start = time.perf_counter()
-    tokens = tokenize_corpus(loaded.tokenizer, load_corpus(config.calib_text, config.calib_split))
-    windows = client_windows(tokens, config.clients, config.samples_per_client, config.seqlen,
-                             config.partition, config.alpha, config.seed)
+    windows, _ = federation_windows(loaded.tokenizer, config)
     eval_text = corpus_text(load_corpus(eval_config.eval_text, eval_config.eval_split))
     timings["data"] = time.perf_counter() - start
     return Experiment(config, eval_config, loaded, windows, eval_text, timings)

@@ -97,20 +97,71 @@ def client_windows(tokens: torch.Tensor, clients: int, samples_per_client: int, 
     the union of the pool.
     """
     from fedcompress.data.calibration import sample_windows
-    from fedcompress.data.partition import dirichlet_partition, iid_partition
 
     check_federation(clients, samples_per_client, seqlen)
     total = total_windows or clients * samples_per_client
     if clients > total:
         raise ValueError(f"more clients ({clients}) than calibration windows ({total})")
     pool = sample_windows(tokens, total, seqlen, np.random.default_rng(seed))
+    return split_windows(pool, clients, partition, alpha, seed)
+
+
+def split_windows(pool: torch.Tensor, clients: int, partition: str = "iid", alpha: float = 1.0,
+                  seed: int = 0, labels: list[str] | None = None) -> list[torch.Tensor]:
+    """Split a pool of windows among ``clients``: ``iid`` (equal shares of a seeded
+    permutation) or ``dirichlet`` (quantity skew by Dirichlet(alpha); with ``labels``, e.g. the
+    source corpus of each window, label skew: each label's windows shared by a fresh
+    Dirichlet(alpha)). Each client's windows keep their pool order."""
+    from fedcompress.data.partition import dirichlet_partition, iid_partition
+
+    if clients > len(pool):
+        raise ValueError(f"more clients ({clients}) than calibration windows ({len(pool)})")
     if partition == "iid":
-        parts = iid_partition(total, clients, seed)
+        parts = iid_partition(len(pool), clients, seed)
     elif partition == "dirichlet":
-        parts = dirichlet_partition(total, clients, alpha, seed)
+        parts = dirichlet_partition(len(pool), clients, alpha, seed, labels=labels)
     else:
         raise ValueError(f"unknown partition {partition!r}: expected one of {', '.join(PARTITIONS)}")
     return [pool[torch.as_tensor(np.sort(p), dtype=torch.long)] for p in parts]
+
+
+def federation_windows(tokenizer, config: "FedPrLLMConfig", calib_text: str | None = None
+                       ) -> tuple[list[torch.Tensor], list[list[str]] | None]:
+    """Every client's windows for ``config`` (``calib_text`` overrides ``config.calib_text``).
+
+    One corpus: :func:`client_windows`. Several corpora joined by ``+`` (e.g.
+    ``wiki+shakespeare+code``): the pool has an equal share of windows from each (the first
+    sources take the remainder), each source sampled with its own seeded generator
+    (:func:`~fedcompress.data.calibration.mixed_calibration_windows`), and a ``dirichlet``
+    partition skews the clients' mixtures of sources (label skew over source corpora). Returns
+    the windows and, for several corpora, each client's list of source names.
+    """
+    from fedcompress.data.calibration import mixed_calibration_windows, tokenize_corpus
+    from fedcompress.data.corpora import load_corpus
+
+    names = [n for n in (calib_text or config.calib_text).split("+") if n]
+    if len(names) <= 1:
+        tokens = tokenize_corpus(tokenizer, load_corpus(names[0] if names else "",
+                                                        config.calib_split))
+        return client_windows(tokens, config.clients, config.samples_per_client, config.seqlen,
+                              config.partition, config.alpha, config.seed), None
+    if len(set(names)) != len(names):
+        raise ValueError(f"calibration corpora {names} name a corpus twice")
+    check_federation(config.clients, config.samples_per_client, config.seqlen)
+    total = config.clients * config.samples_per_client
+    if total < len(names):
+        raise ValueError(f"{total} calibration windows cannot cover {len(names)} corpora")
+    per_source = {n: total // len(names) + (i < total % len(names)) for i, n in enumerate(names)}
+    sources = {n: load_corpus(n, config.calib_split) for n in names}
+    pool, labels = mixed_calibration_windows(tokenizer, sources, per_source, config.seqlen,
+                                             config.seed)
+    parts = split_windows(pool, config.clients, config.partition, config.alpha, config.seed,
+                          labels=labels)
+    # Recover each client's sources: split_windows keeps the order, so split the labels alike.
+    index = torch.arange(len(pool)).unsqueeze(1)
+    label_parts = [[labels[int(i)] for i in part[:, 0]] for part in split_windows(
+        index, config.clients, config.partition, config.alpha, config.seed, labels=labels)]
+    return parts, label_parts
 
 
 # ------------------------------------------------------------------------------------------
