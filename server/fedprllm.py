@@ -14,6 +14,14 @@ import logging
 import time
 from pathlib import Path
 
+# Imported here, at module level, on purpose. `flwr run` (simulation runtime) imports this module
+# in its ServerApp thread while its main thread imports the ClientApp module, which imports
+# transformers. transformers replaces itself in sys.modules (a lazy module) at the end of its
+# import, and a thread that meets it half-imported is handed the stale module object: a
+# `from transformers import AutoConfig` there fails with ImportError (Flower exit code 607).
+# An `import transformers` statement waits for the import to complete, so after this line every
+# `from transformers import ...` in this thread (e.g. in fedcompress.models) sees the real module.
+import transformers  # noqa: F401
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 

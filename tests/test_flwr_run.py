@@ -1,0 +1,174 @@
+"""`flwr run .` end to end: Flower's own runtime (a local SuperLink in simulation mode, started by
+`flwr run`) builds the FAB from pyproject.toml, runs the FedPrLLM ServerApp and ClientApps on a
+tiny local model, and the run writes report.json. Every process the run started (SuperLink,
+SuperExec, flwr-simulation, Ray) is stopped by PID afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CLIENTS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _started_by(flwr_home: Path, before: set[int]) -> list:
+    """Processes of the local SuperLink that `flwr run` started for this FLWR_HOME: the SuperLink
+    (found by its log file under FLWR_HOME), its descendants, and every process left in their
+    sessions (SuperLink and SuperExec each start a new session; Ray's processes live in the
+    SuperExec's, and Ray actors can be orphaned to PID 1 there). Only PIDs new since ``before``."""
+    import psutil
+
+    roots = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info["cmdline"] or []  # None when unreadable (e.g. a zombie)
+        if proc.info["pid"] not in before and any(str(flwr_home) in part for part in cmd) \
+                and any(part.endswith("flower-superlink") for part in cmd):
+            roots.append(proc)
+    found = {}
+    for root in roots:
+        try:
+            found[root.pid] = root
+            found.update({child.pid: child for child in root.children(recursive=True)})
+        except psutil.Error:
+            continue
+    sessions = set()
+    for pid in list(found):
+        try:
+            sessions.add(os.getsid(pid))
+        except ProcessLookupError:
+            continue
+    for proc in psutil.process_iter(["pid"]):
+        pid = proc.info["pid"]
+        if pid in before or pid in found:
+            continue
+        try:
+            if os.getsid(pid) in sessions:
+                found[pid] = proc
+        except ProcessLookupError:
+            continue
+    return list(found.values())
+
+
+def _alive(procs: list) -> list:
+    import psutil
+
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.Error:
+            continue
+    return alive
+
+
+def _stop(flwr_home: Path, before: set[int], grace: float = 15.0) -> list:
+    """SIGTERM the SuperLink (its SuperExec follows), then SIGKILL whatever of ours is left."""
+    import psutil
+
+    procs = _started_by(flwr_home, before)
+    for proc in procs:
+        try:
+            if any(part.endswith("flower-superlink") for part in proc.cmdline()):
+                proc.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            continue
+    deadline = time.monotonic() + grace
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    # Processes started meanwhile (e.g. a Ray helper) are found again by session.
+    procs = list({p.pid: p for p in procs + _started_by(flwr_home, before)}.values())
+    for proc in _alive(procs):
+        try:
+            proc.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(_alive(procs), timeout=10)
+    return _alive(procs + _started_by(flwr_home, before))
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """The tiny llama of the other FedPrLLM tests, saved with its tokenizer."""
+    from conftest import build_tiny_model, build_tiny_tokenizer
+
+    path = tmp_path / "tiny-llama"
+    build_tiny_model("llama", n_layers=3).save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def flwr_env(tmp_path):
+    """A private FLWR_HOME with the `local` simulation connection, and private SuperLink ports
+    (never a SuperLink someone else started). Yields the environment; stops the processes."""
+    import psutil
+
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n')
+    env = dict(os.environ)
+    env.update({
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        "FLWR_HOME": str(home),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+    })
+    before = set(psutil.pids())
+    try:
+        yield env
+    finally:
+        left = _stop(home, before)
+        assert left == [], f"processes left running: {[(p.pid, p.name()) for p in left]}"
+
+
+@pytest.mark.simulation
+def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path):
+    out = tmp_path / "out"
+    run_config = (f'model="{tiny_model_dir}" clients={CLIENTS} samples-per-client=2 seqlen=16 '
+                  f'batch-size=2 eval-seqlen=16 eval-windows=4 out="{out}" device="cpu" '
+                  'baselines="dense"')
+    flwr = str(Path(sys.executable).parent / "flwr")
+    proc = subprocess.run(
+        [flwr, "run", ".", "--federation-config",
+         f"num-supernodes={CLIENTS} client-resources-num-cpus=1",
+         "--run-config", run_config, "--stream"],
+        cwd=REPO, env=flwr_env, capture_output=True, text=True, timeout=240)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+
+    # `flwr run --stream` exits 0 even when the run fails: ask the SuperLink.
+    ls = subprocess.run([flwr, "ls", "--format", "json"], cwd=REPO, env=flwr_env,
+                        capture_output=True, text=True, timeout=60)
+    runs = json.loads(ls.stdout)["runs"]
+    assert len(runs) == 1 and runs[0]["status"] == "finished:completed", \
+        f"{runs}\n{log[-4000:]}"
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok" and report["rejected"] == []
+    assert [r["name"] for r in report["results"]] == ["dense", "fedprllm-oneshot-layer"]
+    fed = report["results"][1]
+    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 1
+    assert abs(fed["sparsity"] - 0.5) < 1e-3
+    assert (out / "model" / "config.json").exists()
