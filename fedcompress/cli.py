@@ -348,6 +348,43 @@ def _print_prune_summary(report: dict) -> None:
     console.print(f"report: {report['config']['out']}/report.json | report.md")
 
 
+@app.command("bench")
+def bench_command(
+    config_file: Annotated[Path, typer.Argument(
+        metavar="CONFIG", help="Bench TOML: a [bench] table and [study.NAME] tables (see "
+                               "simulations/*.toml).")],
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", help="Output folder; an existing one is resumed (finished cells are kept). "
+                      "[default: [bench] out, else runs/bench-CONFIG]", show_default=False)] = None,
+    eval_windows: Annotated[Optional[int], typer.Option(
+        "--eval-windows", help="Override every study's number of evaluation windows "
+                               "(0: the whole split).", show_default=False)] = None,
+    device: DeviceOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the plan (cells, "
+                                                              "pending) and the empty tables.")
+                       ] = False,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress",
+                                           help="Progress bars.")] = True,
+    log_level: LogOpt = "INFO",
+) -> None:
+    """Sweep FedPrLLM aggregation strategies (method x sparsity x group x scaling x mode x
+    tie-break, plus baselines) from one config; resumable; tables, plots, report."""
+    _setup_logging(log_level)
+    from fedcompress.bench.report import run_bench
+
+    report = run_bench(config_file, out, {"eval_windows": eval_windows},
+                       None if device in (None, "auto") else device, progress, dry_run)
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    for title, text in report.sections:
+        console.print(f"[bold]{title}[/bold]")
+        console.print(text)
+    console.print(f"status: {report.status}; report: {report.out_dir}/report.json | report.md")
+    if report.status not in ("ok", "planned"):
+        raise SystemExit(1)
+
+
 @app.command("models")
 def models_command() -> None:
     """List the embedded models, whether their packages are installed, and their cache."""

@@ -116,6 +116,8 @@ class RunReport:
         self.timings: dict[str, float] = {}
         self.results: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
+        self.sections: list[tuple[str, str]] = []  # (title, markdown) shown before the results
+        self.markdown_results = True  # False: results only in report.json (large sweeps)
         self.status = "running"
         self.versions = versions()
         _atomic_write(self.out_dir / "config.toml",
@@ -176,10 +178,9 @@ class RunReport:
             "",
             f"Reproduce: `{self.reproduce}`",
             "",
-            "## Results",
-            "",
-            "\n\n".join(tables) if tables else "(no results)",
-            "",
+            *[f"## {title}\n\n{text}\n" for title, text in self.sections],
+            *(["## Results", "", "\n\n".join(tables) if tables else "(no results)", ""]
+              if self.markdown_results else []),
             "## Timings (s)",
             "",
             markdown_table(["phase", "seconds"],

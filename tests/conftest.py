@@ -95,3 +95,12 @@ def embedded():
     from fedcompress.models import load_model
 
     return load_model("smollm2-135m", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A saved tiny 3-layer llama with the tiny tokenizer (a model spec for load_model)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_model("llama", n_layers=3).save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return str(path)

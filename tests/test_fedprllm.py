@@ -14,19 +14,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedcompress.models import load_model
 from fedcompress.pruning.federated import (
     FedPrLLMConfig, InvalidMaskError, MaskAggregator, client_windows, decode_masks,
-    encode_masks, expected_shapes, federation_windows, iterative_client_step, mask_key)
+    encode_masks, expected_shapes, federation_windows, iterative_client_step, iterative_vote, mask_key)
 from fedcompress.pruning.local import PruneConfig, local_masks
 from strategies.fedprllm import FedPrLLM, IterativeFedPrLLM, NotEnoughClientsError
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from conftest import build_tiny_model, build_tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama-fed")
-    build_tiny_model("llama", n_layers=3).save_pretrained(path)
-    build_tiny_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +159,11 @@ def test_iterative_layer0_equals_oneshot_and_runs_all_layers(tiny_dir, tiny, met
     run_rounds(strategy, Federation(config.clients))
     assert strategy.num_rounds == 3 and sorted(strategy.global_masks) == [0, 1, 2]
     assert not strategy.rejected
+    # The in-process iterative vote (benchmarks) equals the Flower rounds.
+    inprocess = iterative_vote(tiny.model, windows_for(tiny, config), config)
+    for layer, aggregator in inprocess.items():
+        for key, mask in aggregator.global_masks(config.server, 0.5).items():
+            assert torch.equal(mask, strategy.global_masks[layer][key.split(".", 2)[2]])
 
 
 def _tamper(reply: Message, how: str) -> Message:

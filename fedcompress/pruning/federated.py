@@ -446,3 +446,27 @@ def iterative_client_step(model: nn.Module, windows: torch.Tensor, layer: int,
                           batch_size=batch_size)
     masks, _ = layer_prune_fn(prune)(layer, adapter.layers[layer], stats)
     return masks, inputs.hidden, layer_kwargs
+
+
+def iterative_vote(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMConfig,
+                   batch_size: int | None = None) -> dict[int, MaskAggregator]:
+    """Iterative FedPrLLM in one process (benchmarks): the same client steps and per-layer
+    votes as the Flower strategy, clients run one after another. Returns each decoder layer's
+    aggregator; ``aggregator.prune(model, config.server, ...)`` applies its global mask."""
+    prune = config.prune
+    state: list[tuple[torch.Tensor | None, list[dict] | None]] = [(None, None)] * len(windows)
+    aggregators: dict[int, MaskAggregator] = {}
+    previous: dict[str, torch.Tensor] | None = None
+    for layer in range(len(ModelAdapter(model))):
+        aggregator = MaskAggregator(model, len(windows), [layer])
+        for c, client_windows_ in enumerate(windows):
+            hidden, kwargs = state[c]
+            masks, hidden, kwargs = iterative_client_step(
+                model, client_windows_, layer, hidden, previous, prune, kwargs,
+                batch_size or config.batch_size)
+            state[c] = (hidden, kwargs)
+            aggregator.add({mask_key(layer, name): m for name, m in masks.items()})
+        flat = aggregator.global_masks(config.server, prune.target_sparsity, prune.nm_pattern)
+        previous = masks_by_layer(flat)[layer]
+        aggregators[layer] = aggregator
+    return aggregators

@@ -1,0 +1,1 @@
+"""Benchmark sweeps of aggregation strategies: plan, run (resumable), tables and plots."""

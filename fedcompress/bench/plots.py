@@ -1,0 +1,96 @@
+"""PNG plots of a bench sweep (matplotlib, Agg backend): perplexity vs sparsity per strategy,
+the histogram of vote counts, and the per-layer agreement between client masks."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from fedcompress.bench.sweep import Study
+from fedcompress.bench.tables import strategy_label
+
+logger = logging.getLogger(__name__)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    fig.clf()
+    _pyplot().close(fig)
+    return path
+
+
+def perplexity_vs_sparsity(study: Study, results: dict[str, dict], path: Path) -> Path | None:
+    """One line per strategy (and other swept setting); ``None`` unless sparsity is swept."""
+    if "sparsity" not in study.swept:
+        return None
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for cell in study.cells:
+        record = results.get(cell.id)
+        if not record or record.get("status") != "ok" or cell.kind == "dense":
+            continue
+        settings = cell.settings()
+        others = [f"{k}={settings[k]}" for k in study.swept
+                  if k not in ("sparsity", "group", "scale", "tie_break") and k in settings]
+        label = ", ".join([strategy_label(settings), *others])
+        lines.setdefault(label, []).append((settings["sparsity"], record["perplexity"]))
+    if not lines:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for label, points in sorted(lines.items()):
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", label=label)
+    dense = [r["perplexity"] for c in study.cells if c.kind == "dense"
+             and (r := results.get(c.id)) and r.get("status") == "ok"]
+    if dense:
+        ax.axhline(dense[0], color="grey", linestyle=":", label="Dense")
+    ax.set_yscale("log")
+    return _save(fig, ax, path, study.title, "sparsity", "perplexity (log scale)")
+
+
+def vote_histograms(stats: dict[str, dict], labels: dict[str, str], path: Path) -> Path | None:
+    """Fraction of weights pruned by ``c`` of ``m`` clients, one line per client setting."""
+    if not stats:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for client_id, item in stats.items():
+        hist = item["vote_histogram"]
+        total = sum(hist) or 1
+        m = item["clients"]
+        ax.plot([c / m for c in range(m + 1)], [h / total for h in hist], marker=".",
+                label=labels.get(client_id, client_id))
+    ax.set_yscale("log")
+    return _save(fig, ax, path, "Vote counts of the client masks",
+                 "vote count / clients (fraction of clients that prune the weight)",
+                 "fraction of weights")
+
+
+def layer_agreement(stats: dict[str, dict], labels: dict[str, str], path: Path) -> Path | None:
+    """Mean pairwise Hamming distance between client masks per decoder layer."""
+    items = {k: v for k, v in stats.items() if "agreement_per_layer" in v}
+    if not items:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for client_id, item in items.items():
+        layers = sorted(item["agreement_per_layer"], key=int)
+        ax.plot([int(layer) for layer in layers],
+                [item["agreement_per_layer"][layer]["mean_pairwise_hamming"] for layer in layers],
+                marker=".", label=labels.get(client_id, client_id))
+    return _save(fig, ax, path, "Disagreement between client masks per layer",
+                 "decoder layer", "mean pairwise Hamming distance")

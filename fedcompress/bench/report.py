@@ -1,0 +1,134 @@
+"""A bench sweep's report: ``report.json`` (every cell), ``report.md`` (one paper-shaped table
+per study, the server's cost next to the clients', mask statistics) and PNG plots."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from fedcompress.bench import plots
+from fedcompress.bench.sweep import BenchRunner, Study, load_bench, plan
+from fedcompress.bench.tables import study_markdown
+from fedcompress.report import RunReport, markdown_table
+
+logger = logging.getLogger(__name__)
+
+
+def run_bench(config_path: str | Path, out: str | Path | None = None,
+              overrides: dict | None = None, device: str | None = None,
+              progress: bool = True, dry_run: bool = False) -> RunReport:
+    """Plan, run the pending cells (resuming ``out``), and write the report."""
+    raw = load_bench(config_path)
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    studies = plan(raw, overrides)
+    out = Path(out or raw.get("bench", {}).get("out") or f"runs/bench-{Path(config_path).stem}")
+    device = device or raw.get("bench", {}).get("device")
+    saved = {"bench": dict(raw.get("bench", {})),
+             "study": {name: {**table, **overrides} for name, table in raw["study"].items()}}
+    runner = BenchRunner(studies, out, device=device, progress=progress)
+    report = RunReport(out, "bench", saved)
+    report.reproduce = f"fedcompress bench {out / 'config.toml'} --out {out}"
+    report.markdown_results = False  # every cell is in report.json; the tables are above
+    pending = runner.pending()
+    report.extra["plan"] = {"cells": len(runner.cells()), "pending": len(pending)}
+    logger.info("bench %s: %d studies, %d cells, %d pending", config_path, len(studies),
+                len(runner.cells()), len(pending))
+    if dry_run:
+        _update(report, runner, studies)
+        report.finish("planned")
+        return report
+    runner.on_result = lambda record: _update(report, runner, studies)
+    try:
+        with report.phase("sweep"):
+            runner.run()
+        with report.phase("plots"):
+            _update(report, runner, studies, with_plots=True)
+    except BaseException:
+        _update(report, runner, studies)
+        report.finish("failed")
+        raise
+    failed = [r for r in runner.results.values() if r.get("status") != "ok"]
+    report.finish("ok" if not failed else "incomplete")
+    return report
+
+
+def _update(report: RunReport, runner: BenchRunner, studies: list[Study],
+            with_plots: bool = False) -> None:
+    ids = {cell.id for cell in runner.cells()}
+    records = [r for i, r in runner.results.items() if i in ids]
+    report.results = [{"name": r.get("name", r["kind"]), **r} for r in records]
+    report.extra["studies"] = {s.name: {"title": s.title, "swept": s.swept,
+                                        "columns": s.columns,
+                                        "cells": [c.id for c in s.cells]} for s in studies}
+    report.extra["mask_stats"] = runner.stats
+    report.sections = [(f"Study `{s.name}`", study_markdown(s, runner.results))
+                       for s in studies]
+    cost = server_cost(records)
+    if cost:
+        report.sections.append(("Server aggregation cost vs client mask computation", cost))
+    failed = [r for r in records if r.get("status") != "ok"]
+    if failed:
+        report.sections.append(("Failed cells", markdown_table(
+            ["cell", "settings", "error"],
+            [[r["id"], _settings_text(r), r.get("error", "")] for r in failed])))
+    if with_plots:
+        pngs = make_plots(report.out_dir, runner, studies)
+        if pngs:
+            report.sections.append(("Plots", "\n".join(f"![{p.stem}]({p.name})" for p in pngs)))
+    report.write()
+
+
+def _settings_text(record: dict) -> str:
+    keys = ("kind", "method", "sparsity", "local_group", "group", "scale", "mode", "clients",
+            "samples_per_client", "partition", "alpha", "calib_text")
+    return ", ".join(f"{k}={record[k]}" for k in keys if k in record)
+
+
+def server_cost(records: list[dict]) -> str:
+    """Vote counting + global-mask selection per one-shot variant vs one client's masks."""
+    rows = []
+    for r in records:
+        if r.get("status") != "ok" or r.get("kind") != "fedprllm" or r.get("mode") != "oneshot":
+            continue
+        if r.get("client_seconds_mean") is None or r.get("aggregate_seconds") is None:
+            continue
+        total = r["count_seconds"] + r["aggregate_seconds"]
+        rows.append([str(r["clients"]), str(r["samples_per_client"]), r["method"],
+                     str(r["sparsity"]),
+                     f"{r['group']}{'+scale' if r['scale'] else ''}",
+                     f"{r['client_seconds_mean']:.2f}", f"{r['count_seconds']:.3f}",
+                     f"{r['aggregate_seconds']:.3f}",
+                     f"{100 * total / r['client_seconds_mean']:.1f}%"])
+    if not rows:
+        return ""
+    return ("Seconds on this machine, the same run: `client` is one client's mask computation "
+            "(mean over clients, its own windows); `count` the vote counting of all clients' "
+            "packed masks; `select+apply` the global mask by group and pruning of the model "
+            "copy, one linear layer at a time.\n\n" + markdown_table(
+                ["clients", "windows/client", "method", "sparsity", "server variant",
+                 "client s", "count s", "select+apply s", "server / client"], rows))
+
+
+def make_plots(out: Path, runner: BenchRunner, studies: list[Study]) -> list[Path]:
+    pngs = []
+    for study in studies:
+        path = plots.perplexity_vs_sparsity(study, runner.results, out / f"ppl-{study.name}.png")
+        if path:
+            pngs.append(path)
+    labels = {}
+    for study in studies:
+        for cell in study.cells:
+            if cell.kind == "fedprllm" and cell.client_id in runner.stats:
+                s = cell.settings()
+                labels[cell.client_id] = (f"{s['method']} {s['sparsity']}, local {s['local_group']}"
+                                          f", {s['clients']}x{s['samples_per_client']} "
+                                          f"{s['partition']}"
+                                          + (f"({s['alpha']})" if s['partition'] != "iid" else "")
+                                          + (f" {s['calib_text']}" if s['calib_text'] != "wiki"
+                                             else ""))
+    for fn, name in ((plots.vote_histograms, "vote-histogram.png"),
+                     (plots.layer_agreement, "layer-agreement.png")):
+        path = fn(runner.stats, labels, out / name)
+        if path:
+            pngs.append(path)
+    return pngs

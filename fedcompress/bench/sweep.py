@@ -1,0 +1,514 @@
+"""Benchmark sweeps of FedPrLLM aggregation strategies (``fedcompress bench CONFIG.toml``).
+
+A config has a ``[bench]`` table (settings shared by every study) and one ``[study.NAME]``
+table per study. In a study, a setting given as a list is swept (cartesian product); a scalar is
+fixed. Settings are those of :class:`~fedcompress.pruning.federated.FedPrLLMConfig` (``model``,
+``method``, ``sparsity``, ``local_group``, ``group``, ``scale``, ``mode``, ``tie_break``,
+``clients``, ``samples_per_client``, ``partition``, ``alpha``, ``calib_text``, ...), the
+evaluation settings (``eval_text``, ``eval_windows``, ...), and per study:
+
+* ``baselines``: any of ``dense``, ``centralized``, ``local-only``;
+* ``total_windows``: fixed total calibration windows; ``samples_per_client`` becomes
+  ``total_windows / clients`` (client-count sensitivity);
+* ``title``, ``columns`` (the setting shown as table columns; default: the first swept
+  client-side setting, e.g. ``sparsity``).
+
+Every (client setting, server setting) pair is a *cell*, identified by a hash of its settings,
+so cells shared by studies run once. One-shot client masks do not depend on the server's
+comparison group, scaling or tie-break: they are computed once per client setting (model,
+method, local group, sparsity, partition, seed, ...), stored bit-packed under
+``OUT/cache/<id>/`` and reused by every server variant and by a resumed sweep. Each finished
+cell is appended to ``OUT/results.jsonl`` at once; a rerun skips finished cells and retries
+failed ones; a failing cell is recorded with its error and the sweep goes on.
+
+Client masks are computed in-process by the same library functions the Flower ClientApp calls
+(their equality with a Flower federation is tested), so a sweep needs no simulation engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import logging
+import time
+import tomllib
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from fedcompress.pruning.experiment import EvalConfig, Experiment, prepare_experiment
+from fedcompress.pruning.federated import (
+    FedPrLLMConfig, MaskAggregator, ServerConfig, encode_masks, iterative_vote, payload_nbytes)
+
+logger = logging.getLogger(__name__)
+
+SERVER_KEYS = ("group", "scale", "tie_break")
+EVAL_KEYS = ("eval_text", "eval_split", "eval_seqlen", "eval_windows")
+CLIENT_KEYS = tuple(k for k in FedPrLLMConfig.__dataclass_fields__ if k not in SERVER_KEYS)
+STUDY_KEYS = ("title", "baselines", "total_windows", "columns")
+BENCH_KEYS = ("device", "out")
+BASELINES = ("dense", "centralized", "local-only")
+
+
+class BenchConfigError(ValueError):
+    """A bench config names an unknown setting or an impossible value."""
+
+
+# ------------------------------------------------------------------------------------------
+# Config -> cells
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Cell:
+    """One evaluated model: ``kind`` is ``fedprllm``, ``centralized``, ``local-only`` or
+    ``dense``; ``client`` the client-side settings, ``server`` the server variant."""
+
+    kind: str
+    client: tuple[tuple[str, Any], ...]
+    server: tuple[tuple[str, Any], ...] = ()
+    evals: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def id(self) -> str:
+        return _digest({"kind": self.kind, "client": dict(self.client),
+                        "server": dict(self.server), "eval": dict(self.evals)})
+
+    @property
+    def client_id(self) -> str:
+        """What the cached client masks depend on (the server variant too, when iterative)."""
+        client = dict(self.client)
+        extra = dict(self.server) if client.get("mode") == "iterative" else {}
+        return _digest({"client": client, "server": extra})
+
+    def config(self) -> FedPrLLMConfig:
+        return FedPrLLMConfig.from_dict({**dict(self.client), **dict(self.server)})
+
+    def eval_config(self) -> EvalConfig:
+        return EvalConfig(**dict(self.evals))
+
+    def settings(self) -> dict:
+        return {"kind": self.kind, **dict(self.client), **dict(self.server)}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass
+class Study:
+    name: str
+    title: str
+    settings: dict[str, Any]
+    swept: list[str]
+    baselines: list[str]
+    columns: str | None
+    cells: list[Cell] = field(default_factory=list)
+
+
+def load_bench(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise BenchConfigError(f"bench config {str(path)!r} not found")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise BenchConfigError(f"{path}: not valid TOML: {err}") from err
+
+
+def plan(config: dict, overrides: dict | None = None) -> list[Study]:
+    """Expand a bench config (``[bench]`` + ``[study.*]``) into studies of cells.
+    ``overrides`` replace settings of every study (e.g. ``eval_windows`` from the CLI)."""
+    unknown = set(config) - {"bench", "study"}
+    if unknown:
+        raise BenchConfigError(f"unknown top-level table(s) {sorted(unknown)}: expected [bench] "
+                               "and [study.NAME]")
+    base = dict(config.get("bench", {}))
+    studies = config.get("study", {})
+    if not studies:
+        raise BenchConfigError("the config has no [study.NAME] table")
+    out = []
+    for name, table in studies.items():
+        settings = {**base, **table, **(overrides or {})}
+        out.append(_study(name, settings))
+    return out
+
+
+def _study(name: str, settings: dict) -> Study:
+    known = set(CLIENT_KEYS) | set(SERVER_KEYS) | set(EVAL_KEYS) | set(STUDY_KEYS) | set(
+        BENCH_KEYS)
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise BenchConfigError(f"study {name!r}: unknown setting(s) {unknown}; expected some of "
+                               f"{sorted(known)}")
+    meta = {k: settings.pop(k) for k in STUDY_KEYS if k in settings}
+    for key in BENCH_KEYS:
+        settings.pop(key, None)
+    baselines = meta.get("baselines", [])
+    baselines = [baselines] if isinstance(baselines, str) else list(baselines)
+    bad = sorted(set(baselines) - set(BASELINES))
+    if bad:
+        raise BenchConfigError(f"study {name!r}: unknown baseline(s) {bad}: expected some of "
+                               f"{', '.join(BASELINES)}")
+    swept = [k for k, v in settings.items() if isinstance(v, list)]
+    for key in swept:
+        if not settings[key]:
+            raise BenchConfigError(f"study {name!r}: {key} is an empty list")
+    columns = meta.get("columns") or next(
+        (k for k in swept if k in CLIENT_KEYS and k != "samples_per_client"),
+        swept[0] if swept else None)
+    if columns is not None and columns not in settings:
+        raise BenchConfigError(f"study {name!r}: columns {columns!r} is not one of its settings")
+    study = Study(name, meta.get("title", name), settings, swept, baselines, columns)
+    seen = set()
+    for values in itertools.product(*(settings[k] for k in swept)):
+        point = {**settings, **dict(zip(swept, values))}
+        if "total_windows" in meta:
+            total, clients = int(meta["total_windows"]), int(point.get("clients", 16))
+            if total % clients:
+                raise BenchConfigError(f"study {name!r}: total_windows {total} is not a "
+                                       f"multiple of clients {clients}")
+            point["samples_per_client"] = total // clients
+        for cell in _cells(name, point, baselines):
+            if cell.id not in seen:
+                seen.add(cell.id)
+                study.cells.append(cell)
+    return study
+
+
+def _cells(study: str, point: dict, baselines: list[str]) -> Iterator[Cell]:
+    evals = {k: point[k] for k in EVAL_KEYS if k in point}
+    try:
+        config = FedPrLLMConfig.from_dict({k: v for k, v in point.items() if k not in EVAL_KEYS})
+        eval_config = EvalConfig(**evals)
+    except (TypeError, ValueError) as err:
+        raise BenchConfigError(f"study {study!r}: {err}") from err
+    full = config.to_dict()
+    if full["partition"] == "iid":  # alpha has no effect: one cell, not one per alpha
+        full["alpha"] = FedPrLLMConfig.alpha
+    client = tuple((k, full[k]) for k in CLIENT_KEYS)
+    server = tuple((k, full[k]) for k in SERVER_KEYS)
+    ev = tuple(sorted(eval_config.to_dict().items()))
+    yield Cell("fedprllm", client, server, ev)
+    for baseline in baselines:
+        if baseline == "dense":
+            keep = ("model", "dtype", "batch_size")
+            yield Cell("dense", tuple((k, v) for k, v in client if k in keep), (), ev)
+        else:
+            # Baselines do not depend on the federation's server side or mode; centralized
+            # pruning sees the union of the windows, the same for every partition.
+            drop = ("mode", "min_clients") + (("partition", "alpha") if baseline ==
+                                              "centralized" else ())
+            yield Cell(baseline, tuple((k, v) for k, v in client if k not in drop), (), ev)
+
+
+# ------------------------------------------------------------------------------------------
+# Running
+# ------------------------------------------------------------------------------------------
+
+class MaskCache:
+    """Bit-packed one-shot client masks on disk, one folder per client setting."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def folder(self, client_id: str) -> Path:
+        return self.root / client_id
+
+    def load(self, client_id: str, aggregator: MaskAggregator) -> dict | None:
+        folder = self.folder(client_id)
+        meta_file = folder / "meta.json"
+        if not meta_file.exists():
+            return None
+        meta = json.loads(meta_file.read_text())
+        for i in range(meta["clients"]):
+            with np.load(folder / f"client-{i:04d}.npz") as data:
+                aggregator.add_packed({k: data[k] for k in aggregator.shapes})
+        return meta
+
+    def store(self, client_id: str, client: int, payload: dict[str, np.ndarray]) -> None:
+        folder = self.folder(client_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"client-{client:04d}.tmp.npz"
+        np.savez(tmp, **payload)
+        tmp.replace(folder / f"client-{client:04d}.npz")
+
+    def load_client(self, client_id: str, client: int) -> dict[str, np.ndarray] | None:
+        path = self.folder(client_id) / f"client-{client:04d}.npz"
+        if not path.exists():
+            return None
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files}
+
+    def finish(self, client_id: str, meta: dict) -> None:
+        (self.folder(client_id) / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+class BenchRunner:
+    """Runs the pending cells of some studies into ``out``; see the module docstring."""
+
+    def __init__(self, studies: list[Study], out: str | Path, device: str | None = None,
+                 progress: bool = True):
+        self.studies = studies
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.device = device
+        self.progress = progress
+        self.cache = MaskCache(self.out / "cache")
+        self.results_file = self.out / "results.jsonl"
+        self.results: dict[str, dict] = load_results(self.results_file)
+        self.stats: dict[str, dict] = {}
+        stats_file = self.out / "stats.json"
+        if stats_file.exists():
+            self.stats = json.loads(stats_file.read_text())
+        self.on_result = None  # callback(record) after each finished cell
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def cells(self) -> list[Cell]:
+        unique: dict[str, Cell] = {}
+        for study in self.studies:
+            for cell in study.cells:
+                unique.setdefault(cell.id, cell)
+        return list(unique.values())
+
+    def pending(self) -> list[Cell]:
+        return [c for c in self.cells() if self.results.get(c.id, {}).get("status") != "ok"]
+
+    def _record(self, cell: Cell, record: dict) -> dict:
+        if "sparsity" in record:  # the measured fraction; "sparsity" stays the requested one
+            record["sparsity_measured"] = record.pop("sparsity")
+        record = {"id": cell.id, "client_id": cell.client_id, **cell.settings(),
+                  "eval": dict(cell.evals), **record}
+        self.results[cell.id] = record
+        with self.results_file.open("a") as fh:
+            fh.write(json.dumps(record, default=float) + "\n")
+        if self.on_result:
+            self.on_result(record)
+        return record
+
+    def _run_cell(self, cell: Cell, fn) -> None:
+        start = time.perf_counter()
+        try:
+            record = fn()
+            record.update(status="ok", wall_seconds=time.perf_counter() - start)
+        except Exception as err:  # a failed cell is recorded and the sweep goes on
+            logger.error("cell %s (%s) failed: %s", cell.id, cell.settings(), err)
+            record = {"status": "failed", "error": f"{type(err).__name__}: {err}",
+                      "traceback": traceback.format_exc(limit=8),
+                      "wall_seconds": time.perf_counter() - start}
+        self._record(cell, record)
+
+    # -- the sweep ---------------------------------------------------------------------------
+    def run(self) -> None:
+        pending = self.pending()
+        logger.info("%d cells, %d pending", len(self.cells()), len(pending))
+        by_model: dict[tuple, list[Cell]] = {}
+        for cell in pending:
+            client = dict(cell.client)
+            by_model.setdefault((client["model"], client["dtype"]), []).append(cell)
+        for (model, dtype), cells in by_model.items():
+            self._run_model(model, dtype, cells)
+
+    def _run_model(self, model: str, dtype: str, cells: list[Cell]) -> None:
+        from fedcompress.models import load_model
+
+        try:
+            loaded = load_model(model, device=self.device, dtype=dtype)
+        except Exception as err:
+            for cell in cells:
+                self._run_cell(cell, lambda err=err: _raise(err))
+            return
+        groups: dict[str, list[Cell]] = {}
+        for cell in cells:
+            groups.setdefault(_data_key(cell), []).append(cell)
+        for group in groups.values():
+            try:
+                exp = prepare_experiment(group[0].config(), group[0].eval_config(),
+                                         loaded=loaded)
+            except Exception as err:
+                for cell in group:
+                    self._run_cell(cell, lambda err=err: _raise(err))
+                continue
+            self._run_group(exp, group)
+
+    def _run_group(self, exp: Experiment, cells: list[Cell]) -> None:
+        """Cells sharing the model, calibration windows and evaluation text."""
+        fed: dict[str, list[Cell]] = {}
+        for cell in cells:
+            if cell.kind == "fedprllm":
+                fed.setdefault(cell.client_id, []).append(cell)
+        for cell in cells:
+            if cell.kind == "dense":
+                self._run_cell(cell, lambda: exp.evaluate("dense", exp.model))
+        for client_id, variants in fed.items():
+            self._run_federated(exp, client_id, variants)
+        for cell in cells:
+            if cell.kind == "centralized":
+                self._run_cell(cell, lambda cell=cell: self._centralized(exp, cell))
+            elif cell.kind == "local-only":
+                self._run_cell(cell, lambda cell=cell: self._local_only(exp, cell))
+
+    def _experiment_for(self, exp: Experiment, cell: Cell) -> Experiment:
+        view = copy.copy(exp)
+        view.config = cell.config()
+        return view
+
+    def _centralized(self, exp: Experiment, cell: Cell) -> dict:
+        view = self._experiment_for(exp, cell)
+        model, seconds = view.centralized()
+        return view.evaluate("centralized", model, prune_seconds=seconds)
+
+    def _local_only(self, exp: Experiment, cell: Cell) -> dict:
+        view = self._experiment_for(exp, cell)
+        model, seconds = view.local_only(0)
+        return view.evaluate("local-only", model, prune_seconds=seconds, client=0)
+
+    def _run_federated(self, exp: Experiment, client_id: str, variants: list[Cell]) -> None:
+        config = variants[0].config()
+        view = self._experiment_for(exp, variants[0])
+        if config.mode == "iterative":
+            for cell in variants:
+                self._run_cell(cell, lambda cell=cell: self._iterative(view, cell))
+            return
+        try:
+            aggregator, meta = self._client_masks(view, client_id)
+        except Exception as err:
+            for cell in variants:
+                self._run_cell(cell, lambda err=err: _raise(err))
+            return
+        start = time.perf_counter()
+        aggregator.counts()  # cached for every variant; timed apart as the counting cost
+        meta = {**meta, "count_seconds": time.perf_counter() - start}
+        self._mask_stats(client_id, aggregator)
+        for cell in variants:
+            self._run_cell(cell, lambda cell=cell: self._oneshot(view, cell, aggregator, meta))
+        del aggregator
+
+    def _client_masks(self, exp: Experiment, client_id: str) -> tuple[MaskAggregator, dict]:
+        """Every client's one-shot masks: from the cache, or computed and cached."""
+        from fedcompress.pruning.local import local_masks
+
+        config = exp.config
+        aggregator = MaskAggregator(exp.model, config.clients, cache_counts=True)
+        meta = self.cache.load(client_id, aggregator)
+        if meta is not None:
+            logger.info("client masks %s: %d clients from the cache", client_id, meta["clients"])
+            return aggregator, meta
+        seconds = []
+        for i, windows in enumerate(_progress(exp.windows, self.progress,
+                                              f"client masks ({config.method} "
+                                              f"{config.sparsity}, {config.clients} clients)")):
+            payload = self.cache.load_client(client_id, i)
+            if payload is None:
+                start = time.perf_counter()
+                result = local_masks(exp.model, windows, config.prune,
+                                     batch_size=config.batch_size)
+                seconds.append(time.perf_counter() - start)
+                payload = encode_masks(result.masks)
+                self.cache.store(client_id, i, payload)
+            aggregator.add_packed(payload)
+        meta = {"clients": config.clients, "client_seconds": seconds,
+                "client_seconds_mean": float(np.mean(seconds)) if seconds else None,
+                "bytes_up_per_client": payload_nbytes(aggregator.shapes),
+                "settings": config.to_dict()}
+        self.cache.finish(client_id, meta)
+        return aggregator, meta
+
+    def _mask_stats(self, client_id: str, aggregator: MaskAggregator) -> None:
+        from fedcompress.masks.stats import mean_pairwise_hamming, unanimity, vote_histogram
+
+        if client_id in self.stats:
+            return
+        counts = aggregator.counts()
+        m = aggregator.clients
+        hist = vote_histogram(counts, m)
+        stats = {"clients": m, "vote_histogram": hist.overall.tolist()}
+        by_layer = {}
+        for key, c in counts.items():
+            layer = int(key.split(".")[1])
+            by_layer.setdefault(layer, {})[key] = c
+        if m >= 2:
+            stats["agreement_per_layer"] = {
+                layer: {"unanimity": unanimity(c, m).overall,
+                        "mean_pairwise_hamming": mean_pairwise_hamming(c, m).overall}
+                for layer, c in sorted(by_layer.items())}
+        self.stats[client_id] = stats
+        (self.out / "stats.json").write_text(json.dumps(self.stats, indent=1, default=float))
+
+    def _oneshot(self, exp: Experiment, cell: Cell, aggregator: MaskAggregator,
+                 meta: dict) -> dict:
+        config = cell.config()
+        model = exp.fresh_copy()
+        start = time.perf_counter()
+        aggregator.prune(model, config.server, config.prune.target_sparsity,
+                         config.prune.nm_pattern)
+        aggregate = time.perf_counter() - start
+        name = f"fedprllm-oneshot-{config.server.label}"
+        return exp.evaluate(name, model, aggregate_seconds=aggregate,
+                            count_seconds=meta["count_seconds"], rounds=1,
+                            client_seconds_mean=meta.get("client_seconds_mean"),
+                            bytes_up_per_client=meta["bytes_up_per_client"],
+                            bytes_up_total=meta["bytes_up_per_client"] * config.clients)
+
+    def _iterative(self, exp: Experiment, cell: Cell) -> dict:
+        config = cell.config()
+        start = time.perf_counter()
+        aggregators = iterative_vote(exp.model, exp.windows, config)
+        vote_seconds = time.perf_counter() - start
+        model = exp.fresh_copy()
+        for aggregator in aggregators.values():
+            aggregator.prune(model, config.server, config.prune.target_sparsity,
+                             config.prune.nm_pattern)
+        up = sum(payload_nbytes(a.shapes) for a in aggregators.values())
+        # Each round but the first carries the previous layer's global mask down.
+        down = sum(payload_nbytes(a.shapes) for layer, a in aggregators.items()
+                   if layer < len(aggregators) - 1)
+        return exp.evaluate(f"fedprllm-iterative-{config.server.label}", model,
+                            rounds=len(aggregators), iterative_seconds=vote_seconds,
+                            bytes_up_per_client=up, bytes_up_total=up * config.clients,
+                            bytes_down_masks_per_client=down)
+
+
+def _data_key(cell: Cell) -> str:
+    """Cells with the same model, calibration windows and evaluation text share an Experiment."""
+    client = dict(cell.client)
+    keys = ("model", "dtype", "clients", "samples_per_client", "seqlen", "partition", "alpha",
+            "seed", "calib_text", "calib_split")
+    if cell.kind == "dense":
+        return _digest({"dense": [client.get("model"), client.get("dtype")],
+                        "eval": dict(cell.evals)})
+    return _digest({"data": {k: client.get(k) for k in keys}, "eval": dict(cell.evals)})
+
+
+def _raise(err: BaseException):
+    raise err
+
+
+def _progress(items, enabled: bool, description: str):
+    if not enabled:
+        yield from items
+        return
+    from tqdm.auto import tqdm
+
+    yield from tqdm(items, desc=description, leave=False)
+
+
+def load_results(path: Path) -> dict[str, dict]:
+    """``results.jsonl`` -> the last record of each cell (an interrupted write is ignored)."""
+    results: dict[str, dict] = {}
+    if not path.exists():
+        return results
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            logger.warning("%s:%d: unreadable record skipped (interrupted write?)", path, number)
+            continue
+        results[record["id"]] = record
+    return results

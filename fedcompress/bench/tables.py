@@ -1,0 +1,79 @@
+"""Paper-shaped tables of a bench sweep: one per study; rows are strategies (and the other
+swept settings), columns the study's ``columns`` setting (sparsity, model, clients, ...)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedcompress.bench.sweep import SERVER_KEYS, Cell, Study
+from fedcompress.report import markdown_table
+
+KIND_ORDER = {"dense": 0, "centralized": 1, "local-only": 2, "fedprllm": 3}
+KIND_LABEL = {"dense": "Dense", "centralized": "Centralized", "local-only": "Local-only"}
+
+
+def strategy_label(settings: dict) -> str:
+    """``FedPrLLM one-shot, server row, scaling`` / ``Centralized`` / ..."""
+    kind = settings["kind"]
+    if kind != "fedprllm":
+        return KIND_LABEL[kind]
+    mode = "one-shot" if settings.get("mode") == "oneshot" else "iterative"
+    parts = [f"FedPrLLM {mode}", f"server {settings['group']}"]
+    if settings.get("scale"):
+        parts.append("scaling")
+    if settings.get("tie_break", "magnitude") != "magnitude":
+        parts.append(f"ties {settings['tie_break']}")
+    return ", ".join(parts)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def study_table(study: Study, results: dict[str, dict], metric: str = "perplexity"
+                ) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows of one study's table (values: ``metric``, or ``failed``/``pending``)."""
+    col_key = study.columns
+    col_values = list(dict.fromkeys(
+        _fmt(dict(c.settings()).get(col_key)) for c in study.cells
+        if col_key in c.settings())) if col_key else ["value"]
+    other = [k for k in study.swept if k != col_key and k not in SERVER_KEYS]
+    rows: dict[tuple, dict[str, str]] = {}
+    order: dict[tuple, tuple] = {}
+    for index, cell in enumerate(study.cells):
+        settings = cell.settings()
+        label = strategy_label(settings)
+        key = (*(_fmt(settings.get(k, "")) if k in settings else "" for k in other), label)
+        order.setdefault(key, (KIND_ORDER[cell.kind], index))
+        record = results.get(cell.id)
+        if record is None:
+            value = "pending"
+        elif record.get("status") != "ok":
+            value = "failed"
+        else:
+            value = f"{record[metric]:.2f}" if isinstance(record.get(metric), float) else _fmt(
+                record.get(metric, ""))
+        targets = [_fmt(settings[col_key])] if col_key in settings else (
+            col_values if col_key else ["value"])
+        for target in targets:
+            rows.setdefault(key, {})[target] = value
+    header = [*other, "strategy", *(f"{col_key}={v}" if col_key else v for v in col_values)]
+    body = [[*key, *(rows[key].get(v, "") for v in col_values)]
+            for key in sorted(rows, key=lambda k: order[k])]
+    return header, body
+
+
+def study_markdown(study: Study, results: dict[str, dict]) -> str:
+    header, body = study_table(study, results)
+    fixed = {k: v for k, v in study.settings.items() if k not in study.swept}
+    lines = [f"### {study.title}", "",
+             "Perplexity (lower is better). Fixed: " + ", ".join(
+                 f"{k}={_fmt(v)}" for k, v in sorted(fixed.items())) + ".", "",
+             markdown_table(header, body)]
+    return "\n".join(lines)
+
+
+def cells_by_id(studies: list[Study]) -> dict[str, Cell]:
+    return {cell.id: cell for study in studies for cell in study.cells}

@@ -1,0 +1,112 @@
+"""`fedcompress bench`: plan expansion, a tiny sweep end to end, resume, failed cells, tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedcompress.bench.report import run_bench
+from fedcompress.bench.sweep import BenchConfigError, plan
+from fedcompress.bench.tables import study_table
+
+
+def _config(tiny_dir, **study):
+    bench = {"model": tiny_dir, "seqlen": 16, "batch_size": 2, "eval_seqlen": 16,
+             "eval_windows": 2, "clients": 2, "samples_per_client": 1}
+    main = {"sparsity": [0.3, 0.5], "group": ["layer", "row"], "scale": False,
+            "baselines": ["dense", "centralized", "local-only"], **study}
+    return {"bench": bench, "study": {"main": main}}
+
+
+def _write(tmp_path, config) -> str:
+    import tomli_w
+
+    path = tmp_path / "bench.toml"
+    path.write_text(tomli_w.dumps(config))
+    return str(path)
+
+
+def test_plan_expands_sweeps_and_shares_cells(tiny_dir):
+    config = _config(tiny_dir)
+    config["study"]["groups"] = {"sparsity": 0.5, "group": ["layer", "row", "column"],
+                                 "baselines": ["dense"]}
+    studies = plan(config)
+    main, groups = studies
+    kinds = [c.kind for c in main.cells]
+    # 2 sparsities x 2 groups federated cells, one dense, centralized and local-only per sparsity
+    assert kinds.count("fedprllm") == 4 and kinds.count("dense") == 1
+    assert kinds.count("centralized") == 2 and kinds.count("local-only") == 2
+    assert main.columns == "sparsity" and groups.columns == "group"
+    shared = {c.id for c in main.cells} & {c.id for c in groups.cells}
+    assert len(shared) == 3  # dense, and sparsity 0.5 x layer/row
+    # one-shot masks are shared by the server variants of one client setting
+    fed = [c for c in main.cells if c.kind == "fedprllm"]
+    assert len({c.client_id for c in fed}) == 2
+
+
+def test_plan_total_windows_and_errors(tiny_dir):
+    config = _config(tiny_dir, clients=[1, 2], total_windows=2, sparsity=0.5)
+    fed = [c for c in plan(config)[0].cells if c.kind == "fedprllm"]
+    assert sorted((c.config().clients, c.config().samples_per_client) for c in fed) == [
+        (1, 2), (1, 2), (2, 1), (2, 1)]
+    with pytest.raises(BenchConfigError, match="not a multiple"):
+        plan(_config(tiny_dir, clients=[3], total_windows=2))
+    with pytest.raises(BenchConfigError, match="unknown setting"):
+        plan(_config(tiny_dir, sparsty=0.5))
+    with pytest.raises(BenchConfigError, match="baseline"):
+        plan(_config(tiny_dir, baselines=["oracle"]))
+    with pytest.raises(BenchConfigError, match="sparsity"):
+        plan(_config(tiny_dir, sparsity=[1.5]))
+    with pytest.raises(BenchConfigError, match="no \\[study"):
+        plan({"bench": {}})
+
+
+def test_bench_runs_resumes_and_records_failures(tiny_dir, tmp_path, monkeypatch):
+    config = _config(tiny_dir)
+    config["study"]["broken"] = {"sparsity": 0.5, "calib_text": "no-such-corpus",
+                                 "group": "layer"}
+    out = tmp_path / "out"
+    report = run_bench(_write(tmp_path, config), out, progress=False)
+    assert report.status == "incomplete"  # the broken study's cell failed, the rest ran
+    data = json.loads((out / "report.json").read_text())
+    ok = [r for r in data["results"] if r["status"] == "ok"]
+    failed = [r for r in data["results"] if r["status"] != "ok"]
+    assert len(ok) == 9 and len(failed) == 1 and "no-such-corpus" in failed[0]["error"]
+    fed = [r for r in ok if r["kind"] == "fedprllm"]
+    assert all(abs(r["sparsity_measured"] - r["sparsity"]) < 0.02 for r in fed)
+    assert all(r["bytes_up_per_client"] > 0 and r["count_seconds"] >= 0 for r in fed)
+    md = (out / "report.md").read_text()
+    assert "FedPrLLM one-shot, server row" in md and "sparsity=0.3" in md
+    assert "Failed cells" in md and (out / "ppl-main.png").exists()
+    assert (out / "vote-histogram.png").exists() and (out / "layer-agreement.png").exists()
+    assert data["mask_stats"] and all(s["clients"] == 2 for s in data["mask_stats"].values())
+
+    # Resume: finished cells and cached client masks are reused, the failed cell is retried.
+    import fedcompress.pruning.local as local
+
+    def boom(*args, **kwargs):
+        raise AssertionError("client masks recomputed")
+
+    monkeypatch.setattr(local, "local_masks", boom)
+    monkeypatch.setattr("fedcompress.pruning.experiment.local_masks", boom)
+    before = (out / "results.jsonl").read_text().splitlines()
+    again = run_bench(_write(tmp_path, config), out, progress=False)
+    after = (out / "results.jsonl").read_text().splitlines()
+    assert len(after) == len(before) + 1  # only the failed cell ran again
+    assert again.status == "incomplete"
+
+
+def test_table_from_stored_results(tiny_dir):
+    (study,) = plan(_config(tiny_dir, baselines=["centralized"]))
+    results = {}
+    for i, cell in enumerate(study.cells):
+        results[cell.id] = {"status": "ok", "perplexity": 10.0 + i}
+    failed = next(c for c in study.cells if c.kind == "fedprllm")
+    results[failed.id] = {"status": "failed"}
+    header, rows = study_table(study, results)
+    assert header == ["strategy", "sparsity=0.3", "sparsity=0.5"]
+    labels = [r[0] for r in rows]
+    assert labels == ["Centralized", "FedPrLLM one-shot, server layer",
+                      "FedPrLLM one-shot, server row"]
+    assert rows[1][1] == "failed" and rows[0][1] == "11.00" and rows[2][2] == "15.00"
