@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+import shutil
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +22,8 @@ from fedcompress.data import (
     load_task,
     task_files,
 )
-from fedcompress.data.build import ARCHIVES
+from fedcompress.data import build
+from fedcompress.data.build import ARCHIVES, STDLIB, module_name
 
 MANIFEST = json.loads((BUNDLED_DIR / "manifest.json").read_text(encoding="utf-8"))
 
@@ -52,6 +57,8 @@ def test_manifest_records_pinned_archives() -> None:
     for key, archive in ARCHIVES.items():
         assert MANIFEST["archives"][key]["sha256"] == archive.sha256
         assert MANIFEST["archives"][key]["version"] == archive.version
+    assert MANIFEST["stdlib"]["sha256"] == STDLIB.sha256
+    assert MANIFEST["stdlib"]["version"] == STDLIB.version == "3.11.7"
 
 
 def test_sources_md_states_provenance_and_licences() -> None:
@@ -60,8 +67,14 @@ def test_sources_md_states_provenance_and_licences() -> None:
         assert archive.sha256 in sources
         assert archive.requirement in sources
     for needle in ("CC BY-SA 3.0", "Apache-2.0", "public domain", "CC BY 2.5",
-                   "python -m fedcompress.data.build --archives DIR", "canary GUID"):
+                   "python -m fedcompress.data.build --archives DIR", "canary GUID",
+                   "python -m fedcompress.data.build --only code", "CPython 3.11.7", "PSF-2.0",
+                   "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2", STDLIB.sha256,
+                   "Python Software Foundation; All Rights Reserved"):
         assert needle in sources
+    assert [line for line in sources.splitlines() if line.startswith("## Corpus ")] == [
+        f"## Corpus `{name}`" for name in BUNDLED_CORPORA
+    ]
     for relpath, entry in MANIFEST["files"].items():
         if relpath.endswith(".jsonl"):
             assert f"| `{relpath}` | {entry['records']} |" in sources
@@ -93,8 +106,12 @@ def test_corpus_sizes_respect_caps() -> None:
     shakespeare = sum(
         len(corpus_text(load_corpus("shakespeare", s)).encode()) for s in CORPUS_SPLITS
     )
+    code = sum(len(corpus_text(load_corpus("code", s)).encode()) for s in CORPUS_SPLITS)
     assert 3_000_000 < wiki < 4_100_000
     assert 2_000_000 < shakespeare < 3_100_000
+    assert 1_000_000 < code < 1_510_000
+    code_files = sum(MANIFEST["files"][f"corpora/code/{s}.jsonl"]["bytes"] for s in CORPUS_SPLITS)
+    assert code_files < 2_000_000
 
 
 def test_wiki_text_is_clean_paragraphs() -> None:
@@ -140,3 +157,39 @@ def test_task_splits_follow_schema_and_are_disjoint(name: str) -> None:
     assert len(load_task(name, "validation")) <= 200
     assert len(load_task(name, "train")) <= 2000
 
+
+def test_code_is_python_stdlib_source_one_file_per_document() -> None:
+    titles: set[str] = set()
+    for split in CORPUS_SPLITS:
+        docs = load_corpus("code", split)
+        assert [d.title for d in docs] == sorted(d.title for d in docs)  # path order
+        for doc in docs:
+            assert doc.title and doc.title.endswith(".py") and doc.title not in titles
+            titles.add(doc.title)
+            assert doc.id == f"code-{module_name(doc.title)}"
+            folders = doc.title.split("/")[:-1]
+            assert not set(folders) & set(build.CODE_EXCLUDED_DIRS)
+            assert not any(f.startswith("config-") for f in folders)
+            assert not doc.title.split("/")[-1].startswith("_sysconfigdata")
+            size = len(doc.text.encode("utf-8"))
+            assert build.CODE_MIN_BYTES - 100 <= size <= build.CODE_MAX_BYTES
+            assert "\r" not in doc.text
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ast.parse(doc.text, filename=doc.title)
+    assert 150 <= len(titles) <= 300
+
+
+def test_code_corpus_rebuilds_byte_for_byte(tmp_path: Path) -> None:
+    """`--only code` on a copy of the bundle reproduces the committed files (needs the pinned
+    standard library, i.e. this interpreter being CPython 3.11.7)."""
+    stdlib = build.read_stdlib(build.default_stdlib())
+    if stdlib.sha256 != STDLIB.sha256:
+        pytest.skip(f"the running interpreter's standard library is not {STDLIB.name}'s")
+    copy = tmp_path / "bundled"
+    shutil.copytree(BUNDLED_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    build.rebuild_code_corpus(copy)
+    for path in sorted(BUNDLED_DIR.rglob("*")):
+        if path.is_file():
+            rel = path.relative_to(BUNDLED_DIR)
+            assert (copy / rel).read_bytes() == path.read_bytes(), rel

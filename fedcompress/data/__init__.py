@@ -1,14 +1,15 @@
 """Data for federated compression: corpora, calibration windows, client partitions, QA tasks.
 
-* :mod:`~fedcompress.data.corpora`: bundled corpora (``wiki``, ``shakespeare``; offline), hub
-  loaders for users online (``wikitext2``, ``c4``, ``ptb``, Wanda's definitions) and local files;
-  :func:`corpus_text` is the exact text perplexity is measured on.
+* :mod:`~fedcompress.data.corpora`: bundled corpora (``wiki``, ``shakespeare``, ``code``;
+  offline), hub loaders for users online (``wikitext2``, ``c4``, ``ptb``, Wanda's definitions)
+  and local files; :func:`corpus_text` is the exact text perplexity is measured on.
 * :mod:`~fedcompress.data.calibration`: seeded random token windows (Wanda-style), optionally
   labelled by source corpus.
 * :mod:`~fedcompress.data.partition`: IID and Dirichlet (quantity or label skew) client splits.
 * :mod:`~fedcompress.data.tasks`: bundled BIG-bench multiple-choice tasks as JSONL, and the one
   validator of task records (also used by :mod:`fedcompress.eval`).
-* :mod:`~fedcompress.data.build`: regenerates ``bundled/`` from the source archives.
+* :mod:`~fedcompress.data.build`: regenerates ``bundled/`` from the source archives and the
+  CPython standard library.
 """
 
 from fedcompress.data.calibration import (

