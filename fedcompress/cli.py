@@ -116,8 +116,9 @@ EVAL_DEFAULTS: dict[str, Any] = {
 def eval_command(
     model: ModelOpt = None,
     ppl: Annotated[Optional[str], typer.Option(
-        "--ppl", help="Corpora for perplexity, comma-separated: bundled (wiki, shakespeare, code), hub "
-                      "(wikitext2, c4, ptb; need the internet), or a .txt/.jsonl file; 'none' to "
+        "--ppl", help="Corpora for perplexity, comma-separated: bundled (wiki, shakespeare, "
+                      "code), hub (wikitext2, c4, ptb; need the internet), or a .txt/.jsonl "
+                      "file; 'none' to "
                       "skip. [default: wiki]")] = None,
     ppl_split: Annotated[Optional[str], typer.Option(
         "--ppl-split", help="Split of the perplexity corpora [default: test].")] = None,

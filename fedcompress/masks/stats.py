@@ -38,12 +38,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
-
-MaskCollection = Union[torch.Tensor, Mapping[str, torch.Tensor], Sequence[Mapping[str, torch.Tensor]]]
 
 __all__ = [
     "LayerValues",

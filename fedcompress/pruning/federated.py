@@ -121,7 +121,8 @@ def split_windows(pool: torch.Tensor, clients: int, partition: str = "iid", alph
     elif partition == "dirichlet":
         parts = dirichlet_partition(len(pool), clients, alpha, seed, labels=labels)
     else:
-        raise ValueError(f"unknown partition {partition!r}: expected one of {', '.join(PARTITIONS)}")
+        raise ValueError(f"unknown partition {partition!r}: expected one of "
+                         f"{', '.join(PARTITIONS)}")
     return [pool[torch.as_tensor(np.sort(p), dtype=torch.long)] for p in parts]
 
 

@@ -1,0 +1,1 @@
+"""Privacy: leakage analyses of shared masks (and, later, sanitizers, DP training, attacks)."""
