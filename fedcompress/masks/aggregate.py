@@ -185,13 +185,22 @@ def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int) -> np.n
     if partial.any():
         row, col = np.nonzero(tied & partial[:, None])
         if key is None:
-            order = np.lexsort((col, row))  # by row, then index
+            bits = np.zeros(row.size, dtype=np.int64)
         else:
-            tie_keys = np.abs(key[row, col])
+            tie_keys = np.abs(key[row, col]).astype(np.float32)
             if not np.isfinite(tie_keys).all():
                 raise ValueError("tie-break key has NaN or infinite entries (weights?)")
-            order = np.lexsort((col, tie_keys, row))  # by row, then key, then index
-        row, col = row[order], col[order]
+            # Non-negative float32 values order like their IEEE bit patterns (< 2**31).
+            bits = tie_keys.view(np.int32).astype(np.int64)
+        col_bits = max(int(n - 1).bit_length(), 1)
+        row_bits = max(int(rows - 1).bit_length(), 1)
+        if row_bits + 31 + col_bits <= 63:  # one int64 sort key: (row, key, index)
+            packed = (row << (31 + col_bits)) | (bits << col_bits) | col
+            packed.sort()
+            row, col = packed >> (31 + col_bits), packed & ((1 << col_bits) - 1)
+        else:  # matrices of more than 2**32 weights
+            order = np.lexsort((col, bits, row))
+            row, col = row[order], col[order]
         starts = np.zeros(rows + 1, dtype=np.int64)
         starts[1:] = np.cumsum(np.bincount(row, minlength=rows))
         chosen = np.arange(row.size) - starts[row] < need[row]
