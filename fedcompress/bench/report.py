@@ -25,7 +25,8 @@ def run_bench(config_path: str | Path, out: str | Path | None = None,
     device = device or raw.get("bench", {}).get("device")
     saved = {"bench": dict(raw.get("bench", {})),
              "study": {name: {**table, **overrides} for name, table in raw["study"].items()}}
-    runner = BenchRunner(studies, out, device=device, progress=progress)
+    runner = BenchRunner(studies, out, device=device, progress=progress,
+                         cache=raw.get("bench", {}).get("cache"))
     report = RunReport(out, "bench", saved)
     report.reproduce = f"fedcompress bench {out / 'config.toml'} --out {out}"
     report.markdown_results = False  # every cell is in report.json; the tables are above

@@ -17,7 +17,8 @@ Every (client setting, server setting) pair is a *cell*, identified by a hash of
 so cells shared by studies run once. One-shot client masks do not depend on the server's
 comparison group, scaling or tie-break: they are computed once per client setting (model,
 method, local group, sparsity, partition, seed, ...), stored bit-packed under
-``OUT/cache/<id>/`` and reused by every server variant and by a resumed sweep. Each finished
+``OUT/cache/<id>/`` (or ``[bench] cache``, a folder that several sweeps may share) and reused
+by every server variant and by a resumed sweep. Each finished
 cell is appended to ``OUT/results.jsonl`` at once; a rerun skips finished cells and retries
 failed ones; a failing cell is recorded with its error and the sweep goes on.
 
@@ -51,7 +52,7 @@ SERVER_KEYS = ("group", "scale", "tie_break")
 EVAL_KEYS = ("eval_text", "eval_split", "eval_seqlen", "eval_windows")
 CLIENT_KEYS = tuple(k for k in FedPrLLMConfig.__dataclass_fields__ if k not in SERVER_KEYS)
 STUDY_KEYS = ("title", "baselines", "total_windows", "columns")
-BENCH_KEYS = ("device", "out")
+BENCH_KEYS = ("device", "out", "cache")
 BASELINES = ("dense", "centralized", "local-only")
 
 
@@ -252,13 +253,13 @@ class BenchRunner:
     """Runs the pending cells of some studies into ``out``; see the module docstring."""
 
     def __init__(self, studies: list[Study], out: str | Path, device: str | None = None,
-                 progress: bool = True):
+                 progress: bool = True, cache: str | Path | None = None):
         self.studies = studies
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.device = device
         self.progress = progress
-        self.cache = MaskCache(self.out / "cache")
+        self.cache = MaskCache(Path(cache) if cache else self.out / "cache")
         self.results_file = self.out / "results.jsonl"
         self.results: dict[str, dict] = load_results(self.results_file)
         self.stats: dict[str, dict] = {}

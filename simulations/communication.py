@@ -1,0 +1,135 @@
+"""Communication of FedPrLLM: exact bytes per client and round, one-shot vs iterative, for each
+wire format, and the simulated end-to-end time under network profiles with stragglers
+(paper Tables 16-17 shape).
+
+    python simulations/communication.py --out simulations/results/communication \\
+        [--bench simulations/results/bench-wanda] [--codec simulations/results/mask_codec]
+
+Bytes: bit-packed payload sizes are exact (from the model's shapes); the compressed format's
+per-layer sizes are those measured by ``simulations/mask_codec.py`` on real client masks
+(``--codec``: its ``results.json``), or left out when absent. Client compute seconds: the mean
+one-client mask computation measured by the Wanda bench (``--bench``: its ``results.jsonl``),
+split evenly over layers in iterative mode. Nothing here is timed: it is arithmetic on
+measured quantities (``fedcompress.network``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from fedcompress.network import (
+    PROFILES, Stragglers, compare, iterative_schedule, layer_mask_bytes, markdown_table,
+    oneshot_schedule)
+
+
+def model_shapes(model: str) -> dict[str, tuple]:
+    """Wire key -> weight shape of every prunable linear layer, from the model's config (no
+    weights are materialized)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fedcompress.models import load_model
+    from fedcompress.pruning.federated import expected_shapes
+
+    try:
+        loaded = load_model(model, device="cpu")
+        return expected_shapes(loaded.model)
+    except Exception:  # a hub id without weights here: shapes from the config alone
+        config = AutoConfig.from_pretrained(model)
+        with torch.device("meta"):
+            return expected_shapes(AutoModelForCausalLM.from_config(config))
+
+
+def measured_client_seconds(bench: Path | None) -> float | None:
+    if bench is None or not (bench / "results.jsonl").exists():
+        return None
+    seconds = []
+    for line in (bench / "results.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if (r.get("status") == "ok" and r.get("kind") == "fedprllm" and r.get("clients") == 16
+                and r.get("samples_per_client") == 4 and r.get("sparsity") == 0.5
+                and r.get("client_seconds_mean")):
+            seconds.append(r["client_seconds_mean"])
+    return min(seconds) if seconds else None
+
+
+def codec_layer_bytes(codec: Path | None, shapes: dict[str, tuple]) -> dict[str, list[int]]:
+    """Per-decoder-layer bytes of each compressed format measured by mask_codec.py."""
+    if codec is None or not (codec / "results.json").exists():
+        return {}
+    data = json.loads((codec / "results.json").read_text())
+    formats = {}
+    for name, per_key in data.get("layer_bytes", {}).items():
+        per_layer: dict[int, int] = {}
+        for key, nbytes in per_key.items():
+            layer = int(key.split(".")[1])
+            per_layer[layer] = per_layer.get(layer, 0) + int(nbytes)
+        formats[name] = [per_layer[i] for i in sorted(per_layer)]
+    return formats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="simulations/results/communication")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--bench", type=Path, default=Path("simulations/results/bench-wanda"))
+    parser.add_argument("--codec", type=Path, default=Path("simulations/results/mask_codec"))
+    parser.add_argument("--clients", default="16,64")
+    parser.add_argument("--compute-seconds", type=float, default=None,
+                        help="one client's mask computation (default: measured by --bench)")
+    parser.add_argument("--stragglers", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=0)
+    opts = parser.parse_args()
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    shapes = model_shapes(opts.model)
+    weights = sum(int(a) * int(b) for a, b in shapes.values())
+    packed = layer_mask_bytes(shapes)
+    formats = {"bit-packed": packed, **codec_layer_bytes(opts.codec, shapes)}
+    compute = opts.compute_seconds or measured_client_seconds(opts.bench)
+    if compute is None:
+        raise SystemExit("no measured client compute time: run the Wanda bench first or pass "
+                         "--compute-seconds")
+    stragglers = Stragglers(fraction=opts.stragglers, seed=opts.seed)
+    result = {"command": "python simulations/communication.py " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(opts).items() if v is not None),
+              "model": opts.model, "weights": weights, "layers": len(packed),
+              "client_compute_seconds": compute, "formats": {}}
+    lines = [f"# FedPrLLM communication: {opts.model}", "",
+             f"{weights:,} prunable weights in {len(packed)} decoder layers; one client's mask "
+             f"computation {compute:.1f} s (measured). Iterative: one round per layer, each "
+             "uploading that layer's masks and downloading the previous layer's global mask "
+             "(always bit-packed); one-shot: one round.", "",
+             "| wire format | bits/weight | one-shot: bytes up per client (1 round) | "
+             "iterative: bytes up per client per round (max) | iterative: up + down per "
+             "client, total | all 16 clients, one-shot, total up |",
+             "|---|---|---|---|---|---|"]
+    tables = []
+    for name, per_layer in formats.items():
+        total = sum(per_layer)
+        down = layer_mask_bytes(shapes)  # global masks go down bit-packed
+        it_total = total + sum(down[:-1])
+        lines.append(f"| {name} | {8 * total / weights:.4f} | {total:,} | {max(per_layer):,} | "
+                     f"{it_total:,} | {16 * total:,} |")
+        one = oneshot_schedule(per_layer, compute)
+        it = iterative_schedule(per_layer, compute, global_mask_bytes=down)
+        entry = {"bits_per_weight": 8 * total / weights, "layer_bytes": per_layer,
+                 "oneshot_bytes_up_per_client": total, "iterative_bytes_per_client": it_total}
+        for n in [int(c) for c in opts.clients.split(",")]:
+            rows = compare(one, it, n, tuple(PROFILES), stragglers)
+            entry[f"network_{n}_clients"] = [{k: v for k, v in r.items()
+                                              if k not in ("oneshot", "iterative")} for r in rows]
+            tables.append(f"### {name}, {n} clients ({opts.stragglers:.0%} stragglers: half "
+                          "bandwidth, half compute speed)\n\n" + markdown_table(rows))
+        result["formats"][name] = entry
+    lines += ["", "## Simulated end-to-end time", "", *tables]
+    (out / "communication.json").write_text(json.dumps(result, indent=2))
+    (out / "communication.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
