@@ -22,8 +22,8 @@ from flwr.clientapp import ClientApp
 
 from fedcompress.models import load_model
 from fedcompress.pruning.federated import (
-    FedPrLLMConfig, decode_masks, encode_masks, expected_shapes,
-    federation_windows, iterative_client_step, masks_by_layer)
+    FedPrLLMConfig, decode_masks, encode_wire, expected_shapes, federation_windows,
+    iterative_client_step, mask_key, masks_by_layer)
 from fedcompress.pruning.local import local_masks
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,13 @@ def _setup(message: Message, context: Context):
     return config, partition, model, windows
 
 
+def _reference(message: Message) -> dict | None:
+    """The public reference norms the server sent for the compressed wire format, if any."""
+    if "reference" not in message.content:
+        return None
+    return {key: arr.numpy() for key, arr in message.content["reference"].items()}
+
+
 def _reply(message: Message, payload: dict, metrics: dict) -> Message:
     arrays = ArrayRecord({key: Array(value) for key, value in payload.items()})
     metrics["bytes_up"] = sum(int(v.nbytes) for v in payload.values())
@@ -80,7 +87,9 @@ def oneshot_masks(message: Message, context: Context) -> Message:
     config, partition, model, windows = _setup(message, context)
     start = time.perf_counter()
     result = local_masks(model, windows, config.prune, batch_size=config.batch_size)
-    return _reply(message, encode_masks(result.masks),
+    flat = {mask_key(i, name): m for i, layer in enumerate(result.masks)
+            for name, m in layer.items()}
+    return _reply(message, encode_wire(flat, model, config, _reference(message)),
                   {"seconds": time.perf_counter() - start, "windows": len(windows),
                    "partition": partition})
 
@@ -107,6 +116,7 @@ def iterative_layer_mask(message: Message, context: Context) -> Message:
         _KWARGS.get(cache_key), config.batch_size)
     _KWARGS[cache_key] = kwargs
     context.state["fedprllm"] = ArrayRecord({"hidden": Array(hidden.contiguous().numpy())})
-    return _reply(message, encode_masks([masks], first_layer=layer),
+    flat = {mask_key(layer, name): m for name, m in masks.items()}
+    return _reply(message, encode_wire(flat, model, config, _reference(message)),
                   {"seconds": time.perf_counter() - start, "layer": layer,
                    "partition": partition})

@@ -235,6 +235,7 @@ PRUNE_DEFAULTS: dict[str, Any] = {
     "tie_break": "magnitude", "mode": "oneshot", "clients": 16, "samples_per_client": 4,
     "seqlen": 256, "partition": "iid", "alpha": 1.0, "seed": 0, "calib_text": "wiki",
     "calib_split": "train", "batch_size": 4, "min_clients": 0, "mask_tolerance": 0.05,
+    "wire": "packed", "wire_reference": "wiki",
     # evaluation and server
     "eval_text": "wiki", "eval_split": "test", "eval_seqlen": 256, "eval_windows": 0,
     "out": None, "device": "auto", "baselines": "dense,centralized,local-only",
@@ -277,6 +278,12 @@ def prune_command(
     alpha: Annotated[Optional[float], _opt("--alpha", "Dirichlet concentration.")] = None,
     min_clients: Annotated[Optional[int], _opt("--min-clients", "Fewest valid clients to go "
                                                                 "on with (0: all).")] = None,
+    wire: Annotated[Optional[str], _opt("--wire", "Mask wire format: packed (1 bit per "
+                                        "weight) or compressed (lossless, coded against "
+                                        "public reference norms).")] = None,
+    wire_reference: Annotated[Optional[str], _opt("--wire-reference", "Compressed wire: "
+                                                  "public corpus (its validation split) of the "
+                                                  "reference norms, or none.")] = None,
     calib_text: Annotated[Optional[str], _opt("--calib-text", "Calibration corpus: bundled "
                                               "name, hub name or .txt/.jsonl file.")] = None,
     eval_text: Annotated[Optional[str], _opt("--eval-text", "Evaluation corpus (as "

@@ -11,6 +11,7 @@ save the pruned model with ``save_pretrained``, and write ``report.json``/``repo
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedcompress.pruning.experiment import EvalConfig, prepare_experiment
-from fedcompress.pruning.federated import FedPrLLMConfig, ServerConfig, payload_nbytes
+from fedcompress.pruning.federated import (
+    FedPrLLMConfig, ServerConfig, expected_shapes, public_reference_wire)
 from fedcompress.report import RunReport
 from strategies.fedprllm import make_strategy
 
@@ -84,7 +86,9 @@ def run_fedprllm(grid: Grid, settings: dict) -> RunReport:
             with report.phase("eval"):
                 report.add_result(exp.evaluate("dense", exp.model))
 
-        strategy = make_strategy(config, exp.model)
+        with report.phase("wire_reference"):
+            reference = public_reference_wire(exp.model, exp.tokenizer, config)
+        strategy = make_strategy(config, exp.model, reference)
         with report.phase("engine_startup"):
             startup = strategy.warmup(grid, timeout=float(server["timeout"]))
         start = time.perf_counter()
@@ -92,10 +96,14 @@ def run_fedprllm(grid: Grid, settings: dict) -> RunReport:
             strategy.start(grid, ArrayRecord(), num_rounds=strategy.num_rounds,
                            timeout=float(server["timeout"]))
         fed_seconds = time.perf_counter() - start
-        up = payload_nbytes(strategy.shapes) if config.mode == "oneshot" else sum(
-            payload_nbytes(a.shapes) for a in strategy.layer_aggregators.values())
         client_seconds = [m["seconds"] for m in strategy.client_metrics]
-        comm = {"rounds": strategy.num_rounds, "clients": config.clients,
+        # Measured bytes of the valid replies (all rounds), per client.
+        senders = {m["node"] for m in strategy.client_metrics}
+        up = sum(int(m.get("bytes_up", 0)) for m in strategy.client_metrics) // max(
+            len(senders), 1)
+        comm = {"rounds": strategy.num_rounds, "clients": config.clients, "wire": config.wire,
+                "bits_per_weight_up": 8 * up / max(sum(
+                    math.prod(shape) for shape in expected_shapes(exp.model).values()), 1),
                 "valid_clients": config.clients - len({r["node"] for r in strategy.rejected}),
                 "bytes_up_per_client": up,
                 "bytes_down_per_client": strategy.bytes_down // max(config.clients, 1),

@@ -22,7 +22,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedcompress.pruning.federated import (
-    FedPrLLMConfig, InvalidMaskError, MaskAggregator, check_payload, encode_masks,
+    FedPrLLMConfig, InvalidMaskError, MaskAggregator, decode_wire, encode_masks,
     expected_shapes, masks_by_layer)
 from fedcompress.models import ModelAdapter
 
@@ -38,8 +38,11 @@ class FedPrLLM(Strategy):
 
     action = "train.masks"
 
-    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0):
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
+                 reference_wire: dict | None = None):
         self.config = config
+        # Compressed wire format: the public reference norms sent with every request.
+        self.reference_wire = reference_wire
         self.node_wait = node_wait
         self.model = model
         self.rejected: list[dict] = []
@@ -82,8 +85,13 @@ class FedPrLLM(Strategy):
                 self.warmup_seconds.append(float(reply.content["metrics"]["seconds"]))
         return time.monotonic() - start
 
-    def _content(self, server_round: int) -> RecordDict:
-        return RecordDict({"config": ConfigRecord(self.config.to_dict())})
+    def _content(self, server_round: int, layers: list[int] | None = None) -> RecordDict:
+        content = RecordDict({"config": ConfigRecord(self.config.to_dict())})
+        if self.reference_wire:
+            keys = [k for k in self.reference_wire
+                    if layers is None or int(k.split(".")[1]) in layers]
+            content["reference"] = ArrayRecord({k: Array(self.reference_wire[k]) for k in keys})
+        return content
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -103,8 +111,8 @@ class FedPrLLM(Strategy):
                 continue
             try:
                 payload = {k: a.numpy() for k, a in reply.content["masks"].items()}
-                packed = check_payload(payload, aggregator.shapes, target,
-                                       self.config.mask_tolerance)
+                packed = decode_wire(payload, aggregator.shapes, self.model, self.config,
+                                     self.reference_wire)
             except (InvalidMaskError, KeyError, TypeError, ValueError) as err:
                 self._reject(server_round, node, f"invalid masks: {err}")
                 continue
@@ -158,8 +166,9 @@ class IterativeFedPrLLM(FedPrLLM):
 
     action = "train.layer_mask"
 
-    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0):
-        super().__init__(config, model, node_wait)
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
+                 reference_wire: dict | None = None):
+        super().__init__(config, model, node_wait, reference_wire)
         self.layer_aggregators: dict[int, MaskAggregator] = {}
         self.global_masks: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -172,7 +181,7 @@ class IterativeFedPrLLM(FedPrLLM):
 
     def _content(self, server_round: int) -> RecordDict:
         layer = server_round - 1
-        content = super()._content(server_round)
+        content = super()._content(server_round, [layer])
         content["round"] = ConfigRecord({"layer": layer})
         if layer > 0:
             packed = encode_masks([self.global_masks[layer - 1]], first_layer=layer - 1)
@@ -202,5 +211,7 @@ class IterativeFedPrLLM(FedPrLLM):
         return pruned
 
 
-def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module) -> FedPrLLM:
-    return (IterativeFedPrLLM if config.mode == "iterative" else FedPrLLM)(config, model)
+def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module,
+                  reference_wire: dict | None = None) -> FedPrLLM:
+    cls = IterativeFedPrLLM if config.mode == "iterative" else FedPrLLM
+    return cls(config, model, reference_wire=reference_wire)

@@ -14,9 +14,11 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedcompress.models import load_model
 from fedcompress.pruning.federated import (
     FedPrLLMConfig, InvalidMaskError, MaskAggregator, client_windows, decode_masks,
-    encode_masks, expected_shapes, federation_windows, iterative_client_step, iterative_vote, mask_key)
+    ServerConfig, encode_masks, expected_shapes, federation_windows, iterative_client_step,
+    iterative_vote, mask_key, public_reference_wire)
 from fedcompress.pruning.local import PruneConfig, local_masks
-from strategies.fedprllm import FedPrLLM, IterativeFedPrLLM, NotEnoughClientsError
+from strategies.fedprllm import (
+    FedPrLLM, IterativeFedPrLLM, NotEnoughClientsError, make_strategy)
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +168,46 @@ def test_iterative_layer0_equals_oneshot_and_runs_all_layers(tiny_dir, tiny, met
             assert torch.equal(mask, strategy.global_masks[layer][key.split(".", 2)[2]])
 
 
+@pytest.mark.parametrize("reference", ["wiki", "none"])
+@pytest.mark.parametrize("mode", ["oneshot", "iterative"])
+def test_compressed_wire_gives_the_same_vote_in_fewer_bytes(tiny_dir, tiny, mode, reference):
+    packed_cfg = config_for(tiny_dir, mode=mode)
+    config = config_for(tiny_dir, mode=mode, wire="compressed", wire_reference=reference)
+    reference_wire = public_reference_wire(tiny.model, tiny.tokenizer, config)
+    assert (reference_wire == {}) == (reference == "none")
+    packed, compressed = (make_strategy(packed_cfg, tiny.model),
+                          make_strategy(config, tiny.model, reference_wire))
+    run_rounds(packed, Federation(4))
+    run_rounds(compressed, Federation(4))
+    assert not compressed.rejected
+    for server in (ServerConfig("layer"), ServerConfig("row", scale=True)):
+        a, b = load_model(tiny_dir, device="cpu").model, load_model(tiny_dir, device="cpu").model
+        packed.prune(a, server if mode == "oneshot" else None)
+        compressed.prune(b, server if mode == "oneshot" else None)
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                      b.state_dict().values()))
+    up = [m["bytes_up"] for m in compressed.client_metrics]
+    assert sum(up) < sum(m["bytes_up"] for m in packed.client_metrics)
+
+
+def test_corrupted_compressed_payload_is_left_out(tiny_dir, tiny):
+    config = config_for(tiny_dir, wire="compressed", min_clients=3)
+    strategy = make_strategy(config, tiny.model,
+                             public_reference_wire(tiny.model, tiny.tokenizer, config))
+    grid = Federation(4)
+    replies = grid.send_and_receive(strategy.configure_train(1, ArrayRecord(), ConfigRecord(),
+                                                             grid))
+    masks = {k: a.numpy().copy() for k, a in replies[2].content["masks"].items()}
+    key = next(iter(masks))
+    masks[key][-1] ^= 0xFF
+    replies[2] = Message(RecordDict({"masks": ArrayRecord({k: Array(v) for k, v in masks.items()}),
+                                     "metrics": MetricRecord({"seconds": 0.0})}),
+                         reply_to=Message(RecordDict(), dst_node_id=replies[2].metadata.src_node_id,
+                                          message_type="train.masks"))
+    strategy.aggregate_train(1, replies)
+    assert strategy.aggregator.clients == 3 and "invalid masks" in strategy.rejected[0]["reason"]
+
+
 def _tamper(reply: Message, how: str) -> Message:
     masks = {k: a.numpy() for k, a in reply.content["masks"].items()}
     key = next(iter(masks))
@@ -219,7 +261,8 @@ def test_flower_simulation_four_clients(tiny_dir, tiny, tmp_path):
     out = tmp_path / "sim"
     settings = dict(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16, batch_size=2,
                     eval_seqlen=16, eval_windows=4, out=str(out), device="cpu",
-                    baselines="dense,centralized,local-only", variants="all")
+                    baselines="dense,centralized,local-only", variants="all",
+                    wire="compressed")  # flwr run (test_flwr_run.py) covers the packed format
     simulate_fedprllm(settings)
     orphans = [p for p in _ray_pids() - before if psutil.pid_exists(p)
                and psutil.Process(p).ppid() == 1 and psutil.Process(p).status() != "zombie"]
@@ -232,11 +275,12 @@ def test_flower_simulation_four_clients(tiny_dir, tiny, tmp_path):
     fed = next(r for r in report["results"] if r["name"] == "fedprllm-oneshot-layer")
     assert fed["valid_clients"] == 4 and fed["rounds"] == 1
     assert abs(fed["sparsity"] - 0.5) < 1e-3
-    assert fed["bytes_up_per_client"] == sum((np.prod(s) + 7) // 8
-                                             for s in expected_shapes(tiny.model).values())
+    packed = sum((np.prod(s) + 7) // 8 for s in expected_shapes(tiny.model).values())
+    assert fed["wire"] == "compressed" and 0 < fed["bytes_up_per_client"] < packed
+    assert fed["bits_per_weight_up"] < 1
     assert (out / "model" / "config.json").exists()
 
-    # The simulated vote equals the in-process vote of the same clients.
+    # The simulated vote (compressed wire, lossless) equals the in-process packed vote.
     config = config_for(tiny_dir)
     strategy = FedPrLLM(config, tiny.model)
     run_rounds(strategy, Federation(4))

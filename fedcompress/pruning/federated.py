@@ -32,6 +32,8 @@ from fedcompress.pruning.select import check_group
 logger = logging.getLogger(__name__)
 
 MODES = ("oneshot", "iterative")
+WIRES = ("packed", "compressed")
+REFERENCE_WINDOWS = 8  # public windows behind the compressed format's reference norms
 PARTITIONS = ("iid", "dirichlet")
 
 
@@ -211,6 +213,69 @@ def decode_masks(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
     return {key: decode_mask(checked[key], shapes[key], key) for key in shapes}
 
 
+def public_reference_wire(model: nn.Module, tokenizer, config: "FedPrLLMConfig"
+                          ) -> dict[str, np.ndarray] | None:
+    """What the server broadcasts for the compressed wire format: per-input-column activation
+    norms of every linear layer measured on PUBLIC text (``REFERENCE_WINDOWS`` windows of the
+    validation split of ``config.wire_reference``, forwarded through the locally pruned layers
+    as the clients' pass does), as float16 (:func:`~fedcompress.masks.compress.reference_to_wire`).
+    ``{}`` for ``wire_reference="none"`` (magnitude reference, nothing to send); ``None`` for the
+    bit-packed format."""
+    if config.wire != "compressed":
+        return None
+    if config.wire_reference == "none":
+        return {}
+    from fedcompress.data.calibration import sample_windows, tokenize_corpus
+    from fedcompress.data.corpora import load_corpus
+    from fedcompress.masks.compress import public_reference, reference_to_wire
+
+    tokens = tokenize_corpus(tokenizer, load_corpus(config.wire_reference, "validation"))
+    windows = sample_windows(tokens, REFERENCE_WINDOWS, config.seqlen,
+                             np.random.default_rng(config.seed))
+    return reference_to_wire(public_reference(model, windows, config.prune, config.batch_size))
+
+
+def _reference(reference_wire: dict[str, np.ndarray] | None, keys) -> dict | None:
+    from fedcompress.masks.compress import reference_from_wire
+
+    if not reference_wire:
+        return None
+    missing = sorted(set(keys) - set(reference_wire))
+    if missing:
+        raise InvalidMaskError(f"no reference norms for {missing[:3]}")
+    return reference_from_wire({k: reference_wire[k] for k in keys})
+
+
+def encode_wire(masks: dict[str, torch.Tensor], model: nn.Module, config: "FedPrLLMConfig",
+                reference_wire: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """One client's ``{wire key: mask}`` in the run's wire format."""
+    if config.wire == "packed":
+        return {key: encode_mask(mask) for key, mask in masks.items()}
+    from fedcompress.masks.compress import encode_masks_ctx, linear_weights
+
+    weights = linear_weights(model, sorted({int(k.split(".")[1]) for k in masks}))
+    return encode_masks_ctx(masks, {k: weights[k] for k in masks},
+                            _reference(reference_wire, masks))
+
+
+def decode_wire(payload: dict[str, np.ndarray], shapes: dict[str, tuple], model: nn.Module,
+                config: "FedPrLLMConfig", reference_wire: dict[str, np.ndarray] | None = None
+                ) -> dict[str, np.ndarray]:
+    """One client's payload in the run's wire format -> validated bit-packed masks
+    (:func:`check_payload`: names, shapes, sparsity); :class:`InvalidMaskError` says why not."""
+    if config.wire == "compressed":
+        from fedcompress.masks.compress import decode_masks_ctx, linear_weights
+
+        weights = linear_weights(model, sorted({int(k.split(".")[1]) for k in shapes}))
+        try:
+            masks = decode_masks_ctx(payload, {k: weights[k] for k in shapes},
+                                     _reference(reference_wire, shapes))
+        except MaskDecodeError as err:
+            raise InvalidMaskError(str(err)) from err
+        payload = {key: encode_mask(mask) for key, mask in masks.items()}
+    return check_payload(payload, shapes, config.prune.target_sparsity, config.mask_tolerance)
+
+
 def payload_nbytes(shapes: dict[str, tuple]) -> int:
     return sum(packed_nbytes(shape) for shape in shapes.values())
 
@@ -352,6 +417,8 @@ class FedPrLLMConfig:
     batch_size: int = 4
     min_clients: int = 0  # 0: every client must reply with a valid mask
     mask_tolerance: float = 0.05
+    wire: str = "packed"  # packed (1 bit/weight) or compressed (fedcompress.masks.compress)
+    wire_reference: str = "wiki"  # compressed: public corpus of the reference norms, or "none"
 
     def __post_init__(self):
         self.prune  # validates method, sparsity, local group, N:M
@@ -364,6 +431,9 @@ class FedPrLLMConfig:
         check_federation(self.clients, self.samples_per_client, self.seqlen)
         if self.partition == "dirichlet" and not self.alpha > 0:
             raise ValueError(f"Dirichlet alpha {self.alpha!r} must be > 0")
+        if self.wire not in WIRES:
+            raise ValueError(f"unknown wire format {self.wire!r}: expected one of "
+                             f"{', '.join(WIRES)}")
         if not 0 <= self.min_clients <= self.clients:
             raise ValueError(f"min_clients {self.min_clients} must be in [0, {self.clients}]")
 
