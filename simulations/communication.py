@@ -19,6 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
 from fedcompress.network import (
     PROFILES, Stragglers, compare, iterative_schedule, layer_mask_bytes, markdown_table,
     oneshot_schedule)
@@ -56,17 +58,29 @@ def measured_client_seconds(bench: Path | None) -> float | None:
 
 
 def codec_layer_bytes(codec: Path | None, shapes: dict[str, tuple]) -> dict[str, list[int]]:
-    """Per-decoder-layer bytes of each compressed format measured by mask_codec.py."""
+    """Per-decoder-layer bytes of the compressed format measured by mask_codec.py on 50% Wanda
+    client masks (mean over its clients), per reference. Its totals are split over the decoder
+    layers in proportion to their weights (the measured payloads are per linear group, not per
+    decoder layer)."""
     if codec is None or not (codec / "results.json").exists():
         return {}
     data = json.loads((codec / "results.json").read_text())
+    per_layer_weights: dict[int, int] = {}
+    for key, shape in shapes.items():
+        layer = int(key.split(".")[1])
+        per_layer_weights[layer] = per_layer_weights.get(layer, 0) + int(np.prod(shape))
+    total_weights = sum(per_layer_weights.values())
+    totals: dict[str, list[int]] = {}
+    for record in data["records"]:
+        if record["method"] == "wanda" and record["sparsity"] == 0.5:
+            for ref, coder in record["coders"].items():
+                totals.setdefault(ref, []).append(coder["ctx_bytes"])
     formats = {}
-    for name, per_key in data.get("layer_bytes", {}).items():
-        per_layer: dict[int, int] = {}
-        for key, nbytes in per_key.items():
-            layer = int(key.split(".")[1])
-            per_layer[layer] = per_layer.get(layer, 0) + int(nbytes)
-        formats[name] = [per_layer[i] for i in sorted(per_layer)]
+    for ref, values in totals.items():
+        total = float(np.mean(values))
+        formats[f"compressed (reference {ref})"] = [
+            int(round(total * per_layer_weights[i] / total_weights))
+            for i in sorted(per_layer_weights)]
     return formats
 
 

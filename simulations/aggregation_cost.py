@@ -1,0 +1,118 @@
+"""Server cost of FedPrLLM aggregation next to one client's mask computation, side by side in
+one process (same threads), and the server's extra memory while it aggregates.
+
+    python simulations/aggregation_cost.py --out simulations/results/aggregation_cost
+
+1. One client's mask computation (Wanda 50%, row-local, 4 windows of 256 tokens): timed.
+2. 64 real client masks (64 clients, one window each, wiki train): computed, kept bit-packed.
+3. Aggregation of the 64 payloads for each server variant (layer/row/column x scaling):
+   vote counting on the packed masks + global mask + pruning of a model copy, one linear layer
+   at a time (``MaskAggregator.prune``), timed; the peak of the memory numpy allocates meanwhile
+   (tracemalloc; the counts and selection are numpy) next to one layer's and the whole
+   model's counts.
+Repeated ``--repeats`` times; medians reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedcompress.models import load_model
+from fedcompress.pruning.federated import (
+    FedPrLLMConfig, MaskAggregator, ServerConfig, encode_masks, federation_windows)
+from fedcompress.pruning.local import local_masks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="simulations/results/aggregation_cost")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    opts = parser.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(opts.model, device="cpu")
+    model = loaded.model
+    one = FedPrLLMConfig(model=opts.model)  # the default client: 4 windows of 256 tokens
+    windows = federation_windows(loaded.tokenizer, one)[0][0]
+    client_s = []
+    for _ in range(opts.repeats):
+        start = time.perf_counter()
+        local_masks(model, windows, one.prune, batch_size=one.batch_size)
+        client_s.append(time.perf_counter() - start)
+
+    many = FedPrLLMConfig(model=opts.model, clients=opts.clients, samples_per_client=1)
+    payloads, one_window_s = [], []
+    for w in federation_windows(loaded.tokenizer, many)[0]:
+        start = time.perf_counter()
+        result = local_masks(model, w, many.prune, batch_size=many.batch_size)
+        one_window_s.append(time.perf_counter() - start)
+        payloads.append(encode_masks(result.masks))
+
+    rows = []
+    for group in ("layer", "row", "column"):
+        for scale in (False, True):
+            server = ServerConfig(group, scale)
+            seconds, peaks = [], []
+            for _ in range(opts.repeats):
+                aggregator = MaskAggregator(model, opts.clients)
+                for payload in payloads:
+                    aggregator.add_packed(payload)
+                target = copy.deepcopy(model)
+                tracemalloc.start()
+                start = time.perf_counter()
+                aggregator.prune(target, server, many.prune.target_sparsity)
+                seconds.append(time.perf_counter() - start)
+                peaks.append(tracemalloc.get_traced_memory()[1])
+                tracemalloc.stop()
+                del target
+            rows.append({"server": server.label, "seconds": statistics.median(seconds),
+                         "peak_numpy_bytes": max(peaks)})
+    shapes = MaskAggregator(model, 1).shapes
+    layer_counts = max(int(np.prod(s)) for s in shapes.values())  # uint8 counts
+    model_counts = sum(int(np.prod(s)) for s in shapes.values())
+    client = statistics.median(client_s)
+    result = {"command": "python simulations/aggregation_cost.py " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(opts).items()),
+              "model": opts.model, "torch_threads": torch.get_num_threads(),
+              "client_seconds_4_windows": client_s,
+              "client_seconds_1_window_mean": float(np.mean(one_window_s)),
+              "clients": opts.clients, "aggregation": rows,
+              "largest_layer_counts_bytes": layer_counts, "model_counts_bytes": model_counts,
+              "payload_bytes_held": sum(int(a.nbytes) for p in payloads for a in p.values())}
+    lines = [f"# Aggregation cost: {opts.clients} client masks of {opts.model}", "",
+             f"One client's mask computation (Wanda 50%, 4 windows x 256 tokens): "
+             f"**{client:.2f} s** (median of {opts.repeats}); one-window clients "
+             f"{np.mean(one_window_s):.2f} s on average. torch threads: "
+             f"{torch.get_num_threads()}.", "",
+             "| server variant | aggregation s (count + select + prune) | / one client | "
+             "peak numpy memory while aggregating | / one layer's counts |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['server']} | {r['seconds']:.3f} | {100 * r['seconds'] / client:.1f}% "
+                     f"| {r['peak_numpy_bytes'] / 2**20:.1f} MiB | "
+                     f"{r['peak_numpy_bytes'] / layer_counts:.1f}x |")
+    lines += ["", f"Counts of the largest linear layer: {layer_counts / 2**20:.2f} MiB (uint8); "
+              f"of the whole model: {model_counts / 2**20:.1f} MiB. The packed payloads held "
+              f"(the messages as received): {result['payload_bytes_held'] / 2**20:.0f} MiB.",
+              "", f"Command: `{result['command']}`"]
+    (out / "aggregation_cost.json").write_text(json.dumps(result, indent=2))
+    (out / "aggregation_cost.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
