@@ -110,3 +110,14 @@ def test_table_from_stored_results(tiny_dir):
     assert labels == ["Centralized", "FedPrLLM one-shot, server layer",
                       "FedPrLLM one-shot, server row"]
     assert rows[1][1] == "failed" and rows[0][1] == "11.00" and rows[2][2] == "15.00"
+
+
+def test_table_with_a_server_setting_as_columns(tiny_dir):
+    config = _config(tiny_dir, sparsity=0.5, local_group=["row", "column"], columns="group",
+                     baselines=[])
+    (study,) = plan(config)
+    results = {cell.id: {"status": "ok", "perplexity": 1.0} for cell in study.cells}
+    header, rows = study_table(study, results)
+    assert header == ["local_group", "strategy", "group=layer", "group=row"]
+    assert rows == [["row", "FedPrLLM one-shot", "1.00", "1.00"],
+                    ["column", "FedPrLLM one-shot", "1.00", "1.00"]]

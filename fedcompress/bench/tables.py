@@ -12,16 +12,22 @@ KIND_ORDER = {"dense": 0, "centralized": 1, "local-only": 2, "fedprllm": 3}
 KIND_LABEL = {"dense": "Dense", "centralized": "Centralized", "local-only": "Local-only"}
 
 
-def strategy_label(settings: dict) -> str:
-    """``FedPrLLM one-shot, server row, scaling`` / ``Centralized`` / ..."""
+def strategy_label(settings: dict, omit: tuple[str, ...] = ()) -> str:
+    """``FedPrLLM one-shot, server row, scaling`` / ``Centralized`` / ...; settings named in
+    ``omit`` (e.g. the table's column setting) are left out of the label."""
     kind = settings["kind"]
     if kind != "fedprllm":
         return KIND_LABEL[kind]
-    mode = "one-shot" if settings.get("mode") == "oneshot" else "iterative"
-    parts = [f"FedPrLLM {mode}", f"server {settings['group']}"]
-    if settings.get("scale"):
+    parts = []
+    if "mode" not in omit:
+        parts.append(f"FedPrLLM {'one-shot' if settings.get('mode') == 'oneshot' else 'iterative'}")
+    else:
+        parts.append("FedPrLLM")
+    if "group" not in omit:
+        parts.append(f"server {settings['group']}")
+    if settings.get("scale") and "scale" not in omit:
         parts.append("scaling")
-    if settings.get("tie_break", "magnitude") != "magnitude":
+    if settings.get("tie_break", "magnitude") != "magnitude" and "tie_break" not in omit:
         parts.append(f"ties {settings['tie_break']}")
     return ", ".join(parts)
 
@@ -44,7 +50,7 @@ def study_table(study: Study, results: dict[str, dict], metric: str = "perplexit
     order: dict[tuple, tuple] = {}
     for index, cell in enumerate(study.cells):
         settings = cell.settings()
-        label = strategy_label(settings)
+        label = strategy_label(settings, (col_key,) if col_key else ())
         key = (*(_fmt(settings.get(k, "")) if k in settings else "" for k in other), label)
         order.setdefault(key, (KIND_ORDER[cell.kind], index))
         record = results.get(cell.id)
