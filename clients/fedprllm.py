@@ -23,7 +23,8 @@ from flwr.clientapp import ClientApp
 from fedcompress.models import load_model
 from fedcompress.pruning.federated import (
     FedPrLLMConfig, decode_masks, encode_wire, expected_shapes, federation_windows,
-    iterative_client_step, mask_key, masks_by_layer)
+    iterative_client_step, masks_by_layer)
+from fedcompress.masks.stats import flatten_masks
 from fedcompress.pruning.local import local_masks
 
 logger = logging.getLogger(__name__)
@@ -87,9 +88,8 @@ def oneshot_masks(message: Message, context: Context) -> Message:
     config, partition, model, windows = _setup(message, context)
     start = time.perf_counter()
     result = local_masks(model, windows, config.prune, batch_size=config.batch_size)
-    flat = {mask_key(i, name): m for i, layer in enumerate(result.masks)
-            for name, m in layer.items()}
-    return _reply(message, encode_wire(flat, model, config, _reference(message)),
+    return _reply(message, encode_wire(flatten_masks(result.masks), model, config,
+                                       _reference(message)),
                   {"seconds": time.perf_counter() - start, "windows": len(windows),
                    "partition": partition})
 
@@ -116,7 +116,7 @@ def iterative_layer_mask(message: Message, context: Context) -> Message:
         _KWARGS.get(cache_key), config.batch_size)
     _KWARGS[cache_key] = kwargs
     context.state["fedprllm"] = ArrayRecord({"hidden": Array(hidden.contiguous().numpy())})
-    flat = {mask_key(layer, name): m for name, m in masks.items()}
-    return _reply(message, encode_wire(flat, model, config, _reference(message)),
+    return _reply(message, encode_wire(flatten_masks([masks], layer), model, config,
+                                       _reference(message)),
                   {"seconds": time.perf_counter() - start, "layer": layer,
                    "partition": partition})

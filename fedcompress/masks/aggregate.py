@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from fedcompress.masks.codec import encode_mask
 from fedcompress.models import CALC_DTYPE
 from fedcompress.pruning.select import check_group, check_sparsity
 
@@ -126,7 +127,7 @@ def vote_counts(masks: Iterable[torch.Tensor], n_clients: int | None = None) -> 
             raise ValueError(f"mask {i} of shape {tuple(mask.shape)} does not match {shape}")
     if n_clients is not None and n_clients != len(masks):
         raise ValueError(f"{len(masks)} masks for {n_clients} announced clients")
-    packed = [np.packbits(m.detach().cpu().numpy().reshape(-1)) for m in masks]
+    packed = [encode_mask(m) for m in masks]
     return count_packed(packed, int(np.prod(shape))).reshape(shape)
 
 

@@ -16,6 +16,23 @@ class MaskDecodeError(ValueError):
     """A payload is not a valid bit-packed mask of the expected shape."""
 
 
+def mask_key(layer: int, name: str) -> str:
+    """Wire name of the mask of linear layer ``name`` in decoder layer ``layer``."""
+    return f"layers.{layer}.{name}"
+
+
+def key_mismatch(expected, got) -> str | None:
+    """``None`` when the two sets of mask names are equal, else a message naming the
+    differences (the first three of each)."""
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if not missing and not extra:
+        return None
+    return (f"mask names do not match the model: missing {missing[:3]}"
+            f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
+            f"{'...' if len(extra) > 3 else ''}")
+
+
 def packed_nbytes(shape: tuple[int, ...]) -> int:
     return (int(np.prod(shape)) + 7) // 8
 

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcompress.masks.codec import MaskDecodeError
+from fedcompress.masks.codec import MaskDecodeError, key_mismatch
 from fedcompress.models import CALC_DTYPE
 
 FORMAT_VERSION = 1
@@ -635,7 +635,7 @@ def linear_weights(model: nn.Module, layers: Iterable[int] | None = None
                    ) -> dict[str, torch.Tensor]:
     """Wire key (``layers.{i}.{name}``) -> ``[out, in]`` weight of every prunable linear layer."""
     from fedcompress.models import ModelAdapter, weight_matrix
-    from fedcompress.pruning.federated import mask_key
+    from fedcompress.masks.codec import mask_key
 
     adapter = ModelAdapter(model)
     indices = range(len(adapter)) if layers is None else layers
@@ -651,7 +651,7 @@ def public_reference(model: nn.Module, windows: torch.Tensor, prune=None, batch_
     ``prune`` (a :class:`~fedcompress.pruning.local.PruneConfig`) forwards each layer's samples
     through the layer pruned by that recipe, as the clients' pass does; None: the dense model.
     """
-    from fedcompress.pruning.federated import mask_key
+    from fedcompress.masks.codec import mask_key
     from fedcompress.pruning.local import layer_prune_fn
     from fedcompress.pruning.walker import walk
 
@@ -757,12 +757,9 @@ def decode_masks_ctx(payload: Mapping[str, np.ndarray], weights: Mapping[str, to
             if key in owner:
                 raise CompressedMaskError(f"mask {key!r} appears in two payloads")
             owner[key] = pkey
-    missing = sorted(set(weights) - set(owner))
-    extra = sorted(set(owner) - set(weights))
-    if missing or extra:
-        raise CompressedMaskError(f"mask names do not match the model: missing {missing[:3]}"
-                                  f"{'...' if len(missing) > 3 else ''}, unexpected "
-                                  f"{extra[:3]}{'...' if len(extra) > 3 else ''}")
+    mismatch = key_mismatch(weights, owner)
+    if mismatch:
+        raise CompressedMaskError(mismatch)
     masks: dict[str, torch.Tensor] = {}
     for pkey, data in payload.items():
         members = pkey.split(GROUP_SEPARATOR)

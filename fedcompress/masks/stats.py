@@ -43,6 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcompress.masks.codec import mask_key
+
 __all__ = [
     "LayerValues",
     "Ratio",
@@ -69,11 +71,6 @@ __all__ = [
 # Collections and result types
 # ------------------------------------------------------------------------------------------
 
-def _key(layer: int, name: str) -> str:
-    # The same wire key as fedcompress.pruning.federated.mask_key (tested to stay equal).
-    return f"layers.{layer}.{name}"
-
-
 def flatten_masks(masks: Any, first_layer: int = 0) -> dict[str, torch.Tensor]:
     """A mask collection (see the module docstring) as a flat ``{key: tensor}`` dict."""
     if hasattr(masks, "masks") and not isinstance(masks, (torch.Tensor, Mapping)):
@@ -89,7 +86,7 @@ def flatten_masks(masks: Any, first_layer: int = 0) -> dict[str, torch.Tensor]:
                 raise TypeError(f"layer {i} of the mask list is a {type(layer).__name__}, "
                                 "expected a mapping {linear name: mask}")
             for name, mask in layer.items():
-                flat[_key(first_layer + i, name)] = mask
+                flat[mask_key(first_layer + i, name)] = mask
         return flat
     raise TypeError(f"not a mask collection: {type(masks).__name__}")
 

@@ -25,7 +25,9 @@ from torch import nn
 
 from fedcompress.masks.aggregate import TIE_BREAKS, count_packed, global_mask, scale_weights
 from fedcompress.masks.codec import (
-    MaskDecodeError, check_packed, decode_mask, encode_mask, packed_nbytes)
+    MaskDecodeError, check_packed, decode_mask, encode_mask, key_mismatch, mask_key,
+    packed_nbytes)
+from fedcompress.masks.stats import flatten_masks
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.select import check_group
 
@@ -58,11 +60,6 @@ class ServerConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def mask_key(layer: int, name: str) -> str:
-    """Wire name of the mask of linear layer ``name`` in decoder layer ``layer``."""
-    return f"layers.{layer}.{name}"
 
 
 def expected_shapes(model: nn.Module, layers: Iterable[int] | None = None) -> dict[str, tuple]:
@@ -178,8 +175,7 @@ class InvalidMaskError(ValueError):
 def encode_masks(masks: list[dict[str, torch.Tensor]], first_layer: int = 0
                  ) -> dict[str, np.ndarray]:
     """Per-layer masks (from the walker) to ``{wire key: bit-packed uint8 array}``."""
-    return {mask_key(first_layer + i, name): encode_mask(mask)
-            for i, layer in enumerate(masks) for name, mask in layer.items()}
+    return {key: encode_mask(mask) for key, mask in flatten_masks(masks, first_layer).items()}
 
 
 def check_payload(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
@@ -188,12 +184,9 @@ def check_payload(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
     unpacking it: every mask must be present, bit-packed for its shape, and have a sparsity
     within ``tolerance`` of ``target_sparsity``; otherwise :class:`InvalidMaskError` says why.
     Returns the payload restricted to ``shapes``' keys, in their order."""
-    missing = sorted(set(shapes) - set(payload))
-    extra = sorted(set(payload) - set(shapes))
-    if missing or extra:
-        raise InvalidMaskError(f"mask names do not match the model: missing {missing[:3]}"
-                               f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
-                               f"{'...' if len(extra) > 3 else ''}")
+    mismatch = key_mismatch(shapes, payload)
+    if mismatch:
+        raise InvalidMaskError(mismatch)
     for key, shape in shapes.items():
         try:
             pruned = check_packed(payload[key], shape, key)
