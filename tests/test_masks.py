@@ -48,9 +48,9 @@ def test_vote_counts_reject_bad_masks():
 @pytest.mark.parametrize("m", [1, 2, 3, 7, 64, 255, 256, 300])
 def test_count_packed_equals_unpacked_sum(m):
     rng = np.random.default_rng(m)
-    for numel in (1, 7, 8, 9, 63, 64, 65, 1000, 4099):
+    for numel in (1, 7, 8, 9, 63, 64, 65, 1000, 4099, 40_001):  # 40_001: several chunks
         masks = rng.random((m, numel)) < rng.random()
-        counts = count_packed([np.packbits(x) for x in masks], numel, chunk_words=3)
+        counts = count_packed([np.packbits(x) for x in masks], numel)
         assert counts.dtype == count_dtype(m)
         assert counts.tolist() == masks.sum(0).tolist()
 
@@ -70,10 +70,12 @@ def _reference_top(counts, key, k, dim):
 @pytest.mark.parametrize("tie_break", ["magnitude", "random", "index"])
 @pytest.mark.parametrize("group", ["layer", "row", "column"])
 @pytest.mark.parametrize("clients", [1, 3, 16])
-def test_global_mask_equals_sorting_reference(group, tie_break, clients):
+@pytest.mark.parametrize("shape", [(24, 40), (30, 6), (5, 70)])  # (30, 6): rows shorter than
+def test_global_mask_equals_sorting_reference(group, tie_break, clients, shape):  # the counts
     gen = torch.Generator().manual_seed(clients)
-    weight = torch.randn(24, 40, generator=gen).round(decimals=1)  # many |W| ties too
-    counts = torch.randint(0, clients + 1, (24, 40), generator=gen, dtype=torch.uint8)
+    rows, cols = shape
+    weight = torch.randn(rows, cols, generator=gen).round(decimals=1)  # many |W| ties too
+    counts = torch.randint(0, clients + 1, shape, generator=gen, dtype=torch.uint8)
     if tie_break == "magnitude":
         key = weight.abs()
     elif tie_break == "random":
@@ -86,9 +88,9 @@ def test_global_mask_equals_sorting_reference(group, tie_break, clients):
             want = _reference_top(counts.reshape(1, -1), key.reshape(1, -1),
                                   int(sparsity * counts.numel()), 1).reshape(counts.shape)
         elif group == "row":
-            want = _reference_top(counts, key, int(sparsity * 40), 1)
+            want = _reference_top(counts, key, int(sparsity * cols), 1)
         else:
-            want = _reference_top(counts, key, int(sparsity * 24), 0)
+            want = _reference_top(counts, key, int(sparsity * rows), 0)
         assert torch.equal(got, want), (group, tie_break, sparsity)
 
 

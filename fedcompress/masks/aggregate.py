@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from fedcompress.masks import _kernels
 from fedcompress.masks.codec import encode_mask
 from fedcompress.models import CALC_DTYPE
 from fedcompress.pruning.select import check_group, check_sparsity
@@ -46,71 +47,57 @@ for _byte in range(256):
     for _bit in range(8):
         if _byte >> (7 - _bit) & 1:
             _LANES[_byte] |= np.uint64(1 << (8 * _bit))
-if sys.byteorder != "little":  # lane b must be byte b of the uint64 in memory
-    _LANES = _LANES.byteswap()
+_CHUNK_WORDS = 256  # words per client per counting step: the adder slots stay in L2
 
 
-def _bit_planes(words: list[np.ndarray]) -> list[np.ndarray]:
-    """Bit-sliced population count of equal-length uint64 vectors (a Wallace tree of full
-    adders, 5 word operations per input word): returns planes ``p_j`` with
-    ``sum_j 2**j * bit(p_j) == number of inputs with that bit set``, per bit position."""
-    levels = [list(words)]
-    planes = []
-    j = 0
-    while j < len(levels):
-        items = levels[j]
-        while len(items) > 1:
-            if len(levels) == j + 1:
-                levels.append([])
-            if len(items) >= 3:
-                a, b, c = items.pop(), items.pop(), items.pop()
-                t = a ^ b
-                items.append(t ^ c)
-                levels[j + 1].append((a & b) | (t & c))
-            else:
-                a, b = items.pop(), items.pop()
-                items.append(a ^ b)
-                levels[j + 1].append(a & b)
-        planes.append(items[0])
-        j += 1
-    return planes
-
-
-def count_packed(payloads: Sequence[np.ndarray], numel: int, chunk_words: int = 8192
-                 ) -> torch.Tensor:
-    """``sum_i M_i`` of bit-packed masks (the codec's format: ``numpy.packbits``, MSB first),
-    without unpacking each client's mask: the bits are counted 64 at a time in bit-sliced
-    form (chunks small enough to stay in cache), then the few count planes are expanded once.
-    The payloads must already be validated (``codec.check_packed``). Returns counts of shape
-    ``[numel]`` in :func:`count_dtype` of the number of payloads.
-    """
-    m = len(payloads)
-    if m == 0:
-        raise ValueError("no masks to aggregate")
-    nbytes = (numel + 7) // 8
-    nwords = (nbytes + 7) // 8
-    stacked = np.zeros((m, nwords * 8), dtype=np.uint8)
+def stack_payloads(payloads: Sequence[np.ndarray], nbytes: int) -> np.ndarray:
+    """The payloads as rows of one uint8 ``[m, 8 * ceil(nbytes / 8)]`` array (zero-padded to
+    whole 64-bit words), the layout :func:`count_stacked` reads."""
+    stacked = np.zeros((len(payloads), -(-nbytes // 8) * 8), dtype=np.uint8)
     for i, payload in enumerate(payloads):
         if payload.shape != (nbytes,):
             raise ValueError(f"payload {i} has shape {payload.shape}, expected ({nbytes},)")
         stacked[i, :nbytes] = payload
-    words = stacked.view(np.uint64)
-    planes = np.zeros((max(m.bit_length(), 1), nwords), dtype=np.uint64)
-    for start in range(0, nwords, chunk_words):
-        chunk = _bit_planes([words[i, start:start + chunk_words] for i in range(m)])
-        for j, plane in enumerate(chunk):
-            planes[j, start:start + chunk_words] = plane
-    plane_bytes = planes.view(np.uint8)[:, :nbytes]
-    if m <= 255:  # every count fits a byte lane: expand the planes 8 bits at a time
-        lanes = np.zeros(nbytes, dtype=np.uint64)
-        for j in range(plane_bytes.shape[0]):
-            lanes += _LANES[plane_bytes[j]] << np.uint64(j)
-        counts = lanes.view(np.uint8)[:numel]
+    return stacked
+
+
+def count_stacked(stacked: np.ndarray, numel: int) -> torch.Tensor:
+    """``sum_i M_i`` of the bit-packed masks in the rows of ``stacked`` (see
+    :func:`stack_payloads`), without unpacking any mask: a Wallace tree of full adders counts
+    64 weights per word operation into a few binary count planes, chunk by chunk (compiled,
+    :mod:`fedcompress.masks._kernels`), then the planes are expanded once into one count per
+    weight. Returns counts of shape ``[numel]`` in :func:`count_dtype` of the number of rows.
+    """
+    m = stacked.shape[0]
+    if m == 0:
+        raise ValueError("no masks to aggregate")
+    if stacked.dtype != np.uint8 or stacked.ndim != 2 or stacked.shape[1] % 8 \
+            or stacked.shape[1] * 8 < numel:
+        raise ValueError(f"stacked payloads of shape {stacked.shape} and dtype {stacked.dtype} "
+                         f"do not hold {numel} weights in whole 64-bit words")
+    if sys.byteorder != "little":
+        raise RuntimeError("vote counting reads the packed masks as little-endian 64-bit words")
+    words = np.ascontiguousarray(stacked).view(np.uint64)
+    ops, planes, n_slots = _kernels.count_schedule(m)
+    if m <= 255:  # one byte per count: every plane spreads into 8 byte lanes per word
+        out = np.empty(words.shape[1] * 8, dtype=np.uint64)
+        _kernels.count_words(words, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out, False)
+        counts = out.view(np.uint8)[:numel]
     else:
-        counts = np.zeros(numel, dtype=np.int64)
-        for j in range(plane_bytes.shape[0]):
-            counts += np.unpackbits(plane_bytes[j])[:numel].astype(np.int64) << j
-    return torch.from_numpy(np.ascontiguousarray(counts)).to(count_dtype(m))
+        out = np.empty(words.shape[1] * 64, dtype=np.int32)
+        _kernels.count_words(words, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out, True)
+        counts = out[:numel]
+    return torch.from_numpy(counts).to(count_dtype(m))
+
+
+def count_packed(payloads: Sequence[np.ndarray], numel: int) -> torch.Tensor:
+    """``sum_i M_i`` of bit-packed masks (the codec's format: ``numpy.packbits``, MSB first),
+    counted on the packed bits (:func:`count_stacked`). The payloads must already be validated
+    (``codec.check_packed``). Returns counts of shape ``[numel]`` in :func:`count_dtype` of
+    the number of payloads."""
+    if len(payloads) == 0:
+        raise ValueError("no masks to aggregate")
+    return count_stacked(stack_payloads(payloads, (numel + 7) // 8), numel)
 
 
 def vote_counts(masks: Iterable[torch.Tensor], n_clients: int | None = None) -> torch.Tensor:
@@ -133,8 +120,8 @@ def vote_counts(masks: Iterable[torch.Tensor], n_clients: int | None = None) -> 
 
 def _tie_key(counts: torch.Tensor, tie_break: str, weight: torch.Tensor | None,
              seed: int) -> np.ndarray | None:
-    """Secondary key (numpy float32; its absolute value ascending = pruned first among equal
-    counts); ``None`` for index order."""
+    """Secondary key (numpy float32 of the counts' shape; its absolute value ascending = pruned
+    first among equal counts); ``None`` for index order."""
     if tie_break == "magnitude":
         if weight is None:
             raise ValueError("tie_break='magnitude' needs the weight")
@@ -149,64 +136,36 @@ def _tie_key(counts: torch.Tensor, tie_break: str, weight: torch.Tensor | None,
     raise ValueError(f"unknown tie-break {tie_break!r}: expected one of {', '.join(TIE_BREAKS)}")
 
 
-def _row_popcount(bits: np.ndarray) -> np.ndarray:
-    """Number of True entries in every row of a bool matrix (bit-packed, then popcount)."""
-    return np.bitwise_count(np.packbits(bits, axis=1)).sum(axis=1, dtype=np.int64)
+_NO_KEY = np.zeros((1, 1), dtype=np.float32)
 
 
 def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int) -> np.ndarray:
     """Bool mask of the ``k`` highest counts in every row of ``counts`` ``[rows, n]``.
 
     Ties among equal counts: the lower ``|key|`` first (``None``: no key), then the lower
-    column index. The result equals a stable sort by (count descending, key ascending, index
-    ascending), computed without sorting whole rows: a per-row threshold count by bisection over
-    the small integer range of the counts, then an exact ranking of only the tied weights at the
-    threshold, in the rows where some but not all of them are selected. (numpy: its integer
-    comparisons and bit counts are many times faster than torch's on the CPU.)
+    column index; the result equals a stable sort by (count descending, ``|key|`` ascending,
+    index ascending), computed without sorting (a threshold count per row from a histogram,
+    then a partition of only the tied keys: :func:`fedcompress.masks._kernels.select_rows`).
     """
-    c = counts
-    rows, n = c.shape
-    if k == 0 or rows == 0:
-        return np.zeros(c.shape, dtype=bool)
-    # Bisection: ge(t) = #(c >= t) does not increase with t; find the largest t with ge(t) >= k.
-    lo = np.zeros(rows, dtype=np.int64)  # ge(0) = n >= k
-    hi = np.full(rows, int(c.max()) + 1, dtype=np.int64)  # ge(max + 1) = 0 < k
-    while (hi - lo > 1).any():
-        mid = (lo + hi) // 2
-        ok = _row_popcount(c >= mid.astype(c.dtype)[:, None]) >= k
-        lo = np.where(ok, mid, lo)
-        hi = np.where(ok, hi, mid)
-    threshold = lo.astype(c.dtype)[:, None]
-    mask = c > threshold
-    need = k - _row_popcount(mask)  # how many of the tied weights each row still prunes
-    tied = c == threshold
-    n_tied = _row_popcount(tied)
-    mask |= tied & (need == n_tied)[:, None]  # rows that prune every tied weight
-    partial = (need > 0) & (need < n_tied)
-    if partial.any():
-        row, col = np.nonzero(tied & partial[:, None])
-        if key is None:
-            bits = np.zeros(row.size, dtype=np.int64)
-        else:
-            tie_keys = np.abs(key[row, col]).astype(np.float32)
-            if not np.isfinite(tie_keys).all():
-                raise ValueError("tie-break key has NaN or infinite entries (weights?)")
-            # Non-negative float32 values order like their IEEE bit patterns (< 2**31).
-            bits = tie_keys.view(np.int32).astype(np.int64)
-        col_bits = max(int(n - 1).bit_length(), 1)
-        row_bits = max(int(rows - 1).bit_length(), 1)
-        if row_bits + 31 + col_bits <= 63:  # one int64 sort key: (row, key, index)
-            packed = (row << (31 + col_bits)) | (bits << col_bits) | col
-            packed.sort()
-            row, col = packed >> (31 + col_bits), packed & ((1 << col_bits) - 1)
-        else:  # matrices of more than 2**32 weights
-            order = np.lexsort((col, bits, row))
-            row, col = row[order], col[order]
-        starts = np.zeros(rows + 1, dtype=np.int64)
-        starts[1:] = np.cumsum(np.bincount(row, minlength=rows))
-        chosen = np.arange(row.size) - starts[row] < need[row]
-        mask[row[chosen], col[chosen]] = True
-    return mask
+    rows, n = counts.shape
+    if not 0 <= k <= n:
+        raise ValueError(f"cannot select {k} of {n} weights per group")
+    mask = np.empty((rows, n), dtype=np.uint8)
+    if counts.size == 0:
+        return mask.astype(bool)
+    counts = np.ascontiguousarray(counts)
+    if key is None:
+        key_arr, use_key = _NO_KEY, False
+    else:
+        key_arr, use_key = np.ascontiguousarray(key, dtype=np.float32), True
+    if np.issubdtype(counts.dtype, np.signedinteger) and counts.min() < 0:
+        raise ValueError("vote counts must be non-negative")
+    n_values = int(counts.max()) + 1
+    selected = _kernels.select_rows(counts, key_arr, use_key, k, n_values, mask)
+    if selected == -1:
+        raise ValueError("tie-break key has NaN or infinite entries (weights?)")
+    assert selected == k * rows, (selected, k, rows)
+    return mask.view(bool)
 
 
 def global_mask(counts: torch.Tensor, sparsity: float, group: str = "layer",
@@ -243,3 +202,23 @@ def scale_weights(weight: torch.Tensor, counts: torch.Tensor, n_clients: int) ->
         raise ValueError(f"number of clients must be positive, got {n_clients}")
     factor = (n_clients - counts.to(CALC_DTYPE)) / n_clients
     return (weight.detach().to(CALC_DTYPE) * factor).to(weight.dtype)
+
+
+@torch.no_grad()
+def apply_global_mask(weight: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor,
+                      n_clients: int, scale: bool) -> None:
+    """In place: with ``scale``, ``W *= (m - counts) / m`` (:func:`scale_weights`); then the
+    masked weights are zeroed. One compiled pass for float32 CPU weights, torch otherwise."""
+    if mask.shape != weight.shape or counts.shape != weight.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} / counts {tuple(counts.shape)} do not match "
+                         f"the weight {tuple(weight.shape)}")
+    if n_clients <= 0:
+        raise ValueError(f"number of clients must be positive, got {n_clients}")
+    if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
+        _kernels.apply_mask(weight.detach().numpy(),
+                            np.ascontiguousarray(mask.numpy()).view(np.uint8),
+                            np.ascontiguousarray(counts.numpy()), n_clients, scale)
+        return
+    if scale:
+        weight.copy_(scale_weights(weight, counts.to(weight.device), n_clients))
+    weight.masked_fill_(mask.to(weight.device), 0)

@@ -16,6 +16,7 @@ implementation:
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcompress.masks.aggregate import TIE_BREAKS, count_packed, global_mask, scale_weights
+from fedcompress.masks.aggregate import (
+    TIE_BREAKS, apply_global_mask, count_stacked, global_mask)
 from fedcompress.masks.codec import (
     MaskDecodeError, check_packed, decode_mask, encode_mask, key_mismatch, mask_key,
     packed_nbytes)
@@ -281,21 +283,28 @@ def payload_nbytes(shapes: dict[str, tuple]) -> int:
 class MaskAggregator:
     """Streaming FedPrLLM aggregation for a set of linear layers of the global model.
 
-    ``add_packed`` keeps one client's validated bit-packed payload (1 bit per weight: the
-    message as received, never unpacked); the vote counts of a linear layer are computed when
-    that layer's global mask is needed (:func:`~fedcompress.masks.aggregate.count_packed`),
-    one layer at a time, so the extra memory is one layer's counts, not the model's
+    ``add_packed`` copies one client's validated bit-packed payload (1 bit per weight: the
+    message as received, never unpacked) into its row of a per-layer ``[max_clients, bytes]``
+    array; the vote counts of a linear layer are computed from those rows when that layer's
+    global mask is needed (:func:`~fedcompress.masks.aggregate.count_stacked`), one layer at a
+    time per worker thread, so the extra memory is ``workers`` layers' counts, not the model's
     (``cache_counts=True`` keeps them, for benchmarks that evaluate many server variants).
+    ``workers`` (default: torch's thread count) layers are aggregated in parallel threads (the
+    compiled kernels release the GIL).
     """
 
     model: nn.Module
     max_clients: int
     layers: list[int] | None = None
     cache_counts: bool = False
+    workers: int = 0
 
     def __post_init__(self):
+        if self.max_clients < 1:
+            raise ValueError(f"max_clients must be at least 1, got {self.max_clients}")
         self.shapes = expected_shapes(self.model, self.layers)
-        self.payloads: dict[str, list[np.ndarray]] = {k: [] for k in self.shapes}
+        self._nbytes = {k: (int(np.prod(s)) + 7) // 8 for k, s in self.shapes.items()}
+        self.payloads: dict[str, np.ndarray] = {}  # allocated with the first client
         self._counts: dict[str, torch.Tensor] = {}
         self.clients = 0
 
@@ -306,7 +315,14 @@ class MaskAggregator:
         if self.clients >= self.max_clients:
             raise ValueError(f"more than the announced {self.max_clients} clients")
         for key, packed in payload.items():
-            self.payloads[key].append(packed)
+            if packed.shape != (self._nbytes[key],):
+                raise InvalidMaskError(f"{key}: payload of shape {packed.shape}, expected "
+                                       f"({self._nbytes[key]},)")
+        if not self.payloads:
+            self.payloads = {k: np.zeros((self.max_clients, -(-n // 8) * 8), dtype=np.uint8)
+                             for k, n in self._nbytes.items()}
+        for key, packed in payload.items():
+            self.payloads[key][self.clients, :self._nbytes[key]] = packed
         self._counts.clear()
         self.clients += 1
 
@@ -329,7 +345,8 @@ class MaskAggregator:
         if self.clients == 0:
             raise ValueError("no client masks were aggregated")
         shape = self.shapes[key]
-        counts = count_packed(self.payloads[key], int(np.prod(shape))).reshape(shape)
+        counts = count_stacked(self.payloads[key][:self.clients],
+                               int(np.prod(shape))).reshape(shape)
         if self.cache_counts:
             self._counts[key] = counts
         return counts
@@ -349,25 +366,33 @@ class MaskAggregator:
         return global_mask(counts, sparsity, server.group, server.tie_break,
                            self._weight(key).detach().cpu(), server.seed, nm)
 
+    def _map(self, fn, keys):
+        workers = self.workers or torch.get_num_threads()
+        if workers <= 1 or len(keys) <= 1:
+            return [fn(k) for k in keys]
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(fn, keys))
+
     def global_masks(self, server: ServerConfig, sparsity: float,
                      nm: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
-        return {key: self.global_mask(key, server, sparsity, nm) for key in self.shapes}
+        keys = list(self.shapes)
+        return dict(zip(keys, self._map(lambda k: self.global_mask(k, server, sparsity, nm),
+                                        keys)))
 
     @torch.no_grad()
     def prune(self, model: nn.Module, server: ServerConfig, sparsity: float,
               nm: tuple[int, int] | None = None) -> dict[str, float]:
         """Prune ``model`` (a copy of the global model) in place, one linear layer at a time
-        (no mask or count of another layer is kept); return each layer's pruned fraction."""
-        pruned = {}
-        for key in self.shapes:
+        per worker (no mask or count of another layer is kept); return each layer's pruned
+        fraction."""
+        def one(key: str) -> float:
             counts = self.layer_counts(key)
             mask = self.global_mask(key, server, sparsity, nm, counts)
-            w = self._weight(key, model)
-            if server.scale:
-                w.copy_(scale_weights(w, counts.to(w.device), self.clients))
-            w.masked_fill_(mask.to(w.device), 0)
-            pruned[key] = mask.float().mean().item()
-        return pruned
+            apply_global_mask(self._weight(key, model), mask, counts, self.clients, server.scale)
+            return int(mask.sum()) / mask.numel()
+
+        keys = list(self.shapes)
+        return dict(zip(keys, self._map(one, keys)))
 
 
 def masks_by_layer(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:

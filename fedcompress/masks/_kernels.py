@@ -1,0 +1,230 @@
+"""Compiled kernels (numba) of the server's aggregation hot path: counting votes on bit-packed
+masks, selecting the top counts per comparison group, and applying the global mask.
+
+Each kernel is one or two sequential passes over a layer, releases the GIL (``nogil``) so the
+caller can run layers in parallel threads, and is compiled once per argument type (cached on
+disk). The reference semantics are the pure-numpy definitions in the tests
+(``tests/test_masks.py``: a stable sort by count descending, tie key ascending, index ascending).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numba
+import numpy as np
+
+_JIT = dict(nogil=True, cache=True)
+
+# ---- vote counting -----------------------------------------------------------------------
+
+# Operation kinds of a counting schedule: a full adder (3 -> sum, carry) and a half adder
+# (2 -> sum, carry), on 64-bit words holding 64 weights each.
+FULL, HALF = 0, 1
+
+
+@lru_cache(maxsize=None)
+def count_schedule(m: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A Wallace tree of full adders that counts ``m`` bit vectors into binary planes.
+
+    Slots ``0..m-1`` are the inputs, the rest temporaries. Returns ``(ops, planes, n_slots)``:
+    ``ops[i] = (kind, a, b, c, sum, carry)`` (``c`` unused by a half adder) and ``planes[j]``,
+    the slot holding bit ``j`` of every count. About ``m`` full adders, 5 word operations each.
+    The control flow depends only on ``m`` (not on the data), so it is planned here once.
+    """
+    if m < 1:
+        raise ValueError(f"cannot count {m} masks")
+    next_slot = m
+    levels: list[list[int]] = [list(range(m))]
+    ops: list[tuple[int, int, int, int, int, int]] = []
+    planes: list[int] = []
+    j = 0
+    while j < len(levels):
+        items = levels[j]
+        while len(items) > 1:
+            if len(levels) == j + 1:
+                levels.append([])
+            s, c = next_slot, next_slot + 1
+            next_slot += 2
+            if len(items) >= 3:
+                a, b, cc = items.pop(), items.pop(), items.pop()
+                ops.append((FULL, a, b, cc, s, c))
+            else:
+                a, b = items.pop(), items.pop()
+                ops.append((HALF, a, b, 0, s, c))
+            items.append(s)
+            levels[j + 1].append(c)
+        planes.append(items[0])
+        j += 1
+    return np.array(ops, dtype=np.int64).reshape(-1, 6), np.array(planes, dtype=np.int64), next_slot
+
+
+@numba.njit(**_JIT)
+def _add_chunk(words, start, n, ops, buf):
+    """Run the adder schedule on words ``[start, start + n)`` of every input (copied into the
+    first ``m`` rows of the slot buffer ``buf``)."""
+    m = words.shape[0]
+    for i in range(m):
+        for w in range(n):
+            buf[i, w] = words[i, start + w]
+    for o in range(ops.shape[0]):
+        kind, a, b, c, s, cy = ops[o, 0], ops[o, 1], ops[o, 2], ops[o, 3], ops[o, 4], ops[o, 5]
+        if kind == 0:
+            for w in range(n):
+                x, y, z = buf[a, w], buf[b, w], buf[c, w]
+                t = x ^ y
+                buf[s, w] = t ^ z
+                buf[cy, w] = (x & y) | (t & z)
+        else:
+            for w in range(n):
+                x, y = buf[a, w], buf[b, w]
+                buf[s, w] = x ^ y
+                buf[cy, w] = x & y
+
+
+@numba.njit(**_JIT)
+def count_words(words, ops, planes, n_slots, lanes, chunk, out, wide):
+    """Vote counts of the ``m`` packed masks ``words`` ``[m, nwords]`` (uint64: the codec's
+    bytes viewed as little-endian words). Per chunk of words: the schedule's adders, then the
+    count planes expanded into ``out``:
+
+    * ``wide=False`` (``m <= 255``): ``out`` uint64 ``[nwords * 8]``; viewed as uint8 it holds
+      one count per weight in weight order (each plane spread into byte lanes through
+      ``lanes``: byte -> its 8 bits, MSB first, as 8 byte lanes);
+    * ``wide=True``: ``out`` int32 ``[nwords * 64]``, one count per weight.
+    """
+    nwords = words.shape[1]
+    buf = np.empty((n_slots, chunk), dtype=np.uint64)
+    n_planes = planes.shape[0]
+    for start in range(0, nwords, chunk):
+        n = min(chunk, nwords - start)
+        _add_chunk(words, start, n, ops, buf)
+        for w in range(n):
+            for byte in range(8):
+                if wide:
+                    for bit in range(8):  # MSB first inside each byte
+                        shift = np.uint64(8 * byte + 7 - bit)
+                        total = 0
+                        for j in range(n_planes):
+                            total += np.int64((buf[planes[j], w] >> shift) & np.uint64(1)) << j
+                        out[(start + w) * 64 + byte * 8 + bit] = total
+                else:
+                    acc = np.uint64(0)
+                    for j in range(n_planes):
+                        v = (buf[planes[j], w] >> np.uint64(8 * byte)) & np.uint64(255)
+                        acc |= lanes[v] << np.uint64(j)
+                    out[(start + w) * 8 + byte] = acc
+
+
+# ---- selection of the top counts per comparison group ------------------------------------
+
+@numba.njit(**_JIT)
+def _pick_small_row(counts, key, use_key, r, k, mask):
+    """Rows shorter than the count range (N:M groups): ``k`` picks by repeated maximum of
+    (count, -|key|, -index)."""
+    cols = counts.shape[1]
+    for c in range(cols):
+        mask[r, c] = 0
+    for _ in range(k):
+        best = -1
+        for c in range(cols):
+            if mask[r, c]:
+                continue
+            if best < 0 or counts[r, c] > counts[r, best]:
+                best = c
+            elif counts[r, c] == counts[r, best] and use_key and abs(key[r, c]) < abs(key[r, best]):
+                best = c
+        mask[r, best] = 1
+
+
+@numba.njit(**_JIT)
+def select_rows(counts, key, use_key, k, n_values, mask):
+    """Mark in ``mask`` (uint8, shape of ``counts``) the ``k`` highest counts of every row of
+    ``counts`` ``[rows, cols]`` (counts in ``0..n_values-1``).
+
+    Ties among equal counts: the lower ``|key|`` first (``use_key``; ``key`` float32 of the
+    counts' shape), then the lower column index; the result equals a stable sort of each row by
+    (count descending, ``|key|`` ascending, index ascending). Per row: a histogram of the counts
+    gives the threshold count ``t`` (the largest with ``#(count >= t) >= k``); the mask is
+    ``count > t`` plus, of the weights tied at ``t``, all of them or the ``need`` first in
+    (``|key|``, index) order, found by a partition of the tied keys (not a sort of the row).
+    Returns the number of selected weights, or -1 when a tied key is NaN or infinite.
+    """
+    rows, cols = counts.shape
+    if k < 0 or k > cols:
+        return -2
+    if k == 0:
+        mask[:, :] = 0
+        return 0
+    hist = np.zeros((4, n_values), dtype=np.int64)  # 4 interleaved: no chain on one counter
+    tied_keys = np.empty(cols, dtype=np.float32)
+    tied_cols = np.empty(cols, dtype=np.int64)
+    selected = 0
+    for r in range(rows):
+        if cols < n_values:
+            _pick_small_row(counts, key, use_key, r, k, mask)
+            selected += k
+            continue
+        hist[:, :] = 0
+        for c in range(cols):
+            hist[c & 3, counts[r, c]] += 1
+        ge, t, at_t = 0, 0, 0
+        for v in range(n_values - 1, -1, -1):
+            h = hist[0, v] + hist[1, v] + hist[2, v] + hist[3, v]
+            ge += h
+            if ge >= k:
+                t, at_t = v, h
+                break
+        need = k - (ge - at_t)  # tied weights (count == t) this row selects, 1..at_t
+        if need == at_t:
+            for c in range(cols):
+                mask[r, c] = counts[r, c] >= t
+            selected += k
+            continue
+        for c in range(cols):
+            mask[r, c] = counts[r, c] > t
+        n = 0
+        for c in range(cols):
+            if counts[r, c] == t:
+                tied_cols[n] = c
+                if use_key:
+                    tied_keys[n] = abs(key[r, c])
+                n += 1
+        if not use_key:
+            for i in range(need):
+                mask[r, tied_cols[i]] = 1
+            selected += k
+            continue
+        for i in range(n):
+            if not np.isfinite(tied_keys[i]):
+                return -1
+        cut = np.partition(tied_keys[:n], need - 1)[need - 1]
+        quota = need
+        for i in range(n):
+            if tied_keys[i] < cut:
+                quota -= 1
+        for i in range(n):
+            a = tied_keys[i]
+            if a < cut or (a == cut and quota > 0):
+                mask[r, tied_cols[i]] = 1
+                if a == cut:
+                    quota -= 1
+        selected += k
+    return selected
+
+
+# ---- applying the global mask ------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def apply_mask(weight, mask, counts, n_clients, scale):
+    """In place on float32 ``weight``: zero the masked weights; with ``scale``, multiply each
+    kept weight by ``(n_clients - count) / n_clients`` (float32)."""
+    flat_w = weight.reshape(-1)
+    flat_m = mask.reshape(-1)
+    flat_c = counts.reshape(-1)
+    m = np.float32(n_clients)
+    for i in range(flat_w.shape[0]):
+        if flat_m[i]:
+            flat_w[i] = np.float32(0.0)
+        elif scale:
+            flat_w[i] = flat_w[i] * ((m - np.float32(flat_c[i])) / m)
