@@ -1,0 +1,44 @@
+"""Layer importance and layer removal (plain torch; no Flower import).
+
+* :mod:`~fedcompress.layers.importance`: :class:`LayerImportance`, the result of every score
+  (one number per decoder layer, higher = more important), and :func:`sum_importances`.
+* :mod:`~fedcompress.layers.influence`: Block Influence (ShortGPT / PPC-GPT Eq. 6-7).
+* :mod:`~fedcompress.layers.removal`: removal plans (lowest score, the "Seq" baseline) applied
+  with :func:`fedcompress.models.remove_layers`.
+"""
+
+from fedcompress.layers.importance import LayerImportance, LayerImportanceFn, sum_importances
+from fedcompress.layers.influence import (
+    block_influence,
+    label_rationale_influence,
+    qa_label_pairs,
+    row_cosine,
+)
+from fedcompress.layers.removal import (
+    POLICIES,
+    RemovalPlan,
+    apply_plan,
+    layers_to_remove,
+    lowest_score_plan,
+    make_plan,
+    removal_order,
+    seq_plan,
+)
+
+__all__ = [
+    "POLICIES",
+    "LayerImportance",
+    "LayerImportanceFn",
+    "RemovalPlan",
+    "apply_plan",
+    "block_influence",
+    "label_rationale_influence",
+    "layers_to_remove",
+    "lowest_score_plan",
+    "make_plan",
+    "qa_label_pairs",
+    "removal_order",
+    "row_cosine",
+    "seq_plan",
+    "sum_importances",
+]
