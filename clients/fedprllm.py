@@ -16,11 +16,10 @@ import logging
 import time
 
 import torch
-import transformers
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcompress.models import load_model
+from clients.common import cached_model
 from fedcompress.pruning.federated import (
     FedPrLLMConfig, decode_masks, encode_wire, expected_shapes, federation_windows,
     iterative_client_step, masks_by_layer)
@@ -29,20 +28,12 @@ from fedcompress.pruning.local import local_masks
 
 logger = logging.getLogger(__name__)
 app = ClientApp()
-# Many clients share a terminal: no per-client weight-loading bars.
-transformers.utils.logging.disable_progress_bar()
-
-
-@functools.lru_cache(maxsize=2)
-def _model(spec: str, dtype: str):
-    loaded = load_model(spec, device=None, dtype=dtype)
-    return loaded.model, loaded.tokenizer
 
 
 @functools.lru_cache(maxsize=4)
 def _windows(config: FedPrLLMConfig, data_path: str | None) -> list[torch.Tensor]:
     """All clients' windows (a seeded pool split by partition); cheap next to pruning."""
-    _, tokenizer = _model(config.model, config.dtype)
+    _, tokenizer = cached_model(config.model, config.dtype)
     return federation_windows(tokenizer, config, data_path)[0]
 
 
@@ -54,7 +45,7 @@ def _setup(message: Message, context: Context):
     partition = int(context.node_config.get("partition-id", -1))
     if not 0 <= partition < config.clients:
         raise ValueError(f"node partition-id {partition} is outside [0, {config.clients})")
-    model, _ = _model(config.model, config.dtype)
+    model, _ = cached_model(config.model, config.dtype)
     windows = _windows(config, context.node_config.get("data-path"))[partition]
     return config, partition, model, windows
 

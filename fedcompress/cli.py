@@ -76,6 +76,14 @@ def _split_list(value: Any) -> list[str]:
     return [] if items in (["none"], []) else items
 
 
+def _option(defaults: dict[str, Any], name: str, help_text: str, **kwargs):
+    """A long option whose help ends with its default from ``defaults``. The brackets are
+    escaped: rich would read ``[default: x]`` as markup and drop it."""
+    default = defaults.get(name.split("/")[0].lstrip("-").replace("-", "_"))
+    return typer.Option(name, help=f"{help_text} \\[default: {default}]", show_default=False,
+                        **kwargs)
+
+
 # Shared option types --------------------------------------------------------------------------
 ConfigOpt = Annotated[Optional[Path], typer.Option(
     "--config", help="TOML file of settings (keys like the long options, with underscores).")]
@@ -245,9 +253,7 @@ PRUNE_DEFAULTS: dict[str, Any] = {
 
 
 def _opt(name: str, help_text: str, **kwargs):
-    default = PRUNE_DEFAULTS.get(name.lstrip("-").replace("-", "_"))
-    return typer.Option(name, help=f"{help_text} [default: {default}]", show_default=False,
-                        **kwargs)
+    return _option(PRUNE_DEFAULTS, name, help_text, **kwargs)
 
 
 @app.command("prune")
@@ -318,42 +324,61 @@ def prune_command(
     run_prune(settings)
 
 
-def run_prune(settings: dict[str, Any]):
-    """The body of ``fedcompress prune``: validate everything, then simulate."""
-    # The CLI is the composition root: it may start the Flower apps; no library module does.
-    from server.fedprllm import check_settings
-    from server.simulation import simulate_fedprllm
+# The Flower app (server/<name>.py, its simulate_<name> in server/simulation.py) of each command.
+SIMULATED_APPS = {"prune": "fedprllm", "ppcgpt": "ppcgpt"}
 
+
+def _run_simulated(command: str, settings: dict[str, Any]) -> dict:
+    """Validate every setting, run the command's Flower apps on the Simulation Engine, return
+    the report."""
+    # The CLI is the composition root: it may start the Flower apps; no library module does.
+    import importlib
+
+    name = SIMULATED_APPS[command]
+    server_app = importlib.import_module(f"server.{name}")
+    simulate = getattr(importlib.import_module("server.simulation"), f"simulate_{name}")
     settings = dict(settings)
-    settings["out"] = settings["out"] or str(default_out("prune"))
+    settings["out"] = settings["out"] or str(default_out(command))
     cpus = float(settings.pop("cpus_per_client"))
     if not cpus > 0:
         raise ConfigError(f"--cpus-per-client {cpus}: expected a positive number")
-    check_settings(settings)  # raises on any bad value before Ray starts
-    simulate_fedprllm(settings, num_cpus_per_client=cpus)
-    report = json.loads((Path(settings["out"]) / "report.json").read_text())
-    _print_prune_summary(report)
-    return report
+    server_app.check_settings(settings)  # raises on any bad value before Ray starts
+    simulate(settings, num_cpus_per_client=cpus)
+    return json.loads((Path(settings["out"]) / "report.json").read_text())
 
 
-def _print_prune_summary(report: dict) -> None:
+def _print_summary(report: dict, title: str, columns: list[str], rows: list[list[str]],
+                   notes: list[str] = ()) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 160)
-    table = Table(title="fedcompress prune")
-    for col in ("name", "perplexity", "sparsity", "prune s", "eval s"):
+    table = Table(title=title)
+    for col in columns:
         table.add_column(col, justify="left" if col == "name" else "right")
-    for r in report["results"]:
-        prune_s = r.get("prune_seconds", r.get("federated_seconds"))
-        table.add_row(r["name"], f"{r['perplexity']:.3f}", f"{r['sparsity']:.3f}",
-                      "-" if prune_s is None else f"{prune_s:.1f}", f"{r['eval_seconds']:.1f}")
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
+    for note in notes:
+        console.print(note)
     timings = ", ".join(f"{k} {v:.1f}s" for k, v in report["timings"].items())
     console.print(f"phases: {timings}")
     if report.get("rejected"):
         console.print(f"[yellow]rejected clients: {report['rejected']}")
     console.print(f"report: {report['config']['out']}/report.json | report.md")
+
+
+def run_prune(settings: dict[str, Any]):
+    """The body of ``fedcompress prune``: validate everything, then simulate."""
+    report = _run_simulated("prune", settings)
+    rows = []
+    for r in report["results"]:
+        prune_s = r.get("prune_seconds", r.get("federated_seconds"))
+        rows.append([r["name"], f"{r['perplexity']:.3f}", f"{r['sparsity']:.3f}",
+                     "-" if prune_s is None else f"{prune_s:.1f}", f"{r['eval_seconds']:.1f}"])
+    _print_summary(report, "fedcompress prune",
+                   ["name", "perplexity", "sparsity", "prune s", "eval s"], rows)
+    return report
 
 
 @app.command("bench")
@@ -401,9 +426,7 @@ SANITIZE_DEFAULTS: dict[str, Any] = {
 
 
 def _sopt(name: str, help_text: str, **kwargs):
-    default = SANITIZE_DEFAULTS.get(name.split("/")[0].lstrip("-").replace("-", "_"))
-    return typer.Option(name, help=f"{help_text} [default: {default}]", show_default=False,
-                        **kwargs)
+    return _option(SANITIZE_DEFAULTS, name, help_text, **kwargs)
 
 
 @app.command("sanitize")
@@ -487,6 +510,102 @@ def run_sanitize(settings: dict[str, Any]):
         raise
     report.finish("ok")
     report.print_table()
+    return report
+
+
+def _ppcgpt_defaults() -> dict[str, Any]:
+    from fedcompress.ppcgpt import PPCGPTConfig
+
+    return {**PPCGPTConfig().to_dict(), "out": None, "device": "auto",
+            "baselines": "dense,dense-sft,plain-c", "save_model": True, "timeout": 7200.0,
+            "cpus_per_client": 1.0}
+
+
+PPCGPT_DEFAULTS: dict[str, Any] = _ppcgpt_defaults()
+
+
+def _popt(name: str, help_text: str, **kwargs):
+    return _option(PPCGPT_DEFAULTS, name, help_text, **kwargs)
+
+
+@app.command("ppcgpt")
+def ppcgpt_command(
+    model: Annotated[Optional[str], _popt("--model", "LLM_o, the model to compress (as in "
+                                                     "`eval`).")] = None,
+    task: Annotated[Optional[str], _popt("--task", "Multiple-choice task: bundled name or "
+                                                   "JSONL file/dir with train and eval splits."
+                                         )] = None,
+    clients: Annotated[Optional[int], _popt("--clients", "Number of clients.")] = None,
+    examples_per_client: Annotated[Optional[int], _popt(
+        "--examples-per-client", "Private labelled training examples per client (0: the whole "
+                                 "partition).")] = None,
+    eval_per_client: Annotated[Optional[int], _popt(
+        "--eval-per-client", "Private test examples per client (0: the whole partition)."
+    )] = None,
+    partition: Annotated[Optional[str], _popt("--partition", "iid or dirichlet (label skew)."
+                                              )] = None,
+    alpha: Annotated[Optional[float], _popt("--alpha", "Dirichlet concentration.")] = None,
+    eps: Annotated[Optional[float], _popt("--eps", "DP budget per perturbed word (exponential "
+                                                   "mechanism).")] = None,
+    mechanism: Annotated[Optional[str], _popt("--mechanism", "santext or custext.")] = None,
+    synth_model: Annotated[Optional[str], _popt(
+        "--synth-model", "LLM_syn: model spec of the generator (empty: --model); with "
+                         "--synth-url the served model name.")] = None,
+    synth_url: Annotated[Optional[str], _popt(
+        "--synth-url", "OpenAI-compatible server for LLM_syn (vLLM, Ollama, TGI), e.g. "
+                       "http://localhost:8000/v1.")] = None,
+    synth_ratio: Annotated[Optional[float], _popt("--synth-ratio", "Synthetic samples wanted "
+                                                  "per client example.")] = None,
+    min_synthetic: Annotated[Optional[int], _popt("--min-synthetic", "Fewest accepted "
+                                                  "synthetic samples to go on with.")] = None,
+    prune_ratio: Annotated[Optional[float], _popt("--prune-ratio", "Fraction of decoder "
+                                                  "layers removed, in [0, 1).")] = None,
+    prune_policy: Annotated[Optional[str], _popt("--prune-policy", "bi (Block Influence) or "
+                                                 "seq (the deepest layers).")] = None,
+    rationales: Annotated[Optional[bool], _popt("--rationales/--no-rationales",
+                                                "Use rationales (BI and loss).")] = None,
+    server_retrain: Annotated[Optional[bool], _popt("--server-retrain/--no-server-retrain",
+                                                    "CoT distillation on the server.")] = None,
+    server_epochs: Annotated[Optional[float], _popt("--server-epochs", "Distillation epochs."
+                                                    )] = None,
+    client_epochs: Annotated[Optional[float], _popt("--client-epochs", "Client retraining "
+                                                    "epochs.")] = None,
+    lr: Annotated[Optional[float], _popt("--lr", "LoRA learning rate.")] = None,
+    baselines: Annotated[Optional[str], _popt("--baselines", "Comma-separated: dense, "
+                                              "dense-sft, plain-c (or none).")] = None,
+    min_clients: Annotated[Optional[int], _popt("--min-clients", "Fewest valid clients to go "
+                                                "on with (0: all).")] = None,
+    cpus_per_client: Annotated[Optional[float], _popt("--cpus-per-client", "Ray CPUs per "
+                                                      "virtual client.")] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    seed: SeedOpt = None,
+    out: OutOpt = None,
+    config: ConfigOpt = None,
+    log_level: LogOpt = "INFO",
+) -> None:
+    """PPC-GPT on Flower's Simulation Engine: DP-perturbed client text, synthetic CoT data,
+    Block Influence layer removal, distillation, client retraining; baselines and a report.
+    Every setting of fedcompress.ppcgpt.PPCGPTConfig can be given in --config."""
+    _setup_logging(log_level)
+    cli = {k: v for k, v in locals().items() if k in PPCGPT_DEFAULTS}
+    cli["out"] = None if out is None else str(out)
+    cli["baselines"] = "" if baselines == "none" else baselines
+    run_ppcgpt(resolve_settings("ppcgpt", config, cli, PPCGPT_DEFAULTS))
+
+
+def run_ppcgpt(settings: dict[str, Any]):
+    """The body of ``fedcompress ppcgpt``: validate everything, then simulate."""
+    report = _run_simulated("ppcgpt", settings)
+    rows = [[r["name"], str(r.get("layers", "-")),
+             "-" if "acc_server" not in r else f"{r['acc_server']:.3f}",
+             f"{r['acc_client']:.3f}", str(r.get("n_client", "-"))] for r in report["results"]]
+    synth = report.get("synthetic", {})
+    notes = [f"synthetic samples: {synth.get('accepted')}/{synth.get('attempts')} accepted "
+             f"({synth.get('backend')}); eps per word {report['config']['eps']}, at most "
+             f"{report.get('privacy', {}).get('eps_per_example_max')} per example"] if synth else []
+    _print_summary(report, "fedcompress ppcgpt (accuracy on the clients' private test data)",
+                   ["name", "layers", "acc server (S)", "acc client (C)", "n"], rows, notes)
     return report
 
 

@@ -23,13 +23,14 @@ from pathlib import Path
 # An `import transformers` statement waits for the import to complete, so after this line every
 # `from transformers import ...` in this thread (e.g. in fedcompress.models) sees the real module.
 import transformers  # noqa: F401
-from flwr.app import ArrayRecord, Context
+from flwr.app import ArrayRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedcompress.pruning.experiment import EvalConfig, prepare_experiment
 from fedcompress.pruning.federated import (
     FedPrLLMConfig, ServerConfig, expected_shapes, public_reference_wire)
 from fedcompress.report import RunReport
+from server.common import make_server_app
 from strategies.fedprllm import make_strategy
 
 logger = logging.getLogger(__name__)
@@ -146,13 +147,7 @@ def run_fedprllm(grid: Grid, settings: dict) -> RunReport:
 
 
 def make_app(settings: dict | None = None) -> ServerApp:
-    app = ServerApp()
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        run_fedprllm(grid, settings if settings is not None else dict(context.run_config))
-
-    return app
+    return make_server_app(run_fedprllm, settings)
 
 
 app = make_app()

@@ -1,4 +1,4 @@
-"""Run a FedPrLLM ServerApp + ClientApps on Flower's Simulation Engine (Ray), in-process."""
+"""Run fedcompress ServerApps + ClientApps on Flower's Simulation Engine (Ray), in-process."""
 
 from __future__ import annotations
 
@@ -8,16 +8,12 @@ import os
 logger = logging.getLogger(__name__)
 
 
-def simulate_fedprllm(settings: dict, num_cpus_per_client: float = 1.0,
-                      verbose: bool = False) -> None:
-    """``settings``: flat FedPrLLM settings (see ``server.fedprllm.split_settings``)."""
+def simulate(server_app, client_app, num_supernodes: int, num_cpus_per_client: float = 1.0,
+             verbose: bool = False) -> None:
+    """Run a ServerApp and ``num_supernodes`` virtual ClientApps on Ray; Ray helper processes
+    this run leaves behind are stopped."""
     from flwr.simulation import run_simulation
 
-    from clients.fedprllm import app as client_app
-    from server.fedprllm import check_settings, make_app, split_settings
-
-    check_settings(settings)  # fail on bad settings before Ray starts
-    config, _, _ = split_settings(settings)
     # Ray workers must not try to reach a hub either, and must find the same model cache.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -30,11 +26,33 @@ def simulate_fedprllm(settings: dict, num_cpus_per_client: float = 1.0,
     }
     before = _ray_pids()
     try:
-        run_simulation(server_app=make_app(settings), client_app=client_app,
-                       num_supernodes=config.clients, backend_config=backend_config,
+        run_simulation(server_app=server_app, client_app=client_app,
+                       num_supernodes=num_supernodes, backend_config=backend_config,
                        verbose_logging=verbose)
     finally:
         reap_ray_orphans(before)
+
+
+def simulate_fedprllm(settings: dict, num_cpus_per_client: float = 1.0,
+                      verbose: bool = False) -> None:
+    """``settings``: flat FedPrLLM settings (see ``server.fedprllm.split_settings``)."""
+    from clients.fedprllm import app as client_app
+    from server.fedprllm import check_settings, make_app, split_settings
+
+    check_settings(settings)  # fail on bad settings before Ray starts
+    config, _, _ = split_settings(settings)
+    simulate(make_app(settings), client_app, config.clients, num_cpus_per_client, verbose)
+
+
+def simulate_ppcgpt(settings: dict, num_cpus_per_client: float = 1.0,
+                    verbose: bool = False) -> None:
+    """``settings``: flat PPC-GPT settings (see ``server.ppcgpt.split_settings``)."""
+    from clients.ppcgpt import app as client_app
+    from server.ppcgpt import check_settings, make_app, split_settings
+
+    check_settings(settings)
+    config, _ = split_settings(settings)
+    simulate(make_app(settings), client_app, config.clients, num_cpus_per_client, verbose)
 
 
 def _ray_pids() -> set[int]:

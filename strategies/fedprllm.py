@@ -23,14 +23,13 @@ from flwr.serverapp.strategy import Strategy
 
 from fedcompress.pruning.federated import (
     FedPrLLMConfig, InvalidMaskError, MaskAggregator, decode_wire, encode_masks,
-    expected_shapes, masks_by_layer)
+    masks_by_layer)
 from fedcompress.models import ModelAdapter
+from strategies.common import NotEnoughClientsError, wait_for_nodes
+
+__all__ = ["FedPrLLM", "IterativeFedPrLLM", "NotEnoughClientsError", "make_strategy"]
 
 logger = logging.getLogger(__name__)
-
-
-class NotEnoughClientsError(RuntimeError):
-    """Fewer valid client masks than the run requires."""
 
 
 class FedPrLLM(Strategy):
@@ -56,17 +55,8 @@ class FedPrLLM(Strategy):
 
     # -- Strategy API --------------------------------------------------------------------------
     def _nodes(self, grid: Grid) -> list[int]:
-        """The first ``clients`` connected nodes (sorted ids: the same nodes every round),
-        waiting up to ``node_wait`` seconds for them to connect."""
-        deadline = time.monotonic() + self.node_wait
-        while len(nodes := sorted(grid.get_node_ids())) < self.config.clients:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        if len(nodes) < self.config.required_clients:
-            raise NotEnoughClientsError(f"{len(nodes)} nodes connected, the run needs "
-                                        f"{self.config.required_clients}")
-        return nodes[: self.config.clients]
+        return wait_for_nodes(grid, self.config.clients, self.config.required_clients,
+                              self.node_wait)
 
     def warmup(self, grid: Grid, timeout: float) -> float:
         """Ask every client to load its model and data before the timed rounds (the engine's

@@ -104,3 +104,93 @@ def tiny_dir(tmp_path_factory):
     build_tiny_model("llama", n_layers=3).save_pretrained(path)
     build_tiny_tokenizer().save_pretrained(path)
     return str(path)
+
+
+class _OpenAIStub:
+    """A local OpenAI-compatible chat server whose replies come from ``reply(prompt, i)``."""
+
+    def __init__(self, reply):
+        import http.server
+        import threading
+
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                import json
+
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompt = body["messages"][-1]["content"]
+                with stub.lock:
+                    stub.calls += 1
+                    texts = [reply(prompt, stub.calls * 100 + i) for i in range(body.get("n", 1))]
+                data = json.dumps({"choices": [
+                    {"index": i, "message": {"role": "assistant", "content": t}}
+                    for i, t in enumerate(texts)]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def yes_no_generator(prompt: str, i: int) -> str:
+    """Scripted LLM_syn for PPC-GPT's three prompts: a new Yes/No question (distinct per call),
+    the answer A, a rationale."""
+    if "CREATED QUESTION" in prompt:
+        return (f"CREATED QUESTION AND CHOICES:\nQuestion: Is the king number {i} in the city?"
+                "\nChoices: ['Yes', 'No']")
+    if "FINAL ANSWER" in prompt:
+        return "SOLUTION: the king is in the city.\nFINAL ANSWER: A"
+    return "the king was in the city in that year. <end>"
+
+
+@pytest.fixture
+def openai_stub():
+    """Factory: ``with openai_stub(reply) as stub: stub.url``."""
+    return _OpenAIStub
+
+
+class InProcessFederation:
+    """A ClientApp's messages handled in-process (no Ray): a node per partition, each with its
+    own Flower context state. Subclasses name the ClientApp module in ``app``."""
+
+    app = ""
+
+    def __init__(self, n: int):
+        from flwr.app import Context, RecordDict
+        from flwr.supercore.task_identity import TaskIdentity
+
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        self.contexts = {100 + i: Context(run_id=1, node_id=100 + i,
+                                          node_config={"partition-id": i, "num-partitions": n},
+                                          state=RecordDict(), run_config={}, series_id=0)
+                         for i in range(n)}
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        import importlib
+
+        app = importlib.import_module(self.app).app
+        return [app(msg, self.contexts[msg.metadata.dst_node_id]) for msg in messages]

@@ -32,11 +32,19 @@ def run_main(monkeypatch, capsys, *args):
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [[], ["eval"], ["models"]])
+@pytest.mark.parametrize("command", [[], ["eval"], ["models"], ["prune"], ["bench"],
+                                     ["sanitize"], ["ppcgpt"]])
 def test_help_on_every_command(command):
-    result = CliRunner().invoke(app, [*command, "--help"])
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     assert "Usage" in result.output
+
+
+@pytest.mark.parametrize("command, shown", [
+    ("prune", "[default: 0.5]"), ("sanitize", "[default: 3.0]"), ("ppcgpt", "[default: 0.3]")])
+def test_help_shows_defaults(command, shown):
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert shown in result.output
 
 
 def test_eval_writes_report_and_reproduces_from_config(tiny_model_dir, tmp_path):

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from conftest import InProcessFederation
 from fedcompress.models import load_model
 from fedcompress.pruning.federated import (
     FedPrLLMConfig, InvalidMaskError, MaskAggregator, client_windows, decode_masks,
@@ -36,23 +36,10 @@ def windows_for(tiny, config):
     return federation_windows(tiny.tokenizer, config)[0]
 
 
-class Federation:
-    """Real ClientApp messages handled in-process: a node per partition, its own state."""
+class Federation(InProcessFederation):
+    """The FedPrLLM ClientApp's messages handled in-process."""
 
-    def __init__(self, n: int):
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-        self.contexts = {100 + i: Context(run_id=1, node_id=100 + i,
-                                          node_config={"partition-id": i, "num-partitions": n},
-                                          state=RecordDict(), run_config={}, series_id=0)
-                         for i in range(n)}
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def send_and_receive(self, messages, timeout=None):
-        from clients.fedprllm import app
-
-        return [app(msg, self.contexts[msg.metadata.dst_node_id]) for msg in messages]
+    app = "clients.fedprllm"
 
 
 def run_rounds(strategy, grid):

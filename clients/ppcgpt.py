@@ -1,0 +1,80 @@
+"""PPC-GPT ClientApp: perturb private text (round 1); rebuild, evaluate and retrain the server's
+compressed model on private labelled data (round 2).
+
+Actions (``message_type``):
+
+* ``query.perturb``: this node's questions and choices, perturbed by the exponential mechanism
+  (``eps`` per word), as a JSON list in a ``ConfigRecord``; the privacy budget spent in a
+  ``MetricRecord``. Labels never leave the node.
+* ``train.retrain``: the server sends the removal plan and the LoRA adapter; the node rebuilds
+  the compressed model from its own copy of the base model, measures its accuracy on its private
+  test data, retrains the adapter on its private labelled data and measures again.
+
+The base model is loaded once per process (cached) and never mutated.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from clients.common import cached_model
+from fedcompress.ppcgpt import (
+    PPCGPTConfig, client_data, client_retrain, perturb_records, rebuild_model)
+
+logger = logging.getLogger(__name__)
+app = ClientApp()
+
+
+@functools.lru_cache(maxsize=2)
+def _sanitizer(mechanism: str, top_k: int, keep_stopwords: bool):
+    from fedcompress.privacy.sanitize import Sanitizer, SanitizerConfig
+
+    return Sanitizer.glove(SanitizerConfig(mechanism=mechanism, top_k=top_k,
+                                           keep_stopwords=keep_stopwords))
+
+
+def _setup(message: Message, context: Context):
+    config = PPCGPTConfig.from_dict(dict(message.content["config"]))
+    partition = int(context.node_config.get("partition-id", -1))
+    return config, partition, client_data(config, partition)
+
+
+@app.query("perturb")
+def perturb(message: Message, context: Context) -> Message:
+    """Round 1: this node's perturbed questions and choices."""
+    start = time.perf_counter()
+    config, partition, data = _setup(message, context)
+    sanitizer = _sanitizer(config.mechanism, config.top_k, config.keep_stopwords)
+    examples, budget = perturb_records(data.train, sanitizer, config.eps,
+                                       seed=config.seed * 1_000_003 + partition,
+                                       prefix=f"client{partition}")
+    text = json.dumps(examples, ensure_ascii=False)
+    metrics = {k: float(v) for k, v in budget.items()}
+    metrics.update({"partition": partition, "examples": len(examples),
+                    "bytes_up": len(text.encode("utf-8")),
+                    "seconds": time.perf_counter() - start})
+    return Message(RecordDict({"text": ConfigRecord({"examples": text}),
+                               "metrics": MetricRecord(metrics)}), reply_to=message)
+
+
+@app.train("retrain")
+def retrain(message: Message, context: Context) -> Message:
+    """Round 2: rebuild the compressed model, accuracy before ("S") and after ("C") retraining."""
+    config, partition, data = _setup(message, context)
+    base, tokenizer = cached_model(config.model, config.dtype)
+    removed = [int(i) for i in message.content["plan"]["removed"]]
+    adapter = {k: a.numpy() for k, a in message.content["adapter"].items()}
+    model = rebuild_model(base, removed, adapter, config.lora())
+    result = client_retrain(model, tokenizer, data, config)
+    metrics = {"partition": partition, "seconds": result["seconds"], "steps": result["steps"],
+               "train_loss_first": result["train_loss_first"],
+               "train_loss_last": result["train_loss_last"]}
+    for side in ("server", "client"):
+        metrics.update({f"{side}_{k}": float(v) for k, v in result[side].items()})
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=message)

@@ -1,0 +1,599 @@
+"""PPC-GPT as library steps (paper: ../shared/papers/ppc-gpt.txt): plain torch; no Flower import.
+
+The Flower apps (``clients/ppcgpt.py``, ``strategies/ppcgpt.py``, ``server/ppcgpt.py``) call these
+functions; each step is usable on its own.
+
+Round 1, client (:func:`client_data`, :func:`perturb_records`): a client holds a partition of a
+multiple-choice task's ``train`` split (its private labelled data) and of its evaluation split
+(its private test data). It sends only its questions and choices, each word perturbed by the
+exponential mechanism (:mod:`fedcompress.privacy.sanitize`, ``eps`` per word); labels never leave
+it. When every example of the client shares one choice list (a closed label set such as
+Yes/No), the choices are public task metadata and are sent as they are; otherwise they are
+perturbed like the question.
+
+Server (:func:`parse_perturbed`, :func:`compress`): the received text is validated (a client
+that sends garbage is rejected with a reason); the server's generator LLM_syn writes synthetic
+questions, 3-sample-agreed chain-of-thought answers and rationales
+(:func:`fedcompress.synth.generate_synthetic`); Block Influence on (question -> label) plus
+(question -> rationale) ranks the decoder layers of LLM_o and the ``prune_ratio`` least
+influential ones are removed (or the deepest ones: the "Seq" baseline); the smaller model is
+trained with LoRA on ``L_label + L_rationale`` (CoT distillation; ``rationales=False``: the label
+loss only and BI on labels only).
+
+Round 2, client (:func:`rebuild_model`, :func:`client_retrain`): the server sends the removal plan
+(public layer indices) and the LoRA adapter; the client rebuilds the pruned model from the same
+base model it loaded, measures its accuracy on its private test data (paper's "S"), retrains the
+adapter on its private labelled data with the label loss and measures again ("C").
+
+Baselines (:func:`dense_sft`, :func:`plain_c`), per client on its own data: DenseSFT (LoRA on the
+dense model) and Plain-C (BI on the client's own labelled data, removal, LoRA).
+
+Accuracy everywhere is multiple-choice accuracy in the distillation prompt format
+(:func:`fedcompress.distill.task_accuracy`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcompress.data.partition import dirichlet_partition, iid_partition
+from fedcompress.data.tasks import load_task
+from fedcompress.distill import (
+    LoraSettings,
+    PromptFormat,
+    TrainConfig,
+    add_lora,
+    distill,
+    normalize_samples,
+    retrain_client,
+    task_accuracy,
+)
+from fedcompress.layers import (
+    LayerImportance,
+    RemovalPlan,
+    apply_plan,
+    block_influence,
+    label_rationale_influence,
+    lowest_score_plan,
+    seq_plan,
+)
+from fedcompress.models import num_layers, remove_layers
+
+__all__ = [
+    "ClientData",
+    "Compressed",
+    "InvalidClientText",
+    "NotEnoughSyntheticData",
+    "PPCGPTConfig",
+    "adapter_arrays",
+    "client_data",
+    "client_retrain",
+    "compress",
+    "dense_accuracy",
+    "dense_sft",
+    "make_backend",
+    "parse_perturbed",
+    "perturb_records",
+    "plain_c",
+    "rebuild_model",
+    "removal_plan",
+    "weighted_accuracy",
+]
+
+logger = logging.getLogger(__name__)
+
+PARTITIONS = ("iid", "dirichlet")
+PRUNE_POLICIES = ("bi", "seq")
+MECHANISMS = ("santext", "custext")
+# Limits on what a client may send (a larger payload is garbage, not data).
+MAX_EXAMPLES_PER_CLIENT = 100_000
+MAX_TEXT_CHARS = 4_000
+MAX_CHOICES = 16
+
+
+class InvalidClientText(ValueError):
+    """A client's perturbed text is not a list of {question, choices} examples."""
+
+
+class NotEnoughSyntheticData(RuntimeError):
+    """The generator produced fewer accepted synthetic samples than the run needs."""
+
+
+@dataclass(frozen=True)
+class PPCGPTConfig:
+    """Settings of one PPC-GPT run (flat, so they travel in a Flower ``ConfigRecord``).
+
+    Data: ``task`` (bundled task name or JSONL path/dir), ``clients`` (``min_clients``: fewest
+    valid replies a round goes on with, 0: all),
+    ``examples_per_client`` private labelled examples from the ``train`` split and
+    ``eval_per_client`` private test examples from ``eval_split`` per client (0: the whole
+    partition), ``partition`` iid or dirichlet (label skew, ``alpha``).
+    Privacy: ``eps`` per perturbed word, ``mechanism`` santext|custext, ``top_k`` (CusText group
+    size), ``keep_stopwords``.
+    Synthetic data: ``synth_model`` (LLM_syn spec; "" = ``model``) or ``synth_url`` (an
+    OpenAI-compatible server, with ``synth_api`` chat|completions and ``synth_model`` as the
+    served model name), ``synth_ratio``, ``answer_samples``, token budgets, ``synth_batch_size``,
+    ``synth_time_limit`` seconds (0: none), ``min_synthetic`` samples needed to go on.
+    Compression: ``prune_ratio`` of decoder layers removed, ``prune_policy`` bi|seq,
+    ``rationales`` (BI and loss on rationales too), ``server_retrain`` (CoT distillation on the
+    server).
+    Training (LoRA): ``server_epochs``/``client_epochs`` (or ``server_steps``/``client_steps``
+    > 0), ``lr``, ``batch_size``, ``grad_accum``, ``lora_r``, ``lora_alpha``, ``lora_dropout``,
+    ``max_length`` tokens.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    task: str = "strategyqa"
+    eval_split: str = "test"
+    clients: int = 4
+    min_clients: int = 0
+    examples_per_client: int = 16
+    eval_per_client: int = 50
+    partition: str = "iid"
+    alpha: float = 1.0
+    seed: int = 0
+    eps: float = 3.0
+    mechanism: str = "custext"
+    top_k: int = 20
+    keep_stopwords: bool = True
+    synth_model: str = ""
+    synth_url: str = ""
+    synth_api: str = "chat"
+    synth_ratio: float = 1.0
+    answer_samples: int = 3
+    question_tokens: int = 128
+    answer_tokens: int = 192
+    rationale_tokens: int = 96
+    synth_batch_size: int = 8
+    synth_time_limit: float = 0.0
+    min_synthetic: int = 4
+    prune_ratio: float = 0.3
+    prune_policy: str = "bi"
+    rationales: bool = True
+    server_retrain: bool = True
+    server_epochs: float = 2.0
+    server_steps: int = 0
+    client_epochs: float = 2.0
+    client_steps: int = 0
+    lr: float = 3e-4
+    batch_size: int = 4
+    grad_accum: int = 2
+    lora_r: int = 8
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.1
+    max_length: int = 192
+    eval_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}")
+
+        for name in ("clients", "synth_batch_size", "answer_samples", "question_tokens",
+                     "answer_tokens", "rationale_tokens", "batch_size", "grad_accum", "lora_r",
+                     "max_length", "eval_batch_size", "min_synthetic"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(name, "an integer >= 1")
+        for name in ("examples_per_client", "eval_per_client", "seed", "server_steps",
+                     "client_steps", "min_clients"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(name, "an integer >= 0")
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
+            raise bad("eps", "a finite number > 0 (privacy budget per word)")
+        if not 0 <= self.prune_ratio < 1:
+            raise bad("prune_ratio", "a fraction of layers in [0, 1)")
+        if self.partition not in PARTITIONS:
+            raise bad("partition", f"one of {PARTITIONS}")
+        if self.prune_policy not in PRUNE_POLICIES:
+            raise bad("prune_policy", f"one of {PRUNE_POLICIES}")
+        if self.mechanism not in MECHANISMS:
+            raise bad("mechanism", f"one of {MECHANISMS}")
+        if self.synth_api not in ("chat", "completions"):
+            raise bad("synth_api", "chat or completions")
+        if self.min_clients > self.clients:
+            raise bad("min_clients", f"at most clients={self.clients} (0: all)")
+        if not self.alpha > 0:
+            raise bad("alpha", "a number > 0")
+        if not self.synth_ratio > 0:
+            raise bad("synth_ratio", "a number > 0")
+        if self.synth_time_limit < 0:
+            raise bad("synth_time_limit", "seconds >= 0 (0: no limit)")
+        for name in ("server_epochs", "client_epochs", "lr", "lora_alpha"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "a number > 0")
+        if not 0 <= self.lora_dropout < 1:
+            raise bad("lora_dropout", "a probability in [0, 1)")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> PPCGPTConfig:
+        """From flat settings (keys with ``-`` or ``_``); unknown keys are an error."""
+        flat = {str(k).replace("-", "_"): v for k, v in values.items()}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(flat) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown PPC-GPT setting(s) {unknown}: expected some of "
+                             f"{sorted(fields)}")
+        typed = {}
+        for name, value in flat.items():
+            kind = type(getattr(cls, name))
+            if kind is bool and isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(f"{name}={value!r} is invalid: expected true or false")
+                value = value.lower() in ("true", "1")
+            elif kind is float and isinstance(value, (int, float)) and not isinstance(value,
+                                                                                      bool):
+                value = float(value)
+            elif kind is int and isinstance(value, float) and value.is_integer():
+                value = int(value)
+            typed[name] = value
+        return cls(**typed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # Derived settings ---------------------------------------------------------------------------
+    @property
+    def required_clients(self) -> int:
+        """Fewest valid client replies a round may go on with."""
+        return self.min_clients or self.clients
+
+    def lora(self) -> LoraSettings:
+        return LoraSettings(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout)
+
+    def train_config(self, side: str) -> TrainConfig:
+        """LoRA training of the ``server`` (distillation) or a ``client`` (retraining)."""
+        steps = self.server_steps if side == "server" else self.client_steps
+        epochs = self.server_epochs if side == "server" else self.client_epochs
+        return TrainConfig(lr=self.lr, max_steps=steps or None, epochs=epochs,
+                           batch_size=self.batch_size, grad_accum=self.grad_accum,
+                           rationale_weight=1.0 if self.rationales else 0.0, seed=self.seed,
+                           lora=self.lora(), max_length=self.max_length,
+                           overflow="truncate", log_every=5, progress=False)
+
+    def synth_settings(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`fedcompress.synth.SynthConfig`."""
+        return {"ratio": self.synth_ratio, "answer_samples": self.answer_samples,
+                "question_max_new_tokens": self.question_tokens,
+                "answer_max_new_tokens": self.answer_tokens,
+                "rationale_max_new_tokens": self.rationale_tokens,
+                "batch_size": self.synth_batch_size, "seed": self.seed,
+                "time_limit": self.synth_time_limit or None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Client data and perturbation (round 1, client side)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClientData:
+    """One client's private data: labelled training records and test records."""
+
+    partition: int
+    train: list[dict[str, Any]]
+    test: list[dict[str, Any]]
+
+
+def _parts(n_items: int, labels: Sequence[int], config: PPCGPTConfig, salt: int
+           ) -> list[np.ndarray]:
+    if n_items < config.clients:
+        raise ValueError(f"{config.clients} clients but only {n_items} examples to share: "
+                         "expected at least one example per client")
+    if config.partition == "iid":
+        return iid_partition(n_items, config.clients, config.seed + salt)
+    return dirichlet_partition(n_items, config.clients, config.alpha, config.seed + salt,
+                               labels=list(labels))
+
+
+def client_data(config: PPCGPTConfig, partition: int) -> ClientData:
+    """Client ``partition``'s records: its share of the task's ``train`` split (iid, or
+    Dirichlet label skew) cut to ``examples_per_client``, and its iid share of ``eval_split``
+    cut to ``eval_per_client``. Every client computes the same seeded split."""
+    if not 0 <= partition < config.clients:
+        raise ValueError(f"partition {partition} is outside [0, {config.clients})")
+    train = load_task(config.task, "train")
+    test = load_task(config.task, config.eval_split)
+    if config.examples_per_client and config.examples_per_client * config.clients > len(train):
+        raise ValueError(f"{config.clients} clients x {config.examples_per_client} examples "
+                         f"need {config.clients * config.examples_per_client}, but task "
+                         f"{config.task!r} has {len(train)} training examples")
+    train_idx = _parts(len(train), [r["label"] for r in train], config, 0)[partition]
+    test_idx = iid_partition(len(test), config.clients, config.seed + 1)[partition] \
+        if len(test) >= config.clients else _parts(len(test), [], config, 1)[partition]
+    if config.examples_per_client:
+        train_idx = train_idx[: config.examples_per_client]
+    if config.eval_per_client:
+        test_idx = test_idx[: config.eval_per_client]
+    return ClientData(partition, [dict(train[i]) for i in train_idx],
+                      [dict(test[i]) for i in test_idx])
+
+
+def perturb_records(records: Sequence[Mapping[str, Any]], sanitizer: Any, eps: float, seed: int,
+                    prefix: str = "example") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Perturb each record's question (and choices, unless all records share one choice list)
+    with ``sanitizer`` at ``eps`` per word. Labels and ids are not sent: the examples get ids
+    ``<prefix>-<i>``. Returns the examples and the privacy budget spent: ``eps`` per word,
+    the total per example (sum over its texts, by sequential composition) as max and mean,
+    and word counts."""
+    if not records:
+        raise ValueError("no records to perturb")
+    closed = len({tuple(r["choices"]) for r in records}) == 1
+    texts: list[str] = []
+    for r in records:
+        texts.append(str(r["question"]))
+        if not closed:
+            texts.extend(str(c) for c in r["choices"])
+    outs = sanitizer.sanitize_many(texts, eps=eps, seed=seed)
+    examples, per_example, it = [], [], iter(outs)
+    totals = {"words": 0, "perturbed": 0, "kept": 0, "oov": 0, "changed": 0}
+    for i, r in enumerate(records):
+        parts = [next(it)]
+        choices = list(r["choices"]) if closed else [None] * len(r["choices"])
+        if not closed:
+            parts += [next(it) for _ in r["choices"]]
+            choices = [p.text.strip() or p.text for p in parts[1:]]
+        examples.append({"id": f"{prefix}-{i}", "question": parts[0].text, "choices": choices})
+        per_example.append(sum(p.report.eps_total for p in parts))
+        for p in parts:
+            rep = p.report
+            totals["words"] += rep.n_words
+            totals["perturbed"] += rep.n_perturbed
+            totals["kept"] += rep.n_kept
+            totals["oov"] += rep.n_oov
+            totals["changed"] += rep.n_changed
+    budget = {"eps_per_word": float(eps), "eps_per_example_max": float(max(per_example)),
+              "eps_per_example_mean": float(np.mean(per_example)), "choices_perturbed": not closed,
+              **totals}
+    return examples, budget
+
+
+# ---------------------------------------------------------------------------------------------
+# Server side
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_perturbed(payload: str, max_examples: int = MAX_EXAMPLES_PER_CLIENT
+                    ) -> list[dict[str, Any]]:
+    """A client's round-1 payload (a JSON list of ``{id, question, choices}``) -> examples.
+
+    Raises:
+        InvalidClientText: not JSON, not a list, too many examples, an example without a
+            question, with fewer than 2 or more than ``MAX_CHOICES`` choices, a text longer
+            than ``MAX_TEXT_CHARS``, a label field (labels must stay on the client), or a
+            repeated id. The message names the example and the field.
+    """
+    try:
+        data = json.loads(payload)
+    except (TypeError, ValueError) as err:
+        raise InvalidClientText(f"payload is not JSON: {err}") from None
+    if not isinstance(data, list) or not data:
+        raise InvalidClientText(f"payload is a {type(data).__name__}"
+                                + (" (empty)" if data == [] else "")
+                                + ": expected a non-empty list of examples")
+    if len(data) > max_examples:
+        raise InvalidClientText(f"{len(data)} examples: at most {max_examples} accepted")
+    seen, out = set(), []
+    for i, ex in enumerate(data):
+        where = f"example {i}"
+        if not isinstance(ex, dict):
+            raise InvalidClientText(f"{where} is a {type(ex).__name__}: expected an object")
+        if "label" in ex:
+            raise InvalidClientText(f"{where} carries a label: clients send questions and "
+                                    "choices only")
+        eid, question, choices = ex.get("id"), ex.get("question"), ex.get("choices")
+        if not isinstance(eid, str) or not eid or eid in seen:
+            raise InvalidClientText(f"{where}: id {eid!r} is missing, not a string or repeated")
+        seen.add(eid)
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidClientText(f"{where} ({eid}): question {question!r} is empty or not "
+                                    "a string")
+        if (not isinstance(choices, list) or not 2 <= len(choices) <= MAX_CHOICES
+                or not all(isinstance(c, str) and c.strip() for c in choices)):
+            raise InvalidClientText(f"{where} ({eid}): choices {choices!r}: expected 2 to "
+                                    f"{MAX_CHOICES} non-empty strings")
+        longest = max([len(question)] + [len(c) for c in choices])
+        if longest > MAX_TEXT_CHARS:
+            raise InvalidClientText(f"{where} ({eid}): a text of {longest} characters: at most "
+                                    f"{MAX_TEXT_CHARS}")
+        out.append({"id": eid, "question": question, "choices": list(choices)})
+    return out
+
+
+@dataclass
+class Compressed:
+    """The server's compressed model: a ``PeftModel`` over the pruned LLM_o, and how it was
+    made."""
+
+    model: nn.Module
+    plan: RemovalPlan
+    importance: LayerImportance | None
+    train_metrics: dict[str, Any] | None
+    seconds: dict[str, float]
+
+
+def _pairs(samples: Sequence[Any], fmt: PromptFormat, task: str) -> list[tuple[str, str]]:
+    return [(fmt.prompt(task, s.question, s.choices), fmt.target(task, s)) for s in samples]
+
+
+def removal_plan(model: nn.Module, tokenizer: Any, samples: Sequence[Any], ratio: float,
+                 policy: str, rationales: bool, max_length: int, fmt: PromptFormat | None = None
+                 ) -> tuple[RemovalPlan, LayerImportance | None]:
+    """The layers to remove: ``bi`` ranks layers by Block Influence on (question -> label)
+    plus, with ``rationales``, (question -> rationale) (paper Eq. 7), and removes the lowest;
+    ``seq`` removes the deepest ones (paper Table 6's baseline)."""
+    fmt = fmt or PromptFormat()
+    if policy == "seq":
+        return seq_plan(num_layers(model), ratio), None
+    clean = normalize_samples(samples, require_rationale=rationales)
+    kwargs = {"max_length": max_length, "batch_size": 8, "progress": False}
+    if rationales:
+        importance = label_rationale_influence(model, tokenizer, _pairs(clean, fmt, "label"),
+                                               _pairs(clean, fmt, "rationale"), **kwargs)
+    else:
+        importance = block_influence(model, tokenizer, _pairs(clean, fmt, "label"), **kwargs)
+    return lowest_score_plan(importance, ratio), importance
+
+
+def compress(model: nn.Module, tokenizer: Any, samples: Sequence[Any], config: PPCGPTConfig,
+             fmt: PromptFormat | None = None) -> Compressed:
+    """Server side: remove layers of a copy of ``model`` by the removal plan of ``samples``
+    (synthetic, with rationales unless ``config.rationales`` is off), then CoT-distil it with
+    LoRA (``config.server_retrain``) or attach an untrained adapter. ``model`` is not changed."""
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    plan, importance = removal_plan(model, tokenizer, samples, config.prune_ratio,
+                                    config.prune_policy, config.rationales, config.max_length,
+                                    fmt)
+    pruned = apply_plan(copy.deepcopy(model), plan)
+    seconds["layer_removal"] = time.perf_counter() - start
+    logger.info("removed %d of %d layers: %s", len(plan.removed), plan.num_layers,
+                list(plan.removed))
+    metrics = None
+    start = time.perf_counter()
+    if config.server_retrain:
+        result = distill(pruned, tokenizer, samples, config.train_config("server"), fmt=fmt)
+        peft_model, metrics = result.model, result.metrics.to_dict()
+    else:
+        peft_model = add_lora(pruned, config.lora())
+    seconds["distillation"] = time.perf_counter() - start
+    return Compressed(peft_model, plan, importance, metrics, seconds)
+
+
+def adapter_arrays(peft_model: nn.Module) -> dict[str, np.ndarray]:
+    """The LoRA tensors of ``peft_model`` as float32 numpy arrays (what round 2 sends)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().to(torch.float32).cpu().numpy()
+            for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Round 2, client side, and the per-client baselines
+# ---------------------------------------------------------------------------------------------
+
+
+def rebuild_model(base: nn.Module, removed: Sequence[int], adapter: Mapping[str, np.ndarray],
+                  lora: LoraSettings) -> nn.Module:
+    """The server's compressed model from the client's copy of the base model: remove the
+    ``removed`` layers from a copy, attach a LoRA adapter with the same settings and load the
+    received tensors into it. ``base`` is not changed.
+
+    Raises:
+        ValueError: a removed index outside the model, or adapter tensors whose names or
+            shapes differ from the adapter these settings make (names the first mismatch).
+    """
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    n = num_layers(base)
+    bad = [i for i in removed if not 0 <= int(i) < n]
+    if bad or len(set(removed)) != len(removed):
+        raise ValueError(f"removed layers {list(removed)}: expected distinct indices in "
+                         f"[0, {n})")
+    model = copy.deepcopy(base)
+    if removed:
+        remove_layers(model, sorted(int(i) for i in removed))
+    peft_model = add_lora(model, lora)
+    expected = get_peft_model_state_dict(peft_model)
+    if set(expected) != set(adapter):
+        missing, extra = sorted(set(expected) - set(adapter)), sorted(set(adapter) - set(expected))
+        raise ValueError(f"adapter tensors do not match the pruned model: missing "
+                         f"{missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected "
+                         f"{extra[:3]}{'...' if len(extra) > 3 else ''}")
+    state = {}
+    for key, value in adapter.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise ValueError(f"adapter tensor {key}: shape {tuple(value.shape)}, expected "
+                             f"{tuple(expected[key].shape)}")
+        if not np.all(np.isfinite(value)):
+            raise ValueError(f"adapter tensor {key} holds non-finite values")
+        state[key] = torch.as_tensor(np.asarray(value)).to(expected[key].dtype)
+    set_peft_model_state_dict(peft_model, state)
+    return peft_model
+
+
+def _accuracy(model: nn.Module, tokenizer: Any, records: Sequence[Mapping[str, Any]],
+              config: PPCGPTConfig, fmt: PromptFormat | None) -> dict[str, float]:
+    res = task_accuracy(model, tokenizer, records, fmt, batch_size=config.eval_batch_size)
+    return {"acc": float(res.acc), "acc_stderr": float(res.acc_stderr),
+            "acc_norm": float(res.acc_norm), "n": int(res.n)}
+
+
+def client_retrain(model: nn.Module, tokenizer: Any, data: ClientData, config: PPCGPTConfig,
+                   fmt: PromptFormat | None = None) -> dict[str, Any]:
+    """Round 2 on a client: accuracy of the server's model on the private test data
+    (``server``, paper "S"), LoRA retraining on the private labelled data with the label loss,
+    accuracy again (``client``, paper "C")."""
+    start = time.perf_counter()
+    before = _accuracy(model, tokenizer, data.test, config, fmt)
+    result = retrain_client(model, tokenizer, data.train, config.train_config("client"), fmt=fmt)
+    after = _accuracy(result.model, tokenizer, data.test, config, fmt)
+    return {"server": before, "client": after, "train_loss_first": result.metrics.loss[0],
+            "train_loss_last": result.metrics.loss[-1], "steps": result.metrics.steps,
+            "seconds": time.perf_counter() - start}
+
+
+def dense_accuracy(base: nn.Module, tokenizer: Any, data: ClientData, config: PPCGPTConfig,
+                   fmt: PromptFormat | None = None) -> dict[str, Any]:
+    """The untrained dense model on the client's test data."""
+    return {"client": _accuracy(base, tokenizer, data.test, config, fmt)}
+
+
+def dense_sft(base: nn.Module, tokenizer: Any, data: ClientData, config: PPCGPTConfig,
+              fmt: PromptFormat | None = None) -> dict[str, Any]:
+    """DenseSFT baseline: LoRA on a copy of the dense model with the client's labelled data."""
+    start = time.perf_counter()
+    model = add_lora(copy.deepcopy(base), config.lora())
+    result = retrain_client(model, tokenizer, data.train, config.train_config("client"), fmt=fmt)
+    return {"client": _accuracy(result.model, tokenizer, data.test, config, fmt),
+            "seconds": time.perf_counter() - start}
+
+
+def plain_c(base: nn.Module, tokenizer: Any, data: ClientData, config: PPCGPTConfig,
+            fmt: PromptFormat | None = None) -> dict[str, Any]:
+    """Plain-C baseline: the client prunes the dense model with its own labelled data (BI on
+    question -> label, or Seq), then LoRA-trains the pruned model on the same data."""
+    start = time.perf_counter()
+    plan, _ = removal_plan(base, tokenizer, data.train, config.prune_ratio, config.prune_policy,
+                           False, config.max_length, fmt)
+    model = add_lora(apply_plan(copy.deepcopy(base), plan), config.lora())
+    result = retrain_client(model, tokenizer, data.train, config.train_config("client"), fmt=fmt)
+    return {"client": _accuracy(result.model, tokenizer, data.test, config, fmt),
+            "removed": list(plan.removed), "seconds": time.perf_counter() - start}
+
+
+def weighted_accuracy(per_client: Sequence[Mapping[str, Any]], key: str) -> float:
+    """Accuracy over all clients' test examples (each client weighted by its ``n``)."""
+    n = sum(c[key]["n"] for c in per_client)
+    if n == 0:
+        raise ValueError("no evaluated examples")
+    return sum(c[key]["acc"] * c[key]["n"] for c in per_client) / n
+
+
+def make_backend(config: PPCGPTConfig, model: nn.Module | None = None, tokenizer: Any = None,
+                 device: str | torch.device | None = None) -> Any:
+    """LLM_syn: an OpenAI-compatible server at ``synth_url`` (serving ``synth_model``), else a
+    local model: the given LLM_o ``model`` when ``synth_model`` is empty or names it, or
+    ``synth_model`` loaded by spec."""
+    from fedcompress.synth.backends import HFBackend, OpenAIBackend
+
+    if config.synth_url:
+        return OpenAIBackend(config.synth_url, config.synth_model or config.model,
+                             api=config.synth_api)
+    if model is not None and config.synth_model in ("", config.model):
+        return HFBackend(model, tokenizer, batch_size=config.synth_batch_size, name=config.model)
+    return HFBackend.load(config.synth_model or config.model, device=device, dtype=config.dtype,
+                          batch_size=config.synth_batch_size)

@@ -1,0 +1,170 @@
+"""PPC-GPT ServerApp: the whole pipeline of one run.
+
+Round 1: collect the clients' DP-perturbed questions (labels stay on the clients). Server:
+synthetic questions, 3-sample-agreed CoT answers and rationales from LLM_syn; Block Influence
+layer removal of LLM_o; CoT distillation with LoRA. Round 2: the removal plan and the adapter go
+to the clients, which measure the model's accuracy on their private test data ("S"), retrain
+it on their private labelled data and measure again ("C"). Baselines run in-process on each
+client's data: dense (no training), DenseSFT, Plain-C. Writes report.json/report.md, the
+synthetic data (``synthetic/``) and the compressed model (``model/``, adapter merged,
+``save_pretrained``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+
+import transformers  # noqa: F401  (imported at module level: see server/fedprllm.py)
+from flwr.app import ArrayRecord
+from flwr.serverapp import Grid, ServerApp
+
+from fedcompress import ppcgpt
+from fedcompress.models import load_model, num_layers
+from fedcompress.report import RunReport
+from fedcompress.synth import SynthConfig, generate_synthetic
+from server.common import make_server_app
+from strategies.ppcgpt import PPCGPT
+
+logger = logging.getLogger(__name__)
+
+SERVER_KEYS = ("out", "device", "baselines", "save_model", "timeout")
+SERVER_DEFAULTS = {"out": "runs/ppcgpt", "device": "auto", "baselines": "dense,dense-sft,plain-c",
+                   "save_model": True, "timeout": 7200.0}
+BASELINES = {"dense": ppcgpt.dense_accuracy, "dense-sft": ppcgpt.dense_sft,
+             "plain-c": ppcgpt.plain_c}
+
+
+def split_settings(settings: dict) -> tuple[ppcgpt.PPCGPTConfig, dict]:
+    """Flat settings (CLI or run config, keys with ``-`` or ``_``) -> (method config, server)."""
+    flat = {k.replace("-", "_"): v for k, v in settings.items()}
+    server = dict(SERVER_DEFAULTS)
+    server.update({k: flat.pop(k) for k in SERVER_KEYS if k in flat})
+    return ppcgpt.PPCGPTConfig.from_dict(flat), server
+
+
+def baselines_of(server: dict) -> list[str]:
+    names = [b.strip() for b in str(server["baselines"]).split(",") if b.strip()]
+    unknown = sorted(set(names) - set(BASELINES))
+    if unknown:
+        raise ValueError(f"unknown baseline(s) {unknown}: expected some of {sorted(BASELINES)} "
+                         "(or none)")
+    return names
+
+
+def check_settings(settings: dict) -> None:
+    """Every setting valid, before any model is loaded or any engine started."""
+    config, server = split_settings(settings)
+    baselines_of(server)
+    ppcgpt.client_data(config, 0)  # the task exists and has enough examples
+
+
+def _result(name: str, per_client: list[dict], **extra) -> dict:
+    record = {"name": name}
+    for side in ("server", "client"):
+        if all(side in c for c in per_client):
+            record[f"acc_{side}"] = ppcgpt.weighted_accuracy(per_client, side)
+            record[f"n_{side}"] = sum(c[side]["n"] for c in per_client)
+    record.update(extra)
+    record["per_client"] = per_client
+    return record
+
+
+def _nested(metrics: dict) -> dict:
+    """Flat round-2 metrics (``server_acc`` ...) -> ``{"server": {"acc": ...}, ...}``."""
+    out = {k: v for k, v in metrics.items() if not k.startswith(("server_", "client_"))}
+    for side in ("server", "client"):
+        out[side] = {k[len(side) + 1:]: v for k, v in metrics.items()
+                     if k.startswith(side + "_")}
+    return out
+
+
+def run_ppcgpt(grid: Grid, settings: dict) -> RunReport:
+    config, server = split_settings(settings)
+    baselines = baselines_of(server)
+    out = Path(server["out"])
+    report = RunReport(out, "ppcgpt", {**config.to_dict(), **server}, seeds={"seed": config.seed})
+    timeout = float(server["timeout"])
+    try:
+        with report.phase("setup"):
+            device = None if server["device"] in ("", "auto") else server["device"]
+            loaded = load_model(config.model, device=device, dtype=config.dtype)
+            model, tokenizer = loaded.model, loaded.tokenizer
+        report.extra["model"] = {"spec": loaded.spec, **loaded.info}
+        strategy = PPCGPT(config)
+
+        with report.phase("round1_perturb"):
+            examples = strategy.collect_text(grid, timeout)
+        report.extra["privacy"] = {
+            "eps_per_word": config.eps, "mechanism": config.mechanism,
+            "eps_per_example_max": max(m.get("eps_per_example_max", 0.0)
+                                       for m in strategy.text_metrics),
+            "clients": strategy.text_metrics}
+        report.extra["rejected"] = strategy.rejected
+
+        with report.phase("synthetic"):
+            backend = ppcgpt.make_backend(config, model, tokenizer, device)
+            synth = generate_synthetic(examples, backend, SynthConfig(**config.synth_settings()))
+            synth.save(out / "synthetic")
+        report.extra["synthetic"] = {"backend": synth.backend, **synth.stats.to_dict()}
+        if synth.stats.accepted < config.min_synthetic:
+            raise ppcgpt.NotEnoughSyntheticData(
+                f"{synth.stats.accepted} synthetic sample(s) accepted of "
+                f"{synth.stats.attempts} attempts (rejections: "
+                f"{ {k: v for k, v in synth.stats.rejections.items() if v} }), the run needs "
+                f"min_synthetic={config.min_synthetic}: use a stronger generator (synth_model "
+                "or synth_url), a higher synth_ratio, or lower min_synthetic")
+
+        with report.phase("compress"):
+            compressed = ppcgpt.compress(model, tokenizer, synth.samples, config)
+        report.extra["compression"] = {
+            "plan": compressed.plan.to_dict(),
+            "importance": None if compressed.importance is None
+            else compressed.importance.to_dict(),
+            "train": compressed.train_metrics, "seconds": compressed.seconds}
+        if server["save_model"]:
+            with report.phase("save"):
+                merged = copy.deepcopy(compressed.model).merge_and_unload()
+                merged.save_pretrained(out / "model")
+                tokenizer.save_pretrained(out / "model")
+                del merged
+
+        strategy.set_model(list(compressed.plan.removed), ppcgpt.adapter_arrays(compressed.model))
+        start = time.perf_counter()
+        with report.phase("round2_retrain"):
+            strategy.start(grid, ArrayRecord(), num_rounds=1, timeout=timeout)
+        report.extra["rejected"] = strategy.rejected
+        per_client = [_nested(m) for m in sorted(strategy.client_metrics,
+                                                 key=lambda m: m["partition"])]
+        report.add_result(_result(
+            "ppcgpt", per_client, layers=num_layers(model) - len(compressed.plan.removed),
+            removed=len(compressed.plan.removed), synthetic=synth.stats.accepted,
+            eps=config.eps, round2_seconds=time.perf_counter() - start,
+            bytes_down_per_client=strategy.bytes_down // max(config.clients, 1),
+            bytes_up_per_client=sum(m.get("bytes_up", 0) for m in strategy.text_metrics)
+            // max(len(strategy.text_metrics), 1)))
+
+        for name in baselines:
+            per_client = []
+            with report.phase(name):
+                for partition in range(config.clients):
+                    data = ppcgpt.client_data(config, partition)
+                    per_client.append({"partition": partition,
+                                       **BASELINES[name](model, tokenizer, data, config)})
+            removed = len(per_client[0].get("removed", []))
+            report.add_result(_result(name, per_client, layers=num_layers(model) - removed,
+                                      removed=removed))
+    except BaseException:
+        report.finish("failed")
+        raise
+    report.finish("ok")
+    return report
+
+
+def make_app(settings: dict | None = None) -> ServerApp:
+    return make_server_app(run_ppcgpt, settings)
+
+
+app = make_app()
