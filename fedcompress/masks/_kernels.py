@@ -228,3 +228,90 @@ def apply_mask(weight, mask, counts, n_clients, scale):
             flat_w[i] = np.float32(0.0)
         elif scale:
             flat_w[i] = flat_w[i] * ((m - np.float32(flat_c[i])) / m)
+
+
+@numba.njit(**_JIT)
+def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
+    """Of the tied entries ``idx`` (ascending) with keys ``keys``, mark the ``need`` first in
+    (``|key|``, index) order at ``out_mask_flat[idx[i] * stride + offset]``; False when a key is
+    not finite."""
+    n = idx.shape[0]
+    if not use_key:
+        for i in range(need):
+            out_mask_flat[idx[i] * stride + offset] = 1
+        return True
+    for i in range(n):
+        if not np.isfinite(keys[i]):
+            return False
+    cut = np.partition(keys, need - 1)[need - 1]
+    quota = need
+    for i in range(n):
+        if keys[i] < cut:
+            quota -= 1
+    for i in range(n):
+        a = keys[i]
+        if a < cut or (a == cut and quota > 0):
+            out_mask_flat[idx[i] * stride + offset] = 1
+            if a == cut:
+                quota -= 1
+    return True
+
+
+@numba.njit(**_JIT)
+def select_cols(counts, key, use_key, k, n_values, mask):
+    """:func:`select_rows` for every *column* of the row-major ``counts`` ``[rows, cols]``,
+    without transposing: per-column histograms in one row-major pass give each column's
+    threshold; a second pass marks the counts above it and gathers the tied entries of the
+    columns that take only part of them (in row order), which are then ranked per column by
+    (``|key|``, row index). Same result as ``select_rows`` on the transpose. Returns the number
+    of selected weights, or -1 when a tied key is NaN or infinite."""
+    rows, cols = counts.shape
+    if k < 0 or k > rows:
+        return -2
+    if k == 0:
+        mask[:, :] = 0
+        return 0
+    hist = np.zeros((cols, n_values), dtype=np.int64)
+    for r in range(rows):
+        for c in range(cols):
+            hist[c, counts[r, c]] += 1
+    thr = np.zeros(cols, dtype=np.int64)
+    need = np.zeros(cols, dtype=np.int64)
+    partial = np.zeros(cols, dtype=np.bool_)
+    start = np.zeros(cols + 1, dtype=np.int64)
+    for c in range(cols):
+        ge = 0
+        for v in range(n_values - 1, -1, -1):
+            h = hist[c, v]
+            ge += h
+            if ge >= k:
+                thr[c] = v
+                need[c] = k - (ge - h)
+                partial[c] = need[c] < h
+                start[c + 1] = start[c] + (h if partial[c] else 0)
+                break
+    tied_rows = np.empty(start[cols], dtype=np.int64)
+    tied_keys = np.empty(start[cols], dtype=np.float32)
+    fill = start[:cols].copy()
+    for r in range(rows):
+        for c in range(cols):
+            x = counts[r, c]
+            t = thr[c]
+            if x > t:
+                mask[r, c] = 1
+            elif x == t and not partial[c]:
+                mask[r, c] = 1
+            else:
+                mask[r, c] = 0
+                if x == t:
+                    tied_rows[fill[c]] = r
+                    if use_key:
+                        tied_keys[fill[c]] = abs(key[r, c])
+                    fill[c] += 1
+    flat = mask.reshape(-1)
+    for c in range(cols):
+        if partial[c]:
+            a, b = start[c], start[c + 1]
+            if not _take_tied(tied_keys[a:b], tied_rows[a:b], need[c], use_key, flat, cols, c):
+                return -1
+    return k * cols

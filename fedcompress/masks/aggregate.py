@@ -168,6 +168,27 @@ def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int) -> np.n
     return mask.view(bool)
 
 
+def _top_counts_cols(counts: np.ndarray, key: np.ndarray | None, k: int) -> np.ndarray:
+    """:func:`_top_counts_rows` of every column (the same order and tie-break), on the
+    row-major counts without transposing them (:func:`fedcompress.masks._kernels.select_cols`)."""
+    rows, cols = counts.shape
+    if not 0 <= k <= rows:
+        raise ValueError(f"cannot select {k} of {rows} weights per group")
+    mask = np.empty((rows, cols), dtype=np.uint8)
+    if counts.size == 0:
+        return mask.astype(bool)
+    counts = np.ascontiguousarray(counts)
+    key_arr, use_key = ((_NO_KEY, False) if key is None
+                        else (np.ascontiguousarray(key, dtype=np.float32), True))
+    if np.issubdtype(counts.dtype, np.signedinteger) and counts.min() < 0:
+        raise ValueError("vote counts must be non-negative")
+    selected = _kernels.select_cols(counts, key_arr, use_key, k, int(counts.max()) + 1, mask)
+    if selected == -1:
+        raise ValueError("tie-break key has NaN or infinite entries (weights?)")
+    assert selected == k * cols, (selected, k, cols)
+    return mask.view(bool)
+
+
 def global_mask(counts: torch.Tensor, sparsity: float, group: str = "layer",
                 tie_break: str = "magnitude", weight: torch.Tensor | None = None, seed: int = 0,
                 nm: tuple[int, int] | None = None) -> torch.Tensor:
@@ -191,8 +212,7 @@ def global_mask(counts: torch.Tensor, sparsity: float, group: str = "layer",
         elif group == "row":
             mask = _top_counts_rows(c, key, int(sparsity * cols))
         else:
-            mask = _top_counts_rows(np.ascontiguousarray(c.T), None if key is None else key.T,
-                                    int(sparsity * rows)).T
+            mask = _top_counts_cols(c, key, int(sparsity * rows))
     return torch.from_numpy(np.ascontiguousarray(mask).reshape(rows, cols))
 
 

@@ -389,7 +389,8 @@ class MaskAggregator:
             counts = self.layer_counts(key)
             mask = self.global_mask(key, server, sparsity, nm, counts)
             apply_global_mask(self._weight(key, model), mask, counts, self.clients, server.scale)
-            return int(mask.sum()) / mask.numel()
+            # numpy's count, not torch's bool sum: the latter took 4 of 8 s for 64 clients.
+            return int(np.count_nonzero(mask.numpy())) / mask.numel()
 
         keys = list(self.shapes)
         return dict(zip(keys, self._map(one, keys)))
