@@ -46,7 +46,12 @@ def _setup(message: Message, context: Context):
     if not 0 <= partition < config.clients:
         raise ValueError(f"node partition-id {partition} is outside [0, {config.clients})")
     model, _ = cached_model(config.model, config.dtype)
-    windows = _windows(config, context.node_config.get("data-path"))[partition]
+    data_path = context.node_config.get("data-path")
+    try:
+        windows = _windows(config, data_path)[partition]
+    except (OSError, ValueError) as err:
+        raise ValueError(f"this site's data-path {data_path!r} (SuperNode --node-config) "
+                         f"cannot be used: {err}") from err
     return config, partition, model, windows
 
 

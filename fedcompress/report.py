@@ -110,6 +110,8 @@ class RunReport:
         self.config = config
         self.seeds = dict(seeds or {})
         argv = list(sys.argv if argv is None else argv)
+        # Under `flwr run` argv is flwr-serverapp's, with the run's secret access token.
+        argv = ["***" if i and argv[i - 1] == "--token" else a for i, a in enumerate(argv)]
         self.command_line = shlex.join(["fedcompress", *argv[1:]]) if argv else command
         self.reproduce = f"fedcompress {command} --config {self.out_dir / 'config.toml'}"
         self.started = _dt.datetime.now(_dt.timezone.utc)

@@ -1,0 +1,561 @@
+"""FedPrLLM deployed across sites on loopback: Flower's real deployment runtime with TLS and
+SuperNode authentication (no simulation engine, nothing mocked).
+
+Two independent deployments run side by side (each run is mostly waiting on process start-ups,
+so together they take little more than one). Each is, as separate processes with their own
+FLWR_HOME:
+
+* ``flower-superlink`` with TLS (CA, certificate and key made by ``docker/make_certs.py``) and
+  ``--enable-supernode-auth``, never installing packages at run time;
+* three SuperNode public keys registered with ``flwr supernode register`` (the CLI, through a
+  federation entry of a private FLWR_HOME ``config.toml`` with the CA certificate);
+* three ``flower-supernode`` processes, each with its own private key, the CA certificate and
+  ``--node-config 'partition-id=I num-partitions=3 data-path="SITE_I/train.jsonl"'``.
+
+``full``: every site holds its data; the pruned model must equal the in-process vote with the
+same seeds and node configs. ``missing``: site 2's data file does not exist; its ClientApp must
+fail with a clear error that the server logs and records (``rejected`` in report.json), and the
+run must go on with the two other sites (``min-clients=2``). An unregistered SuperNode (a fourth
+key pair) must be refused by the SuperLink.
+
+Every process started (SuperLinks, SuperNodes, the ``flwr`` CLI, and the SuperExec /
+flwr-serverapp / flwr-clientapp processes they start) is stopped by PID at the end, also when a
+test fails, and the fixture asserts that none is left.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import tomllib
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+# A deployment test: real SuperLink and SuperNodes on loopback.
+pytestmark = pytest.mark.deploy
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+WIKI = REPO / "fedcompress" / "data" / "bundled" / "corpora" / "wiki" / "train.jsonl"
+CLIENTS = 3
+MISSING_SITE = 2
+CONNECTION = "deploy"
+# Small settings of the tiny model (as tests/test_flwr_run.py); the rest are pyproject's.
+RUN = {"clients": CLIENTS, "samples-per-client": 2, "seqlen": 16, "batch-size": 2,
+       "eval-seqlen": 16, "eval-windows": 4, "device": "cpu", "baselines": ""}
+OFFLINE = {
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+}
+STARTUP_TIMEOUT = 90.0
+# A safety net only: a run takes about a minute on 2 cores (more when the machine is busy).
+RUN_TIMEOUT = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _make_certs():
+    """docker/make_certs.py (a script, not a package) as a module."""
+    spec = importlib.util.spec_from_file_location("make_certs", REPO / "docker" / "make_certs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Processes:
+    """Processes started here, each in its own session, and everything they start: a SuperNode
+    starts its SuperExec (which starts flwr-clientapp processes) in its session; a SuperLink
+    starts its SuperExec in a new session (which starts flwr-serverapp in it). Those sessions are
+    recorded while the SuperLink is alive, so orphans are found and stopped too."""
+
+    def __init__(self, logs: Path):
+        import psutil
+
+        self.logs = logs
+        self.roots: dict[str, subprocess.Popen] = {}
+        self.sessions: set[int] = set()
+        self.before = set(psutil.pids())
+
+    def start(self, name: str, argv: list[str], env: dict, cwd: Path | None = None
+              ) -> subprocess.Popen:
+        with open(self.logs / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    cwd=cwd or self.logs, start_new_session=True)
+        self.roots[name] = proc
+        self.sessions.add(proc.pid)  # start_new_session: session id = pid
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def track(self) -> None:
+        """Record the sessions of every live descendant (e.g. a SuperLink's SuperExec)."""
+        import psutil
+
+        for proc in list(self.roots.values()):
+            try:
+                children = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                continue
+            for child in children:
+                try:
+                    if child.pid not in self.before:
+                        self.sessions.add(os.getsid(child.pid))
+                except OSError:
+                    continue
+
+    def ours(self) -> list:
+        """Live (non-zombie) processes in our sessions that were started after us."""
+        import psutil
+
+        found = []
+        for proc in psutil.process_iter(["pid", "status"]):
+            pid = proc.info["pid"]
+            if pid in self.before or pid == os.getpid():
+                continue
+            try:
+                if os.getsid(pid) in self.sessions and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+            except OSError:
+                continue
+        return found
+
+    def stop(self, name: str, grace: float = 15.0) -> None:
+        """SIGTERM one root process (Flower's processes stop their children) and wait."""
+        proc = self.roots[name]
+        self.track()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+    def stop_all(self, grace: float = 15.0) -> list:
+        """SIGTERM every root, then SIGKILL whatever of ours is left (each process and each
+        process group); returns the survivors (none, or the test fails)."""
+        import psutil
+
+        self.track()
+        for proc in list(self.roots.values()):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(
+                p.poll() is None for p in list(self.roots.values())):
+            time.sleep(0.3)
+        # What the roots started and has not stopped yet (a SuperExec notices its parent's exit
+        # only at its next check): SIGTERM it too, then SIGKILL what remains.
+        for proc in self.ours():
+            try:
+                proc.terminate()
+            except psutil.Error:
+                continue
+        psutil.wait_procs(self.ours(), timeout=5)
+        for proc in self.ours():
+            try:
+                pgid = os.getpgid(proc.pid)
+                if pgid in self.sessions:  # the process group of one of our session leaders
+                    os.killpg(pgid, signal.SIGKILL)
+                proc.kill()
+            except (OSError, psutil.Error):
+                continue
+        psutil.wait_procs(self.ours(), timeout=10)
+        for proc in list(self.roots.values()):
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                continue
+        return self.ours()
+
+
+class Deployment:
+    """One SuperLink (TLS + SuperNode authentication) and its SuperNodes on loopback."""
+
+    def __init__(self, name: str, root: Path, procs: Processes):
+        self.name = name
+        self.root = root / name
+        self.root.mkdir()
+        self.procs = procs
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        # Key pairs 0-2 for the SuperNodes, 3 never registered.
+        self.made = _make_certs().create(self.root / "certs", CLIENTS + 1, [])
+        self.cli_env = self.env("cli")
+        (self.root / "cli" / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "{self.address}"\nroot-certificates = "{self.made["ca"]}"\n')
+        self.sites = [self.root / f"site-{i}" / "train.jsonl" for i in range(CLIENTS)]
+        self.node_ids: list[int] = []
+
+    def env(self, name: str) -> dict:
+        """A process's environment: its own FLWR_HOME, never downloading or installing."""
+        home = self.root / name
+        home.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(OFFLINE)
+        env.update({"PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "FLWR_HOME": str(home),
+                    "FEDCOMPRESS_CACHE": str(self.root / "cache")})
+        return env
+
+    def proc_name(self, name: str) -> str:
+        return f"{self.name}-{name}"
+
+    def log(self, name: str) -> str:
+        return self.procs.log(self.proc_name(name))
+
+    def check_alive(self, name: str) -> None:
+        proc = self.procs.roots[self.proc_name(name)]
+        assert proc.poll() is None, \
+            f"{self.name} {name} exited with {proc.returncode}:\n{self.log(name)[-3000:]}"
+
+    # -- processes -----------------------------------------------------------------------------
+    def start_superlink(self) -> None:
+        self.procs.start(self.proc_name("superlink"), [
+            str(BIN / "flower-superlink"),
+            "--ssl-ca-certfile", str(self.made["ca"]),
+            "--ssl-certfile", str(self.made["cert"]),
+            "--ssl-keyfile", str(self.made["key"]),
+            "--enable-supernode-auth",
+            "--disable-runtime-dependency-installation",
+            "--host", "127.0.0.1", "--port", str(self.port),
+        ], self.env("superlink"))
+
+    def wait_superlink(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while not self.tls_ready():
+            self.check_alive("superlink")
+            assert time.monotonic() < deadline, self.log("superlink")[-3000:]
+            time.sleep(0.3)
+        self.procs.track()
+
+    def tls_ready(self, hostname: str = "127.0.0.1") -> bool:
+        """A TLS handshake verified against our CA (hostname checked) succeeds."""
+        context = ssl.create_default_context(cafile=str(self.made["ca"]))
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as sock:
+                with context.wrap_socket(sock, server_hostname=hostname):
+                    return True
+        except (OSError, ssl.SSLError):
+            return False
+
+    def register(self, pool: ThreadPoolExecutor) -> list[Future]:
+        certs = _make_certs()
+        return [pool.submit(lambda k: certs.register([k], CONNECTION, self.cli_env)[0], public)
+                for _, public in self.made["node_keys"][:CLIENTS]]
+
+    def start_supernode(self, i: int, node_config: str, name: str | None = None
+                        ) -> subprocess.Popen:
+        private, _ = self.made["node_keys"][i]
+        return self.procs.start(self.proc_name(name or f"supernode-{i}"), [
+            str(BIN / "flower-supernode"),
+            "--superlink", self.address,
+            "--root-certificates", str(self.made["ca"]),
+            "--auth-supernode-private-key", str(private),
+            "--node-config", node_config,
+            "--port", str(_free_port()),  # its Runtime API (for its SuperExec), on loopback
+        ], self.env(name or f"supernode-{i}"))
+
+    def node_config(self, i: int) -> dict:
+        return {"partition-id": i, "num-partitions": CLIENTS, "data-path": str(self.sites[i])}
+
+    def start_sites(self) -> None:
+        for i in range(CLIENTS):
+            self.start_supernode(i, " ".join(f"{k}={json.dumps(v)}"
+                                             for k, v in self.node_config(i).items()))
+
+    def wait_sites(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        for i in range(CLIENTS):
+            while "SuperNode ID:" not in self.log(f"supernode-{i}"):
+                self.check_alive(f"supernode-{i}")
+                assert time.monotonic() < deadline, self.log(f"supernode-{i}")[-3000:]
+                time.sleep(0.3)
+        self.procs.track()
+
+    # -- the flwr CLI --------------------------------------------------------------------------
+    def flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "flwr"), *args], cwd=REPO, env=self.cli_env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def nodes(self) -> list[dict]:
+        proc = self.flwr("supernode", "ls", "--format", "json")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return json.loads(proc.stdout)["nodes"]
+
+    def run(self, settings: dict) -> tuple[dict, str]:
+        """``flwr run`` the app on this deployment and wait for the end of the run; returns
+        the SuperLink's record of the run (``flwr ls``) and the run's log."""
+        import tomli_w
+
+        config = self.root / "run-config.toml"
+        config.write_text(tomli_w.dumps(settings))
+        name = self.proc_name("flwr-run")
+        proc = self.procs.start(name, [
+            str(BIN / "flwr"), "run", str(REPO), CONNECTION, "--run-config", str(config),
+            "--stream"], self.cli_env, cwd=REPO)
+        try:
+            proc.wait(RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.name}: no end of run after {RUN_TIMEOUT:.0f} s:\n"
+                        f"{self.procs.log(name)[-4000:]}")
+        finally:
+            self.procs.track()
+        log = self.procs.log(name)
+        assert proc.returncode == 0, log[-4000:]
+        started = re.search(r"started run (\d+)", log)
+        assert started, log[-4000:]
+        # `flwr run --stream` exits 0 even when the run fails: ask the SuperLink.
+        ls = self.flwr("ls", "--run-id", started.group(1), "--format", "json")
+        assert ls.returncode == 0, ls.stdout + ls.stderr
+        return json.loads(ls.stdout)["runs"][0], log
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny llama of the other FedPrLLM tests, saved with its tokenizer."""
+    from conftest import build_tiny_model, build_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_model("llama", n_layers=3).save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def deployments(tmp_path_factory, tiny_model_dir):
+    """Two deployments (``full``, ``missing``: site 2 has no data file), each with its one-shot
+    FedPrLLM run started in the background (tests wait for ``dep.result``). Every process is
+    stopped by PID at the end, also on failure; none may be left."""
+    root = tmp_path_factory.mktemp("deploy")
+    procs = Processes(root)
+    deps = {name: Deployment(name, root, procs) for name in ("full", "missing")}
+    # Every site's data: the first documents of the bundled wiki train split (small: each
+    # ClientApp process tokenizes it), a private copy per site.
+    documents = WIKI.read_text().splitlines(keepends=True)[:20]
+    for dep in deps.values():
+        for i, site in enumerate(dep.sites):
+            site.parent.mkdir()
+            if not (dep.name == "missing" and i == MISSING_SITE):
+                site.write_text("".join(documents))
+    pool = ThreadPoolExecutor(8)
+    try:
+        for dep in deps.values():
+            dep.start_superlink()
+        for dep in deps.values():
+            dep.wait_superlink()
+        registered = {name: dep.register(pool) for name, dep in deps.items()}
+        for name, dep in deps.items():
+            dep.node_ids = [future.result() for future in registered[name]]
+        # Submit the runs first: the ServerApp waits for the sites, which start meanwhile.
+        deps["full"].result = pool.submit(deps["full"].run, {
+            **RUN, "model": str(tiny_model_dir), "out": str(deps["full"].root / "out")})
+        deps["missing"].result = pool.submit(deps["missing"].run, {
+            **RUN, "model": str(tiny_model_dir), "out": str(deps["missing"].root / "out"),
+            "min-clients": 2, "save-model": False})
+        for dep in deps.values():
+            dep.start_sites()
+        for dep in deps.values():
+            dep.wait_sites()
+        yield deps
+    finally:
+        left = procs.stop_all()
+        pool.shutdown(wait=True, cancel_futures=True)
+        assert left == [], f"processes left running: {[(p.pid, p.name()) for p in left]}"
+
+
+def test_tls_and_registered_nodes(deployments):
+    """TLS with our CA (the SuperLink certificate's names) and the 3 registered nodes online."""
+    from cryptography import x509
+
+    dep = deployments["full"]
+    cert = x509.load_pem_x509_certificate(dep.made["cert"].read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"localhost", "127.0.0.1", "::1", "superlink"} <= {str(n.value) for n in sans}
+    assert dep.tls_ready("localhost") and dep.tls_ready("127.0.0.1")
+    assert not dep.tls_ready("superlink.example.org")  # not one of the certificate's names
+    # A client that does not trust our CA is refused by the TLS handshake.
+    with socket.create_connection(("127.0.0.1", dep.port), timeout=5) as sock:
+        with pytest.raises(ssl.SSLCertVerificationError):
+            ssl.create_default_context().wrap_socket(sock, server_hostname="localhost")
+
+    for dep in deployments.values():
+        nodes = dep.nodes()
+        assert sorted(int(n["node-id"]) for n in nodes) == sorted(dep.node_ids)
+        assert all(n["status"] == "online" for n in nodes), nodes
+
+
+def test_unregistered_supernode_is_refused(deployments):
+    dep = deployments["full"]
+    proc = dep.start_supernode(CLIENTS, f"partition-id=0 num-partitions={CLIENTS}",
+                               name="unregistered")
+    try:
+        code = proc.wait(STARTUP_TIMEOUT)
+    finally:
+        dep.procs.stop(dep.proc_name("unregistered"))
+    log = dep.log("unregistered")
+    assert code != 0, log
+    assert "Failed to activate SuperNode" in log and "SuperNode ID:" not in log, log
+    assert "No SuperNode found with the given public key" in dep.log("superlink")
+    assert sorted(int(n["node-id"]) for n in dep.nodes()) == sorted(dep.node_ids)
+
+
+def _reference_model(model_dir: Path, settings: dict, node_configs: list[dict]):
+    """The in-process vote with the same settings, seeds and node configs (the reference of
+    tests/test_fedprllm.py: the real ClientApp and strategy, messages handled in process)."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from conftest import InProcessFederation
+    from fedcompress.models import load_model
+    from server.fedprllm import split_settings
+    from strategies.fedprllm import FedPrLLM
+
+    class Federation(InProcessFederation):
+        app = "clients.fedprllm"
+
+        def __init__(self, n: int):
+            super().__init__(n)
+            for context, node_config in zip(self.contexts.values(), node_configs):
+                context.node_config.update(node_config)
+
+    defaults = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    config, _, _ = split_settings({**defaults["config"], **settings})
+    strategy = FedPrLLM(config, load_model(str(model_dir), device="cpu").model)
+    grid = Federation(CLIENTS)
+    for rnd in range(1, strategy.num_rounds + 1):
+        replies = grid.send_and_receive(strategy.configure_train(rnd, ArrayRecord(),
+                                                                 ConfigRecord(), grid))
+        strategy.aggregate_train(rnd, replies)
+    model = load_model(str(model_dir), device="cpu").model
+    strategy.prune(model)
+    return model
+
+
+def test_deployed_run_equals_in_process_vote(deployments, tiny_model_dir):
+    from fedcompress.models import load_model
+
+    dep = deployments["full"]
+    settings = {**RUN, "model": str(tiny_model_dir), "out": str(dep.root / "out")}
+    reference = _reference_model(tiny_model_dir, settings,
+                                 [dep.node_config(i) for i in range(CLIENTS)])
+    run, log = dep.result.result()
+    assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"
+
+    out = dep.root / "out"
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok" and report["rejected"] == [], report["rejected"]
+    fed = report["results"][0]
+    assert fed["name"] == "fedprllm-oneshot-layer"
+    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 1
+    assert abs(fed["sparsity"] - 0.5) < 1e-3
+    assert sorted(c["node"] for c in report["clients"]) == sorted(dep.node_ids)
+    assert sorted(c["partition"] for c in report["clients"]) == list(range(CLIENTS))
+    assert {"engine_startup", "federated_pruning"} <= set(report["timings"])
+
+    saved = load_model(str(out / "model"), device="cpu").model
+    for (key, a), (_, b) in zip(reference.state_dict().items(), saved.state_dict().items()):
+        assert torch.equal(a, b), key
+
+
+def test_missing_data_path_is_reported_and_run_goes_on(deployments):
+    """Site 2's data file does not exist: its ClientApp fails with a clear error, the server
+    logs it, records it in report.json and prunes with the two other sites (min-clients=2)."""
+    dep = deployments["missing"]
+    run, log = dep.result.result()
+    assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"
+    report = json.loads((dep.root / "out" / "report.json").read_text())
+    assert report["status"] == "ok"
+    fed = report["results"][0]
+    assert fed["valid_clients"] == CLIENTS - 1
+    assert abs(fed["sparsity"] - 0.5) < 1e-3
+
+    site = dep.node_ids[MISSING_SITE]
+    rejected = report["rejected"]
+    # Left out at start-up (round 0, the warm-up query), and in the pruning round if asked.
+    assert 0 in {r["round"] for r in rejected} <= {0, 1}, rejected
+    assert {r["node"] for r in rejected} == {site}, rejected
+    for record in rejected:  # the site's error, with the missing path
+        assert f"'{dep.sites[MISSING_SITE]}' does not exist" in record["reason"], record
+    assert sorted(c["node"] for c in report["clients"]) == sorted(set(dep.node_ids) - {site})
+    # The server logged it (the run's log streams the ServerApp's), the site logged it too.
+    assert "left out of the vote" in log and "does not exist" in log
+    assert f"'{dep.sites[MISSING_SITE]}' does not exist" in dep.log(f"supernode-{MISSING_SITE}")
+
+
+def _mount(volume: str) -> tuple[str, str]:
+    """``SOURCE:TARGET[:ro]`` (SOURCE may be ``${VAR:-default}``) -> ``(TARGET, SOURCE)``."""
+    source, target = re.fullmatch(r"(.+):(/[^:]*)(?::ro|:rw)?", volume).groups()
+    return target, source
+
+
+def test_compose_file_is_the_tested_deployment(tmp_path):
+    """docker/compose.yml starts what this module tests: Flower 1.41 accepts every command
+    line, TLS and SuperNode authentication are on, each site has its own key, partition and data
+    path, nothing is installed at run time, and make_certs.py makes every mounted file."""
+    import yaml
+    from flwr.common.config import parse_config_args
+    from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink
+    from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
+
+    compose = yaml.safe_load((REPO / "docker" / "compose.yml").read_text())
+    services = compose["services"]
+    for service in services.values():
+        assert service["environment"]["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
+        assert service["environment"]["HF_HUB_OFFLINE"] == "1"
+
+    link = services["superlink"]["command"]
+    assert link[0] == "flower-superlink"
+    args = _parse_args_run_superlink().parse_args(link[1:])
+    assert args.enable_supernode_auth and not args.insecure
+    assert not args.runtime_dependency_install
+    assert (args.ssl_ca_certfile, args.ssl_certfile, args.ssl_keyfile) == (
+        "/certs/ca.crt", "/certs/server.pem", "/certs/server.key")
+
+    made = _make_certs().create(tmp_path / "certs", CLIENTS, [])
+    sites = sorted(name for name in services if name.startswith("supernode-"))
+    assert len(sites) == CLIENTS
+    seen = {"keys": set(), "partitions": set()}
+    for name in sites:
+        service = services[name]
+        assert service["command"][0] == "flower-supernode"
+        args = _parse_args_run_supernode().parse_args(service["command"][1:])
+        assert args.superlink == "superlink:8000" and not args.insecure
+        assert args.root_certificates == "/certs/ca.crt"
+        node_config = parse_config_args([args.node_config])
+        assert node_config["num-partitions"] == CLIENTS and node_config["data-path"] == "/data"
+        seen["partitions"].add(node_config["partition-id"])
+        mounts = dict(_mount(v) for v in service["volumes"])
+        key = mounts[args.auth_supernode_private_key]
+        seen["keys"].add(key)
+        assert (tmp_path / Path(key)).is_file(), key  # ./certs/keys/supernode-I
+        default_data = re.fullmatch(r"\$\{SITE\d_DATA:-(.+)\}", mounts["/data"]).group(1)
+        assert (REPO / "docker" / default_data / "train.jsonl").is_file()
+    assert seen["partitions"] == set(range(CLIENTS)) and len(seen["keys"]) == CLIENTS
+    for volume in services["superlink"]["volumes"] + services["cli"]["volumes"]:
+        _, source = _mount(volume)
+        if source.startswith("./certs/"):
+            assert (tmp_path / source).is_file(), source
+    assert {"superlink"} <= set(made["names"])
+
+    flwr_config = tomllib.loads((REPO / "docker" / "flwr-config.toml").read_text())
+    connection = flwr_config["superlink"][flwr_config["superlink"]["default"]]
+    assert connection["address"] == "superlink:8000"
+    assert connection["root-certificates"] == "/certs/ca.crt"
