@@ -138,6 +138,33 @@ def _pick_small_row(counts, key, use_key, r, k, mask):
 
 
 @numba.njit(**_JIT)
+def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
+    """Of the tied entries ``idx`` (ascending) with keys ``keys``, mark the ``need`` first in
+    (``|key|``, index) order at ``out_mask_flat[idx[i] * stride + offset]``; False when a key is
+    not finite."""
+    n = idx.shape[0]
+    if not use_key:
+        for i in range(need):
+            out_mask_flat[idx[i] * stride + offset] = 1
+        return True
+    for i in range(n):
+        if not np.isfinite(keys[i]):
+            return False
+    cut = np.partition(keys, need - 1)[need - 1]
+    quota = need
+    for i in range(n):
+        if keys[i] < cut:
+            quota -= 1
+    for i in range(n):
+        a = keys[i]
+        if a < cut or (a == cut and quota > 0):
+            out_mask_flat[idx[i] * stride + offset] = 1
+            if a == cut:
+                quota -= 1
+    return True
+
+
+@numba.njit(**_JIT)
 def select_rows(counts, key, use_key, k, n_values, mask):
     """Mark in ``mask`` (uint8, shape of ``counts``) the ``k`` highest counts of every row of
     ``counts`` ``[rows, cols]`` (counts in ``0..n_values-1``).
@@ -190,25 +217,8 @@ def select_rows(counts, key, use_key, k, n_values, mask):
                 if use_key:
                     tied_keys[n] = abs(key[r, c])
                 n += 1
-        if not use_key:
-            for i in range(need):
-                mask[r, tied_cols[i]] = 1
-            selected += k
-            continue
-        for i in range(n):
-            if not np.isfinite(tied_keys[i]):
-                return -1
-        cut = np.partition(tied_keys[:n], need - 1)[need - 1]
-        quota = need
-        for i in range(n):
-            if tied_keys[i] < cut:
-                quota -= 1
-        for i in range(n):
-            a = tied_keys[i]
-            if a < cut or (a == cut and quota > 0):
-                mask[r, tied_cols[i]] = 1
-                if a == cut:
-                    quota -= 1
+        if not _take_tied(tied_keys[:n], tied_cols[:n], need, use_key, mask[r], 1, 0):
+            return -1
         selected += k
     return selected
 
@@ -228,33 +238,6 @@ def apply_mask(weight, mask, counts, n_clients, scale):
             flat_w[i] = np.float32(0.0)
         elif scale:
             flat_w[i] = flat_w[i] * ((m - np.float32(flat_c[i])) / m)
-
-
-@numba.njit(**_JIT)
-def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
-    """Of the tied entries ``idx`` (ascending) with keys ``keys``, mark the ``need`` first in
-    (``|key|``, index) order at ``out_mask_flat[idx[i] * stride + offset]``; False when a key is
-    not finite."""
-    n = idx.shape[0]
-    if not use_key:
-        for i in range(need):
-            out_mask_flat[idx[i] * stride + offset] = 1
-        return True
-    for i in range(n):
-        if not np.isfinite(keys[i]):
-            return False
-    cut = np.partition(keys, need - 1)[need - 1]
-    quota = need
-    for i in range(n):
-        if keys[i] < cut:
-            quota -= 1
-    for i in range(n):
-        a = keys[i]
-        if a < cut or (a == cut and quota > 0):
-            out_mask_flat[idx[i] * stride + offset] = 1
-            if a == cut:
-                quota -= 1
-    return True
 
 
 @numba.njit(**_JIT)

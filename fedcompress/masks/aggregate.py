@@ -139,18 +139,21 @@ def _tie_key(counts: torch.Tensor, tie_break: str, weight: torch.Tensor | None,
 _NO_KEY = np.zeros((1, 1), dtype=np.float32)
 
 
-def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int) -> np.ndarray:
+def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int,
+                     by_column: bool = False) -> np.ndarray:
     """Bool mask of the ``k`` highest counts in every row of ``counts`` ``[rows, n]``.
 
     Ties among equal counts: the lower ``|key|`` first (``None``: no key), then the lower
     column index; the result equals a stable sort by (count descending, ``|key|`` ascending,
     index ascending), computed without sorting (a threshold count per row from a histogram,
     then a partition of only the tied keys: :func:`fedcompress.masks._kernels.select_rows`).
+    ``by_column``: the same for every *column*, on the row-major counts without transposing
+    them (:func:`fedcompress.masks._kernels.select_cols`).
     """
-    rows, n = counts.shape
+    rows, n = counts.shape[::-1] if by_column else counts.shape
     if not 0 <= k <= n:
         raise ValueError(f"cannot select {k} of {n} weights per group")
-    mask = np.empty((rows, n), dtype=np.uint8)
+    mask = np.empty(counts.shape, dtype=np.uint8)
     if counts.size == 0:
         return mask.astype(bool)
     counts = np.ascontiguousarray(counts)
@@ -161,31 +164,11 @@ def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int) -> np.n
     if np.issubdtype(counts.dtype, np.signedinteger) and counts.min() < 0:
         raise ValueError("vote counts must be non-negative")
     n_values = int(counts.max()) + 1
-    selected = _kernels.select_rows(counts, key_arr, use_key, k, n_values, mask)
+    select = _kernels.select_cols if by_column else _kernels.select_rows
+    selected = select(counts, key_arr, use_key, k, n_values, mask)
     if selected == -1:
         raise ValueError("tie-break key has NaN or infinite entries (weights?)")
     assert selected == k * rows, (selected, k, rows)
-    return mask.view(bool)
-
-
-def _top_counts_cols(counts: np.ndarray, key: np.ndarray | None, k: int) -> np.ndarray:
-    """:func:`_top_counts_rows` of every column (the same order and tie-break), on the
-    row-major counts without transposing them (:func:`fedcompress.masks._kernels.select_cols`)."""
-    rows, cols = counts.shape
-    if not 0 <= k <= rows:
-        raise ValueError(f"cannot select {k} of {rows} weights per group")
-    mask = np.empty((rows, cols), dtype=np.uint8)
-    if counts.size == 0:
-        return mask.astype(bool)
-    counts = np.ascontiguousarray(counts)
-    key_arr, use_key = ((_NO_KEY, False) if key is None
-                        else (np.ascontiguousarray(key, dtype=np.float32), True))
-    if np.issubdtype(counts.dtype, np.signedinteger) and counts.min() < 0:
-        raise ValueError("vote counts must be non-negative")
-    selected = _kernels.select_cols(counts, key_arr, use_key, k, int(counts.max()) + 1, mask)
-    if selected == -1:
-        raise ValueError("tie-break key has NaN or infinite entries (weights?)")
-    assert selected == k * cols, (selected, k, cols)
     return mask.view(bool)
 
 
@@ -212,7 +195,7 @@ def global_mask(counts: torch.Tensor, sparsity: float, group: str = "layer",
         elif group == "row":
             mask = _top_counts_rows(c, key, int(sparsity * cols))
         else:
-            mask = _top_counts_cols(c, key, int(sparsity * rows))
+            mask = _top_counts_rows(c, key, int(sparsity * rows), by_column=True)
     return torch.from_numpy(np.ascontiguousarray(mask).reshape(rows, cols))
 
 
