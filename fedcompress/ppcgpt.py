@@ -312,8 +312,11 @@ def client_data(config: PPCGPTConfig, partition: int) -> ClientData:
                          f"need {config.clients * config.examples_per_client}, but task "
                          f"{config.task!r} has {len(train)} training examples")
     train_idx = _parts(len(train), [r["label"] for r in train], config, 0)[partition]
-    test_idx = iid_partition(len(test), config.clients, config.seed + 1)[partition] \
-        if len(test) >= config.clients else _parts(len(test), [], config, 1)[partition]
+    if len(test) < config.clients:
+        raise ValueError(f"{config.clients} clients but task {config.task!r} has only "
+                         f"{len(test)} {config.eval_split} examples: expected at least one "
+                         "per client")
+    test_idx = iid_partition(len(test), config.clients, config.seed + 1)[partition]
     if config.examples_per_client:
         train_idx = train_idx[: config.examples_per_client]
     if config.eval_per_client:
@@ -341,11 +344,8 @@ def perturb_records(records: Sequence[Mapping[str, Any]], sanitizer: Any, eps: f
     examples, per_example, it = [], [], iter(outs)
     totals = {"words": 0, "perturbed": 0, "kept": 0, "oov": 0, "changed": 0}
     for i, r in enumerate(records):
-        parts = [next(it)]
-        choices = list(r["choices"]) if closed else [None] * len(r["choices"])
-        if not closed:
-            parts += [next(it) for _ in r["choices"]]
-            choices = [p.text.strip() or p.text for p in parts[1:]]
+        parts = [next(it)] + ([] if closed else [next(it) for _ in r["choices"]])
+        choices = list(r["choices"]) if closed else [p.text.strip() for p in parts[1:]]
         examples.append({"id": f"{prefix}-{i}", "question": parts[0].text, "choices": choices})
         per_example.append(sum(p.report.eps_total for p in parts))
         for p in parts:
