@@ -15,7 +15,6 @@ The base model is loaded once per process (cached) and never mutated.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -25,18 +24,10 @@ from flwr.clientapp import ClientApp
 
 from clients.common import cached_model
 from fedcompress.ppcgpt import (
-    PPCGPTConfig, client_data, client_retrain, perturb_records, rebuild_model)
+    PPCGPTConfig, client_data, client_retrain, client_text, rebuild_model)
 
 logger = logging.getLogger(__name__)
 app = ClientApp()
-
-
-@functools.lru_cache(maxsize=2)
-def _sanitizer(mechanism: str, top_k: int, keep_stopwords: bool):
-    from fedcompress.privacy.sanitize import Sanitizer, SanitizerConfig
-
-    return Sanitizer.glove(SanitizerConfig(mechanism=mechanism, top_k=top_k,
-                                           keep_stopwords=keep_stopwords))
 
 
 def _setup(message: Message, context: Context):
@@ -50,10 +41,7 @@ def perturb(message: Message, context: Context) -> Message:
     """Round 1: this node's perturbed questions and choices."""
     start = time.perf_counter()
     config, partition, data = _setup(message, context)
-    sanitizer = _sanitizer(config.mechanism, config.top_k, config.keep_stopwords)
-    examples, budget = perturb_records(data.train, sanitizer, config.eps,
-                                       seed=config.seed * 1_000_003 + partition,
-                                       prefix=f"client{partition}")
+    examples, budget = client_text(config, data)
     text = json.dumps(examples, ensure_ascii=False)
     metrics = {k: float(v) for k, v in budget.items()}
     metrics.update({"partition": partition, "examples": len(examples),

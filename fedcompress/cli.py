@@ -381,6 +381,19 @@ def run_prune(settings: dict[str, Any]):
     return report
 
 
+def _print_sections(report) -> None:
+    """A sweep's tables and status on the console; exit 1 unless every cell finished."""
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    for title, text in report.sections:
+        console.print(f"[bold]{title}[/bold]")
+        console.print(text)
+    console.print(f"status: {report.status}; report: {report.out_dir}/report.json | report.md")
+    if report.status not in ("ok", "planned"):
+        raise SystemExit(1)
+
+
 @app.command("bench")
 def bench_command(
     config_file: Annotated[Path, typer.Argument(
@@ -407,15 +420,46 @@ def bench_command(
 
     report = run_bench(config_file, out, {"eval_windows": eval_windows},
                        None if device in (None, "auto") else device, progress, dry_run)
-    from rich.console import Console
+    _print_sections(report)
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    for title, text in report.sections:
-        console.print(f"[bold]{title}[/bold]")
-        console.print(text)
-    console.print(f"status: {report.status}; report: {report.out_dir}/report.json | report.md")
-    if report.status not in ("ok", "planned"):
-        raise SystemExit(1)
+
+@app.command("ppcgpt-study")
+def ppcgpt_study_command(
+    config_file: Annotated[Path, typer.Argument(
+        metavar="CONFIG", help="Study TOML: [ppcgpt] (the base run), [ablations] (the values "
+                               "each of Tables 2-7 compares), [study] (title, baselines) (see "
+                               "simulations/ppcgpt_study.toml).")],
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", help="Output folder; an existing one is resumed (finished cells and generated "
+                      "synthetic data are kept). [default: runs/ppcgpt-study-CONFIG]",
+        show_default=False)] = None,
+    synth_url: Annotated[Optional[str], typer.Option(
+        "--synth-url", help="Override [ppcgpt] synth_url: an OpenAI-compatible server (vLLM, "
+                            "llama.cpp, Ollama, TGI) serving LLM_syn.", show_default=False)
+                         ] = None,
+    synth_model: Annotated[Optional[str], typer.Option(
+        "--synth-model", help="Override [ppcgpt] synth_model (a local model spec, or the "
+                              "served model's name with --synth-url).", show_default=False)
+                           ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only write the plan and the empty "
+                                                              "tables.")] = False,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress",
+                                           help="Progress bars.")] = True,
+    log_level: LogOpt = "INFO",
+) -> None:
+    """PPC-GPT baselines and ablations (the paper's Tables 1-7: DenseSFT / Plain-C / PPC-GPT,
+    eps, synthetic ratio, rationales, server retraining, BI vs Seq, pruning ratio) from one
+    config; synthetic data generated once per eps; resumable; report.md + report.json."""
+    _setup_logging(log_level)
+    from fedcompress.bench.ppcgpt_study import StudyConfigError, run_study
+
+    out = out or Path("runs") / f"ppcgpt-study-{config_file.stem}"
+    try:
+        report = run_study(config_file, out, {"synth_url": synth_url, "synth_model": synth_model},
+                           progress=progress, dry_run=dry_run)
+    except StudyConfigError as err:
+        raise typer.BadParameter(str(err), param_hint="CONFIG") from None
+    _print_sections(report)
 
 
 SANITIZE_DEFAULTS: dict[str, Any] = {

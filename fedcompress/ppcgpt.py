@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -80,6 +81,7 @@ __all__ = [
     "adapter_arrays",
     "client_data",
     "client_retrain",
+    "client_text",
     "compress",
     "dense_accuracy",
     "dense_sft",
@@ -89,6 +91,7 @@ __all__ = [
     "plain_c",
     "rebuild_model",
     "removal_plan",
+    "sanitizer_for",
     "weighted_accuracy",
 ]
 
@@ -323,6 +326,27 @@ def client_data(config: PPCGPTConfig, partition: int) -> ClientData:
         test_idx = test_idx[: config.eval_per_client]
     return ClientData(partition, [dict(train[i]) for i in train_idx],
                       [dict(test[i]) for i in test_idx])
+
+
+@functools.lru_cache(maxsize=2)
+def sanitizer_for(mechanism: str, top_k: int, keep_stopwords: bool) -> Any:
+    """The word-level exponential-mechanism sanitizer of these settings over the GloVe
+    vocabulary (built once per process: its candidate sets take a moment)."""
+    from fedcompress.privacy.sanitize import Sanitizer, SanitizerConfig
+
+    return Sanitizer.glove(SanitizerConfig(mechanism=mechanism, top_k=top_k,
+                                           keep_stopwords=keep_stopwords))
+
+
+def client_text(config: PPCGPTConfig, data: ClientData) -> tuple[list[dict[str, Any]],
+                                                                  dict[str, Any]]:
+    """Round 1 on a client: its training questions (and open choices) perturbed at
+    ``config.eps`` per word, ids ``client<partition>-<i>``, seeded by the run seed and the
+    partition; and the privacy budget spent (:func:`perturb_records`)."""
+    sanitizer = sanitizer_for(config.mechanism, config.top_k, config.keep_stopwords)
+    return perturb_records(data.train, sanitizer, config.eps,
+                           seed=config.seed * 1_000_003 + data.partition,
+                           prefix=f"client{data.partition}")
 
 
 def perturb_records(records: Sequence[Mapping[str, Any]], sanitizer: Any, eps: float, seed: int,

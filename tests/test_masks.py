@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fedcompress.masks.aggregate import (
-    count_dtype, count_packed, global_mask, scale_weights, vote_counts)
+    count_dtype, count_packed, count_words, global_mask, payload_words, scale_weights,
+    vote_counts)
 from fedcompress.masks.codec import MaskDecodeError, check_packed, decode_mask, encode_mask
 
 B = torch.tensor  # shorthand
@@ -53,6 +54,36 @@ def test_count_packed_equals_unpacked_sum(m):
         counts = count_packed([np.packbits(x) for x in masks], numel)
         assert counts.dtype == count_dtype(m)
         assert counts.tolist() == masks.sum(0).tolist()
+
+
+def test_payload_words_view_the_payload_without_copying():
+    payload = np.packbits(np.random.default_rng(0).random(640) < 0.5)  # 80 bytes: 10 words
+    words = payload_words(payload, 80)
+    assert np.shares_memory(words, payload) and not words.flags.writeable
+    received = np.frombuffer(payload.tobytes(), dtype=np.uint8)  # read-only, as Flower's
+    assert np.shares_memory(payload_words(received, 80), received)
+
+
+def test_payload_words_copy_odd_lengths_and_unaligned_buffers():
+    rng = np.random.default_rng(1)
+    masks = rng.random((3, 130)) < 0.5  # 17 bytes: not a whole number of words
+    odd = [np.packbits(x) for x in masks]
+    buffer = np.zeros(8 * 3 + 1, dtype=np.uint8)
+    unaligned = buffer[1:].reshape(3, 8)  # 64 weights each, starting at an odd address
+    unaligned[:] = np.packbits(rng.random((3, 64)) < 0.5, axis=1)
+    for payloads, numel in ((odd, 130), (list(unaligned), 64)):
+        words = [payload_words(p, len(p)) for p in payloads]
+        assert not any(np.shares_memory(w, p) for w, p in zip(words, payloads))
+        expected = np.unpackbits(np.stack(payloads), axis=1)[:, :numel].sum(0)
+        assert count_words(words, numel).tolist() == expected.tolist()
+
+
+def test_count_words_refuses_what_payload_words_did_not_make():
+    good = payload_words(np.zeros(8, dtype=np.uint8), 8)
+    with pytest.raises(ValueError, match="mask 1"):
+        count_words([good, np.zeros(2, dtype=np.uint64)], 64)
+    with pytest.raises(ValueError, match="shape"):
+        payload_words(np.zeros(9, dtype=np.uint8), 8)
 
 
 def _reference_top(counts, key, k, dim):

@@ -192,9 +192,7 @@ class Federation(InProcessFederation):
 @pytest.fixture
 def tiny_glove(monkeypatch):
     """The clients' sanitizer over a tiny table (the real GloVe one is used under Ray)."""
-    import clients.ppcgpt
-
-    monkeypatch.setattr(clients.ppcgpt, "_sanitizer", lambda *a: tiny_sanitizer())
+    monkeypatch.setattr(ppcgpt, "sanitizer_for", lambda *a: tiny_sanitizer())
 
 
 def _reply(node: int, content: RecordDict, action: str) -> Message:

@@ -63,10 +63,10 @@ def count_schedule(m: int) -> tuple[np.ndarray, np.ndarray, int]:
 def _add_chunk(words, start, n, ops, buf):
     """Run the adder schedule on words ``[start, start + n)`` of every input (copied into the
     first ``m`` rows of the slot buffer ``buf``)."""
-    m = words.shape[0]
-    for i in range(m):
+    for i in range(len(words)):
+        row = words[i]
         for w in range(n):
-            buf[i, w] = words[i, start + w]
+            buf[i, w] = row[start + w]
     for o in range(ops.shape[0]):
         kind, a, b, c, s, cy = ops[o, 0], ops[o, 1], ops[o, 2], ops[o, 3], ops[o, 4], ops[o, 5]
         if kind == 0:
@@ -83,17 +83,17 @@ def _add_chunk(words, start, n, ops, buf):
 
 
 @numba.njit(**_JIT)
-def count_words(words, ops, planes, n_slots, lanes, chunk, out, wide):
-    """Vote counts of the ``m`` packed masks ``words`` ``[m, nwords]`` (uint64: the codec's
-    bytes viewed as little-endian words). Per chunk of words: the schedule's adders, then the
-    count planes expanded into ``out``:
+def count_words(words, nwords, ops, planes, n_slots, lanes, chunk, out, wide):
+    """Vote counts of the ``m`` packed masks ``words`` (a typed list of ``m`` uint64 arrays of
+    ``nwords`` words each: the codec's bytes viewed as little-endian words, read where they are,
+    never stacked into one array). Per chunk of words: the schedule's adders, then the count
+    planes expanded into ``out``:
 
     * ``wide=False`` (``m <= 255``): ``out`` uint64 ``[nwords * 8]``; viewed as uint8 it holds
       one count per weight in weight order (each plane spread into byte lanes through
       ``lanes``: byte -> its 8 bits, MSB first, as 8 byte lanes);
     * ``wide=True``: ``out`` int32 ``[nwords * 64]``, one count per weight.
     """
-    nwords = words.shape[1]
     buf = np.empty((n_slots, chunk), dtype=np.uint64)
     n_planes = planes.shape[0]
     for start in range(0, nwords, chunk):
@@ -165,16 +165,52 @@ def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
 
 
 @numba.njit(**_JIT)
+def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, out):
+    """Mark in ``out`` the ``k`` highest of the counts ``vals`` (one comparison group, 1-D);
+    ties among equal counts by ``|keys|`` (when ``use_key``) then index. A histogram of the
+    counts (``hist``: ``[4, n_values]``, 4 interleaved so that no increment waits on the
+    previous one) gives the threshold count ``t`` (the largest with ``#(count >= t) >= k``); the
+    mask is ``count > t`` plus, of the entries tied at ``t``, all of them or the ``need`` first
+    in (``|key|``, index) order, found by a partition of the tied keys (not a sort). False when
+    a tied key is NaN or infinite."""
+    n = vals.shape[0]
+    n_values = hist.shape[1]
+    hist[:, :] = 0
+    for i in range(n):
+        hist[i & 3, vals[i]] += 1
+    ge, t, at_t = 0, 0, 0
+    for v in range(n_values - 1, -1, -1):
+        h = hist[0, v] + hist[1, v] + hist[2, v] + hist[3, v]
+        ge += h
+        if ge >= k:
+            t, at_t = v, h
+            break
+    need = k - (ge - at_t)  # tied entries (count == t) this group selects, 1..at_t
+    if need == at_t:
+        for i in range(n):
+            out[i] = vals[i] >= t
+        return True
+    tied = 0
+    for i in range(n):
+        x = vals[i]
+        out[i] = x > t
+        if x == t:
+            tied_idx[tied] = i
+            if use_key:
+                tied_keys[tied] = abs(keys[i])
+            tied += 1
+    return _take_tied(tied_keys[:tied], tied_idx[:tied], need, use_key, out, 1, 0)
+
+
+@numba.njit(**_JIT)
 def select_rows(counts, key, use_key, k, n_values, mask):
     """Mark in ``mask`` (uint8, shape of ``counts``) the ``k`` highest counts of every row of
     ``counts`` ``[rows, cols]`` (counts in ``0..n_values-1``).
 
     Ties among equal counts: the lower ``|key|`` first (``use_key``; ``key`` float32 of the
     counts' shape), then the lower column index; the result equals a stable sort of each row by
-    (count descending, ``|key|`` ascending, index ascending). Per row: a histogram of the counts
-    gives the threshold count ``t`` (the largest with ``#(count >= t) >= k``); the mask is
-    ``count > t`` plus, of the weights tied at ``t``, all of them or the ``need`` first in
-    (``|key|``, index) order, found by a partition of the tied keys (not a sort of the row).
+    (count descending, ``|key|`` ascending, index ascending), computed per row by
+    :func:`_select_line` (a histogram threshold and a partition of the tied keys only).
     Returns the number of selected weights, or -1 when a tied key is NaN or infinite.
     """
     rows, cols = counts.shape
@@ -183,44 +219,16 @@ def select_rows(counts, key, use_key, k, n_values, mask):
     if k == 0:
         mask[:, :] = 0
         return 0
-    hist = np.zeros((4, n_values), dtype=np.int64)  # 4 interleaved: no chain on one counter
+    hist = np.zeros((4, n_values), dtype=np.int64)
     tied_keys = np.empty(cols, dtype=np.float32)
-    tied_cols = np.empty(cols, dtype=np.int64)
-    selected = 0
+    tied_idx = np.empty(cols, dtype=np.int64)
     for r in range(rows):
         if cols < n_values:
             _pick_small_row(counts, key, use_key, r, k, mask)
-            selected += k
-            continue
-        hist[:, :] = 0
-        for c in range(cols):
-            hist[c & 3, counts[r, c]] += 1
-        ge, t, at_t = 0, 0, 0
-        for v in range(n_values - 1, -1, -1):
-            h = hist[0, v] + hist[1, v] + hist[2, v] + hist[3, v]
-            ge += h
-            if ge >= k:
-                t, at_t = v, h
-                break
-        need = k - (ge - at_t)  # tied weights (count == t) this row selects, 1..at_t
-        if need == at_t:
-            for c in range(cols):
-                mask[r, c] = counts[r, c] >= t
-            selected += k
-            continue
-        for c in range(cols):
-            mask[r, c] = counts[r, c] > t
-        n = 0
-        for c in range(cols):
-            if counts[r, c] == t:
-                tied_cols[n] = c
-                if use_key:
-                    tied_keys[n] = abs(key[r, c])
-                n += 1
-        if not _take_tied(tied_keys[:n], tied_cols[:n], need, use_key, mask[r], 1, 0):
+        elif not _select_line(counts[r], key[r if use_key else 0], use_key, k, hist, tied_keys,
+                              tied_idx, mask[r]):
             return -1
-        selected += k
-    return selected
+    return k * rows
 
 
 # ---- applying the global mask ------------------------------------------------------------
@@ -240,61 +248,45 @@ def apply_mask(weight, mask, counts, n_clients, scale):
             flat_w[i] = flat_w[i] * ((m - np.float32(flat_c[i])) / m)
 
 
+_BLOCK = 64  # transposition tile (64 x 64 bytes: both tiles stay in L1)
+
+
+@numba.njit(**_JIT)
+def _transpose(src, dst):
+    """``dst[c, r] = src[r, c]`` by tiles (uint8: the counts and the mask, never the keys)."""
+    rows, cols = src.shape
+    for r0 in range(0, rows, _BLOCK):
+        r1 = min(r0 + _BLOCK, rows)
+        for c0 in range(0, cols, _BLOCK):
+            c1 = min(c0 + _BLOCK, cols)
+            for r in range(r0, r1):
+                for c in range(c0, c1):
+                    dst[c, r] = src[r, c]
+
+
 @numba.njit(**_JIT)
 def select_cols(counts, key, use_key, k, n_values, mask):
-    """:func:`select_rows` for every *column* of the row-major ``counts`` ``[rows, cols]``,
-    without transposing: per-column histograms in one row-major pass give each column's
-    threshold; a second pass marks the counts above it and gathers the tied entries of the
-    columns that take only part of them (in row order), which are then ranked per column by
-    (``|key|``, row index). Same result as ``select_rows`` on the transpose. Returns the number
-    of selected weights, or -1 when a tied key is NaN or infinite."""
+    """:func:`select_rows` for every *column* of the row-major ``counts`` ``[rows, cols]``: the
+    one-byte counts are transposed by tiles, each column is selected by :func:`_select_line`
+    (reading the float32 keys in place, as a strided column: only the tied entries touch
+    them), and the column-major mask is transposed back. Same result as ``select_rows`` on the
+    transpose. Returns the number of selected weights, or -1 when a tied key is NaN or
+    infinite."""
     rows, cols = counts.shape
     if k < 0 or k > rows:
         return -2
     if k == 0:
         mask[:, :] = 0
         return 0
-    hist = np.zeros((cols, n_values), dtype=np.int64)
-    for r in range(rows):
-        for c in range(cols):
-            hist[c, counts[r, c]] += 1
-    thr = np.zeros(cols, dtype=np.int64)
-    need = np.zeros(cols, dtype=np.int64)
-    partial = np.zeros(cols, dtype=np.bool_)
-    start = np.zeros(cols + 1, dtype=np.int64)
+    by_col = np.empty((cols, rows), dtype=counts.dtype)
+    _transpose(counts, by_col)
+    out = np.empty((cols, rows), dtype=np.uint8)
+    hist = np.zeros((4, n_values), dtype=np.int64)
+    tied_keys = np.empty(rows, dtype=np.float32)
+    tied_idx = np.empty(rows, dtype=np.int64)
     for c in range(cols):
-        ge = 0
-        for v in range(n_values - 1, -1, -1):
-            h = hist[c, v]
-            ge += h
-            if ge >= k:
-                thr[c] = v
-                need[c] = k - (ge - h)
-                partial[c] = need[c] < h
-                start[c + 1] = start[c] + (h if partial[c] else 0)
-                break
-    tied_rows = np.empty(start[cols], dtype=np.int64)
-    tied_keys = np.empty(start[cols], dtype=np.float32)
-    fill = start[:cols].copy()
-    for r in range(rows):
-        for c in range(cols):
-            x = counts[r, c]
-            t = thr[c]
-            if x > t:
-                mask[r, c] = 1
-            elif x == t and not partial[c]:
-                mask[r, c] = 1
-            else:
-                mask[r, c] = 0
-                if x == t:
-                    tied_rows[fill[c]] = r
-                    if use_key:
-                        tied_keys[fill[c]] = abs(key[r, c])
-                    fill[c] += 1
-    flat = mask.reshape(-1)
-    for c in range(cols):
-        if partial[c]:
-            a, b = start[c], start[c + 1]
-            if not _take_tied(tied_keys[a:b], tied_rows[a:b], need[c], use_key, flat, cols, c):
-                return -1
+        if not _select_line(by_col[c], key[:, c if use_key else 0], use_key, k, hist, tied_keys,
+                            tied_idx, out[c]):
+            return -1
+    _transpose(out, mask)
     return k * cols

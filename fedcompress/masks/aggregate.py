@@ -18,6 +18,8 @@ from __future__ import annotations
 import sys
 from typing import Iterable, Sequence
 
+import numba
+import numba.typed
 import numpy as np
 import torch
 
@@ -50,54 +52,75 @@ for _byte in range(256):
 _CHUNK_WORDS = 256  # words per client per counting step: the adder slots stay in L2
 
 
-def stack_payloads(payloads: Sequence[np.ndarray], nbytes: int) -> np.ndarray:
-    """The payloads as rows of one uint8 ``[m, 8 * ceil(nbytes / 8)]`` array (zero-padded to
-    whole 64-bit words), the layout :func:`count_stacked` reads."""
-    stacked = np.zeros((len(payloads), -(-nbytes // 8) * 8), dtype=np.uint8)
-    for i, payload in enumerate(payloads):
-        if payload.shape != (nbytes,):
-            raise ValueError(f"payload {i} has shape {payload.shape}, expected ({nbytes},)")
-        stacked[i, :nbytes] = payload
-    return stacked
+_WORDS_TYPE = numba.types.Array(numba.types.uint64, 1, "C", readonly=True)
 
 
-def count_stacked(stacked: np.ndarray, numel: int) -> torch.Tensor:
-    """``sum_i M_i`` of the bit-packed masks in the rows of ``stacked`` (see
-    :func:`stack_payloads`), without unpacking any mask: a Wallace tree of full adders counts
-    64 weights per word operation into a few binary count planes, chunk by chunk (compiled,
-    :mod:`fedcompress.masks._kernels`), then the planes are expanded once into one count per
-    weight. Returns counts of shape ``[numel]`` in :func:`count_dtype` of the number of rows.
+def payload_words(payload: np.ndarray, nbytes: int) -> np.ndarray:
+    """A bit-packed payload of ``nbytes`` bytes as read-only little-endian uint64 words, the
+    input of :func:`count_words`: a view of the payload itself (no copy) when its length is a
+    whole number of words and its buffer is 8-byte aligned (the usual case: a linear layer has a
+    multiple of 64 weights), else a zero-padded copy."""
+    if payload.shape != (nbytes,) or payload.dtype != np.uint8:
+        raise ValueError(f"payload of shape {payload.shape} and dtype {payload.dtype}, expected "
+                         f"uint8 ({nbytes},)")
+    if nbytes % 8 == 0 and payload.flags.c_contiguous \
+            and payload.ctypes.data % np.dtype(np.uint64).alignment == 0:
+        words = payload.view(np.uint64)
+    else:
+        padded = np.zeros(-(-nbytes // 8) * 8, dtype=np.uint8)
+        padded[:nbytes] = payload
+        words = padded.view(np.uint64)
+    if words.flags.writeable:
+        words = words.view()
+        words.flags.writeable = False  # one array type for the compiled kernel
+    return words
+
+
+def count_words(words: Sequence[np.ndarray], numel: int) -> torch.Tensor:
+    """``sum_i M_i`` of the bit-packed masks given as :func:`payload_words` (one array per
+    client, all of one length), without unpacking or stacking any mask: a Wallace tree of full
+    adders counts 64 weights per word operation into a few binary count planes, chunk by chunk
+    (compiled, :mod:`fedcompress.masks._kernels`), reading each client's words where they are;
+    the planes are then expanded once into one count per weight. Returns counts of shape
+    ``[numel]`` in :func:`count_dtype` of the number of masks.
     """
-    m = stacked.shape[0]
+    m = len(words)
     if m == 0:
         raise ValueError("no masks to aggregate")
-    if stacked.dtype != np.uint8 or stacked.ndim != 2 or stacked.shape[1] % 8 \
-            or stacked.shape[1] * 8 < numel:
-        raise ValueError(f"stacked payloads of shape {stacked.shape} and dtype {stacked.dtype} "
-                         f"do not hold {numel} weights in whole 64-bit words")
+    nwords = -(-numel // 64)
+    for i, w in enumerate(words):
+        if not isinstance(w, np.ndarray) or w.dtype != np.uint64 or w.shape != (nwords,) \
+                or w.flags.writeable or not w.flags.c_contiguous:
+            raise ValueError(f"words of mask {i} are not payload_words() of {numel} weights "
+                             f"({nwords} read-only uint64 words)")
     if sys.byteorder != "little":
         raise RuntimeError("vote counting reads the packed masks as little-endian 64-bit words")
-    words = np.ascontiguousarray(stacked).view(np.uint64)
+    typed = numba.typed.List.empty_list(_WORDS_TYPE)
+    for w in words:
+        typed.append(w)
     ops, planes, n_slots = _kernels.count_schedule(m)
     if m <= 255:  # one byte per count: every plane spreads into 8 byte lanes per word
-        out = np.empty(words.shape[1] * 8, dtype=np.uint64)
-        _kernels.count_words(words, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out, False)
+        out = np.empty(nwords * 8, dtype=np.uint64)
+        _kernels.count_words(typed, nwords, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out,
+                             False)
         counts = out.view(np.uint8)[:numel]
     else:
-        out = np.empty(words.shape[1] * 64, dtype=np.int32)
-        _kernels.count_words(words, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out, True)
+        out = np.empty(nwords * 64, dtype=np.int32)
+        _kernels.count_words(typed, nwords, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out,
+                             True)
         counts = out[:numel]
     return torch.from_numpy(counts).to(count_dtype(m))
 
 
 def count_packed(payloads: Sequence[np.ndarray], numel: int) -> torch.Tensor:
     """``sum_i M_i`` of bit-packed masks (the codec's format: ``numpy.packbits``, MSB first),
-    counted on the packed bits (:func:`count_stacked`). The payloads must already be validated
+    counted on the packed bits (:func:`count_words`). The payloads must already be validated
     (``codec.check_packed``). Returns counts of shape ``[numel]`` in :func:`count_dtype` of
     the number of payloads."""
     if len(payloads) == 0:
         raise ValueError("no masks to aggregate")
-    return count_stacked(stack_payloads(payloads, (numel + 7) // 8), numel)
+    nbytes = (numel + 7) // 8
+    return count_words([payload_words(p, nbytes) for p in payloads], numel)
 
 
 def vote_counts(masks: Iterable[torch.Tensor], n_clients: int | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fedcompress.masks.aggregate import (
-    TIE_BREAKS, apply_global_mask, count_stacked, global_mask)
+    TIE_BREAKS, apply_global_mask, count_words, global_mask, payload_words)
 from fedcompress.masks.codec import (
     MaskDecodeError, check_packed, decode_mask, encode_mask, key_mismatch, mask_key,
     packed_nbytes)
@@ -283,11 +283,12 @@ def payload_nbytes(shapes: dict[str, tuple]) -> int:
 class MaskAggregator:
     """Streaming FedPrLLM aggregation for a set of linear layers of the global model.
 
-    ``add_packed`` copies one client's validated bit-packed payload (1 bit per weight: the
-    message as received, never unpacked) into its row of a per-layer ``[max_clients, bytes]``
-    array; the vote counts of a linear layer are computed from those rows when that layer's
-    global mask is needed (:func:`~fedcompress.masks.aggregate.count_stacked`), one layer at a
-    time per worker thread, so the extra memory is ``workers`` layers' counts, not the model's
+    ``add_packed`` keeps one client's validated bit-packed payload (1 bit per weight: the
+    message as received, never unpacked, not copied: a read-only word view of it,
+    :func:`~fedcompress.masks.aggregate.payload_words`); the vote counts of a linear layer are
+    computed from the clients' words when that layer's global mask is needed
+    (:func:`~fedcompress.masks.aggregate.count_words`), one layer at a time per worker thread,
+    so the extra memory is ``workers`` layers' counts, not the model's
     (``cache_counts=True`` keeps them, for benchmarks that evaluate many server variants).
     ``workers`` (default: torch's thread count) layers are aggregated in parallel threads (the
     compiled kernels release the GIL).
@@ -304,7 +305,8 @@ class MaskAggregator:
             raise ValueError(f"max_clients must be at least 1, got {self.max_clients}")
         self.shapes = expected_shapes(self.model, self.layers)
         self._nbytes = {k: (int(np.prod(s)) + 7) // 8 for k, s in self.shapes.items()}
-        self.payloads: dict[str, np.ndarray] = {}  # allocated with the first client
+        # per layer, each client's payload as read-only uint64 words (views, not copies)
+        self.payloads: dict[str, list[np.ndarray]] = {k: [] for k in self.shapes}
         self._counts: dict[str, torch.Tensor] = {}
         self.clients = 0
 
@@ -318,11 +320,9 @@ class MaskAggregator:
             if packed.shape != (self._nbytes[key],):
                 raise InvalidMaskError(f"{key}: payload of shape {packed.shape}, expected "
                                        f"({self._nbytes[key]},)")
-        if not self.payloads:
-            self.payloads = {k: np.zeros((self.max_clients, -(-n // 8) * 8), dtype=np.uint8)
-                             for k, n in self._nbytes.items()}
-        for key, packed in payload.items():
-            self.payloads[key][self.clients, :self._nbytes[key]] = packed
+        words = {key: payload_words(packed, self._nbytes[key]) for key, packed in payload.items()}
+        for key, w in words.items():
+            self.payloads[key].append(w)
         self._counts.clear()
         self.clients += 1
 
@@ -345,8 +345,7 @@ class MaskAggregator:
         if self.clients == 0:
             raise ValueError("no client masks were aggregated")
         shape = self.shapes[key]
-        counts = count_stacked(self.payloads[key][:self.clients],
-                               int(np.prod(shape))).reshape(shape)
+        counts = count_words(self.payloads[key], int(np.prod(shape))).reshape(shape)
         if self.cache_counts:
             self._counts[key] = counts
         return counts
