@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fedcompress.masks.aggregate import (
-    count_dtype, count_packed, count_words, global_mask, payload_words, scale_weights,
-    vote_counts)
+    apply_global_mask, count_dtype, count_packed, count_words, global_mask, payload_words,
+    scale_weights, vote_counts)
 from fedcompress.masks.codec import MaskDecodeError, check_packed, decode_mask, encode_mask
 
 B = torch.tensor  # shorthand
@@ -200,6 +200,20 @@ def test_scale_weights():
     scaled = scale_weights(w, counts, 4)
     assert scaled.dtype == torch.bfloat16
     assert scaled.float().tolist() == [[1.0, 1.5], [2.0, -2.0]]
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_apply_global_mask_equals_scale_then_zero(scale):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 40, generator=gen)
+    counts = torch.randint(0, 8, (24, 40), generator=gen, dtype=torch.uint8)
+    mask = torch.rand(24, 40, generator=gen) < 0.5
+    expected = (scale_weights(w, counts, 7) if scale else w.clone()).masked_fill(mask, 0)
+    got = w.clone()
+    apply_global_mask(got, mask, counts, 7, scale)  # the compiled float32 path
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match=r"outside \[0, 6\]"):
+        apply_global_mask(w.clone(), mask, counts, 6, True)
 
 
 def test_bad_sparsity_and_group_and_tie_break():

@@ -236,57 +236,22 @@ def select_rows(counts, key, use_key, k, n_values, mask):
 @numba.njit(**_JIT)
 def apply_mask(weight, mask, counts, n_clients, scale):
     """In place on float32 ``weight``: zero the masked weights; with ``scale``, multiply each
-    kept weight by ``(n_clients - count) / n_clients`` (float32)."""
+    kept weight by ``(n_clients - count) / n_clients`` (float32; one factor per count value,
+    computed once, so no division per weight). Counts must be in ``0..n_clients``, the mask
+    0 or 1."""
     flat_w = weight.reshape(-1)
     flat_m = mask.reshape(-1)
     flat_c = counts.reshape(-1)
-    m = np.float32(n_clients)
-    for i in range(flat_w.shape[0]):
-        if flat_m[i]:
-            flat_w[i] = np.float32(0.0)
-        elif scale:
-            flat_w[i] = flat_w[i] * ((m - np.float32(flat_c[i])) / m)
-
-
-_BLOCK = 64  # transposition tile (64 x 64 bytes: both tiles stay in L1)
-
-
-@numba.njit(**_JIT)
-def _transpose(src, dst):
-    """``dst[c, r] = src[r, c]`` by tiles (uint8: the counts and the mask, never the keys)."""
-    rows, cols = src.shape
-    for r0 in range(0, rows, _BLOCK):
-        r1 = min(r0 + _BLOCK, rows)
-        for c0 in range(0, cols, _BLOCK):
-            c1 = min(c0 + _BLOCK, cols)
-            for r in range(r0, r1):
-                for c in range(c0, c1):
-                    dst[c, r] = src[r, c]
-
-
-@numba.njit(**_JIT)
-def select_cols(counts, key, use_key, k, n_values, mask):
-    """:func:`select_rows` for every *column* of the row-major ``counts`` ``[rows, cols]``: the
-    one-byte counts are transposed by tiles, each column is selected by :func:`_select_line`
-    (reading the float32 keys in place, as a strided column: only the tied entries touch
-    them), and the column-major mask is transposed back. Same result as ``select_rows`` on the
-    transpose. Returns the number of selected weights, or -1 when a tied key is NaN or
-    infinite."""
-    rows, cols = counts.shape
-    if k < 0 or k > rows:
-        return -2
-    if k == 0:
-        mask[:, :] = 0
-        return 0
-    by_col = np.empty((cols, rows), dtype=counts.dtype)
-    _transpose(counts, by_col)
-    out = np.empty((cols, rows), dtype=np.uint8)
-    hist = np.zeros((4, n_values), dtype=np.int64)
-    tied_keys = np.empty(rows, dtype=np.float32)
-    tied_idx = np.empty(rows, dtype=np.int64)
-    for c in range(cols):
-        if not _select_line(by_col[c], key[:, c if use_key else 0], use_key, k, hist, tied_keys,
-                            tied_idx, out[c]):
-            return -1
-    _transpose(out, mask)
-    return k * cols
+    if scale:
+        m = np.float32(n_clients)
+        factor = np.empty(n_clients + 1, dtype=np.float32)
+        for c in range(n_clients + 1):
+            factor[c] = (m - np.float32(c)) / m
+        for i in range(flat_w.shape[0]):
+            flat_w[i] = flat_w[i] * factor[flat_c[i]]
+    # Zeroing without a branch (masks are random bit patterns: a branch would mispredict half
+    # the time): the weight's bits AND 0 (pruned: +0.0 exactly) or AND all ones (kept).
+    bits = flat_w.view(np.uint32)
+    one = np.uint32(1)
+    for i in range(bits.shape[0]):
+        bits[i] = bits[i] & (np.uint32(flat_m[i]) - one)

