@@ -654,10 +654,23 @@ def run_ppcgpt(settings: dict[str, Any]):
 
 
 @app.command("models")
-def models_command() -> None:
-    """List the embedded models, whether their packages are installed, and their cache."""
+def models_command(
+    gguf: Annotated[Optional[str], typer.Option(
+        "--gguf", metavar="NAME", help="Write this embedded model's GGUF file (chunks joined, "
+                                       "sha256 checked) to --out, for a llama.cpp server.",
+        show_default=False)] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", help="Where --gguf writes. [default: NAME.gguf]", show_default=False)] = None,
+) -> None:
+    """List the embedded models, whether their packages are installed, and their cache; or
+    write one's GGUF file (--gguf)."""
     from rich.console import Console
     from rich.table import Table
+
+    if gguf is not None:
+        path = models.write_gguf(gguf, out or Path(f"{gguf}.gguf"))
+        Console().print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB)")
+        return
 
     table = Table(title="embedded models")
     for col in ("name", "description", "installed", "cached", "licence"):

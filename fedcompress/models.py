@@ -223,19 +223,41 @@ def embedded_model_dir(name: str) -> tuple[Path, bool]:
             return target, False
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
-            joined = Path(work) / f"{name}.gguf"
-            if len(chunks) == 1:
-                joined.symlink_to(chunks[0])
-                digest = _sha256(chunks)
-            else:
-                digest = _sha256(chunks, out=joined)
-            if digest != model.sha256:
-                raise ModelError(
-                    f"the GGUF of {name!r} joined from {len(chunks)} file(s) has sha256 {digest}, "
-                    f"expected {model.sha256}; reinstall with: {model.pip_command}"
-                )
+            joined = _join_gguf(name, chunks, Path(work) / f"{name}.gguf")
             _convert_gguf(joined, target)
     return target, True
+
+
+def _join_gguf(name: str, chunks: list[Path], out: Path, link: bool = True) -> Path:
+    """The embedded model's GGUF at ``out``: its chunks concatenated (one chunk: a symlink when
+    ``link``), the sha256 checked (a mismatch removes ``out`` and raises)."""
+    model = EMBEDDED_MODELS[name]
+    if len(chunks) == 1 and link:
+        out.symlink_to(chunks[0])
+        digest = _sha256(chunks)
+    else:
+        digest = _sha256(chunks, out=out)
+    if digest != model.sha256:
+        out.unlink(missing_ok=True)
+        raise ModelError(
+            f"the GGUF of {name!r} joined from {len(chunks)} file(s) has sha256 {digest}, "
+            f"expected {model.sha256}; reinstall with: {model.pip_command}")
+    return out
+
+
+def write_gguf(name: str, out: str | Path) -> Path:
+    """Write an embedded model's GGUF file to ``out`` (chunks joined, sha256 checked): the file
+    a llama.cpp server (an OpenAI-compatible LLM_syn on CPU) loads.
+
+    Raises:
+        ModelError: an unknown name, missing packages, or a corrupted download.
+    """
+    if name not in EMBEDDED_MODELS:
+        raise ModelError(f"unknown embedded model {name!r}: expected one of "
+                         f"{sorted(EMBEDDED_MODELS)}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return _join_gguf(name, _package_chunks(EMBEDDED_MODELS[name]), out, link=False)
 
 
 def gguf_model_dir(gguf_file: Path) -> tuple[Path, bool]:

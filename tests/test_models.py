@@ -148,6 +148,24 @@ def test_checksum_mismatch_is_refused(monkeypatch, fedcompress_cache):
     assert not any(fedcompress_cache.glob("models/tampered-*/config.json"))
 
 
+def test_write_gguf_joins_and_checks(monkeypatch, tmp_path):
+    import hashlib
+
+    path = models.write_gguf("smollm2-135m", tmp_path / "sub" / "smollm2.gguf")
+    assert not path.is_symlink()
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == models.EMBEDDED_MODELS["smollm2-135m"].sha256
+    real = models.EMBEDDED_MODELS["smollm2-135m"]
+    monkeypatch.setitem(models.EMBEDDED_MODELS, "tampered", EmbeddedModel(
+        name="tampered", description="", packages=real.packages, sha256="f" * 64, licence="",
+        chunk_pattern=real.chunk_pattern))
+    with pytest.raises(ModelError, match="sha256"):
+        models.write_gguf("tampered", tmp_path / "t.gguf")
+    assert not (tmp_path / "t.gguf").exists()
+    with pytest.raises(ModelError, match="unknown embedded model"):
+        models.write_gguf("nope", tmp_path / "n.gguf")
+
+
 def test_load_local_directory(tiny_model, tiny_tokenizer, tmp_path):
     model = tiny_model("qwen2", n_layers=3)
     model.save_pretrained(tmp_path)
