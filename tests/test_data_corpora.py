@@ -137,6 +137,14 @@ def test_local_txt_documents_are_separated_by_blank_lines(tmp_path: Path) -> Non
     assert docs[0].source == str(path)
 
 
+def test_local_txt_that_is_not_utf8_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\u00e9 ok\nna\u00efve\n".encode("utf-8")
+                     + "\u00e9t\u00e9\n".encode("latin-1"))
+    with pytest.raises(CorpusFormatError, match=r"latin1\.txt.*not UTF-8.*0xe9.*line 3"):
+        load_corpus(str(path), "train")
+
+
 def test_local_jsonl_reads_text_id_title(tmp_path: Path) -> None:
     path = tmp_path / "c.jsonl"
     rows = [{"id": "a", "title": "T", "text": "alpha"}, {"text": "beta"}]

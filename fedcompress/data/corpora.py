@@ -240,7 +240,14 @@ def _load_local(path: Path, split: str) -> list[Document]:
 
 def _read_txt_documents(path: Path) -> list[Document]:
     """Documents are the runs of text between blank lines (lines empty or only spaces/tabs)."""
-    text = path.read_text(encoding="utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise CorpusFormatError(f"corpus file {str(path)!r} is not UTF-8 text: byte "
+                                f"{err.object[err.start]:#04x} at offset {err.start} (line "
+                                f"{line}); convert it with e.g. iconv -f latin1 -t utf-8") from None
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     pieces = [piece.strip() for piece in _BLANK_LINES.split(text)]
     # Only the (possibly empty) edges of the file can be empty after splitting on blank lines.
     pieces = [piece for piece in pieces if piece]
