@@ -45,6 +45,7 @@ class FedPrLLM(Strategy):
         self.node_wait = node_wait
         self.model = model
         self.rejected: list[dict] = []
+        self.failed_nodes: set[int] = set()  # failed at start-up: not asked again
         self.client_metrics: list[dict] = []
         self.bytes_down = 0
         self.aggregator = self._new_aggregator()
@@ -55,8 +56,17 @@ class FedPrLLM(Strategy):
 
     # -- Strategy API --------------------------------------------------------------------------
     def _nodes(self, grid: Grid) -> list[int]:
-        return wait_for_nodes(grid, self.config.clients, self.config.required_clients,
-                              self.node_wait)
+        """The nodes to ask: the first ``clients`` connected, less those that failed at
+        start-up (:meth:`warmup`; their error is recorded once, they are not asked again)."""
+        nodes = wait_for_nodes(grid, self.config.clients, self.config.required_clients,
+                               self.node_wait)
+        usable = [n for n in nodes if n not in self.failed_nodes]
+        if len(usable) < self.config.required_clients:
+            raise NotEnoughClientsError(
+                f"{len(usable)} usable node(s) ({len(nodes) - len(usable)} failed at start-up: "
+                f"{[r['reason'] for r in self.rejected if r['round'] == 0]}), the run needs "
+                f"{self.config.required_clients}")
+        return usable
 
     def warmup(self, grid: Grid, timeout: float) -> float:
         """Ask every client to load its model and data before the timed rounds (the engine's
@@ -69,6 +79,7 @@ class FedPrLLM(Strategy):
         self.warmup_seconds = []
         for reply in replies:
             if reply.has_error():
+                self.failed_nodes.add(reply.metadata.src_node_id)
                 self._reject(0, reply.metadata.src_node_id,
                              f"client error at start-up: {reply.error.reason}")
             else:

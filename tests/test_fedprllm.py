@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from conftest import InProcessFederation
 from fedcompress.models import load_model
@@ -224,6 +224,32 @@ def test_bad_client_is_left_out_and_run_goes_on(tiny_dir, tiny, how, caplog):
     assert strategy.aggregator.clients == 3
     assert len(strategy.rejected) == 1 and "invalid masks" in strategy.rejected[0]["reason"]
     assert "left out of the vote" in caplog.text
+
+
+def test_node_that_fails_at_startup_is_not_asked_again(tiny_dir, tiny):
+    config = config_for(tiny_dir, min_clients=3)
+    strategy = FedPrLLM(config, tiny.model)
+    grid = Federation(4)
+    real = grid.send_and_receive
+    bad = sorted(grid.get_node_ids())[2]
+
+    def broken_site(messages, timeout=None):
+        replies = real(messages)
+        return [Message(Error(code=0, reason="data-path /nope does not exist"), reply_to=m)
+                if m.metadata.dst_node_id == bad else r for m, r in zip(messages, replies)]
+
+    grid.send_and_receive = broken_site
+    strategy.warmup(grid, timeout=60)
+    assert strategy.failed_nodes == {bad}
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    assert len(messages) == 3 and bad not in {m.metadata.dst_node_id for m in messages}
+    strategy.aggregate_train(1, real(messages))
+    assert strategy.aggregator.clients == 3
+    assert [r["round"] for r in strategy.rejected] == [0]  # recorded once, at start-up
+    strict = FedPrLLM(config_for(tiny_dir), tiny.model)  # every client needed
+    strict.warmup(grid, timeout=60)
+    with pytest.raises(NotEnoughClientsError, match="1 failed at start-up"):
+        strict.configure_train(1, ArrayRecord(), ConfigRecord(), grid)
 
 
 def test_too_few_valid_clients_fail_clearly(tiny_dir, tiny):
