@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import time
 import tomllib
 import traceback
@@ -363,8 +364,14 @@ class StudyRunner:
 # ---------------------------------------------------------------------------------------------
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}"
+def _acc(record: dict | None, key: str) -> str:
+    """``acc ± standard error`` in percent over all clients' test examples (``-``: none)."""
+    if record is None or record.get("status") != "ok" or key not in record:
+        return "-"
+    side = "server" if key == "S" else "client"
+    n = sum(c[side]["n"] for c in record["per_client"])
+    acc = record[key]
+    return f"{100 * acc:.1f} ± {100 * math.sqrt(acc * (1 - acc) / max(n, 1)):.1f}"
 
 
 def _axis_label(axis: str, value: Any) -> str:
@@ -401,8 +408,7 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[tuple[str, s
         r = by_id[cell.id]
         ok = r is not None and r.get("status") == "ok"
         main_rows.append([names[cell.kind], str(r["layers"]) if ok else "-",
-                          _pct(r.get("S")) if ok and "S" in r else "-",
-                          _pct(r["C"]) if ok else "-",
+                          _acc(r, "S"), _acc(r, "C"),
                           f"{r['seconds']:.0f}" if r else "-", _status(r)])
     out.append((f"Table 1: compression methods on {study.base.task} "
                 f"({study.base.model}, eps={study.base.eps:g}, prune ratio "
@@ -416,8 +422,8 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[tuple[str, s
             r = by_id.get(cell.id)
             ok = r is not None and r.get("status") == "ok"
             rows.append([_axis_label(axis, value), str(r["synthetic"]) if ok else "-",
-                         str(r["layers"]) if ok else "-", _pct(r["S"]) if ok else "-",
-                         _pct(r["C"]) if ok else "-", f"{r['seconds']:.0f}" if r else "-",
+                         str(r["layers"]) if ok else "-", _acc(r, "S"), _acc(r, "C"),
+                         f"{r['seconds']:.0f}" if r else "-",
                          _status(r)])
         out.append((AXES[axis], markdown_table(
             [axis, "synthetic samples", "layers", "S acc %", "C acc %", "wall s", "note"],
