@@ -128,7 +128,10 @@ class PPCGPTConfig:
     Synthetic data: ``synth_model`` (LLM_syn spec; "" = ``model``) or ``synth_url`` (an
     OpenAI-compatible server, with ``synth_api`` chat|completions and ``synth_model`` as the
     served model name), ``synth_ratio``, ``answer_samples``, token budgets, ``synth_batch_size``,
-    ``synth_time_limit`` seconds (0: none), ``min_synthetic`` samples needed to go on.
+    ``synth_time_limit`` seconds (0: none), ``min_synthetic`` samples needed to go on; with
+    ``synth_url``, ``synth_timeout`` seconds per HTTP response and ``synth_workers`` requests
+    in flight (match the server's parallel slots: a CPU server answering 4 long prompts at once
+    takes minutes, not seconds).
     Compression: ``prune_ratio`` of decoder layers removed, ``prune_policy`` bi|seq,
     ``rationales`` (BI and loss on rationales too), ``server_retrain`` (CoT distillation on the
     server).
@@ -162,6 +165,8 @@ class PPCGPTConfig:
     rationale_tokens: int = 96
     synth_batch_size: int = 8
     synth_time_limit: float = 0.0
+    synth_timeout: float = 300.0
+    synth_workers: int = 4
     min_synthetic: int = 4
     prune_ratio: float = 0.3
     prune_policy: str = "bi"
@@ -184,7 +189,7 @@ class PPCGPTConfig:
         def bad(name: str, expected: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}")
 
-        for name in ("clients", "synth_batch_size", "answer_samples", "question_tokens",
+        for name in ("clients", "synth_batch_size", "synth_workers", "answer_samples", "question_tokens",
                      "answer_tokens", "rationale_tokens", "batch_size", "grad_accum", "lora_r",
                      "max_length", "eval_batch_size", "min_synthetic"):
             value = getattr(self, name)
@@ -215,6 +220,8 @@ class PPCGPTConfig:
             raise bad("synth_ratio", "a number > 0")
         if self.synth_time_limit < 0:
             raise bad("synth_time_limit", "seconds >= 0 (0: no limit)")
+        if not self.synth_timeout > 0:
+            raise bad("synth_timeout", "seconds > 0")
         for name in ("server_epochs", "client_epochs", "lr", "lora_alpha"):
             if not getattr(self, name) > 0:
                 raise bad(name, "a number > 0")
@@ -616,7 +623,8 @@ def make_backend(config: PPCGPTConfig, model: nn.Module | None = None, tokenizer
 
     if config.synth_url:
         return OpenAIBackend(config.synth_url, config.synth_model or config.model,
-                             api=config.synth_api)
+                             api=config.synth_api, timeout=config.synth_timeout,
+                             max_workers=config.synth_workers)
     if model is not None and config.synth_model in ("", config.model):
         return HFBackend(model, tokenizer, batch_size=config.synth_batch_size, name=config.model)
     return HFBackend.load(config.synth_model or config.model, device=device, dtype=config.dtype,

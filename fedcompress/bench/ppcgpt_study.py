@@ -65,8 +65,10 @@ AXES: dict[str, str] = {
 }
 BASELINES = ("dense", "dense-sft", "plain-c")
 STUDY_KEYS = ("title", "baselines", "device")
+#: Settings that change no result (how long to wait for the generator, how many requests).
+_NO_EFFECT = {"synth_timeout", "synth_workers"}
 #: Settings that do not change the synthetic data (compression, training and evaluation).
-_NOT_SYNTH = {"prune_ratio", "prune_policy", "rationales", "server_retrain", "server_epochs",
+_NOT_SYNTH = _NO_EFFECT | {"prune_ratio", "prune_policy", "rationales", "server_retrain", "server_epochs",
               "server_steps", "client_epochs", "client_steps", "lr", "batch_size", "grad_accum",
               "lora_r", "lora_alpha", "lora_dropout", "max_length", "eval_batch_size",
               "eval_split", "eval_per_client", "min_synthetic", "min_clients", "synth_ratio",
@@ -87,7 +89,8 @@ class Cell:
 
     @property
     def id(self) -> str:
-        return f"{self.kind}-{_digest(self.config.to_dict())}"
+        settings = {k: v for k, v in self.config.to_dict().items() if k not in _NO_EFFECT}
+        return f"{self.kind}-{_digest(settings)}"
 
 
 @dataclass
