@@ -12,7 +12,8 @@ import pytest
 from conftest import yes_no_generator
 from fedcompress import ppcgpt
 from fedcompress.bench.ppcgpt_study import (
-    StudyConfigError, first_per_source, load_study, run_study, study_from_dict)
+    StudyConfigError, first_per_source, load_study, majority_share, run_study,
+    study_from_dict)
 from fedcompress.synth.backends import OpenAIBackend
 from test_ppcgpt import tiny_sanitizer
 
@@ -63,6 +64,12 @@ def test_first_per_source_takes_the_first_samples_of_each_example():
     assert [x.n for x in first_per_source(s, 2)] == [0, 1, 2, 4, 5]  # a third "a" (3) left
     with pytest.raises(ValueError, match="whole number"):
         first_per_source(s, 1.5)
+
+
+def test_majority_share_counts_all_clients_test_labels():
+    data = [ppcgpt.ClientData(0, [], [{"label": 0}, {"label": 1}]),
+            ppcgpt.ClientData(1, [], [{"label": 1}, {"label": 1}])]
+    assert majority_share(data) == 0.75
 
 
 def _garbage(prompt: str, i: int) -> str:
@@ -130,6 +137,7 @@ baselines = ["dense", "plain-c"]
         for title in ("Table 1", "Table 2", "Table 3", "Table 6", "Synthetic data"):
             assert title in md
         assert "failed: NotEnoughSyntheticData" in md
+        assert "(majority label, reference)" in md
         saved = json.loads((out / "report.json").read_text())
         assert saved["plan"] == {"cells": 6, "pending": 1}
         assert len(saved["synthetic"]) == 2

@@ -397,8 +397,17 @@ def _status(record: dict | None) -> str:
     return ""
 
 
-def study_tables(study: Study, results: Mapping[str, dict]) -> list[tuple[str, str]]:
-    """The paper-shaped tables as (title, markdown)."""
+def majority_share(data: Sequence[ppcgpt.ClientData]) -> float:
+    """Accuracy of always answering the most common label of all clients' test examples (the
+    floor a multiple-choice accuracy should be read against)."""
+    labels = [r["label"] for d in data for r in d.test]
+    return max(labels.count(v) for v in set(labels)) / len(labels)
+
+
+def study_tables(study: Study, results: Mapping[str, dict], majority: float | None = None
+                 ) -> list[tuple[str, str]]:
+    """The paper-shaped tables as (title, markdown); ``majority``: the majority-label accuracy
+    of the test examples, shown as a reference row of Table 1."""
     cells = {c.id: c for c in study.cells()}
     by_id = {i: results.get(i) for i in cells}
     out = []
@@ -413,6 +422,9 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[tuple[str, s
         main_rows.append([names[cell.kind], str(r["layers"]) if ok else "-",
                           _acc(r, "S"), _acc(r, "C"),
                           f"{r['seconds']:.0f}" if r else "-", _status(r)])
+    if majority is not None:
+        main_rows.append(["(majority label, reference)", "-", "-", f"{100 * majority:.1f}", "-",
+                          ""])
     out.append((f"Table 1: compression methods on {study.base.task} "
                 f"({study.base.model}, eps={study.base.eps:g}, prune ratio "
                 f"{study.base.prune_ratio:g})",
@@ -461,11 +473,13 @@ def run_study(config_path: str | Path, out: str | Path, overrides: Mapping[str, 
     report.reproduce = f"fedcompress ppcgpt-study {out / 'config.toml'} --out {out}"
     report.markdown_results = False
 
+    majority = majority_share(runner.data(study.base))
+
     def update(_record: dict | None = None) -> None:
         cells = study.cells()
         report.results = [{"name": runner.results[c.id]["kind"], **runner.results[c.id]}
                           for c in cells if c.id in runner.results]
-        report.sections = study_tables(study, runner.results)
+        report.sections = study_tables(study, runner.results, majority)
         if runner.synthetic:
             report.sections.append(("Synthetic data per privacy budget",
                                     synthetic_table(runner.synthetic)))
