@@ -448,7 +448,7 @@ def study_tables(study: Study, results: Mapping[str, dict], majority: float | No
 
 def synthetic_table(meta: Mapping[str, dict]) -> str:
     rows = []
-    for key, m in sorted(meta.items()):
+    for key, m in sorted(meta.items(), key=lambda item: (item[1]["eps"], item[1]["ratio"])):
         stats = m["stats"]
         reasons = ", ".join(f"{k} {v}" for k, v in stats.get("rejections", {}).items() if v)
         rows.append([f"{m['eps']:g}", f"{m['ratio']:g}", m["backend"], str(m["examples"]),
