@@ -27,6 +27,16 @@ def _write(tmp_path, config) -> str:
     return str(path)
 
 
+def test_another_bench_in_the_same_folder_is_refused(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    run_bench(_write(tmp_path, _config(tiny_dir)), out, progress=False, dry_run=True)
+    run_bench(_write(tmp_path, _config(tiny_dir)), out, progress=False, dry_run=True)  # same
+    other = _config(tiny_dir)
+    other["study"] = {"iterative": other["study"]["main"]}
+    with pytest.raises(BenchConfigError, match=r"studies \['main'\].*\['iterative'\]"):
+        run_bench(_write(tmp_path, other), out, progress=False, dry_run=True)
+
+
 def test_plan_expands_sweeps_and_shares_cells(tiny_dir):
     config = _config(tiny_dir)
     config["study"]["groups"] = {"sparsity": 0.5, "group": ["layer", "row", "column"],

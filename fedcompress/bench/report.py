@@ -3,11 +3,12 @@ per study, the server's cost next to the clients', mask statistics) and PNG plot
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 from fedcompress.bench import plots
-from fedcompress.bench.sweep import BenchRunner, Study, load_bench, plan
+from fedcompress.bench.sweep import BenchConfigError, BenchRunner, Study, load_bench, plan
 from fedcompress.bench.tables import study_markdown
 from fedcompress.report import RunReport, markdown_table
 
@@ -23,6 +24,7 @@ def run_bench(config_path: str | Path, out: str | Path | None = None,
     studies = plan(raw, overrides)
     out = Path(out or raw.get("bench", {}).get("out") or f"runs/bench-{Path(config_path).stem}")
     device = device or raw.get("bench", {}).get("device")
+    _check_same_bench(out, raw)
     saved = {"bench": dict(raw.get("bench", {})),
              "study": {name: {**table, **overrides} for name, table in raw["study"].items()}}
     runner = BenchRunner(studies, out, device=device, progress=progress,
@@ -51,6 +53,22 @@ def run_bench(config_path: str | Path, out: str | Path | None = None,
     failed = [r for r in runner.results.values() if r.get("status") != "ok"]
     report.finish("ok" if not failed else "incomplete")
     return report
+
+
+def _check_same_bench(out: Path, raw: dict) -> None:
+    """An existing ``out`` must hold the report of the same studies: another config's run
+    would replace that report (its finished cells would survive, its tables would not)."""
+    path = out / "report.json"
+    if not path.exists():
+        return
+    try:
+        old = sorted(json.loads(path.read_text()).get("config", {}).get("study", {}))
+    except (OSError, ValueError):
+        return  # an unreadable report is rewritten
+    new = sorted(raw.get("study", {}))
+    if old and old != new:
+        raise BenchConfigError(f"{out} holds the report of studies {old}, this config has "
+                               f"{new}: use another --out (the report there would be replaced)")
 
 
 def _update(report: RunReport, runner: BenchRunner, studies: list[Study],
