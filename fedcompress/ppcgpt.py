@@ -189,9 +189,9 @@ class PPCGPTConfig:
         def bad(name: str, expected: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}")
 
-        for name in ("clients", "synth_batch_size", "synth_workers", "answer_samples", "question_tokens",
-                     "answer_tokens", "rationale_tokens", "batch_size", "grad_accum", "lora_r",
-                     "max_length", "eval_batch_size", "min_synthetic"):
+        for name in ("clients", "synth_batch_size", "synth_workers", "answer_samples",
+                     "question_tokens", "answer_tokens", "rationale_tokens", "batch_size",
+                     "grad_accum", "lora_r", "max_length", "eval_batch_size", "min_synthetic"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(name, "an integer >= 1")

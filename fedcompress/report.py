@@ -64,7 +64,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -122,7 +122,7 @@ class RunReport:
         self.markdown_results = True  # False: results only in report.json (large sweeps)
         self.status = "running"
         self.versions = versions()
-        _atomic_write(self.out_dir / "config.toml",
+        atomic_write(self.out_dir / "config.toml",
                       tomli_w.dumps({k: v for k, v in _jsonable(config).items() if v is not None}))
         self.write()
 
@@ -200,8 +200,8 @@ class RunReport:
         return "\n".join(parts)
 
     def write(self) -> None:
-        _atomic_write(self.out_dir / "report.json", json.dumps(self.to_dict(), indent=2) + "\n")
-        _atomic_write(self.out_dir / "report.md", self.markdown())
+        atomic_write(self.out_dir / "report.json", json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write(self.out_dir / "report.md", self.markdown())
 
     def finish(self, status: str = "ok") -> None:
         self.status = status

@@ -49,8 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from fedcompress import ppcgpt
+from fedcompress.models import num_layers
 from fedcompress.ppcgpt import PPCGPTConfig
-from fedcompress.report import RunReport, markdown_table
+from fedcompress.report import RunReport, atomic_write, markdown_table
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +69,11 @@ STUDY_KEYS = ("title", "baselines", "device")
 #: Settings that change no result (how long to wait for the generator, how many requests).
 _NO_EFFECT = {"synth_timeout", "synth_workers"}
 #: Settings that do not change the synthetic data (compression, training and evaluation).
-_NOT_SYNTH = _NO_EFFECT | {"prune_ratio", "prune_policy", "rationales", "server_retrain", "server_epochs",
-              "server_steps", "client_epochs", "client_steps", "lr", "batch_size", "grad_accum",
-              "lora_r", "lora_alpha", "lora_dropout", "max_length", "eval_batch_size",
-              "eval_split", "eval_per_client", "min_synthetic", "min_clients", "synth_ratio",
-              "dtype"}
+_NOT_SYNTH = _NO_EFFECT | {
+    "prune_ratio", "prune_policy", "rationales", "server_retrain", "server_epochs",
+    "server_steps", "client_epochs", "client_steps", "lr", "batch_size", "grad_accum",
+    "lora_r", "lora_alpha", "lora_dropout", "max_length", "eval_batch_size", "eval_split",
+    "eval_per_client", "min_synthetic", "min_clients", "synth_ratio", "dtype"}
 
 
 class StudyConfigError(ValueError):
@@ -271,10 +272,12 @@ class StudyRunner:
 
         base_budget = config.eps == self.study.base.eps
         ratio = self.study.generation_ratio() if base_budget else config.synth_ratio
-        key = synth_key(dataclasses.replace(config, synth_ratio=ratio), ratio)
+        gen_config = dataclasses.replace(config, synth_ratio=ratio)
+        key = synth_key(gen_config, ratio)
         folder = self.out / "synthetic" / key
-        if not (folder / "study.json").exists():
-            gen_config = dataclasses.replace(config, synth_ratio=ratio)
+        if (folder / "study.json").exists():
+            meta = json.loads((folder / "study.json").read_text())
+        else:
             start = time.perf_counter()
             examples, budgets = [], []
             for data in self.data(gen_config):
@@ -291,8 +294,7 @@ class StudyRunner:
                     "backend": result.backend, "stats": result.stats.to_dict(),
                     "eps_per_example_max": max(b["eps_per_example_max"] for b in budgets),
                     "seconds": time.perf_counter() - start}
-            (folder / "study.json").write_text(json.dumps(meta, indent=2) + "\n")
-        meta = json.loads((folder / "study.json").read_text())
+            atomic_write(folder / "study.json", json.dumps(meta, indent=2) + "\n")
         self.synthetic[key] = meta
         samples = load_jsonl(folder / "samples.jsonl")
         if config.synth_ratio != ratio:
@@ -324,10 +326,7 @@ class StudyRunner:
             record.update({"status": "failed", "error": f"{type(err).__name__}: {err}",
                            "traceback": traceback.format_exc(limit=6)})
         record["seconds"] = time.perf_counter() - start
-        path = self.out / "cells" / f"{cell.id}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        tmp.replace(path)
+        atomic_write(self.out / "cells" / f"{cell.id}.json", json.dumps(record, indent=2) + "\n")
         self.results[cell.id] = record
         if self.on_result is not None:
             self.on_result(record)
@@ -356,8 +355,6 @@ class StudyRunner:
         per_client = [{"partition": d.partition, **fn(model, tokenizer, d, config)}
                       for d in self.data(config)]
         removed = per_client[0].get("removed", [])
-        from fedcompress.models import num_layers
-
         return {"per_client": per_client, "C": ppcgpt.weighted_accuracy(per_client, "client"),
                 "layers": num_layers(model) - len(removed)}
 

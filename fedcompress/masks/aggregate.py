@@ -99,16 +99,10 @@ def count_words(words: Sequence[np.ndarray], numel: int) -> torch.Tensor:
     for w in words:
         typed.append(w)
     ops, planes, n_slots = _kernels.count_schedule(m)
-    if m <= 255:  # one byte per count: every plane spreads into 8 byte lanes per word
-        out = np.empty(nwords * 8, dtype=np.uint64)
-        _kernels.count_words(typed, nwords, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out,
-                             False)
-        counts = out.view(np.uint8)[:numel]
-    else:
-        out = np.empty(nwords * 64, dtype=np.int32)
-        _kernels.count_words(typed, nwords, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out,
-                             True)
-        counts = out[:numel]
+    wide = m > 255  # else one byte per count: every plane spreads into 8 byte lanes per word
+    out = np.empty(nwords * 64, dtype=np.int32) if wide else np.empty(nwords * 8, dtype=np.uint64)
+    _kernels.count_words(typed, nwords, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out, wide)
+    counts = out[:numel] if wide else out.view(np.uint8)[:numel]
     return torch.from_numpy(counts).to(count_dtype(m))
 
 

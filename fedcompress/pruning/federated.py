@@ -320,9 +320,8 @@ class MaskAggregator:
             if packed.shape != (self._nbytes[key],):
                 raise InvalidMaskError(f"{key}: payload of shape {packed.shape}, expected "
                                        f"({self._nbytes[key]},)")
-        words = {key: payload_words(packed, self._nbytes[key]) for key, packed in payload.items()}
-        for key, w in words.items():
-            self.payloads[key].append(w)
+        for key, packed in payload.items():
+            self.payloads[key].append(payload_words(packed, self._nbytes[key]))
         self._counts.clear()
         self.clients += 1
 
