@@ -464,7 +464,7 @@ def ppcgpt_study_command(
 
 SANITIZE_DEFAULTS: dict[str, Any] = {
     "input": None, "eps": 3.0, "mechanism": "santext", "top_k": 20, "candidates": 20_000,
-    "utility": "euclidean", "keep_stopwords": False, "oov": "keep", "field": "text", "seed": 0,
+    "utility": "euclidean", "keep_stopwords": False, "oov": "random", "field": "text", "seed": 0,
     "out": None,
 }
 
@@ -490,8 +490,10 @@ def sanitize_command(
                                             "euclidean or cosine.")] = None,
     keep_stopwords: Annotated[Optional[bool], _sopt("--keep-stopwords/--no-keep-stopwords",
                                                     "Emit English stop words unchanged.")] = None,
-    oov: Annotated[Optional[str], _sopt("--oov", "Words not in GloVe: keep (unchanged, "
-                                        "counted), error, random (a uniform candidate).")] = None,
+    oov: Annotated[Optional[str], _sopt("--oov", "Words not in GloVe (names, numbers, "
+                                        "codes): random (replaced by a uniform candidate, no "
+                                        "budget), error (refuse the text), or keep (released "
+                                        "verbatim: a warning, and no finite budget).")] = None,
     field: Annotated[Optional[str], _sopt("--field", "JSONL field holding the text.")] = None,
     seed: SeedOpt = None,
     out: OutOpt = None,
@@ -514,7 +516,7 @@ def run_sanitize(settings: dict[str, Any]):
     from fedcompress.data._jsonl import write_jsonl
     from fedcompress.data.errors import check_seed
     from fedcompress.privacy.sanitize import (Sanitizer, SanitizerConfig, check_eps,
-                                              sanitize_file)
+                                              json_budget, release_notes, sanitize_file)
     from fedcompress.report import RunReport
 
     if not settings["input"]:
@@ -540,14 +542,18 @@ def run_sanitize(settings: dict[str, Any]):
                                     field=settings["field"])
         seconds = time.perf_counter() - start
         write_jsonl(out / "documents.jsonl", (doc.to_dict() for doc in reports))
-        words = sum(r.n_words for r in reports)
+        counts = {"words": sum(r.n_words for r in reports),
+                  "perturbed": sum(r.n_perturbed for r in reports),
+                  "kept": sum(r.n_kept for r in reports), "oov": sum(r.n_oov for r in reports)}
+        eps_max = max((r.eps_total for r in reports), default=0.0)
+        report.sections.append(("Privacy", release_notes(
+            config, eps=eps, eps_document_max=eps_max, **counts)))
         report.add_result({
-            "name": source.name, "documents": len(reports), "words": words,
-            "perturbed": sum(r.n_perturbed for r in reports),
-            "kept": sum(r.n_kept for r in reports), "oov": sum(r.n_oov for r in reports),
+            "name": source.name, "documents": len(reports), **counts,
+            "clear": sum(r.n_clear for r in reports),
             "changed": sum(r.n_changed for r in reports), "eps_per_word": eps,
-            "eps_document_max": max((r.eps_total for r in reports), default=0.0),
-            "words_per_s": words / seconds if seconds > 0 else None})
+            "eps_document_max": json_budget(eps_max),
+            "words_per_s": counts["words"] / seconds if seconds > 0 else None})
         report.extra["output"] = {"text": str(target), "documents": str(out / "documents.jsonl")}
     except BaseException:
         report.finish("failed")
@@ -592,6 +598,9 @@ def ppcgpt_command(
     eps: Annotated[Optional[float], _popt("--eps", "DP budget per perturbed word (exponential "
                                                    "mechanism).")] = None,
     mechanism: Annotated[Optional[str], _popt("--mechanism", "santext or custext.")] = None,
+    keep_stopwords: Annotated[Optional[bool], _popt(
+        "--keep-stopwords/--no-keep-stopwords", "Release English stop words in the clear "
+        "(CusText+; opt-in). Out-of-vocabulary words are always replaced.")] = None,
     synth_model: Annotated[Optional[str], _popt(
         "--synth-model", "LLM_syn: model spec of the generator (empty: --model); with "
                          "--synth-url the served model name.")] = None,

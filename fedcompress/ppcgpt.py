@@ -124,7 +124,9 @@ class PPCGPTConfig:
     ``eval_per_client`` private test examples from ``eval_split`` per client (0: the whole
     partition), ``partition`` iid or dirichlet (label skew, ``alpha``).
     Privacy: ``eps`` per perturbed word, ``mechanism`` santext|custext, ``top_k`` (CusText group
-    size), ``keep_stopwords``.
+    size), ``keep_stopwords`` (opt-in: stop words released in the clear, CusText+). A site
+    never releases an out-of-vocabulary word: it is replaced by a uniform candidate (the
+    sanitizer's ``oov='random'``; ``keep`` is not reachable from PPC-GPT).
     Synthetic data: ``synth_model`` (LLM_syn spec; "" = ``model``) or ``synth_url`` (an
     OpenAI-compatible server, with ``synth_api`` chat|completions and ``synth_model`` as the
     served model name), ``synth_ratio``, ``answer_samples``, token budgets, ``synth_batch_size``,
@@ -154,7 +156,7 @@ class PPCGPTConfig:
     eps: float = 3.0
     mechanism: str = "custext"
     top_k: int = 20
-    keep_stopwords: bool = True
+    keep_stopwords: bool = False
     synth_model: str = ""
     synth_url: str = ""
     synth_api: str = "chat"
@@ -338,11 +340,13 @@ def client_data(config: PPCGPTConfig, partition: int) -> ClientData:
 @functools.lru_cache(maxsize=2)
 def sanitizer_for(mechanism: str, top_k: int, keep_stopwords: bool) -> Any:
     """The word-level exponential-mechanism sanitizer of these settings over the GloVe
-    vocabulary (built once per process: its candidate sets take a moment)."""
-    from fedcompress.privacy.sanitize import Sanitizer, SanitizerConfig
+    vocabulary (built once per process: its candidate sets take a moment). Out-of-vocabulary
+    words are always replaced by a uniform candidate, never released."""
+    from fedcompress.privacy.sanitize import OOVPolicy, Sanitizer, SanitizerConfig
 
     return Sanitizer.glove(SanitizerConfig(mechanism=mechanism, top_k=top_k,
-                                           keep_stopwords=keep_stopwords))
+                                           keep_stopwords=keep_stopwords,
+                                           oov=OOVPolicy.RANDOM))
 
 
 def client_text(config: PPCGPTConfig, data: ClientData) -> tuple[list[dict[str, Any]],
@@ -356,13 +360,31 @@ def client_text(config: PPCGPTConfig, data: ClientData) -> tuple[list[dict[str, 
                            prefix=f"client{data.partition}")
 
 
+def privacy_notes(config: PPCGPTConfig, budgets: Sequence[Mapping[str, Any]]) -> str:
+    """The report's privacy section for round 1: the guarantee and what the sites released in
+    the clear, from their budgets (:func:`perturb_records`; missing counts read as 0)."""
+    from fedcompress.privacy.sanitize import OOVPolicy, SanitizerConfig, release_notes
+
+    def total(key: str) -> int:
+        return int(sum(float(b.get(key, 0)) for b in budgets))
+
+    sanitizer = SanitizerConfig(mechanism=config.mechanism, top_k=config.top_k,
+                                keep_stopwords=config.keep_stopwords, oov=OOVPolicy.RANDOM)
+    return release_notes(
+        sanitizer, eps=config.eps, words=total("words"), perturbed=total("perturbed"),
+        kept=total("kept"), oov=total("oov"), unit="example (question and choices)",
+        eps_document_max=max((float(b.get("eps_per_example_max", 0.0)) for b in budgets),
+                             default=0.0))
+
+
 def perturb_records(records: Sequence[Mapping[str, Any]], sanitizer: Any, eps: float, seed: int,
                     prefix: str = "example") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Perturb each record's question (and choices, unless all records share one choice list)
     with ``sanitizer`` at ``eps`` per word. Labels and ids are not sent: the examples get ids
     ``<prefix>-<i>``. Returns the examples and the privacy budget spent: ``eps`` per word,
     the total per example (sum over its texts, by sequential composition) as max and mean,
-    and word counts."""
+    and word counts (``clear``: words released as written, see
+    :class:`fedcompress.privacy.sanitize.SanitizeReport`)."""
     if not records:
         raise ValueError("no records to perturb")
     closed = len({tuple(r["choices"]) for r in records}) == 1
@@ -373,7 +395,7 @@ def perturb_records(records: Sequence[Mapping[str, Any]], sanitizer: Any, eps: f
             texts.extend(str(c) for c in r["choices"])
     outs = sanitizer.sanitize_many(texts, eps=eps, seed=seed)
     examples, per_example, it = [], [], iter(outs)
-    totals = {"words": 0, "perturbed": 0, "kept": 0, "oov": 0, "changed": 0}
+    totals = {"words": 0, "perturbed": 0, "kept": 0, "oov": 0, "clear": 0, "changed": 0}
     for i, r in enumerate(records):
         parts = [next(it)] + ([] if closed else [next(it) for _ in r["choices"]])
         choices = list(r["choices"]) if closed else [p.text.strip() for p in parts[1:]]
@@ -385,6 +407,7 @@ def perturb_records(records: Sequence[Mapping[str, Any]], sanitizer: Any, eps: f
             totals["perturbed"] += rep.n_perturbed
             totals["kept"] += rep.n_kept
             totals["oov"] += rep.n_oov
+            totals["clear"] += rep.n_clear
             totals["changed"] += rep.n_changed
     budget = {"eps_per_word": float(eps), "eps_per_example_max": float(max(per_example)),
               "eps_per_example_mean": float(np.mean(per_example)), "choices_perturbed": not closed,

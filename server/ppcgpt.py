@@ -102,6 +102,8 @@ def run_ppcgpt(grid: Grid, settings: dict) -> RunReport:
             "eps_per_example_max": max(m.get("eps_per_example_max", 0.0)
                                        for m in strategy.text_metrics),
             "clients": strategy.text_metrics}
+        report.sections.append(("Privacy (round 1)",
+                                ppcgpt.privacy_notes(config, strategy.text_metrics)))
         report.extra["rejected"] = strategy.rejected
 
         with report.phase("synthetic"):

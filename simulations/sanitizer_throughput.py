@@ -18,14 +18,22 @@ shared: the load average at the start and end of each pass is recorded; BLAS may
 cores, so CPU time can exceed wall time). Also: the setup time (GloVe load; CusText grouping),
 the share of perturbed words that changed (a utility diagnostic) and the cache size. Writes
 ``throughput.json`` and ``throughput.md`` to ``--out``.
+
+Out-of-vocabulary words, side by side: ``--oov random,keep`` measures each policy on the same
+text (``random``, the default, replaces them by a uniform candidate; ``keep`` copies them), and
+``--oov-share 0,0.2`` also measures a copy of the text in which that share of the words (seeded
+choice) is replaced by random identifier-like tokens (``k7q2-x93m``, out of GloVe), so the OOV
+path is exercised, not just present.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
+import random
 import re
 import time
 from pathlib import Path
@@ -56,6 +64,22 @@ def measure(sanitizer: Sanitizer, texts: list[str], eps: float, seed: int) -> di
     }
 
 
+def with_oov(texts: list[str], share: float, seed: int) -> list[str]:
+    """``texts`` with ``share`` of their words (seeded choice) replaced by random
+    identifier-like tokens that are not in GloVe."""
+    if share <= 0:
+        return texts
+    rng = random.Random(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+    def code() -> str:
+        return ("".join(rng.choices(alphabet, k=4)) + "-" + "".join(rng.choices(alphabet, k=4))
+                + "q9")  # the suffix keeps it out of GloVe
+
+    return [re.sub(WORD_PATTERN, lambda m: code() if rng.random() < share else m.group(), t)
+            for t in texts]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None,
@@ -68,12 +92,17 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--cache-mb", type=float, default=1024.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--oov", default="random",
+                        help="out-of-vocabulary policies to compare, e.g. random,keep")
+    parser.add_argument("--oov-share", default="0",
+                        help="shares of words replaced by out-of-vocabulary codes, e.g. 0,0.2")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.out is None:
         args.out = Path("simulations/results/sanitizer") / f"{args.corpus}-{args.split}"
 
-    texts = [doc.text for doc in load_corpus(args.corpus, args.split)]
+    corpus = [doc.text for doc in load_corpus(args.corpus, args.split)]
+    texts = corpus
     distinct = len({w.lower() for t in texts for w in re.findall(WORD_PATTERN, t)})
     start = time.perf_counter()
     table = load_glove()
@@ -82,42 +111,49 @@ def main() -> None:
              args.corpus, args.split)
 
     rows = []
-    for mechanism in args.mechanisms.split(","):
+    for mechanism, share, oov in itertools.product(
+            args.mechanisms.split(","), [float(x) for x in args.oov_share.split(",")],
+            args.oov.split(",")):
+        texts = with_oov(corpus, share, args.seed)
         config = SanitizerConfig(mechanism=mechanism, top_k=args.top_k,
-                                 candidates=args.candidates, cache_mb=args.cache_mb)
+                                 candidates=args.candidates, cache_mb=args.cache_mb, oov=oov)
         start = time.perf_counter()
         sanitizer = Sanitizer(table, config)
         setup = time.perf_counter() - start
         for eps in (float(e) for e in args.eps.split(",")):
             sanitizer.clear_cache()
             for phase, seed in (("cold", args.seed), ("warm", args.seed + 1)):
-                row = {"mechanism": mechanism, "eps": eps, "phase": phase,
+                row = {"mechanism": mechanism, "oov_policy": oov, "oov_share": share,
+                       "eps": eps, "phase": phase,
                        "setup_s": setup, **measure(sanitizer, texts, eps, seed)}
                 rows.append(row)
-                log.info("%s eps=%g %s: %.0f words/s (%.0f per CPU s), load %.1f",
-                         mechanism, eps, phase, row["words_per_s"], row["words_per_cpu_s"],
-                         row["load_end"])
+                log.info("%s oov=%s share=%g eps=%g %s: %.0f words/s (%.0f per CPU s), "
+                         "load %.1f", mechanism, oov, share, eps, phase, row["words_per_s"],
+                         row["words_per_cpu_s"], row["load_end"])
 
     args.out.mkdir(parents=True, exist_ok=True)
     command = ("python simulations/sanitizer_throughput.py --out " + str(args.out)
                + f" --corpus {args.corpus} --split {args.split} --mechanisms {args.mechanisms}"
                + f" --eps {args.eps} --candidates {args.candidates} --top-k {args.top_k}"
-               + f" --cache-mb {args.cache_mb:g} --seed {args.seed}")
+               + f" --cache-mb {args.cache_mb:g} --seed {args.seed} --oov {args.oov}"
+               + f" --oov-share {args.oov_share}")
     report = {"command": command, "config": vars(args) | {"out": str(args.out)},
-              "glove_load_seconds": glove_seconds, "documents": len(texts),
+              "glove_load_seconds": glove_seconds, "documents": len(corpus),
               "cpus": os.cpu_count(), "versions": versions(), "results": rows}
     (args.out / "throughput.json").write_text(json.dumps(report, indent=2) + "\n")
 
-    columns = ["mechanism", "eps", "phase", "words", "words/s", "words/CPU s", "seconds",
-               "load avg", "changed", "cache MiB", "setup s"]
-    table_rows = [[r["mechanism"], f"{r['eps']:g}", r["phase"], str(r["words"]),
+    columns = ["mechanism", "oov", "oov share", "eps", "phase", "words", "oov words",
+               "words/s", "words/CPU s", "seconds", "load avg", "changed", "cache MiB",
+               "setup s"]
+    table_rows = [[r["mechanism"], r["oov_policy"], f"{r['oov_share']:g}", f"{r['eps']:g}",
+                   r["phase"], str(r["words"]), str(r["oov"]),
                    f"{r['words_per_s']:,.0f}", f"{r['words_per_cpu_s']:,.0f}",
                    f"{r['seconds']:.2f}", f"{r['load_start']:.1f}-{r['load_end']:.1f}",
                    f"{r['changed_share']:.1%}", f"{r['cache_mib']:.0f}", f"{r['setup_s']:.2f}"]
                   for r in rows]
     words = rows[0]["words"] if rows else 0
     text = "\n".join([
-        f"# Sanitizer throughput: {args.corpus}/{args.split} ({len(texts)} documents, "
+        f"# Sanitizer throughput: {args.corpus}/{args.split} ({len(corpus)} documents, "
         f"{words:,} words), GloVe 6B 50d",
         "",
         f"SanText: {args.candidates:,} candidates; CusText: groups of {args.top_k}. `cold`: "
@@ -127,7 +163,10 @@ def main() -> None:
         f"{os.cpu_count()} CPUs). `changed`: perturbed words whose output differs from the "
         f"input. {distinct:,} distinct words. GloVe loaded in {glove_seconds:.2f} s. CusText's "
         "first cold pass also maps every distinct word outside the candidates to its nearest "
-        "group (once per sanitizer, kept by `clear_cache`).",
+        "group (once per sanitizer, kept by `clear_cache`). `oov`: the out-of-vocabulary "
+        "policy (`random`, the default: replaced by a uniform candidate; `keep`: copied); "
+        "`oov share`: share of the words replaced by random out-of-vocabulary codes (seeded) "
+        "before sanitising.",
         "",
         markdown_table(columns, table_rows),
         "",

@@ -216,7 +216,7 @@ def test_layout_punctuation_and_report(table):
     r = result.report
     assert (r.n_words, r.n_perturbed, r.n_kept, r.n_oov) == (9, 9, 0, 0)
     assert r.eps_per_word == 2.0 and r.eps_total == 18.0
-    assert r.mechanism == "santext" and r.oov_policy == "keep"
+    assert r.mechanism == "santext" and r.oov_policy == "random" and r.n_clear == 0
     candidates = set(s.candidate_words)
     assert all(w in candidates for w in re.findall(sz.WORD_PATTERN, result.text))
 
@@ -250,7 +250,9 @@ def test_oov_policies(table):
     text = "cat xyzzy dog"
     keep = make(table, oov="keep").sanitize(text, eps=1.0, seed=0)
     assert keep.text.split(" ")[1] == "xyzzy"
-    assert (keep.report.n_oov, keep.report.n_perturbed, keep.report.eps_total) == (1, 2, 2.0)
+    # released in the clear: no finite budget holds, the clear word is counted
+    assert (keep.report.n_oov, keep.report.n_perturbed, keep.report.n_clear) == (1, 2, 1)
+    assert keep.report.eps_total == math.inf and keep.report.to_dict()["eps_total"] == "inf"
 
     with pytest.raises(OOVError, match=r"'xyzzy' at character 4") as info:
         make(table, oov="error").sanitize(text, eps=1.0, seed=0)

@@ -471,12 +471,16 @@ def run_study(config_path: str | Path, out: str | Path, overrides: Mapping[str, 
     report.markdown_results = False
 
     majority = majority_share(runner.data(study.base))
+    # what the sites release in round 1 at the base budget (cheap: the sanitizer only)
+    privacy = ppcgpt.privacy_notes(study.base, [ppcgpt.client_text(study.base, data)[1]
+                                                for data in runner.data(study.base)])
 
     def update(_record: dict | None = None) -> None:
         cells = study.cells()
         report.results = [{"name": runner.results[c.id]["kind"], **runner.results[c.id]}
                           for c in cells if c.id in runner.results]
-        report.sections = study_tables(study, runner.results, majority)
+        report.sections = [*study_tables(study, runner.results, majority),
+                           (f"Privacy (round 1 at the base eps {study.base.eps:g})", privacy)]
         if runner.synthetic:
             report.sections.append(("Synthetic data per privacy budget",
                                     synthetic_table(runner.synthetic)))

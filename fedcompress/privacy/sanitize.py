@@ -59,26 +59,63 @@ Options in the style of SanText+ / CusText+
   ``common_p`` (costing ``eps``) and otherwise emitted unchanged. All other words are sensitive
   and always perturbed. ``common_words=0`` (default): every word is sensitive.
 
-Words emitted unchanged (stop words, non-sensitive words not drawn, out-of-vocabulary words
-under ``'keep'``) are released in the clear: the DP guarantee covers the perturbed words only.
-The number and positions of words, the punctuation and the whitespace are released as they are.
+What is released in the clear
+-----------------------------
+The guarantee covers the words drawn from the mechanism, nothing else. What the output shows
+as it was, and why each default is what it is (privacy first):
+
+* **Out-of-vocabulary words** (names, surnames, codes, rare words: exactly what identifies a
+  person): never, by default. They are replaced by a candidate drawn uniformly at random
+  (``oov='random'``), independently of the word. This costs no budget and keeps the bound: the
+  uniform distribution is the mechanism at ``eps = 0``, and for SanText every ``p(y | x)`` lies
+  in ``[e^{-eps/2}, e^{eps/2}] / |Y|``, so an OOV word and any table word are ``eps``-
+  indistinguishable. A fixed placeholder token was rejected: it would tell which words were
+  out of vocabulary (an output that no table word can produce). ``oov='keep'`` copies them
+  verbatim and is only used when asked for: the sanitizer logs a warning with the number of
+  words released in the clear, and every report's ``eps_total`` is ``inf`` (the mechanism is
+  not DP when a neighbouring text may carry an OOV word that comes out as it is), with the
+  count of clear words in ``n_clear``.
+* **Digits and identifiers**: a token with a digit, ``.``, ``:``, ``/``, ``@`` or ``+`` inside
+  (account and phone numbers, dates, e-mail addresses, host names, version strings), and a URL,
+  is ONE word: looked up whole (GloVe knows ``12:30``, ``1945-46``, ``google.com``) and
+  perturbed, or else replaced whole as an OOV word; it is never split into pieces, so neither
+  its inner punctuation nor the number of its groups is released. Only a trailing clitic is
+  split off (``1990's`` -> ``1990`` + ``'s``).
+* **Stop words**: perturbed like every word by default; ``keep_stopwords`` (opt-in, the
+  SanText+/CusText+ setting) copies the words of a fixed public list of function words. They
+  carry no name or number, but do carry pronoun gender and negation; counted in ``n_kept``.
+* **SanText+ non-sensitive words**: opt-in (``common_words > 0``); each occurrence not drawn
+  by the ``common_p`` coin is copied and counted in ``n_kept``.
+* **Layout**: the number of words and their positions, the punctuation between words and the
+  whitespace are copied, always. A word-level mechanism cannot hide how many words a text has;
+  punctuation and whitespace come from a small public alphabet and carry no word (identifiers
+  are consumed whole, above), but they do show the shape of a text (sentences, lists, a
+  parenthesised number). Sanitise only the fields that need it and do not send raw layout that
+  is itself sensitive.
 
 Tokenisation
 ------------
-A word is a maximal match of :data:`WORD_PATTERN` (letters, digits and ``_``, joined by inner
-``-``, ``'`` or ``’``); everything between words (whitespace, punctuation) is copied unchanged,
-so the output keeps the layout of the input. A word is looked up lower-cased (GloVe is
-lower-case; ``lowercase=False`` for cased tables) with ``’`` read as ``'``. A word not in the
-table is split, Penn-Treebank style, into stem + clitic (``don't`` -> ``do`` + ``n't``,
-``john's`` -> ``john`` + ``'s``), else at its inner ``-``/``'`` (kept as punctuation), and each
-piece is looked up. Outputs are table words (lower-case for GloVe); a perturbed clitic is
-written as a separate word (``do n't`` -> ``did not``). Only words matching
-:data:`WORD_PATTERN` are candidates, so a word is never replaced by punctuation.
+A word is a maximal match of :data:`TOKEN_PATTERN`: a URL (``scheme://...`` or ``www....``,
+up to whitespace, trailing punctuation left out), or letters, digits and ``_`` joined by inner
+``-``, ``'``, ``’``, ``.``, ``:``, ``/``, ``@`` or ``+`` (so ``zk1977@mail.com`` and
+``4417-1234-5678-9113`` are one word each); everything between words (whitespace,
+punctuation) is copied unchanged, so the output keeps the layout of the input. A word is looked
+up lower-cased (GloVe is lower-case; ``lowercase=False`` for cased tables) with ``’`` read as
+``'``. A word not in the table is split, Penn-Treebank style, into stem + clitic (``don't`` ->
+``do`` + ``n't``, ``john's`` -> ``john`` + ``'s``); an identifier (a digit, ``.``, ``:``,
+``/``, ``@`` or ``+`` inside, or a URL) is otherwise kept whole; any other word is split at its
+inner ``-``/``'`` (kept as punctuation: ``lion-xyzzy`` -> ``lion`` - ``xyzzy``), and each piece
+is looked up. Outputs are table words (lower-case for GloVe); a perturbed clitic is written as
+a separate word (``do n't`` -> ``did not``). Only table words matching :data:`WORD_PATTERN`
+are candidates, so a word is never replaced by punctuation or an identifier-shaped string.
+Tokenisation of a stream is decided at whitespace (no word spans whitespace), so the output
+does not depend on how the text is cut into pieces.
 
-Out-of-vocabulary words (:class:`OOVPolicy`): ``'keep'`` emits them unchanged (counted in
-``n_oov``; not covered by the guarantee), ``'error'`` raises :class:`OOVError` naming the word
-and its offset, ``'random'`` replaces them by a uniformly drawn candidate (independent of the
-word: 0-DP, costs nothing). No word is ever dropped.
+Out-of-vocabulary words (:class:`OOVPolicy`): ``'random'`` (the default) replaces them by a
+uniformly drawn candidate (independent of the word: costs nothing), ``'error'`` raises
+:class:`OOVError` naming the word and its offset, ``'keep'`` (explicit opt-in) emits them
+unchanged, logs a warning and makes ``eps_total`` infinite. No word is ever dropped; every
+out-of-vocabulary word is counted in ``n_oov``.
 
 Numerics and randomness
 -----------------------
@@ -127,6 +164,7 @@ __all__ = [
     "DELTA_U",
     "DTYPE",
     "STOP_WORDS",
+    "TOKEN_PATTERN",
     "WORD_PATTERN",
     "InputEncodingError",
     "Mechanism",
@@ -139,6 +177,8 @@ __all__ = [
     "SanitizerConfig",
     "Utility",
     "check_eps",
+    "json_budget",
+    "release_notes",
     "sanitize_file",
 ]
 
@@ -148,7 +188,15 @@ DELTA_U = 1.0
 """Sensitivity of the utility: ``u(x, y) ∈ [0, 1]`` for every input and candidate."""
 
 WORD_PATTERN = r"\w+(?:[-'’]\w+)*"
-"""What counts as a word (everything else is copied unchanged)."""
+"""What a candidate looks like: letters, digits and ``_`` joined by inner ``-``, ``'``, ``’``
+(table words of another shape, such as ``3.5`` or ``google.com``, are inputs, never outputs)."""
+
+_URL_PATTERN = (r"(?:[A-Za-z][A-Za-z0-9+.-]*://|www\.)"
+                r"[^\s<>\"'`()\[\]{}]*[^\s<>\"'`()\[\]{}.,;:!?]")
+TOKEN_PATTERN = _URL_PATTERN + r"|\w+(?:[-'’.:/@+]\w+)*"
+"""What counts as a word of the input: a URL, or letters, digits and ``_`` joined by inner
+``-``, ``'``, ``’``, ``.``, ``:``, ``/``, ``@`` or ``+`` (everything else is copied unchanged).
+No word contains whitespace."""
 
 CHUNK_WORDS = 8192
 """Words sanitised per vectorised step (bounds the memory of a long text)."""
@@ -177,7 +225,10 @@ conjunctions, auxiliary verbs and common adverbs/determiners (close to NLTK's En
 written out here so nothing is downloaded), plus the clitics the tokeniser splits off."""
 
 _WORD = re.compile(WORD_PATTERN)
+_TOKEN = re.compile(TOKEN_PATTERN)
 _SEPARATOR = re.compile(r"([-'’])")
+_IDENTIFIER = re.compile(r"[\d.:/@+]")  # a word with one of these inside is never split
+_UP_TO_LAST_SPACE = re.compile(r".*\s", re.DOTALL)
 _NOT_CLITIC = re.compile(r"n['’]t$", re.IGNORECASE)
 _CLITIC = re.compile(r"['’](?:s|re|ve|ll|d|m)$", re.IGNORECASE)
 
@@ -202,8 +253,8 @@ class OOVError(SanitizeError):
             super().__init__(f"word {word!r} is not in the embedding table")
         else:
             super().__init__(f"word {word!r} at character {offset} is not in the embedding "
-                             "table (out-of-vocabulary policy 'error'; use 'keep' or 'random' "
-                             "to let such words through)")
+                             "table (out-of-vocabulary policy 'error'; use 'random' to replace "
+                             "such words)")
         self.word = word
         self.offset = offset
 
@@ -227,7 +278,10 @@ class Utility(StrEnum):
 
 
 class OOVPolicy(StrEnum):
-    """What happens to a word that is not in the table."""
+    """What happens to a word that is not in the table (see "What is released in the clear").
+
+    ``random`` (the default) replaces it by a uniform candidate; ``error`` refuses the text;
+    ``keep`` releases it verbatim (opt-in: a warning, and an infinite ``eps_total``)."""
 
     KEEP = "keep"
     ERROR = "error"
@@ -262,7 +316,8 @@ class SanitizerConfig:
         stopwords: the stop-word list (lower-case).
         common_words: SanText+: the first ``common_words`` table rows are non-sensitive.
         common_p: SanText+: probability that a non-sensitive word is perturbed.
-        oov: out-of-vocabulary policy.
+        oov: out-of-vocabulary policy: ``random`` (default: a uniform candidate, no budget),
+            ``error``, or ``keep`` (opt-in: released in the clear, ``eps_total`` = inf).
         lowercase: look words up lower-cased (GloVe is lower-case).
         cache_mb: memory budget of the sampling-table cache (LRU), in MiB.
     """
@@ -275,7 +330,7 @@ class SanitizerConfig:
     stopwords: frozenset[str] = field(default=STOP_WORDS, repr=False)
     common_words: int = 0
     common_p: float = 1.0
-    oov: OOVPolicy = OOVPolicy.KEEP
+    oov: OOVPolicy = OOVPolicy.RANDOM
     lowercase: bool = True
     cache_mb: float = 1024.0
 
@@ -311,16 +366,21 @@ class SanitizeReport:
     Attributes:
         eps_per_word: budget of each perturbed word (``eps``).
         eps_total: ``eps_per_word * n_perturbed``: the document's budget by sequential
-            composition (words kept or out-of-vocabulary cost nothing but are not protected).
+            composition over the perturbed words (out-of-vocabulary words replaced uniformly
+            cost nothing; words released in the clear are not protected: see ``n_clear``).
+            ``inf`` under the ``'keep'`` out-of-vocabulary policy: a release that copies
+            out-of-vocabulary words verbatim honours no finite budget.
         n_words: words in the document (after clitic splitting).
         n_perturbed: words drawn from the mechanism (each costs ``eps``).
         n_kept: words emitted unchanged without a draw: stop words under ``keep_stopwords``
             and non-sensitive words the SanText+ coin left alone.
-        n_oov: out-of-vocabulary words (emitted unchanged under ``'keep'``, replaced by a
-            uniform candidate under ``'random'``).
+        n_oov: out-of-vocabulary words (replaced by a uniform candidate under ``'random'``,
+            emitted unchanged under ``'keep'``).
         n_changed: perturbed words whose output differs from the input (utility diagnostic).
         mechanism: ``santext`` or ``custext``.
         oov_policy: the out-of-vocabulary policy applied.
+        n_clear: words released in the clear (as written, without a draw): ``n_kept`` plus,
+            under ``'keep'``, ``n_oov``.
     """
 
     eps_per_word: float
@@ -332,9 +392,19 @@ class SanitizeReport:
     n_changed: int
     mechanism: str
     oov_policy: str
+    n_clear: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready fields; an infinite ``eps_total`` is written as the string ``"inf"``
+        (strict JSON has no infinity)."""
+        out = asdict(self)
+        out["eps_total"] = json_budget(self.eps_total)
+        return out
+
+
+def json_budget(eps: float) -> float | str:
+    """A privacy budget for JSON: the number, or ``"inf"`` when it is unbounded."""
+    return eps if math.isfinite(eps) else "inf"
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +432,10 @@ class Sanitizer:
         self.table = table
         self.config = config or SanitizerConfig()
         cfg = self.config
+        if cfg.oov is OOVPolicy.KEEP:
+            logger.warning("out-of-vocabulary policy 'keep': words not in the table (names, "
+                           "numbers, identifiers) are released in the clear and no finite "
+                           "budget holds (eps_total is reported as inf)")
         word_ok = _WORD.fullmatch
         rows = list(itertools.islice((i for i, w in enumerate(table.words) if word_ok(w)),
                                      cfg.candidates))
@@ -487,11 +561,14 @@ class Sanitizer:
         """:meth:`sanitize_many`, one document at a time (``texts`` is read lazily)."""
         eps = check_eps(eps)
         seed = check_seed(seed)
+        reports = []
         for i, text in enumerate(texts):
             rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(i,)))
             parts: list[str] = []
-            report = self._run([_decode(text)], parts.append, eps, rng)
+            report = self._run([_decode(text)], parts.append, eps, rng, warn=False)
+            reports.append(report)
             yield SanitizedText("".join(parts), report)
+        warn_clear(reports)  # once for all the documents
 
     def sanitize_stream(self, pieces: Iterable[str | bytes], write: Callable[[str], Any], *,
                         eps: float, seed: int) -> SanitizeReport:
@@ -507,17 +584,21 @@ class Sanitizer:
     # the text pipeline
 
     def _run(self, pieces: Iterable[str], write: Callable[[str], Any], eps: float,
-             rng: np.random.Generator) -> SanitizeReport:
+             rng: np.random.Generator, warn: bool = True) -> SanitizeReport:
         _warn_underflow(eps)
         run = _Run(self, write, eps, rng)
         for piece in pieces:
             run.feed(piece, final=False)
         run.feed("", final=True)
         cfg = self.config
+        keep = cfg.oov is OOVPolicy.KEEP
         report = SanitizeReport(
-            eps_per_word=eps, eps_total=eps * run.n_perturbed, n_words=run.n_words,
-            n_perturbed=run.n_perturbed, n_kept=run.n_kept, n_oov=run.n_oov,
-            n_changed=run.n_changed, mechanism=str(cfg.mechanism), oov_policy=str(cfg.oov))
+            eps_per_word=eps, eps_total=math.inf if keep else eps * run.n_perturbed,
+            n_words=run.n_words, n_perturbed=run.n_perturbed, n_kept=run.n_kept,
+            n_oov=run.n_oov, n_changed=run.n_changed, mechanism=str(cfg.mechanism),
+            oov_policy=str(cfg.oov), n_clear=run.n_kept + (run.n_oov if keep else 0))
+        if warn:
+            warn_clear([report])
         logger.debug("sanitised %d words: %d perturbed, %d kept, %d oov (eps %g, total %g)",
                      report.n_words, report.n_perturbed, report.n_kept, report.n_oov, eps,
                      report.eps_total)
@@ -528,12 +609,16 @@ class Sanitizer:
         return key.replace("’", "'") if "’" in key else key
 
     def _split(self, word: str) -> list[tuple[str, bool, bool]]:
-        """Pieces of an out-of-table word: (text, is_word, is_clitic). See the module doc."""
+        """Pieces of an out-of-table word: (text, is_word, is_clitic). See the module doc:
+        a trailing clitic is split off; an identifier (digit, ``.:/@+`` inside) stays whole;
+        any other word is split at its inner ``-``/``'``."""
         if self._key(word) in self.table.index or not _SEPARATOR.search(word):
             return [(word, True, False)]
         clitic = _NOT_CLITIC.search(word) or _CLITIC.search(word)
         if clitic and clitic.start() > 0:
             return self._split(word[:clitic.start()]) + [(clitic.group(), True, True)]
+        if _IDENTIFIER.search(word):
+            return [(word, True, False)]
         return [(part, i % 2 == 0, False) for i, part in enumerate(_SEPARATOR.split(word))
                 if part]
 
@@ -740,6 +825,59 @@ class Sanitizer:
                 for r, c in zip(rows, cands)]
 
 
+def warn_clear(reports: Iterable[SanitizeReport]) -> int:
+    """Log a warning naming how many out-of-vocabulary words ``reports`` released in the clear
+    (the ``'keep'`` policy); return that count."""
+    reports = list(reports)
+    clear = sum(r.n_oov for r in reports if r.oov_policy == OOVPolicy.KEEP)
+    if clear:
+        logger.warning("%d out-of-vocabulary word(s) in %d document(s) released in the clear "
+                       "(out-of-vocabulary policy 'keep'): no finite budget holds "
+                       "(eps_total = inf)", clear, len(reports))
+    return clear
+
+
+def release_notes(config: SanitizerConfig, *, eps: float, words: int, perturbed: int,
+                  kept: int, oov: int, eps_document_max: float,
+                  unit: str = "document") -> str:
+    """Markdown for a report, next to the results: the guarantee of a release (``eps`` per
+    perturbed word, the largest budget composed over one ``unit``) and every kind of thing the
+    release shows in the clear, with its count here and why (see the module docstring)."""
+    keep_oov = config.oov is OOVPolicy.KEEP
+    bound = (f"**none**: {oov} out-of-vocabulary word(s) released verbatim (`oov = keep`)"
+             if keep_oov else f"{eps_document_max:g} at most per {unit}")
+    oov_row = (f"{oov} (**released verbatim**: `oov = keep`, no finite budget)" if keep_oov
+               else f"none ({oov} replaced by a uniformly drawn candidate, no budget)"
+               if config.oov is OOVPolicy.RANDOM else "none (`oov = error`)")
+    rows = [
+        ["out-of-vocabulary words (names, numbers, codes, rare words)", oov_row,
+         "the default replaces them: a uniform draw is the mechanism at eps 0"],
+        ["digits and identifiers (account/phone numbers, e-mails, URLs, codes)",
+         "none: each is one word, perturbed or replaced whole",
+         "never split, so neither inner punctuation nor group count shows"],
+        ["stop words", f"{kept} (`keep_stopwords`)" if config.keep_stopwords
+         else "none (perturbed)", "opt-in: function words carry no name or number, but do "
+         "carry pronoun gender and negation"],
+        ["SanText+ non-sensitive words not drawn",
+         "counted with stop words" if config.common_words and config.keep_stopwords
+         else f"{kept} (`common_words = {config.common_words}`)" if config.common_words
+         else "none", "opt-in (`common_words`)"],
+        ["number and positions of words", f"yes ({words} words)",
+         "inherent to a word-level mechanism"],
+        ["punctuation and whitespace", "yes",
+         "a small public alphabet carrying no word; it shows the shape of the text"],
+    ]
+    return "\n".join([
+        f"Exponential mechanism ({config.mechanism}, {config.utility} utility): each perturbed "
+        f"word is {eps:g}-DP; {perturbed} of {words} words perturbed; composed budget: {bound}. "
+        "The guarantee covers the perturbed words only. Released in the clear:",
+        "",
+        "| what | here | why |",
+        "|---|---|---|",
+        *[f"| {a} | {b} | {c} |" for a, b, c in rows],
+    ])
+
+
 def sanitize_file(sanitizer: Sanitizer, source: str | Path, target: str | Path, *, eps: float,
                   seed: int, field: str = "text") -> list[SanitizeReport]:
     """Sanitise a file into ``target``; return one report per document.
@@ -810,27 +948,23 @@ class _Run:
 
     def feed(self, text: str, final: bool) -> None:
         buf = self.carry + text if self.carry else text
-        pos = 0
-        pending: re.Match[str] | None = None
-        for match in _WORD.finditer(buf):
-            if pending is not None:
-                self._word(buf, pos, pending)
-                pos = pending.end()
-            pending = match
         if final:
-            if pending is not None:
-                self._word(buf, pos, pending)
-                pos = pending.end()
-            self.parts.append(buf[pos:])
-            self.carry = ""
-            self._flush()
-            return
-        # the last word may continue in the next piece: keep it (and what follows) back
-        cut = pending.start() if pending is not None else len(buf)
+            cut = len(buf)
+        else:
+            # no word spans whitespace, so everything up to the last whitespace tokenises the
+            # same whatever follows; the rest waits for the next piece
+            space = _UP_TO_LAST_SPACE.match(buf)
+            cut = space.end() if space is not None else 0
+        pos = 0
+        for match in _TOKEN.finditer(buf, 0, cut):
+            self._word(buf, pos, match)
+            pos = match.end()
         self.parts.append(buf[pos:cut])
         self.carry = buf[cut:]
         self.offset += cut
-        if len(self.rows) >= CHUNK_WORDS:
+        if final:
+            self._flush()
+        elif len(self.rows) >= CHUNK_WORDS:
             self._flush()
 
     def _word(self, buf: str, pos: int, match: re.Match[str]) -> None:
