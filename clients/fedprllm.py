@@ -1,6 +1,7 @@
-"""FedPrLLM ClientApp: compute this node's local prune masks on its private calibration windows.
+"""FedPrLLM's ClientApp handlers: this node's local prune masks on its private calibration windows.
 
-Actions (``message_type``):
+The one ClientApp of the FAB (``clients/app.py``) calls these for the message types the method
+declares (``fedcompress.methods.fedprllm.METHOD.actions``):
 
 * ``train.masks`` (one-shot): every layer's masks in one reply;
 * ``train.layer_mask`` (iterative): one layer per round; this node keeps its activations in its
@@ -17,17 +18,15 @@ import time
 
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
 
 from clients.common import cached_model
-from fedcompress.pruning.federated import (
+from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig, decode_masks, encode_wire, expected_shapes, federation_windows,
     iterative_client_step, masks_by_layer)
 from fedcompress.masks.stats import flatten_masks
 from fedcompress.pruning.local import local_masks
 
 logger = logging.getLogger(__name__)
-app = ClientApp()
 
 
 @functools.lru_cache(maxsize=4)
@@ -69,7 +68,6 @@ def _reply(message: Message, payload: dict, metrics: dict) -> Message:
                    reply_to=message)
 
 
-@app.query("warmup")
 def warmup(message: Message, context: Context) -> Message:
     """Load the model and cut the windows (what a site does at start-up), reply when ready."""
     start = time.perf_counter()
@@ -78,7 +76,6 @@ def warmup(message: Message, context: Context) -> Message:
         {"seconds": time.perf_counter() - start})}), reply_to=message)
 
 
-@app.train("masks")
 def oneshot_masks(message: Message, context: Context) -> Message:
     """All local masks from one sequential pass over this node's windows."""
     config, partition, model, windows = _setup(message, context)
@@ -90,7 +87,6 @@ def oneshot_masks(message: Message, context: Context) -> Message:
                    "partition": partition})
 
 
-@app.train("layer_mask")
 def iterative_layer_mask(message: Message, context: Context) -> Message:
     """Masks of one decoder layer, after applying the global mask of the previous one."""
     config, partition, model, windows = _setup(message, context)

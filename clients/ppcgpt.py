@@ -1,7 +1,8 @@
-"""PPC-GPT ClientApp: perturb private text (round 1); rebuild, evaluate and retrain the server's
-compressed model on private labelled data (round 2).
+"""PPC-GPT's ClientApp handlers: perturb private text (round 1); rebuild, evaluate and retrain the
+server's compressed model on private labelled data (round 2).
 
-Actions (``message_type``):
+The one ClientApp of the FAB (``clients/app.py``) calls these for the message types the method
+declares (``fedcompress.methods.ppcgpt.METHOD.actions``):
 
 * ``query.perturb``: this node's questions and choices, perturbed by the exponential mechanism
   (``eps`` per word), as a JSON list in a ``ConfigRecord``; the privacy budget spent in a
@@ -20,14 +21,12 @@ import logging
 import time
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
 
 from clients.common import cached_model
-from fedcompress.ppcgpt import (
+from fedcompress.methods.ppcgpt import (
     PPCGPTConfig, client_data, client_retrain, client_text, rebuild_model)
 
 logger = logging.getLogger(__name__)
-app = ClientApp()
 
 
 def _setup(message: Message, context: Context):
@@ -36,7 +35,6 @@ def _setup(message: Message, context: Context):
     return config, partition, client_data(config, partition)
 
 
-@app.query("perturb")
 def perturb(message: Message, context: Context) -> Message:
     """Round 1: this node's perturbed questions and choices."""
     start = time.perf_counter()
@@ -51,7 +49,6 @@ def perturb(message: Message, context: Context) -> Message:
                                "metrics": MetricRecord(metrics)}), reply_to=message)
 
 
-@app.train("retrain")
 def retrain(message: Message, context: Context) -> Message:
     """Round 2: rebuild the compressed model, accuracy before ("S") and after ("C") retraining."""
     config, partition, data = _setup(message, context)

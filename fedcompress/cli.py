@@ -9,6 +9,7 @@ and ``--out DIR``; options given on the command line override the file. Each run
 from __future__ import annotations
 
 import datetime as _dt
+import inspect
 import json
 import logging
 import sys
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fedcompress import models
+from fedcompress.report import default_out
 
 app = typer.Typer(
     name="fedcompress",
@@ -61,10 +63,6 @@ def resolve_settings(command: str, config_file: Path | None, cli: dict[str, Any]
     settings.update(from_file)
     settings.update({k: v for k, v in cli.items() if v is not None})
     return settings
-
-
-def default_out(command: str) -> Path:
-    return Path("runs") / f"{command}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 def _split_list(value: Any) -> list[str]:
@@ -236,115 +234,89 @@ def run_eval(settings: dict[str, Any], progress: bool = True):
     return report
 
 
-PRUNE_DEFAULTS: dict[str, Any] = {
-    # FedPrLLM (sent to the clients)
-    "model": models.DEFAULT_MODEL, "dtype": "float32", "method": "wanda", "sparsity": 0.5,
-    "nm": "none", "local_group": "row", "group": "layer", "scale": False,
-    "tie_break": "magnitude", "mode": "oneshot", "clients": 16, "samples_per_client": 4,
-    "seqlen": 256, "partition": "iid", "alpha": 1.0, "seed": 0, "calib_text": "wiki",
-    "calib_split": "train", "batch_size": 4, "min_clients": 0, "mask_tolerance": 0.05,
-    "wire": "packed", "wire_reference": "wiki",
-    # evaluation and server
-    "eval_text": "wiki", "eval_split": "test", "eval_seqlen": 256, "eval_windows": 0,
-    "out": None, "device": "auto", "baselines": "dense,centralized,local-only",
-    "variants": "configured", "save_model": True, "timeout": 3600.0,
-    "cpus_per_client": 1.0,
-}
+# Methods ------------------------------------------------------------------------------------
+# One command per method of the registry (fedcompress.methods), its options generated from the
+# method's settings classes: their defaults and help are the only ones.
+
+CPUS_HELP = "Ray CPUs per virtual client (sets parallelism)."
 
 
-def _opt(name: str, help_text: str, **kwargs):
-    return _option(PRUNE_DEFAULTS, name, help_text, **kwargs)
+def method_defaults(method) -> dict[str, Any]:
+    """What ``fedcompress METHOD.command`` accepts (its --config keys) and their defaults."""
+    return {**method.defaults(), "cpus_per_client": 1.0}
 
 
-@app.command("prune")
-def prune_command(
-    model: Annotated[Optional[str], _opt("--model", "Model spec (as in `eval`).")] = None,
-    method: Annotated[Optional[str], _opt("--method", "Local pruning: magnitude, wanda, "
-                                                      "sparsegpt.")] = None,
-    sparsity: Annotated[Optional[float], _opt("--sparsity", "Fraction of weights pruned in "
-                                                            "each linear layer, in [0, 1).")] = None,
-    nm: Annotated[Optional[str], _opt("--nm", "N:M semi-structured pattern, e.g. 2:4 "
-                                              "(overrides --sparsity), or none.")] = None,
-    local_group: Annotated[Optional[str], _opt("--local-group", "Clients' comparison group: "
-                                                                "layer, row, column.")] = None,
-    group: Annotated[Optional[str], _opt("--group", "Server's comparison group for the vote: "
-                                                    "layer, row, column.")] = None,
-    scale: Annotated[Optional[bool], _opt("--scale/--no-scale", "Scale kept weights by "
-                                                                "(m - votes)/m.")] = None,
-    mode: Annotated[Optional[str], _opt("--mode", "oneshot (one round) or iterative (one "
-                                                  "round per layer).")] = None,
-    tie_break: Annotated[Optional[str], _opt("--tie-break", "Among equal vote counts prune "
-                                             "first: magnitude (smaller |W|), random (seeded), "
-                                             "index.")] = None,
-    clients: Annotated[Optional[int], _opt("--clients", "Number of clients.")] = None,
-    samples_per_client: Annotated[Optional[int], _opt("--samples-per-client",
-                                                      "Calibration windows per client.")] = None,
-    seqlen: Annotated[Optional[int], _opt("--seqlen", "Tokens per calibration window.")] = None,
-    partition: Annotated[Optional[str], _opt("--partition", "iid or dirichlet.")] = None,
-    alpha: Annotated[Optional[float], _opt("--alpha", "Dirichlet concentration.")] = None,
-    min_clients: Annotated[Optional[int], _opt("--min-clients", "Fewest valid clients to go "
-                                                                "on with (0: all).")] = None,
-    wire: Annotated[Optional[str], _opt("--wire", "Mask wire format: packed (1 bit per "
-                                        "weight) or compressed (lossless, coded against "
-                                        "public reference norms).")] = None,
-    wire_reference: Annotated[Optional[str], _opt("--wire-reference", "Compressed wire: "
-                                                  "public corpus (its validation split) of the "
-                                                  "reference norms, or none.")] = None,
-    calib_text: Annotated[Optional[str], _opt("--calib-text", "Calibration corpus: bundled "
-                                              "name, hub name or .txt/.jsonl file.")] = None,
-    eval_text: Annotated[Optional[str], _opt("--eval-text", "Evaluation corpus (as "
-                                                            "--calib-text).")] = None,
-    eval_windows: Annotated[Optional[int], _opt("--eval-windows", "Evaluate on the first N "
-                                                "windows (0: the whole split).")] = None,
-    eval_seqlen: Annotated[Optional[int], _opt("--eval-seqlen", "Evaluation window.")] = None,
-    baselines: Annotated[Optional[str], _opt("--baselines", "Comma-separated: dense, "
-                                             "centralized, local-only (or none).")] = None,
-    variants: Annotated[Optional[str], _opt("--variants", "Server variants evaluated from "
-                                            "the same one-shot masks: configured or all "
-                                            "(3 groups x scaling).")] = None,
-    save_model: Annotated[Optional[bool], _opt("--save-model/--no-save-model",
-                                               "save_pretrained the pruned model in OUT/model."
-                                               )] = None,
-    batch_size: Annotated[Optional[int], _opt("--batch-size", "Windows per forward.")] = None,
-    cpus_per_client: Annotated[Optional[float], _opt("--cpus-per-client", "Ray CPUs per "
-                                                     "virtual client (sets parallelism).")] = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    seed: SeedOpt = None,
-    out: OutOpt = None,
-    config: ConfigOpt = None,
-    log_level: LogOpt = "INFO",
-) -> None:
-    """Federated pruning (FedPrLLM) on Flower's Simulation Engine, with baselines and a report."""
-    _setup_logging(log_level)
-    cli = {k: v for k, v in locals().items() if k in PRUNE_DEFAULTS}
-    cli["out"] = None if out is None else str(out)
-    cli["baselines"] = "" if baselines == "none" else baselines
-    settings = resolve_settings("prune", config, cli, PRUNE_DEFAULTS)
-    run_prune(settings)
+def _method_parameters(method) -> list[inspect.Parameter]:
+    params = []
+    for cls in method.settings:
+        for name in cls.names():
+            kind, spec = cls.types()[name], cls.spec(name)
+            flag = name.replace("_", "-")
+            decl = f"--{flag}/--no-{flag}" if kind is bool else f"--{flag}"
+            option = _option(cls.defaults(), decl, spec.help)
+            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=Annotated[Optional[kind], option]))
+    for old, new in method.aliases.items():
+        option = typer.Option(f"--{old.replace('_', '-')}", hidden=True,
+                              help=f"Deprecated: use --{new.replace('_', '-')}.")
+        kind = method.owner(new).types()[new]
+        params.append(inspect.Parameter(f"alias_{old}", inspect.Parameter.KEYWORD_ONLY,
+                                        default=None, annotation=Annotated[Optional[kind], option]))
+    extra = [("cpus_per_client", Annotated[Optional[float], _option(
+                  {"cpus_per_client": 1.0}, "--cpus-per-client", CPUS_HELP)], None),
+             ("config", ConfigOpt, None), ("log_level", LogOpt, "INFO")]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
+               for n, a, d in extra]
+    return params
 
 
-# The Flower app (server/<name>.py, its simulate_<name> in server/simulation.py) of each command.
-SIMULATED_APPS = {"prune": "fedprllm", "ppcgpt": "ppcgpt"}
+def _add_method_command(method) -> None:
+    params = _method_parameters(method)
+
+    def command(**options: Any) -> None:
+        _setup_logging(options.pop("log_level"))
+        config = options.pop("config")
+        for old, new in method.aliases.items():
+            value = options.pop(f"alias_{old}")
+            if value is not None:
+                logger.warning("--%s is deprecated: use --%s", old.replace("_", "-"),
+                               new.replace("_", "-"))
+                if options.get(new) is None:
+                    options[new] = value
+        run_method(method.name, resolve_settings(method.command, config, options,
+                                                 method_defaults(method)))
+
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__doc__ = (f"{method.help} Every setting can also be given in --config "
+                       f"(method {method.name!r}: fedcompress.methods.{method.name}).")
+    command.__name__ = f"{method.name}_command"
+    app.command(method.command)(command)
 
 
-def _run_simulated(command: str, settings: dict[str, Any]) -> dict:
-    """Validate every setting, run the command's Flower apps on the Simulation Engine, return
-    the report."""
+def run_method(name: str, settings: dict[str, Any]) -> dict:
+    """Validate every setting of method ``name``, run its Flower apps on the Simulation Engine,
+    print its summary table and return the report."""
     # The CLI is the composition root: it may start the Flower apps; no library module does.
-    import importlib
+    from fedcompress.methods import get_method
+    from server.simulation import simulate_method
 
-    name = SIMULATED_APPS[command]
-    server_app = importlib.import_module(f"server.{name}")
-    simulate = getattr(importlib.import_module("server.simulation"), f"simulate_{name}")
+    method = get_method(name)
     settings = dict(settings)
-    settings["out"] = settings["out"] or str(default_out(command))
     cpus = float(settings.pop("cpus_per_client"))
     if not cpus > 0:
         raise ConfigError(f"--cpus-per-client {cpus}: expected a positive number")
-    server_app.check_settings(settings)  # raises on any bad value before Ray starts
-    simulate(settings, num_cpus_per_client=cpus)
-    return json.loads((Path(settings["out"]) / "report.json").read_text())
+    settings["out"] = settings.get("out") or str(default_out(method.command))
+    simulate_method(name, settings, num_cpus_per_client=cpus)
+    report = json.loads((Path(settings["out"]) / "report.json").read_text())
+    if method.summary is not None:
+        _print_summary(report, *method.summary(report))
+    return report
+
+
+def run_prune(settings: dict[str, Any]) -> dict:
+    """``fedcompress prune`` with flat settings (e.g. from Python)."""
+    return run_method("fedprllm", settings)
 
 
 def _print_summary(report: dict, title: str, columns: list[str], rows: list[list[str]],
@@ -366,19 +338,6 @@ def _print_summary(report: dict, title: str, columns: list[str], rows: list[list
     if report.get("rejected"):
         console.print(f"[yellow]rejected clients: {report['rejected']}")
     console.print(f"report: {report['config']['out']}/report.json | report.md")
-
-
-def run_prune(settings: dict[str, Any]):
-    """The body of ``fedcompress prune``: validate everything, then simulate."""
-    report = _run_simulated("prune", settings)
-    rows = []
-    for r in report["results"]:
-        prune_s = r.get("prune_seconds", r.get("federated_seconds"))
-        rows.append([r["name"], f"{r['perplexity']:.3f}", f"{r['sparsity']:.3f}",
-                     "-" if prune_s is None else f"{prune_s:.1f}", f"{r['eval_seconds']:.1f}"])
-    _print_summary(report, "fedcompress prune",
-                   ["name", "perplexity", "sparsity", "prune s", "eval s"], rows)
-    return report
 
 
 def _print_sections(report) -> None:
@@ -563,105 +522,6 @@ def run_sanitize(settings: dict[str, Any]):
     return report
 
 
-def _ppcgpt_defaults() -> dict[str, Any]:
-    from fedcompress.ppcgpt import PPCGPTConfig
-
-    return {**PPCGPTConfig().to_dict(), "out": None, "device": "auto",
-            "baselines": "dense,dense-sft,plain-c", "save_model": True, "timeout": 7200.0,
-            "cpus_per_client": 1.0}
-
-
-PPCGPT_DEFAULTS: dict[str, Any] = _ppcgpt_defaults()
-
-
-def _popt(name: str, help_text: str, **kwargs):
-    return _option(PPCGPT_DEFAULTS, name, help_text, **kwargs)
-
-
-@app.command("ppcgpt")
-def ppcgpt_command(
-    model: Annotated[Optional[str], _popt("--model", "LLM_o, the model to compress (as in "
-                                                     "`eval`).")] = None,
-    task: Annotated[Optional[str], _popt("--task", "Multiple-choice task: bundled name or "
-                                                   "JSONL file/dir with train and eval splits."
-                                         )] = None,
-    clients: Annotated[Optional[int], _popt("--clients", "Number of clients.")] = None,
-    examples_per_client: Annotated[Optional[int], _popt(
-        "--examples-per-client", "Private labelled training examples per client (0: the whole "
-                                 "partition).")] = None,
-    eval_per_client: Annotated[Optional[int], _popt(
-        "--eval-per-client", "Private test examples per client (0: the whole partition)."
-    )] = None,
-    partition: Annotated[Optional[str], _popt("--partition", "iid or dirichlet (label skew)."
-                                              )] = None,
-    alpha: Annotated[Optional[float], _popt("--alpha", "Dirichlet concentration.")] = None,
-    eps: Annotated[Optional[float], _popt("--eps", "DP budget per perturbed word (exponential "
-                                                   "mechanism).")] = None,
-    mechanism: Annotated[Optional[str], _popt("--mechanism", "santext or custext.")] = None,
-    keep_stopwords: Annotated[Optional[bool], _popt(
-        "--keep-stopwords/--no-keep-stopwords", "Release English stop words in the clear "
-        "(CusText+; opt-in). Out-of-vocabulary words are always replaced.")] = None,
-    synth_model: Annotated[Optional[str], _popt(
-        "--synth-model", "LLM_syn: model spec of the generator (empty: --model); with "
-                         "--synth-url the served model name.")] = None,
-    synth_url: Annotated[Optional[str], _popt(
-        "--synth-url", "OpenAI-compatible server for LLM_syn (vLLM, Ollama, TGI), e.g. "
-                       "http://localhost:8000/v1.")] = None,
-    synth_ratio: Annotated[Optional[float], _popt("--synth-ratio", "Synthetic samples wanted "
-                                                  "per client example.")] = None,
-    min_synthetic: Annotated[Optional[int], _popt("--min-synthetic", "Fewest accepted "
-                                                  "synthetic samples to go on with.")] = None,
-    prune_ratio: Annotated[Optional[float], _popt("--prune-ratio", "Fraction of decoder "
-                                                  "layers removed, in [0, 1).")] = None,
-    prune_policy: Annotated[Optional[str], _popt("--prune-policy", "bi (Block Influence) or "
-                                                 "seq (the deepest layers).")] = None,
-    rationales: Annotated[Optional[bool], _popt("--rationales/--no-rationales",
-                                                "Use rationales (BI and loss).")] = None,
-    server_retrain: Annotated[Optional[bool], _popt("--server-retrain/--no-server-retrain",
-                                                    "CoT distillation on the server.")] = None,
-    server_epochs: Annotated[Optional[float], _popt("--server-epochs", "Distillation epochs."
-                                                    )] = None,
-    client_epochs: Annotated[Optional[float], _popt("--client-epochs", "Client retraining "
-                                                    "epochs.")] = None,
-    lr: Annotated[Optional[float], _popt("--lr", "LoRA learning rate.")] = None,
-    baselines: Annotated[Optional[str], _popt("--baselines", "Comma-separated: dense, "
-                                              "dense-sft, plain-c (or none).")] = None,
-    min_clients: Annotated[Optional[int], _popt("--min-clients", "Fewest valid clients to go "
-                                                "on with (0: all).")] = None,
-    cpus_per_client: Annotated[Optional[float], _popt("--cpus-per-client", "Ray CPUs per "
-                                                      "virtual client.")] = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    seed: SeedOpt = None,
-    out: OutOpt = None,
-    config: ConfigOpt = None,
-    log_level: LogOpt = "INFO",
-) -> None:
-    """PPC-GPT on Flower's Simulation Engine: DP-perturbed client text, synthetic CoT data,
-    Block Influence layer removal, distillation, client retraining; baselines and a report.
-    Every setting of fedcompress.ppcgpt.PPCGPTConfig can be given in --config."""
-    _setup_logging(log_level)
-    cli = {k: v for k, v in locals().items() if k in PPCGPT_DEFAULTS}
-    cli["out"] = None if out is None else str(out)
-    cli["baselines"] = "" if baselines == "none" else baselines
-    run_ppcgpt(resolve_settings("ppcgpt", config, cli, PPCGPT_DEFAULTS))
-
-
-def run_ppcgpt(settings: dict[str, Any]):
-    """The body of ``fedcompress ppcgpt``: validate everything, then simulate."""
-    report = _run_simulated("ppcgpt", settings)
-    rows = [[r["name"], str(r.get("layers", "-")),
-             "-" if "acc_server" not in r else f"{r['acc_server']:.3f}",
-             f"{r['acc_client']:.3f}", str(r.get("n_client", "-"))] for r in report["results"]]
-    synth = report.get("synthetic", {})
-    notes = [f"synthetic samples: {synth.get('accepted')}/{synth.get('attempts')} accepted "
-             f"({synth.get('backend')}); eps per word {report['config']['eps']}, at most "
-             f"{report.get('privacy', {}).get('eps_per_example_max')} per example"] if synth else []
-    _print_summary(report, "fedcompress ppcgpt (accuracy on the clients' private test data)",
-                   ["name", "layers", "acc server (S)", "acc client (C)", "n"], rows, notes)
-    return report
-
-
 @app.command("models")
 def models_command(
     gguf: Annotated[Optional[str], typer.Option(
@@ -694,6 +554,16 @@ def models_command(
         table.add_row(name, spec.description, installed, "yes" if cached else "no", spec.licence)
     Console().print(table)
     Console().print(f"cache: {models.cache_dir()} (set FEDCOMPRESS_CACHE to move it)")
+
+
+def _add_method_commands() -> None:
+    from fedcompress.methods import methods
+
+    for method in methods().values():
+        _add_method_command(method)
+
+
+_add_method_commands()
 
 
 def main() -> None:

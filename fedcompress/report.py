@@ -99,6 +99,11 @@ def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def default_out(command: str) -> Path:
+    """The output folder of a run given none: ``runs/<command>-<local time>``."""
+    return Path("runs") / f"{command}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
 class RunReport:
     """Collects one run's config, seeds, timings and results; writes them under ``out_dir``."""
 
@@ -202,6 +207,14 @@ class RunReport:
     def write(self) -> None:
         atomic_write(self.out_dir / "report.json", json.dumps(self.to_dict(), indent=2) + "\n")
         atomic_write(self.out_dir / "report.md", self.markdown())
+
+    def __enter__(self) -> RunReport:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Finish the report: ``ok``, or ``failed`` when the block raised (the exception goes
+        on; every result added so far is already on disk)."""
+        self.finish("ok" if exc_type is None else "failed")
 
     def finish(self, status: str = "ok") -> None:
         self.status = status

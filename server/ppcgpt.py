@@ -21,43 +21,27 @@ import transformers  # noqa: F401  (imported at module level: see server/fedprll
 from flwr.app import ArrayRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedcompress import ppcgpt
+from fedcompress.methods import ppcgpt
 from fedcompress.models import load_model, num_layers
-from fedcompress.report import RunReport
+from fedcompress.report import RunReport, default_out
 from fedcompress.synth import SynthConfig, generate_synthetic
 from server.common import make_server_app
 from strategies.ppcgpt import PPCGPT
 
 logger = logging.getLogger(__name__)
 
-SERVER_KEYS = ("out", "device", "baselines", "save_model", "timeout")
-SERVER_DEFAULTS = {"out": "runs/ppcgpt", "device": "auto", "baselines": "dense,dense-sft,plain-c",
-                   "save_model": True, "timeout": 7200.0}
 BASELINES = {"dense": ppcgpt.dense_accuracy, "dense-sft": ppcgpt.dense_sft,
              "plain-c": ppcgpt.plain_c}
 
 
-def split_settings(settings: dict) -> tuple[ppcgpt.PPCGPTConfig, dict]:
-    """Flat settings (CLI or run config, keys with ``-`` or ``_``) -> (method config, server)."""
-    flat = {k.replace("-", "_"): v for k, v in settings.items()}
-    server = dict(SERVER_DEFAULTS)
-    server.update({k: flat.pop(k) for k in SERVER_KEYS if k in flat})
-    return ppcgpt.PPCGPTConfig.from_dict(flat), server
-
-
-def baselines_of(server: dict) -> list[str]:
-    names = [b.strip() for b in str(server["baselines"]).split(",") if b.strip()]
-    unknown = sorted(set(names) - set(BASELINES))
-    if unknown:
-        raise ValueError(f"unknown baseline(s) {unknown}: expected some of {sorted(BASELINES)} "
-                         "(or none)")
-    return names
+def split_settings(settings: dict) -> tuple[ppcgpt.PPCGPTConfig, ppcgpt.RunSettings]:
+    """Flat settings (CLI or run config, keys with ``-`` or ``_``) -> (method, server)."""
+    return ppcgpt.METHOD.parse(settings)  # type: ignore[return-value]
 
 
 def check_settings(settings: dict) -> None:
     """Every setting valid, before any model is loaded or any engine started."""
-    config, server = split_settings(settings)
-    baselines_of(server)
+    config, _ = split_settings(settings)
     ppcgpt.client_data(config, 0)  # the task exists and has enough examples
 
 
@@ -81,92 +65,93 @@ def _nested(metrics: dict) -> dict:
     return out
 
 
-def run_ppcgpt(grid: Grid, settings: dict) -> RunReport:
+def run(grid: Grid, settings: dict) -> RunReport:
     config, server = split_settings(settings)
-    baselines = baselines_of(server)
-    out = Path(server["out"])
-    report = RunReport(out, "ppcgpt", {**config.to_dict(), **server}, seeds={"seed": config.seed})
-    timeout = float(server["timeout"])
-    try:
-        with report.phase("setup"):
-            device = None if server["device"] in ("", "auto") else server["device"]
-            loaded = load_model(config.model, device=device, dtype=config.dtype)
-            model, tokenizer = loaded.model, loaded.tokenizer
-        report.extra["model"] = {"spec": loaded.spec, **loaded.info}
-        strategy = PPCGPT(config)
-
-        with report.phase("round1_perturb"):
-            examples = strategy.collect_text(grid, timeout)
-        report.extra["privacy"] = {
-            "eps_per_word": config.eps, "mechanism": config.mechanism,
-            "eps_per_example_max": max(m.get("eps_per_example_max", 0.0)
-                                       for m in strategy.text_metrics),
-            "clients": strategy.text_metrics}
-        report.sections.append(("Privacy (round 1)",
-                                ppcgpt.privacy_notes(config, strategy.text_metrics)))
-        report.extra["rejected"] = strategy.rejected
-
-        with report.phase("synthetic"):
-            backend = ppcgpt.make_backend(config, model, tokenizer, device)
-            synth = generate_synthetic(examples, backend, SynthConfig(**config.synth_settings()))
-            synth.save(out / "synthetic")
-        report.extra["synthetic"] = {"backend": synth.backend, **synth.stats.to_dict()}
-        if synth.stats.accepted < config.min_synthetic:
-            raise ppcgpt.NotEnoughSyntheticData(
-                f"{synth.stats.accepted} synthetic sample(s) accepted of "
-                f"{synth.stats.attempts} attempts (rejections: "
-                f"{ {k: v for k, v in synth.stats.rejections.items() if v} }), the run needs "
-                f"min_synthetic={config.min_synthetic}: use a stronger generator (synth_model "
-                "or synth_url), a higher synth_ratio, or lower min_synthetic")
-
-        with report.phase("compress"):
-            compressed = ppcgpt.compress(model, tokenizer, synth.samples, config)
-        report.extra["compression"] = {
-            "plan": compressed.plan.to_dict(),
-            "importance": None if compressed.importance is None
-            else compressed.importance.to_dict(),
-            "train": compressed.train_metrics, "seconds": compressed.seconds}
-        if server["save_model"]:
-            with report.phase("save"):
-                merged = copy.deepcopy(compressed.model).merge_and_unload()
-                merged.save_pretrained(out / "model")
-                tokenizer.save_pretrained(out / "model")
-                del merged
-
-        strategy.set_model(list(compressed.plan.removed), ppcgpt.adapter_arrays(compressed.model))
-        start = time.perf_counter()
-        with report.phase("round2_retrain"):
-            strategy.start(grid, ArrayRecord(), num_rounds=1, timeout=timeout)
-        report.extra["rejected"] = strategy.rejected
-        per_client = [_nested(m) for m in sorted(strategy.client_metrics,
-                                                 key=lambda m: m["partition"])]
-        report.add_result(_result(
-            "ppcgpt", per_client, layers=num_layers(model) - len(compressed.plan.removed),
-            removed=len(compressed.plan.removed), synthetic=synth.stats.accepted,
-            eps=config.eps, round2_seconds=time.perf_counter() - start,
-            bytes_down_per_client=strategy.bytes_down // max(config.clients, 1),
-            bytes_up_per_client=sum(m.get("bytes_up", 0) for m in strategy.text_metrics)
-            // max(len(strategy.text_metrics), 1)))
-
-        for name in baselines:
-            per_client = []
-            with report.phase(name):
-                for partition in range(config.clients):
-                    data = ppcgpt.client_data(config, partition)
-                    per_client.append({"partition": partition,
-                                       **BASELINES[name](model, tokenizer, data, config)})
-            removed = len(per_client[0].get("removed", []))
-            report.add_result(_result(name, per_client, layers=num_layers(model) - removed,
-                                      removed=removed))
-    except BaseException:
-        report.finish("failed")
-        raise
-    report.finish("ok")
+    out = Path(server.out) if server.out else default_out(ppcgpt.METHOD.command)
+    server = server.replace(out=str(out))
+    with RunReport(out, ppcgpt.METHOD.command, {**config.to_dict(), **server.to_dict()},
+                   seeds={"seed": config.seed}) as report:
+        _run(grid, config, server, report)
     return report
 
 
+def _run(grid: Grid, config: ppcgpt.PPCGPTConfig, server: ppcgpt.RunSettings,
+         report: RunReport) -> None:
+    out = Path(server.out)
+    baselines = server.baseline_list()
+    timeout = server.timeout
+    with report.phase("setup"):
+        device = None if server.device in ("", "auto") else server.device
+        loaded = load_model(config.model, device=device, dtype=config.dtype)
+        model, tokenizer = loaded.model, loaded.tokenizer
+    report.extra["model"] = {"spec": loaded.spec, **loaded.info}
+    strategy = PPCGPT(config)
+
+    with report.phase("round1_perturb"):
+        examples = strategy.collect_text(grid, timeout)
+    budgets = strategy.stage_metrics("perturb")
+    report.extra["privacy"] = {
+        "eps_per_word": config.eps, "mechanism": config.mechanism,
+        "eps_per_example_max": max(m.get("eps_per_example_max", 0.0) for m in budgets),
+        "clients": budgets}
+    report.sections.append(("Privacy (round 1)",
+                            ppcgpt.privacy_notes(config, budgets)))
+    report.extra["rejected"] = strategy.outcome.rejected
+
+    with report.phase("synthetic"):
+        backend = ppcgpt.make_backend(config, model, tokenizer, device)
+        synth = generate_synthetic(examples, backend, SynthConfig(**config.synth_settings()))
+        synth.save(out / "synthetic")
+    report.extra["synthetic"] = {"backend": synth.backend, **synth.stats.to_dict()}
+    if synth.stats.accepted < config.min_synthetic:
+        raise ppcgpt.NotEnoughSyntheticData(
+            f"{synth.stats.accepted} synthetic sample(s) accepted of "
+            f"{synth.stats.attempts} attempts (rejections: "
+            f"{ {k: v for k, v in synth.stats.rejections.items() if v} }), the run needs "
+            f"min_synthetic={config.min_synthetic}: use a stronger generator (synth_model "
+            "or synth_url), a higher synth_ratio, or lower min_synthetic")
+
+    with report.phase("compress"):
+        compressed = ppcgpt.compress(model, tokenizer, synth.samples, config)
+    report.extra["compression"] = {
+        "plan": compressed.plan.to_dict(),
+        "importance": None if compressed.importance is None
+        else compressed.importance.to_dict(),
+        "train": compressed.train_metrics, "seconds": compressed.seconds}
+    if server.save_model:
+        with report.phase("save"):
+            merged = copy.deepcopy(compressed.model).merge_and_unload()
+            merged.save_pretrained(out / "model")
+            tokenizer.save_pretrained(out / "model")
+            del merged
+
+    strategy.set_model(list(compressed.plan.removed), ppcgpt.adapter_arrays(compressed.model))
+    start = time.perf_counter()
+    with report.phase("round2_retrain"):
+        strategy.start(grid, ArrayRecord(), num_rounds=1, timeout=timeout)
+    report.extra["rejected"] = strategy.outcome.rejected
+    per_client = [_nested(m) for m in sorted(strategy.stage_metrics("retrain"),
+                                             key=lambda m: m["partition"])]
+    report.add_result(_result(
+        "ppcgpt", per_client, layers=num_layers(model) - len(compressed.plan.removed),
+        removed=len(compressed.plan.removed), synthetic=synth.stats.accepted,
+        eps=config.eps, round2_seconds=time.perf_counter() - start,
+        bytes_down_per_client=strategy.outcome.bytes_down // max(config.clients, 1),
+        bytes_up_per_client=sum(m.get("bytes_up", 0) for m in budgets) // max(len(budgets), 1)))
+
+    for name in baselines:
+        per_client = []
+        with report.phase(name):
+            for partition in range(config.clients):
+                data = ppcgpt.client_data(config, partition)
+                per_client.append({"partition": partition,
+                                   **BASELINES[name](model, tokenizer, data, config)})
+        removed = len(per_client[0].get("removed", []))
+        report.add_result(_result(name, per_client, layers=num_layers(model) - removed,
+                                  removed=removed))
+
+
 def make_app(settings: dict | None = None) -> ServerApp:
-    return make_server_app(run_ppcgpt, settings)
-
-
-app = make_app()
+    """A ServerApp running PPC-GPT with ``settings`` (the CLI), or with the Flower run
+    config's ``ppcgpt.*`` settings."""
+    return make_server_app(ppcgpt.METHOD, run, settings)

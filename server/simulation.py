@@ -33,26 +33,21 @@ def simulate(server_app, client_app, num_supernodes: int, num_cpus_per_client: f
         reap_ray_orphans(before)
 
 
-def simulate_fedprllm(settings: dict, num_cpus_per_client: float = 1.0,
-                      verbose: bool = False) -> None:
-    """``settings``: flat FedPrLLM settings (see ``server.fedprllm.split_settings``)."""
-    from clients.fedprllm import app as client_app
-    from server.fedprllm import check_settings, make_app, split_settings
-
-    check_settings(settings)  # fail on bad settings before Ray starts
-    config, _, _ = split_settings(settings)
-    simulate(make_app(settings), client_app, config.clients, num_cpus_per_client, verbose)
-
-
-def simulate_ppcgpt(settings: dict, num_cpus_per_client: float = 1.0,
+def simulate_method(name: str, settings: dict, num_cpus_per_client: float = 1.0,
                     verbose: bool = False) -> None:
-    """``settings``: flat PPC-GPT settings (see ``server.ppcgpt.split_settings``)."""
-    from clients.ppcgpt import app as client_app
-    from server.ppcgpt import check_settings, make_app, split_settings
+    """Run method ``name`` of the registry with flat ``settings`` on the Simulation Engine:
+    its ServerApp with these settings and the one ClientApp (``clients/app.py``), one virtual
+    node per client. Every setting is checked before Ray starts."""
+    import importlib
 
-    check_settings(settings)
-    config, _ = split_settings(settings)
-    simulate(make_app(settings), client_app, config.clients, num_cpus_per_client, verbose)
+    from clients.app import app as client_app
+    from fedcompress.methods import get_method
+
+    method = get_method(name)
+    server = importlib.import_module(method.server_module)
+    server.check_settings(settings)  # fail on bad settings before Ray starts
+    clients = method.parse(settings)[0].clients
+    simulate(server.make_app(settings), client_app, clients, num_cpus_per_client, verbose)
 
 
 def _ray_pids() -> set[int]:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from fedcompress.models import load_model
-from fedcompress.pruning.federated import (
+from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig, MaskAggregator, ServerConfig, encode_masks, federation_windows)
 from fedcompress.pruning.local import local_masks
 

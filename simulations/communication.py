@@ -33,7 +33,7 @@ def model_shapes(model: str) -> dict[str, tuple]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fedcompress.models import load_model
-    from fedcompress.pruning.federated import expected_shapes
+    from fedcompress.methods.fedprllm.federated import expected_shapes
 
     try:
         loaded = load_model(model, device="cpu")

@@ -51,7 +51,7 @@ from fedcompress.models import (  # noqa: E402
     weight_matrix,
 )
 from fedcompress.privacy import leakage as lk  # noqa: E402
-from fedcompress.pruning.federated import expected_shapes  # noqa: E402
+from fedcompress.methods.fedprllm.federated import expected_shapes  # noqa: E402
 from fedcompress.pruning.local import PruneConfig, local_masks  # noqa: E402
 from fedcompress.report import versions  # noqa: E402
 

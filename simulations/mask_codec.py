@@ -39,7 +39,7 @@ from fedcompress.data.corpora import load_corpus
 from fedcompress.masks import compress as mc
 from fedcompress.masks.codec import encode_mask
 from fedcompress.models import load_model
-from fedcompress.pruning.federated import client_windows, mask_key
+from fedcompress.methods.fedprllm.federated import client_windows, mask_key
 from fedcompress.pruning.local import PruneConfig, local_masks
 
 log = logging.getLogger("mask_codec")

@@ -1,14 +1,93 @@
-"""What every fedcompress strategy shares: waiting for nodes, the not-enough-clients outcome."""
+"""What every fedcompress strategy shares: waiting for nodes, checking replies, the outcome.
+
+:func:`collect_valid_replies` is the one place where a round's replies are sorted into valid
+ones and rejected ones (as Flower's ``FedAvg._check_and_log_replies`` does): a reply that is
+an error, or whose content fails the method's validation, is logged with its reason and left
+out, in one record shape (:func:`rejection`); :func:`require_valid` ends the run with
+:class:`NotEnoughClientsError` when too few valid replies remain.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+from flwr.app import Message
 from flwr.serverapp import Grid
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class NotEnoughClientsError(RuntimeError):
     """Fewer valid client replies (or connected nodes) than the run requires."""
+
+
+@dataclass
+class StrategyOutcome:
+    """What a strategy gathered during a run, every field present from the start.
+
+    ``rejected``: one :func:`rejection` record per reply left out; ``client_metrics``: the
+    metrics of every valid reply (with ``stage``, ``round``, ``node``); ``bytes_down``: bytes of
+    every message content the server sent; ``startup_seconds``: per node, its start-up (when the
+    strategy asks for one)."""
+
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    client_metrics: list[dict[str, Any]] = field(default_factory=list)
+    bytes_down: int = 0
+    startup_seconds: list[float] = field(default_factory=list)
+
+    def reasons(self, stage: str) -> list[str]:
+        return [r["reason"] for r in self.rejected if r["stage"] == stage]
+
+
+def rejection(stage: str, server_round: int, node: int, reason: str) -> dict[str, Any]:
+    """The one record of a reply left out (logged at WARNING)."""
+    logger.warning("%s (round %d): client node %s left out: %s", stage, server_round, node,
+                   reason)
+    return {"stage": stage, "round": server_round, "node": node, "reason": reason}
+
+
+def collect_valid_replies(replies: Iterable[Message], validate: Callable[[Message], T], *,
+                          stage: str, server_round: int, what: str = "reply",
+                          errors: tuple[type[BaseException], ...] = (KeyError, TypeError,
+                                                                     ValueError)
+                          ) -> tuple[list[tuple[Message, T]], list[dict[str, Any]]]:
+    """Sort ``replies`` (in node order) into ``(reply, validate(reply))`` pairs and rejection
+    records: an error reply is rejected as ``client error: ...``; a reply whose ``validate``
+    raises one of ``errors`` as ``invalid <what>: ...``."""
+    valid: list[tuple[Message, T]] = []
+    rejected: list[dict[str, Any]] = []
+    for reply in sorted(replies, key=lambda r: r.metadata.src_node_id):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            rejected.append(rejection(stage, server_round, node,
+                                      f"client error: {reply.error.reason}"))
+            continue
+        try:
+            valid.append((reply, validate(reply)))
+        except errors as err:
+            rejected.append(rejection(stage, server_round, node, f"invalid {what}: {err}"))
+    return valid, rejected
+
+
+def require_valid(valid: int, required: int, stage: str, server_round: int,
+                  reasons: list[str]) -> None:
+    """:class:`NotEnoughClientsError` unless ``valid >= required``."""
+    if valid < required:
+        raise NotEnoughClientsError(
+            f"{stage} (round {server_round}): {valid} valid client "
+            f"repl{'y' if valid == 1 else 'ies'}, the run needs {required} (rejected: "
+            f"{reasons})")
+
+
+def reply_metrics(reply: Message) -> dict[str, Any]:
+    """A reply's ``metrics`` record as a dict (empty when it has none)."""
+    return dict(reply.content["metrics"]) if "metrics" in reply.content else {}
 
 
 def wait_for_nodes(grid: Grid, wanted: int, required: int, node_wait: float) -> list[int]:

@@ -3,11 +3,12 @@
 :class:`FedPrLLM` (one-shot: one round, every layer) and :class:`IterativeFedPrLLM` (one round
 per decoder layer; the global mask of each layer is broadcast with the next round's request)
 are Flower :class:`~flwr.serverapp.strategy.Strategy` subclasses; the math lives in
-:mod:`fedcompress.pruning.federated` and :mod:`fedcompress.masks.aggregate`.
+:mod:`fedcompress.methods.fedprllm.federated` and :mod:`fedcompress.masks.aggregate`.
 
 A reply that is an error, or whose masks fail validation (names, shapes, dtype, sparsity), is
-logged with its reason and left out of the vote; the round fails with
-:class:`NotEnoughClientsError` when fewer than ``config.required_clients`` valid masks remain.
+logged with its reason and left out of the vote (:func:`strategies.common.collect_valid_replies`);
+the round fails with :class:`NotEnoughClientsError` when fewer than ``config.required_clients``
+valid masks remain. What a run gathered is in :attr:`FedPrLLM.outcome`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedcompress.pruning.federated import (
-    FedPrLLMConfig, InvalidMaskError, MaskAggregator, decode_wire, encode_masks,
-    masks_by_layer)
+from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+from fedcompress.methods.fedprllm.federated import (
+    MaskAggregator, decode_wire, encode_masks, masks_by_layer)
 from fedcompress.models import ModelAdapter
-from strategies.common import NotEnoughClientsError, wait_for_nodes
+from strategies.common import (
+    NotEnoughClientsError, StrategyOutcome, collect_valid_replies, reply_metrics,
+    require_valid, wait_for_nodes)
 
 __all__ = ["FedPrLLM", "IterativeFedPrLLM", "NotEnoughClientsError", "make_strategy"]
 
@@ -44,10 +47,8 @@ class FedPrLLM(Strategy):
         self.reference_wire = reference_wire
         self.node_wait = node_wait
         self.model = model
-        self.rejected: list[dict] = []
+        self.outcome = StrategyOutcome()
         self.failed_nodes: set[int] = set()  # failed at start-up: not asked again
-        self.client_metrics: list[dict] = []
-        self.bytes_down = 0
         self.aggregator = self._new_aggregator()
         self.shapes = self.aggregator.shapes
 
@@ -64,7 +65,7 @@ class FedPrLLM(Strategy):
         if len(usable) < self.config.required_clients:
             raise NotEnoughClientsError(
                 f"{len(usable)} usable node(s) ({len(nodes) - len(usable)} failed at start-up: "
-                f"{[r['reason'] for r in self.rejected if r['round'] == 0]}), the run needs "
+                f"{self.outcome.reasons('warmup')}), the run needs "
                 f"{self.config.required_clients}")
         return usable
 
@@ -76,14 +77,15 @@ class FedPrLLM(Strategy):
         replies = grid.send_and_receive(
             [Message(content, node, "query.warmup") for node in self._nodes(grid)],
             timeout=timeout)
-        self.warmup_seconds = []
-        for reply in replies:
-            if reply.has_error():
-                self.failed_nodes.add(reply.metadata.src_node_id)
-                self._reject(0, reply.metadata.src_node_id,
-                             f"client error at start-up: {reply.error.reason}")
-            else:
-                self.warmup_seconds.append(float(reply.content["metrics"]["seconds"]))
+        valid, rejected = collect_valid_replies(
+            replies, lambda r: float(r.content["metrics"]["seconds"]), stage="warmup",
+            server_round=0, what="start-up reply")
+        for record in rejected:
+            self.failed_nodes.add(record["node"])
+            record["reason"] = record["reason"].replace("client error:",
+                                                        "client error at start-up:", 1)
+        self.outcome.rejected += rejected
+        self.outcome.startup_seconds += [seconds for _, seconds in valid]
         return time.monotonic() - start
 
     def _content(self, server_round: int, layers: list[int] | None = None) -> RecordDict:
@@ -99,45 +101,32 @@ class FedPrLLM(Strategy):
         content = self._content(server_round)
         messages = [Message(content, node, self.action, group_id=str(server_round))
                     for node in self._nodes(grid)]
-        self.bytes_down += len(messages) * sum(r.count_bytes() for r in content.values())
+        self.outcome.bytes_down += len(messages) * sum(r.count_bytes() for r in content.values())
         return messages
 
     def _collect(self, server_round: int, replies: Iterable[Message],
-                 aggregator: MaskAggregator, target: float) -> None:
-        valid = 0
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                self._reject(server_round, node, f"client error: {reply.error.reason}")
-                continue
-            try:
-                payload = {k: a.numpy() for k, a in reply.content["masks"].items()}
-                packed = decode_wire(payload, aggregator.shapes, self.model, self.config,
-                                     self.reference_wire)
-            except (InvalidMaskError, KeyError, TypeError, ValueError) as err:
-                self._reject(server_round, node, f"invalid masks: {err}")
-                continue
-            aggregator.add_packed(packed)
-            metrics = dict(reply.content["metrics"]) if "metrics" in reply.content else {}
-            self.client_metrics.append({"round": server_round, "node": node, **metrics})
-            valid += 1
-        if valid < self.config.required_clients:
-            raise NotEnoughClientsError(
-                f"round {server_round}: {valid} valid client mask set(s), the run needs "
-                f"{self.config.required_clients} (rejected: "
-                f"{[r['reason'] for r in self.rejected if r['round'] == server_round]})")
+                 aggregator: MaskAggregator) -> None:
+        def validate(reply: Message) -> dict:
+            payload = {k: a.numpy() for k, a in reply.content["masks"].items()}
+            return decode_wire(payload, aggregator.shapes, self.model, self.config,
+                               self.reference_wire)
 
-    def _reject(self, server_round: int, node: int, reason: str) -> None:
-        logger.warning("round %d: client node %s left out of the vote: %s", server_round, node,
-                       reason)
-        self.rejected.append({"round": server_round, "node": node, "reason": reason})
+        valid, rejected = collect_valid_replies(replies, validate, stage="masks",
+                                                server_round=server_round, what="masks")
+        self.outcome.rejected += rejected
+        for reply, packed in valid:
+            aggregator.add_packed(packed)
+            self.outcome.client_metrics.append({"round": server_round,
+                                                "node": reply.metadata.src_node_id,
+                                                **reply_metrics(reply)})
+        require_valid(len(valid), self.config.required_clients, "masks", server_round,
+                      [r["reason"] for r in rejected])
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        self._collect(server_round, replies, self.aggregator,
-                      self.config.prune.target_sparsity)
+        self._collect(server_round, replies, self.aggregator)
         return None, MetricRecord({"valid_clients": self.aggregator.clients,
-                                   "rejected": len(self.rejected)})
+                                   "rejected": len(self.outcome.rejected)})
 
     def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
         return []  # evaluation of the pruned model runs on the server
@@ -193,7 +182,7 @@ class IterativeFedPrLLM(FedPrLLM):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         layer = server_round - 1
         aggregator = self._new_aggregator([layer])
-        self._collect(server_round, replies, aggregator, self.config.prune.target_sparsity)
+        self._collect(server_round, replies, aggregator)
         self.layer_aggregators[layer] = aggregator
         flat = aggregator.global_masks(self.config.server, self.config.prune.target_sparsity,
                                        self.config.prune.nm_pattern)

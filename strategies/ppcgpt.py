@@ -2,10 +2,13 @@
 removal plan and LoRA adapter and collect the clients' accuracies (round 2).
 
 The generation, layer removal and distillation between the rounds run in the ServerApp
-(:mod:`fedcompress.ppcgpt`). A reply that is an error, or whose content is malformed (text that
+(:mod:`fedcompress.methods.ppcgpt`). A reply that is an error, or whose content is malformed (text that
 is not a list of questions with choices, metrics missing or out of range), is logged with its
-reason, recorded in :attr:`PPCGPT.rejected` and left out; a round fails with
+reason, recorded in :attr:`PPCGPT.outcome` and left out
+(:func:`strategies.common.collect_valid_replies`); a round fails with
 :class:`NotEnoughClientsError` when fewer than ``config.required_clients`` valid replies remain.
+The clients' metrics are in ``outcome.client_metrics`` with their ``stage`` (``perturb``:
+round 1, the privacy budget spent; ``retrain``: round 2, the accuracies).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedcompress.ppcgpt import InvalidClientText, PPCGPTConfig, parse_perturbed
-from strategies.common import NotEnoughClientsError, wait_for_nodes
+from fedcompress.methods.ppcgpt import PPCGPTConfig, parse_perturbed
+from strategies.common import (
+    NotEnoughClientsError, StrategyOutcome, collect_valid_replies, reply_metrics, require_valid,
+    wait_for_nodes)
 
 __all__ = ["PPCGPT", "NotEnoughClientsError"]
 
@@ -35,26 +40,29 @@ class PPCGPT(Strategy):
     def __init__(self, config: PPCGPTConfig, node_wait: float = 120.0):
         self.config = config
         self.node_wait = node_wait
-        self.rejected: list[dict] = []
-        self.text_metrics: list[dict] = []
-        self.client_metrics: list[dict] = []
-        self.bytes_down = 0
+        self.outcome = StrategyOutcome()
         self.round2: RecordDict | None = None
 
     def _nodes(self, grid: Grid) -> list[int]:
         return wait_for_nodes(grid, self.config.clients, self.config.required_clients,
                               self.node_wait)
 
-    def _reject(self, stage: str, node: int, reason: str) -> None:
-        logger.warning("%s: client node %s left out: %s", stage, node, reason)
-        self.rejected.append({"stage": stage, "node": node, "reason": reason})
+    def stage_metrics(self, stage: str) -> list[dict]:
+        """The valid replies' metrics of one stage (``perturb`` or ``retrain``)."""
+        return [m for m in self.outcome.client_metrics if m["stage"] == stage]
 
-    def _require(self, stage: str, valid: int) -> None:
-        if valid < self.config.required_clients:
-            raise NotEnoughClientsError(
-                f"{stage}: {valid} valid client repl{'y' if valid == 1 else 'ies'}, the run "
-                f"needs {self.config.required_clients} (rejected: "
-                f"{[r['reason'] for r in self.rejected if r['stage'] == stage]})")
+    def _keep(self, stage: str, server_round: int, replies: Iterable[Message], validate,
+              what: str) -> list:
+        valid, rejected = collect_valid_replies(replies, validate, stage=stage,
+                                                server_round=server_round, what=what)
+        self.outcome.rejected += rejected
+        for reply, _ in valid:
+            self.outcome.client_metrics.append({"stage": stage, "round": server_round,
+                                                "node": reply.metadata.src_node_id,
+                                                **reply_metrics(reply)})
+        require_valid(len(valid), self.config.required_clients, stage, server_round,
+                      [r["reason"] for r in rejected])
+        return valid
 
     def _config(self) -> ConfigRecord:
         # Empty strings are left out (they are the defaults): Flower's ConfigRecord.count_bytes
@@ -66,26 +74,13 @@ class PPCGPT(Strategy):
         """Every node's perturbed examples (validated), in node order."""
         content = RecordDict({"config": self._config()})
         nodes = self._nodes(grid)
-        self.bytes_down += len(nodes) * sum(r.count_bytes() for r in content.values())
+        self.outcome.bytes_down += len(nodes) * sum(r.count_bytes() for r in content.values())
         replies = grid.send_and_receive(
             [Message(content, node, "query.perturb") for node in nodes], timeout=timeout)
-        examples, valid = [], 0
-        for reply in sorted(replies, key=lambda r: r.metadata.src_node_id):
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                self._reject("perturb", node, f"client error: {reply.error.reason}")
-                continue
-            try:
-                got = parse_perturbed(str(reply.content["text"]["examples"]))
-            except (InvalidClientText, KeyError, TypeError) as err:
-                self._reject("perturb", node, f"invalid text: {err}")
-                continue
-            metrics = dict(reply.content["metrics"]) if "metrics" in reply.content else {}
-            self.text_metrics.append({"node": node, **metrics})
-            examples.extend({**ex, "id": f"node{node}-{ex['id']}"} for ex in got)
-            valid += 1
-        self._require("perturb", valid)
-        return examples
+        valid = self._keep("perturb", 1, replies, lambda reply: parse_perturbed(
+            str(reply.content["text"]["examples"])), what="text")
+        return [{**ex, "id": f"node{reply.metadata.src_node_id}-{ex['id']}"}
+                for reply, got in valid for ex in got]
 
     # -- Round 2 (Strategy API) ------------------------------------------------------------------
     def set_model(self, removed: list[int], adapter: dict[str, np.ndarray]) -> None:
@@ -102,27 +97,17 @@ class PPCGPT(Strategy):
             raise RuntimeError("set_model() must be called before round 2")
         messages = [Message(self.round2, node, "train.retrain", group_id=str(server_round))
                     for node in self._nodes(grid)]
-        self.bytes_down += len(messages) * sum(r.count_bytes() for r in self.round2.values())
+        self.outcome.bytes_down += len(messages) * sum(r.count_bytes()
+                                                       for r in self.round2.values())
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        valid = 0
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                self._reject("retrain", node, f"client error: {reply.error.reason}")
-                continue
-            try:
-                metrics = dict(reply.content["metrics"])
-                check_accuracy_metrics(metrics)
-            except (KeyError, TypeError, ValueError) as err:
-                self._reject("retrain", node, f"invalid metrics: {err}")
-                continue
-            self.client_metrics.append({"node": node, **metrics})
-            valid += 1
-        self._require("retrain", valid)
-        return None, MetricRecord({"valid_clients": valid})
+        def validate(reply: Message) -> None:
+            check_accuracy_metrics(dict(reply.content["metrics"]))
+
+        valid = self._keep("retrain", 2, replies, validate, what="metrics")
+        return None, MetricRecord({"valid_clients": len(valid)})
 
     def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
         return []  # the clients evaluate inside the train round (before and after retraining)

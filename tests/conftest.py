@@ -194,3 +194,44 @@ class InProcessFederation:
 
         app = importlib.import_module(self.app).app
         return [app(msg, self.contexts[msg.metadata.dst_node_id]) for msg in messages]
+
+
+def ppcgpt_tiny_settings(model_dir, synth_url: str, out, clients: int = 2) -> dict:
+    """Small PPC-GPT settings on the tiny model (as tests/test_ppcgpt.py), sequential
+    generation requests so the scripted generator answers in the same order every run."""
+    return dict(model=str(model_dir), task="strategyqa", clients=clients, examples_per_client=4,
+                eval_per_client=4, prune_ratio=0.34, server_steps=1, client_steps=1,
+                batch_size=2, grad_accum=1, max_length=64, min_synthetic=1,
+                synth_batch_size=4, synth_url=synth_url, synth_model="stub", synth_workers=1,
+                out=str(out), device="cpu", baselines="dense")
+
+
+def ppcgpt_in_process(settings: dict) -> dict:
+    """The PPC-GPT ServerApp's pipeline with the one ClientApp's handlers called in this
+    process (no Flower runtime): the reference a Flower run must equal."""
+    import json
+    from pathlib import Path
+
+    from server.ppcgpt import run
+
+    class Federation(InProcessFederation):
+        app = "clients.app"
+
+    run(Federation(settings["clients"]), settings)
+    return json.loads((Path(settings["out"]) / "report.json").read_text())
+
+
+def same_ppcgpt_result(report: dict, reference: dict) -> None:
+    """Two PPC-GPT reports agree on everything a run decides: the synthetic data, the removed
+    layers, every client's accuracy before and after retraining, the baselines."""
+    assert report["status"] == reference["status"] == "ok"
+    timing = ("wall_seconds", "stage_seconds")
+    assert ({k: v for k, v in report["synthetic"].items() if k not in timing}
+            == {k: v for k, v in reference["synthetic"].items() if k not in timing})
+    assert report["compression"]["plan"] == reference["compression"]["plan"]
+    keys = ("name", "layers", "removed", "acc_server", "acc_client", "n_server", "n_client")
+    for got, want in zip(report["results"], reference["results"], strict=True):
+        assert {k: got.get(k) for k in keys} == {k: want.get(k) for k in keys}
+        for a, b in zip(got["per_client"], want["per_client"], strict=True):
+            assert a["partition"] == b["partition"]
+            assert (a.get("server"), a["client"]) == (b.get("server"), b["client"])

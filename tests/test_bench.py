@@ -99,7 +99,7 @@ def test_bench_runs_resumes_and_records_failures(tiny_dir, tmp_path, monkeypatch
         raise AssertionError("client masks recomputed")
 
     monkeypatch.setattr(local, "local_masks", boom)
-    monkeypatch.setattr("fedcompress.pruning.experiment.local_masks", boom)
+    monkeypatch.setattr("fedcompress.methods.fedprllm.experiment.local_masks", boom)
     before = (out / "results.jsonl").read_text().splitlines()
     again = run_bench(_write(tmp_path, config), out, progress=False)
     after = (out / "results.jsonl").read_text().splitlines()

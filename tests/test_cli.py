@@ -127,10 +127,10 @@ def test_failed_run_keeps_finished_results(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--sparsity", "1.0"], r"outside [0, 1)"),
-    (["--clients", "0"], "positive integer"),
+    (["--sparsity", "1.0"], "sparsity=1.0 is invalid: expected a number in [0, 1)"),
+    (["--clients", "0"], "clients=0 is invalid: expected an integer >= 1"),
     (["--nm", "4:2"], "N:M"),
-    (["--group", "block"], "comparison group"),
+    (["--group", "block"], "group='block' is invalid: expected one of 'layer', 'row'"),
     (["--mode", "async"], "mode"),
     (["--variants", "some"], "variants"),
     (["--baselines", "dense,oracle"], "oracle"),

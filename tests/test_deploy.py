@@ -301,13 +301,15 @@ class Deployment:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return json.loads(proc.stdout)["nodes"]
 
-    def run(self, settings: dict) -> tuple[dict, str]:
-        """``flwr run`` the app on this deployment and wait for the end of the run; returns
-        the SuperLink's record of the run (``flwr ls``) and the run's log."""
+    def run(self, settings: dict, method: str = "fedprllm") -> tuple[dict, str]:
+        """``flwr run`` the app on this deployment with ``method`` and its ``settings``, and
+        wait for the end of the run; returns the SuperLink's record of the run (``flwr ls``)
+        and the run's log."""
         import tomli_w
 
         config = self.root / "run-config.toml"
-        config.write_text(tomli_w.dumps(settings))
+        table = {k.replace("_", "-"): v for k, v in settings.items()}  # pyproject's keys
+        config.write_text(tomli_w.dumps({"method": method, method: table}))
         name = self.proc_name("flwr-run")
         proc = self.procs.start(name, [
             str(BIN / "flwr"), "run", str(REPO), CONNECTION, "--run-config", str(config),
@@ -382,6 +384,28 @@ def deployments(tmp_path_factory, tiny_model_dir):
         assert left == [], f"processes left running: {[(p.pid, p.name()) for p in left]}"
 
 
+def test_deployed_ppcgpt_equals_in_process(deployments, tiny_model_dir, openai_stub):
+    """PPC-GPT on the same deployment (TLS, registered sites), after its FedPrLLM run: the one
+    FAB serves both methods; the report equals the same pipeline run in this process."""
+    from conftest import (
+        ppcgpt_in_process, ppcgpt_tiny_settings, same_ppcgpt_result, yes_no_generator)
+
+    dep = deployments["full"]
+    dep.result.result()  # one run at a time on this SuperLink
+    with openai_stub(yes_no_generator) as stub:
+        settings = ppcgpt_tiny_settings(tiny_model_dir, stub.url, dep.root / "ppcgpt",
+                                        clients=CLIENTS)
+        run, log = dep.run(settings, method="ppcgpt")
+    assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"
+    report = json.loads((dep.root / "ppcgpt" / "report.json").read_text())
+    assert report["rejected"] == [], report["rejected"]
+    assert sorted(m["node"] for m in report["privacy"]["clients"]) == sorted(dep.node_ids)
+    with openai_stub(yes_no_generator) as stub:
+        reference = ppcgpt_in_process({**settings, "synth_url": stub.url,
+                                       "out": str(dep.root / "ppcgpt-reference")})
+    same_ppcgpt_result(report, reference)
+
+
 def test_tls_and_registered_nodes(deployments):
     """TLS with our CA (the SuperLink certificate's names) and the 3 registered nodes online."""
     from cryptography import x509
@@ -429,7 +453,7 @@ def _reference_model(model_dir: Path, settings: dict, node_configs: list[dict]):
     from strategies.fedprllm import FedPrLLM
 
     class Federation(InProcessFederation):
-        app = "clients.fedprllm"
+        app = "clients.app"
 
         def __init__(self, n: int):
             super().__init__(n)
@@ -437,7 +461,7 @@ def _reference_model(model_dir: Path, settings: dict, node_configs: list[dict]):
                 context.node_config.update(node_config)
 
     defaults = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
-    config, _, _ = split_settings({**defaults["config"], **settings})
+    config, _, _ = split_settings({**defaults["config"]["fedprllm"], **settings})
     strategy = FedPrLLM(config, load_model(str(model_dir), device="cpu").model)
     grid = Federation(CLIENTS)
     for rnd in range(1, strategy.num_rounds + 1):
@@ -496,7 +520,7 @@ def test_missing_data_path_is_reported_and_run_goes_on(deployments):
         assert f"'{dep.sites[MISSING_SITE]}' does not exist" in record["reason"], record
     assert sorted(c["node"] for c in report["clients"]) == sorted(set(dep.node_ids) - {site})
     # The server logged it (the run's log streams the ServerApp's), the site logged it too.
-    assert "left out of the vote" in log and "does not exist" in log
+    assert f"client node {site} left out" in log and "does not exist" in log
     assert f"'{dep.sites[MISSING_SITE]}' does not exist" in dep.log(f"supernode-{MISSING_SITE}")
 
 

@@ -12,7 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRec
 
 from conftest import InProcessFederation
 from fedcompress.models import load_model
-from fedcompress.pruning.federated import (
+from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig, InvalidMaskError, MaskAggregator, client_windows, decode_masks,
     ServerConfig, encode_masks, expected_shapes, federation_windows, iterative_client_step,
     iterative_vote, mask_key, public_reference_wire)
@@ -39,7 +39,7 @@ def windows_for(tiny, config):
 class Federation(InProcessFederation):
     """The FedPrLLM ClientApp's messages handled in-process."""
 
-    app = "clients.fedprllm"
+    app = "clients.app"
 
 
 def run_rounds(strategy, grid):
@@ -51,11 +51,15 @@ def run_rounds(strategy, grid):
 
 # -- configuration errors, before any work --------------------------------------------------
 @pytest.mark.parametrize("kw, message", [
-    (dict(sparsity=1.0), r"outside \[0, 1\)"), (dict(sparsity=-0.1), "outside"),
-    (dict(clients=0), "positive integer"), (dict(nm="4:4"), "N:M"),
-    (dict(group="block"), "comparison group"), (dict(mode="async"), "mode"),
-    (dict(tie_break="coin"), "tie-break"), (dict(partition="dirichlet", alpha=0.0), "alpha"),
-    (dict(method="obs"), "pruning method"), (dict(min_clients=20), "min_clients"),
+    (dict(sparsity=1.0), r"sparsity=1.0 is invalid: expected a number in \[0, 1\)"),
+    (dict(sparsity=-0.1), "sparsity=-0.1"),
+    (dict(clients=0), "clients=0 is invalid: expected an integer >= 1"),
+    (dict(nm="4:4"), "N:M"), (dict(group="block"), "group='block' is invalid: expected one of"),
+    (dict(mode="async"), "mode"), (dict(tie_break="coin"), "tie_break"),
+    (dict(partition="dirichlet", alpha=0.0), "alpha"),
+    (dict(method="obs"), "method='obs' is invalid: expected one of 'magnitude', 'wanda'"),
+    (dict(min_clients=20), "min_clients"), (dict(clients=True), "clients=True"),
+    (dict(seqlen=1.5), "seqlen=1.5"),
 ])
 def test_bad_config(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -104,7 +108,7 @@ def test_oneshot_federation_equals_in_process_vote(tiny_dir, tiny):
     config = config_for(tiny_dir)
     strategy = FedPrLLM(config, tiny.model)
     run_rounds(strategy, Federation(config.clients))
-    assert strategy.aggregator.clients == 4 and not strategy.rejected
+    assert strategy.aggregator.clients == 4 and not strategy.outcome.rejected
 
     # The same vote computed directly from each client's local masks.
     reference = MaskAggregator(tiny.model, 4)
@@ -147,7 +151,7 @@ def test_iterative_layer0_equals_oneshot_and_runs_all_layers(tiny_dir, tiny, met
     strategy = IterativeFedPrLLM(config, tiny.model)
     run_rounds(strategy, Federation(config.clients))
     assert strategy.num_rounds == 3 and sorted(strategy.global_masks) == [0, 1, 2]
-    assert not strategy.rejected
+    assert not strategy.outcome.rejected
     # The in-process iterative vote (benchmarks) equals the Flower rounds.
     inprocess = iterative_vote(tiny.model, windows_for(tiny, config), config)
     for layer, aggregator in inprocess.items():
@@ -166,15 +170,15 @@ def test_compressed_wire_gives_the_same_vote_in_fewer_bytes(tiny_dir, tiny, mode
                           make_strategy(config, tiny.model, reference_wire))
     run_rounds(packed, Federation(4))
     run_rounds(compressed, Federation(4))
-    assert not compressed.rejected
+    assert not compressed.outcome.rejected
     for server in (ServerConfig("layer"), ServerConfig("row", scale=True)):
         a, b = load_model(tiny_dir, device="cpu").model, load_model(tiny_dir, device="cpu").model
         packed.prune(a, server if mode == "oneshot" else None)
         compressed.prune(b, server if mode == "oneshot" else None)
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
                                                       b.state_dict().values()))
-    up = [m["bytes_up"] for m in compressed.client_metrics]
-    assert sum(up) < sum(m["bytes_up"] for m in packed.client_metrics)
+    up = [m["bytes_up"] for m in compressed.outcome.client_metrics]
+    assert sum(up) < sum(m["bytes_up"] for m in packed.outcome.client_metrics)
 
 
 def test_corrupted_compressed_payload_is_left_out(tiny_dir, tiny):
@@ -192,7 +196,7 @@ def test_corrupted_compressed_payload_is_left_out(tiny_dir, tiny):
                          reply_to=Message(RecordDict(), dst_node_id=replies[2].metadata.src_node_id,
                                           message_type="train.masks"))
     strategy.aggregate_train(1, replies)
-    assert strategy.aggregator.clients == 3 and "invalid masks" in strategy.rejected[0]["reason"]
+    assert strategy.aggregator.clients == 3 and "invalid masks" in strategy.outcome.rejected[0]["reason"]
 
 
 def _tamper(reply: Message, how: str) -> Message:
@@ -222,8 +226,8 @@ def test_bad_client_is_left_out_and_run_goes_on(tiny_dir, tiny, how, caplog):
     replies[1] = _tamper(replies[1], how)
     strategy.aggregate_train(1, replies)
     assert strategy.aggregator.clients == 3
-    assert len(strategy.rejected) == 1 and "invalid masks" in strategy.rejected[0]["reason"]
-    assert "left out of the vote" in caplog.text
+    assert len(strategy.outcome.rejected) == 1 and "invalid masks" in strategy.outcome.rejected[0]["reason"]
+    assert "client node 101 left out: invalid masks" in caplog.text
 
 
 def test_node_that_fails_at_startup_is_not_asked_again(tiny_dir, tiny):
@@ -245,7 +249,7 @@ def test_node_that_fails_at_startup_is_not_asked_again(tiny_dir, tiny):
     assert len(messages) == 3 and bad not in {m.metadata.dst_node_id for m in messages}
     strategy.aggregate_train(1, real(messages))
     assert strategy.aggregator.clients == 3
-    assert [r["round"] for r in strategy.rejected] == [0]  # recorded once, at start-up
+    assert [r["round"] for r in strategy.outcome.rejected] == [0]  # recorded once, at start-up
     strict = FedPrLLM(config_for(tiny_dir), tiny.model)  # every client needed
     strict.warmup(grid, timeout=60)
     with pytest.raises(NotEnoughClientsError, match="1 failed at start-up"):
@@ -259,7 +263,7 @@ def test_too_few_valid_clients_fail_clearly(tiny_dir, tiny):
     replies = grid.send_and_receive(strategy.configure_train(1, ArrayRecord(), ConfigRecord(),
                                                              grid))
     replies[0] = _tamper(replies[0], "shape")
-    with pytest.raises(NotEnoughClientsError, match="3 valid client mask set"):
+    with pytest.raises(NotEnoughClientsError, match="3 valid client replies, the run needs 4"):
         strategy.aggregate_train(1, replies)
 
 
@@ -268,7 +272,7 @@ def test_too_few_valid_clients_fail_clearly(tiny_dir, tiny):
 def test_flower_simulation_four_clients(tiny_dir, tiny, tmp_path):
     import psutil
 
-    from server.simulation import _ray_pids, simulate_fedprllm
+    from server.simulation import _ray_pids, simulate_method
 
     before = _ray_pids()
     out = tmp_path / "sim"
@@ -276,7 +280,7 @@ def test_flower_simulation_four_clients(tiny_dir, tiny, tmp_path):
                     eval_seqlen=16, eval_windows=4, out=str(out), device="cpu",
                     baselines="dense,centralized,local-only", variants="all",
                     wire="compressed")  # flwr run (test_flwr_run.py) covers the packed format
-    simulate_fedprllm(settings)
+    simulate_method("fedprllm", settings)
     orphans = [p for p in _ray_pids() - before if psutil.pid_exists(p)
                and psutil.Process(p).ppid() == 1 and psutil.Process(p).status() != "zombie"]
     assert orphans == [], "the simulation left Ray processes behind"

@@ -1,7 +1,8 @@
 """`flwr run .` end to end: Flower's own runtime (a local SuperLink in simulation mode, started by
-`flwr run`) builds the FAB from pyproject.toml, runs the FedPrLLM ServerApp and ClientApps on a
-tiny local model, and the run writes report.json. Every process the run started (SuperLink,
-SuperExec, flwr-simulation, Ray) is stopped by PID afterwards."""
+`flwr run`) builds the FAB from pyproject.toml, runs the one ServerApp and ClientApp of the FAB
+with the method the run config names (FedPrLLM, PPC-GPT) on a tiny local model, and the run
+writes report.json; PPC-GPT's equals the same pipeline run in this process. Every process the
+run started (SuperLink, SuperExec, flwr-simulation, Ray) is stopped by PID afterwards."""
 
 from __future__ import annotations
 
@@ -143,12 +144,25 @@ def flwr_env(tmp_path):
         assert left == [], f"processes left running: {[(p.pid, p.name()) for p in left]}"
 
 
+def _only_run_status(flwr: str, env: dict, log: str) -> str:
+    """The status of the one run the SuperLink knows (`flwr run --stream` exits 0 even when
+    the run fails: ask the SuperLink)."""
+    ls = subprocess.run([flwr, "ls", "--format", "json"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=60)
+    runs = json.loads(ls.stdout)["runs"]
+    assert len(runs) == 1, f"{runs}\n{log[-4000:]}"
+    if not runs[0]["status"].startswith("finished:"):
+        pytest.fail(f"run not finished: {runs}\n{log[-4000:]}")
+    return runs[0]["status"]
+
+
 @pytest.mark.simulation
 def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path):
     out = tmp_path / "out"
-    run_config = (f'model="{tiny_model_dir}" clients={CLIENTS} samples-per-client=2 seqlen=16 '
-                  f'batch-size=2 eval-seqlen=16 eval-windows=4 out="{out}" device="cpu" '
-                  'baselines="dense"')
+    run_config = " ".join(f"fedprllm.{item}" for item in (
+        f'model="{tiny_model_dir}"', f"clients={CLIENTS}", "samples-per-client=2", "seqlen=16",
+        "batch-size=2", "eval-seqlen=16", "eval-windows=4", f'out="{out}"', 'device="cpu"',
+        'baselines="dense"'))
     flwr = str(Path(sys.executable).parent / "flwr")
     proc = subprocess.run(
         [flwr, "run", ".", "--federation-config",
@@ -158,12 +172,7 @@ def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
 
-    # `flwr run --stream` exits 0 even when the run fails: ask the SuperLink.
-    ls = subprocess.run([flwr, "ls", "--format", "json"], cwd=REPO, env=flwr_env,
-                        capture_output=True, text=True, timeout=60)
-    runs = json.loads(ls.stdout)["runs"]
-    assert len(runs) == 1 and runs[0]["status"] == "finished:completed", \
-        f"{runs}\n{log[-4000:]}"
+    assert _only_run_status(flwr, flwr_env, log) == "finished:completed"
 
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "ok" and report["rejected"] == []
@@ -172,3 +181,40 @@ def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path):
     assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 1
     assert abs(fed["sparsity"] - 0.5) < 1e-3
     assert (out / "model" / "config.json").exists()
+
+
+@pytest.mark.simulation
+def test_flwr_run_ppcgpt_equals_in_process(tiny_model_dir, flwr_env, tmp_path, openai_stub):
+    from conftest import (
+        ppcgpt_in_process, ppcgpt_tiny_settings, same_ppcgpt_result, yes_no_generator)
+
+    flwr = str(Path(sys.executable).parent / "flwr")
+    with openai_stub(yes_no_generator) as stub:
+        reference = ppcgpt_in_process(ppcgpt_tiny_settings(tiny_model_dir, stub.url,
+                                                       tmp_path / "reference"))
+    with openai_stub(yes_no_generator) as stub:
+        settings = ppcgpt_tiny_settings(tiny_model_dir, stub.url, tmp_path / "out")
+        run_config = 'method="ppcgpt" ' + " ".join(
+            f"ppcgpt.{k.replace('_', '-')}={json.dumps(v)}" for k, v in settings.items())
+        proc = subprocess.run(
+            [flwr, "run", ".", "--federation-config",
+             "num-supernodes=2 client-resources-num-cpus=1", "--run-config", run_config,
+             "--stream"], cwd=REPO, env=flwr_env, capture_output=True, text=True, timeout=400)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert _only_run_status(flwr, flwr_env, log) == "finished:completed"
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["rejected"] == [] and report["config"]["synth_workers"] == 1
+    same_ppcgpt_result(report, reference)
+
+
+@pytest.mark.simulation
+def test_flwr_run_refuses_another_methods_setting(tiny_model_dir, flwr_env, tmp_path):
+    flwr = str(Path(sys.executable).parent / "flwr")
+    proc = subprocess.run(
+        [flwr, "run", ".", "--federation-config", "num-supernodes=1",
+         "--run-config", 'method="ppcgpt" fedprllm.sparsity=0.7', "--stream"],
+        cwd=REPO, env=flwr_env, capture_output=True, text=True, timeout=240)
+    log = proc.stdout + proc.stderr
+    assert _only_run_status(flwr, flwr_env, log).startswith("finished:failed")
+    assert "fedprllm.sparsity=0.7 is a setting of method 'fedprllm'" in log, log[-4000:]

@@ -300,7 +300,7 @@ def tiny_setup():
 
 
 def test_public_reference_and_wire_form(tiny_setup):
-    from fedcompress.pruning.federated import expected_shapes
+    from fedcompress.methods.fedprllm.federated import expected_shapes
     from fedcompress.pruning.local import PruneConfig
 
     model, reference, _ = tiny_setup

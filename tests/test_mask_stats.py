@@ -43,7 +43,7 @@ def test_hamming_rejects_mismatches():
 
 
 def test_flatten_walker_list_uses_wire_keys():
-    from fedcompress.pruning.federated import mask_key
+    from fedcompress.methods.fedprllm.federated import mask_key
 
     flat = stats.flatten_masks([{"q": b([1])}, {"q": b([0]), "k": b([1])}], first_layer=2)
     assert list(flat) == [mask_key(2, "q"), mask_key(3, "q"), mask_key(3, "k")]
@@ -166,7 +166,7 @@ def test_joint_counts_and_conditional_entropy():
 
 
 def test_on_walker_masks_of_a_tiny_model(tiny_model):
-    from fedcompress.pruning.federated import expected_shapes
+    from fedcompress.methods.fedprllm.federated import expected_shapes
     from fedcompress.pruning.local import PruneConfig, local_masks
 
     model = tiny_model("llama", n_layers=2)

@@ -1,4 +1,4 @@
-"""PPC-GPT pipeline (fedcompress.ppcgpt) and its Flower apps on tiny models: client data and
+"""PPC-GPT pipeline (fedcompress.methods.ppcgpt) and its Flower apps on tiny models: client data and
 perturbation, the server's validation of client text, layer removal + adapter round trip, the
 strategy with bad clients, and one real Flower simulation against a stub generator server."""
 
@@ -12,10 +12,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from conftest import InProcessFederation, yes_no_generator
-from fedcompress import ppcgpt
+from fedcompress.methods import ppcgpt
 from fedcompress.data.embeddings import EmbeddingTable
 from fedcompress.models import load_model, num_layers
-from fedcompress.ppcgpt import InvalidClientText, PPCGPTConfig
+from fedcompress.methods.ppcgpt import InvalidClientText, PPCGPTConfig
 from fedcompress.privacy.sanitize import Sanitizer, SanitizerConfig
 from strategies.ppcgpt import PPCGPT, NotEnoughClientsError
 
@@ -186,7 +186,7 @@ def test_rebuild_rejects_a_mismatched_adapter(tiny_dir, tiny):
 
 # -- the Flower apps in process: bad clients ----------------------------------------------------
 class Federation(InProcessFederation):
-    app = "clients.ppcgpt"
+    app = "clients.app"
 
 
 @pytest.fixture
@@ -211,7 +211,7 @@ def test_bad_client_text_is_left_out(tiny_dir, tiny_glove, caplog):
         for i, r in enumerate(real(messages))]
     examples = strategy.collect_text(grid, timeout=60)
     assert len(examples) == 2 * 4 and len({e["id"] for e in examples}) == 8
-    assert strategy.rejected[0]["node"] == 101 and "not JSON" in strategy.rejected[0]["reason"]
+    assert strategy.outcome.rejected[0]["node"] == 101 and "not JSON" in strategy.outcome.rejected[0]["reason"]
     assert "left out" in caplog.text
     strategy = PPCGPT(config_for(tiny_dir))  # min_clients 0: all three needed
     with pytest.raises(NotEnoughClientsError, match="2 valid client replies"):
@@ -231,8 +231,8 @@ def test_round_two_in_process_and_bad_metrics(tiny_dir, tiny, tiny_glove):
     replies[2] = _reply(102, RecordDict({"metrics": MetricRecord({**good, "client_acc": 7.0})}),
                         "train.retrain")
     strategy.aggregate_train(1, replies)
-    assert len(strategy.client_metrics) == 2
-    assert "outside [0, 1]" in strategy.rejected[0]["reason"]
+    assert len(strategy.outcome.client_metrics) == 2
+    assert "outside [0, 1]" in strategy.outcome.rejected[0]["reason"]
 
 
 # -- a real Flower simulation (Ray) --------------------------------------------------------------
@@ -240,7 +240,7 @@ def test_round_two_in_process_and_bad_metrics(tiny_dir, tiny, tiny_glove):
 def test_flower_simulation_end_to_end(tiny_dir, tmp_path, openai_stub):
     import psutil
 
-    from server.simulation import _ray_pids, simulate_ppcgpt
+    from server.simulation import _ray_pids, simulate_method
 
     before = _ray_pids()
     out = tmp_path / "ppcgpt"
@@ -248,7 +248,7 @@ def test_flower_simulation_end_to_end(tiny_dir, tmp_path, openai_stub):
         settings = dict(config_for(tiny_dir, clients=2).to_dict(), synth_url=stub.url,
                         synth_model="stub", out=str(out), device="cpu",
                         baselines="dense,dense-sft,plain-c")
-        simulate_ppcgpt(settings)
+        simulate_method("ppcgpt", settings)
     orphans = [p for p in _ray_pids() - before if psutil.pid_exists(p)
                and psutil.Process(p).ppid() == 1 and psutil.Process(p).status() != "zombie"]
     assert orphans == [], "the simulation left Ray processes behind"

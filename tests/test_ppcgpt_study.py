@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import yes_no_generator
-from fedcompress import ppcgpt
+from fedcompress.methods import ppcgpt
 from fedcompress.bench.ppcgpt_study import (
     StudyConfigError, first_per_source, load_study, majority_share, run_study,
     study_from_dict)

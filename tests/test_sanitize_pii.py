@@ -187,7 +187,7 @@ def test_release_notes_name_every_clear_release():
 @needs_glove
 def test_ppcgpt_site_sends_no_word_outside_the_candidates():
     """Round 1 of PPC-GPT (what a site sends): the default config, PII-like questions."""
-    from fedcompress import ppcgpt
+    from fedcompress.methods import ppcgpt
 
     config = ppcgpt.PPCGPTConfig(eps=3.0)
     assert not config.keep_stopwords

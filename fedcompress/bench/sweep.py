@@ -2,7 +2,7 @@
 
 A config has a ``[bench]`` table (settings shared by every study) and one ``[study.NAME]``
 table per study. In a study, a setting given as a list is swept (cartesian product); a scalar is
-fixed. Settings are those of :class:`~fedcompress.pruning.federated.FedPrLLMConfig` (``model``,
+fixed. Settings are those of :class:`~fedcompress.methods.fedprllm.federated.FedPrLLMConfig` (``model``,
 ``method``, ``sparsity``, ``local_group``, ``group``, ``scale``, ``mode``, ``tie_break``,
 ``clients``, ``samples_per_client``, ``partition``, ``alpha``, ``calib_text``, ...), the
 evaluation settings (``eval_text``, ``eval_windows``, ...), and per study:
@@ -42,15 +42,15 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from fedcompress.pruning.experiment import EvalConfig, Experiment, prepare_experiment
-from fedcompress.pruning.federated import (
+from fedcompress.methods.fedprllm.experiment import EvalConfig, Experiment, prepare_experiment
+from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig, MaskAggregator, ServerConfig, encode_masks, iterative_vote, payload_nbytes)
 
 logger = logging.getLogger(__name__)
 
 SERVER_KEYS = ("group", "scale", "tie_break")
-EVAL_KEYS = ("eval_text", "eval_split", "eval_seqlen", "eval_windows")
-CLIENT_KEYS = tuple(k for k in FedPrLLMConfig.__dataclass_fields__ if k not in SERVER_KEYS)
+EVAL_KEYS = tuple(EvalConfig.names())
+CLIENT_KEYS = tuple(k for k in FedPrLLMConfig.names() if k not in SERVER_KEYS)
 STUDY_KEYS = ("title", "baselines", "total_windows", "columns")
 BENCH_KEYS = ("device", "out", "cache")
 BASELINES = ("dense", "centralized", "local-only")

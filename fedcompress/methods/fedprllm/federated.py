@@ -17,51 +17,24 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedcompress.masks.aggregate import (
-    TIE_BREAKS, apply_global_mask, count_words, global_mask, payload_words)
+from fedcompress.masks.aggregate import apply_global_mask, count_words, global_mask, payload_words
 from fedcompress.masks.codec import (
     MaskDecodeError, check_packed, decode_mask, encode_mask, key_mismatch, mask_key,
     packed_nbytes)
 from fedcompress.masks.stats import flatten_masks
+from fedcompress.methods.fedprllm.config import PARTITIONS, FedPrLLMConfig, ServerConfig
 from fedcompress.models import ModelAdapter, weight_matrix
-from fedcompress.pruning.select import check_group
 
 logger = logging.getLogger(__name__)
 
-MODES = ("oneshot", "iterative")
-WIRES = ("packed", "compressed")
 REFERENCE_WINDOWS = 8  # public windows behind the compressed format's reference norms
-PARTITIONS = ("iid", "dirichlet")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """How the server turns vote counts into the global mask."""
-
-    group: str = "layer"
-    scale: bool = False
-    tie_break: str = "magnitude"
-    seed: int = 0
-
-    def __post_init__(self):
-        check_group(self.group)
-        if self.tie_break not in TIE_BREAKS:
-            raise ValueError(f"unknown tie-break {self.tie_break!r}: expected one of "
-                             f"{', '.join(TIE_BREAKS)}")
-
-    @property
-    def label(self) -> str:
-        return f"{self.group}{'+scale' if self.scale else ''}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def expected_shapes(model: nn.Module, layers: Iterable[int] | None = None) -> dict[str, tuple]:
@@ -127,7 +100,7 @@ def split_windows(pool: torch.Tensor, clients: int, partition: str = "iid", alph
     return [pool[torch.as_tensor(np.sort(p), dtype=torch.long)] for p in parts]
 
 
-def federation_windows(tokenizer, config: "FedPrLLMConfig", calib_text: str | None = None
+def federation_windows(tokenizer, config: FedPrLLMConfig, calib_text: str | None = None
                        ) -> tuple[list[torch.Tensor], list[list[str]] | None]:
     """Every client's windows for ``config`` (``calib_text`` overrides ``config.calib_text``).
 
@@ -208,7 +181,7 @@ def decode_masks(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
     return {key: decode_mask(checked[key], shapes[key], key) for key in shapes}
 
 
-def public_reference_wire(model: nn.Module, tokenizer, config: "FedPrLLMConfig"
+def public_reference_wire(model: nn.Module, tokenizer, config: FedPrLLMConfig
                           ) -> dict[str, np.ndarray] | None:
     """What the server broadcasts for the compressed wire format: per-input-column activation
     norms of every linear layer measured on PUBLIC text (``REFERENCE_WINDOWS`` windows of the
@@ -241,7 +214,7 @@ def _reference(reference_wire: dict[str, np.ndarray] | None, keys) -> dict | Non
     return reference_from_wire({k: reference_wire[k] for k in keys})
 
 
-def encode_wire(masks: dict[str, torch.Tensor], model: nn.Module, config: "FedPrLLMConfig",
+def encode_wire(masks: dict[str, torch.Tensor], model: nn.Module, config: FedPrLLMConfig,
                 reference_wire: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """One client's ``{wire key: mask}`` in the run's wire format."""
     if config.wire == "packed":
@@ -254,7 +227,7 @@ def encode_wire(masks: dict[str, torch.Tensor], model: nn.Module, config: "FedPr
 
 
 def decode_wire(payload: dict[str, np.ndarray], shapes: dict[str, tuple], model: nn.Module,
-                config: "FedPrLLMConfig", reference_wire: dict[str, np.ndarray] | None = None
+                config: FedPrLLMConfig, reference_wire: dict[str, np.ndarray] | None = None
                 ) -> dict[str, np.ndarray]:
     """One client's payload in the run's wire format -> validated bit-packed masks
     (:func:`check_payload`: names, shapes, sparsity); :class:`InvalidMaskError` says why not."""
@@ -401,98 +374,6 @@ def masks_by_layer(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.T
         _, layer, name = key.split(".", 2)
         out.setdefault(int(layer), {})[name] = mask
     return out
-
-
-# ------------------------------------------------------------------------------------------
-# Run configuration
-# ------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class FedPrLLMConfig:
-    """One FedPrLLM run. Defaults: the paper's best recipe on the embedded model (Wanda with its
-    own row-wise local comparison, 50%, server layer comparison, one-shot, no scaling), 16 iid
-    clients with 4 windows of 256 tokens each."""
-
-    model: str = "smollm2-135m"
-    dtype: str = "float32"
-    method: str = "wanda"
-    sparsity: float = 0.5
-    nm: str = "none"
-    local_group: str = "row"
-    group: str = "layer"
-    scale: bool = False
-    tie_break: str = "magnitude"
-    mode: str = "oneshot"
-    clients: int = 16
-    samples_per_client: int = 4
-    seqlen: int = 256
-    partition: str = "iid"
-    alpha: float = 1.0
-    seed: int = 0
-    calib_text: str = "wiki"
-    calib_split: str = "train"
-    batch_size: int = 4
-    min_clients: int = 0  # 0: every client must reply with a valid mask
-    mask_tolerance: float = 0.05
-    wire: str = "packed"  # packed (1 bit/weight) or compressed (fedcompress.masks.compress)
-    wire_reference: str = "wiki"  # compressed: public corpus of the reference norms, or "none"
-
-    def __post_init__(self):
-        self.prune  # validates method, sparsity, local group, N:M
-        self.server  # validates group and tie-break
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}: expected one of {', '.join(MODES)}")
-        if self.partition not in PARTITIONS:
-            raise ValueError(f"unknown partition {self.partition!r}: expected one of "
-                             f"{', '.join(PARTITIONS)}")
-        check_federation(self.clients, self.samples_per_client, self.seqlen)
-        if self.partition == "dirichlet" and not self.alpha > 0:
-            raise ValueError(f"Dirichlet alpha {self.alpha!r} must be > 0")
-        if self.wire not in WIRES:
-            raise ValueError(f"unknown wire format {self.wire!r}: expected one of "
-                             f"{', '.join(WIRES)}")
-        if not 0 <= self.min_clients <= self.clients:
-            raise ValueError(f"min_clients {self.min_clients} must be in [0, {self.clients}]")
-
-    @property
-    def prune(self):
-        from fedcompress.pruning.local import PruneConfig
-
-        return PruneConfig(self.method, self.sparsity, self.local_group, self.nm)
-
-    @property
-    def server(self) -> ServerConfig:
-        return ServerConfig(self.group, self.scale, self.tie_break, self.seed)
-
-    @property
-    def required_clients(self) -> int:
-        return self.min_clients or self.clients
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "FedPrLLMConfig":
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown FedPrLLM setting(s) {unknown}: expected some of "
-                             f"{sorted(known)}")
-        typed = {}
-        for key, value in values.items():
-            kind = type(getattr(cls, key)) if hasattr(cls, key) else str
-            typed[key] = kind(value) if kind is not bool else _as_bool(key, value)
-        return cls(**typed)
-
-
-def _as_bool(key: str, value) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in ("true", "1", "yes"):
-        return True
-    if str(value).lower() in ("false", "0", "no"):
-        return False
-    raise ValueError(f"{key}={value!r}: expected true or false")
 
 
 # ------------------------------------------------------------------------------------------

@@ -43,12 +43,13 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedcompress.config import ServerSettings, Settings, setting
 from fedcompress.data.partition import dirichlet_partition, iid_partition
 from fedcompress.data.tasks import load_task
 from fedcompress.distill import (
@@ -70,14 +71,17 @@ from fedcompress.layers import (
     lowest_score_plan,
     seq_plan,
 )
+from fedcompress.methods.base import Method
 from fedcompress.models import num_layers, remove_layers
 
 __all__ = [
+    "METHOD",
     "ClientData",
     "Compressed",
     "InvalidClientText",
     "NotEnoughSyntheticData",
     "PPCGPTConfig",
+    "RunSettings",
     "adapter_arrays",
     "client_data",
     "client_retrain",
@@ -115,147 +119,81 @@ class NotEnoughSyntheticData(RuntimeError):
 
 
 @dataclass(frozen=True)
-class PPCGPTConfig:
-    """Settings of one PPC-GPT run (flat, so they travel in a Flower ``ConfigRecord``).
+class PPCGPTConfig(Settings):
+    """Settings of one PPC-GPT run as the clients see it (flat, so they travel in a Flower
+    ``ConfigRecord``); every field's help says what it does. Defaults: the embedded SmolLM2-135M
+    as LLM_o (and LLM_syn), StrategyQA, 4 clients x 16 private examples, eps 3 per word
+    (CusText groups of 20), 30% of the layers removed by Block Influence, LoRA r=8.
 
-    Data: ``task`` (bundled task name or JSONL path/dir), ``clients`` (``min_clients``: fewest
-    valid replies a round goes on with, 0: all),
-    ``examples_per_client`` private labelled examples from the ``train`` split and
-    ``eval_per_client`` private test examples from ``eval_split`` per client (0: the whole
-    partition), ``partition`` iid or dirichlet (label skew, ``alpha``).
-    Privacy: ``eps`` per perturbed word, ``mechanism`` santext|custext, ``top_k`` (CusText group
-    size), ``keep_stopwords`` (opt-in: stop words released in the clear, CusText+). A site
-    never releases an out-of-vocabulary word: it is replaced by a uniform candidate (the
-    sanitizer's ``oov='random'``; ``keep`` is not reachable from PPC-GPT).
-    Synthetic data: ``synth_model`` (LLM_syn spec; "" = ``model``) or ``synth_url`` (an
-    OpenAI-compatible server, with ``synth_api`` chat|completions and ``synth_model`` as the
-    served model name), ``synth_ratio``, ``answer_samples``, token budgets, ``synth_batch_size``,
-    ``synth_time_limit`` seconds (0: none), ``min_synthetic`` samples needed to go on; with
-    ``synth_url``, ``synth_timeout`` seconds per HTTP response and ``synth_workers`` requests
-    in flight (match the server's parallel slots: a CPU server answering 4 long prompts at once
-    takes minutes, not seconds).
-    Compression: ``prune_ratio`` of decoder layers removed, ``prune_policy`` bi|seq,
-    ``rationales`` (BI and loss on rationales too), ``server_retrain`` (CoT distillation on the
-    server).
-    Training (LoRA): ``server_epochs``/``client_epochs`` (or ``server_steps``/``client_steps``
-    > 0), ``lr``, ``batch_size``, ``grad_accum``, ``lora_r``, ``lora_alpha``, ``lora_dropout``,
-    ``max_length`` tokens.
+    With ``synth_url``, ``synth_timeout`` is seconds per HTTP response and ``synth_workers`` the
+    requests in flight (match the server's parallel slots: a CPU server answering 4 long
+    prompts at once takes minutes, not seconds). A site never releases an out-of-vocabulary
+    word: it is replaced by a uniform candidate (the sanitizer's ``oov='random'``; ``keep`` is
+    not reachable from PPC-GPT).
     """
 
-    model: str = "smollm2-135m"
-    dtype: str = "float32"
-    task: str = "strategyqa"
-    eval_split: str = "test"
-    clients: int = 4
-    min_clients: int = 0
-    examples_per_client: int = 16
-    eval_per_client: int = 50
-    partition: str = "iid"
-    alpha: float = 1.0
-    seed: int = 0
-    eps: float = 3.0
-    mechanism: str = "custext"
-    top_k: int = 20
-    keep_stopwords: bool = False
-    synth_model: str = ""
-    synth_url: str = ""
-    synth_api: str = "chat"
-    synth_ratio: float = 1.0
-    answer_samples: int = 3
-    question_tokens: int = 128
-    answer_tokens: int = 192
-    rationale_tokens: int = 96
-    synth_batch_size: int = 8
-    synth_time_limit: float = 0.0
-    synth_timeout: float = 300.0
-    synth_workers: int = 4
-    min_synthetic: int = 4
-    prune_ratio: float = 0.3
-    prune_policy: str = "bi"
-    rationales: bool = True
-    server_retrain: bool = True
-    server_epochs: float = 2.0
-    server_steps: int = 0
-    client_epochs: float = 2.0
-    client_steps: int = 0
-    lr: float = 3e-4
-    batch_size: int = 4
-    grad_accum: int = 2
-    lora_r: int = 8
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.1
-    max_length: int = 192
-    eval_batch_size: int = 16
+    label: ClassVar[str] = "PPC-GPT"
 
-    def __post_init__(self) -> None:
-        def bad(name: str, expected: str) -> ValueError:
-            return ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}")
+    model: str = setting("smollm2-135m", "LLM_o, the model to compress (as in `eval`).")
+    dtype: str = setting("float32", "Model dtype.", choices=("float32", "bfloat16", "float16"))
+    task: str = setting("strategyqa", "Multiple-choice task: bundled name or JSONL file/dir "
+                        "with train and eval splits.")
+    eval_split: str = setting("test", "Split of the task holding the clients' test data.")
+    clients: int = setting(4, "Number of clients.", ge=1)
+    min_clients: int = setting(0, "Fewest valid clients to go on with (0: all).", ge=0)
+    examples_per_client: int = setting(16, "Private labelled training examples per client "
+                                       "(0: the whole partition).", ge=0)
+    eval_per_client: int = setting(50, "Private test examples per client (0: the whole "
+                                   "partition).", ge=0)
+    partition: str = setting("iid", "iid or dirichlet (label skew).", choices=PARTITIONS)
+    alpha: float = setting(1.0, "Dirichlet concentration.", gt=0.0)
+    seed: int = setting(0, "Seed of every random choice.", ge=0)
+    eps: float = setting(3.0, "DP budget per perturbed word (exponential mechanism).", gt=0.0)
+    mechanism: str = setting("custext", "santext or custext.", choices=MECHANISMS)
+    top_k: int = setting(20, "CusText group size.", ge=2)
+    keep_stopwords: bool = setting(False, "Release English stop words in the clear "
+                                   "(CusText+; opt-in). Out-of-vocabulary words are always "
+                                   "replaced.")
+    synth_model: str = setting("", "LLM_syn: model spec of the generator (empty: --model); "
+                               "with --synth-url the served model name.")
+    synth_url: str = setting("", "OpenAI-compatible server for LLM_syn (vLLM, Ollama, TGI), "
+                             "e.g. http://localhost:8000/v1.")
+    synth_api: str = setting("chat", "API of --synth-url: chat or completions.",
+                             choices=("chat", "completions"))
+    synth_ratio: float = setting(1.0, "Synthetic samples wanted per client example.", gt=0.0)
+    answer_samples: int = setting(3, "Chain-of-thought answers per question (kept when they "
+                                  "agree).", ge=1)
+    question_tokens: int = setting(128, "Token budget of a synthetic question.", ge=1)
+    answer_tokens: int = setting(192, "Token budget of a chain-of-thought answer.", ge=1)
+    rationale_tokens: int = setting(96, "Token budget of a rationale.", ge=1)
+    synth_batch_size: int = setting(8, "Generation batch size.", ge=1)
+    synth_time_limit: float = setting(0.0, "Seconds of generation at most (0: no limit).",
+                                      ge=0.0)
+    synth_timeout: float = setting(300.0, "Seconds per HTTP response of --synth-url.", gt=0.0)
+    synth_workers: int = setting(4, "Requests to --synth-url in flight.", ge=1)
+    min_synthetic: int = setting(4, "Fewest accepted synthetic samples to go on with.", ge=1)
+    prune_ratio: float = setting(0.3, "Fraction of decoder layers removed, in [0, 1).",
+                                 ge=0.0, lt=1.0)
+    prune_policy: str = setting("bi", "bi (Block Influence) or seq (the deepest layers).",
+                                choices=PRUNE_POLICIES)
+    rationales: bool = setting(True, "Use rationales (BI and loss).")
+    server_retrain: bool = setting(True, "CoT distillation on the server.")
+    server_epochs: float = setting(2.0, "Distillation epochs.", gt=0.0)
+    server_steps: int = setting(0, "Distillation steps (> 0: instead of epochs).", ge=0)
+    client_epochs: float = setting(2.0, "Client retraining epochs.", gt=0.0)
+    client_steps: int = setting(0, "Client retraining steps (> 0: instead of epochs).", ge=0)
+    lr: float = setting(3e-4, "LoRA learning rate.", gt=0.0)
+    batch_size: int = setting(4, "Training batch size.", ge=1)
+    grad_accum: int = setting(2, "Gradient accumulation steps.", ge=1)
+    lora_r: int = setting(8, "LoRA rank.", ge=1)
+    lora_alpha: float = setting(32.0, "LoRA alpha.", gt=0.0)
+    lora_dropout: float = setting(0.1, "LoRA dropout, in [0, 1).", ge=0.0, lt=1.0)
+    max_length: int = setting(192, "Tokens per training example.", ge=1)
+    eval_batch_size: int = setting(16, "Evaluation batch size.", ge=1)
 
-        for name in ("clients", "synth_batch_size", "synth_workers", "answer_samples",
-                     "question_tokens", "answer_tokens", "rationale_tokens", "batch_size",
-                     "grad_accum", "lora_r", "max_length", "eval_batch_size", "min_synthetic"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(name, "an integer >= 1")
-        for name in ("examples_per_client", "eval_per_client", "seed", "server_steps",
-                     "client_steps", "min_clients"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise bad(name, "an integer >= 0")
-        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
-            raise bad("eps", "a finite number > 0 (privacy budget per word)")
-        if not 0 <= self.prune_ratio < 1:
-            raise bad("prune_ratio", "a fraction of layers in [0, 1)")
-        if self.partition not in PARTITIONS:
-            raise bad("partition", f"one of {PARTITIONS}")
-        if self.prune_policy not in PRUNE_POLICIES:
-            raise bad("prune_policy", f"one of {PRUNE_POLICIES}")
-        if self.mechanism not in MECHANISMS:
-            raise bad("mechanism", f"one of {MECHANISMS}")
-        if self.synth_api not in ("chat", "completions"):
-            raise bad("synth_api", "chat or completions")
+    def validate(self) -> None:
         if self.min_clients > self.clients:
-            raise bad("min_clients", f"at most clients={self.clients} (0: all)")
-        if not self.alpha > 0:
-            raise bad("alpha", "a number > 0")
-        if not self.synth_ratio > 0:
-            raise bad("synth_ratio", "a number > 0")
-        if self.synth_time_limit < 0:
-            raise bad("synth_time_limit", "seconds >= 0 (0: no limit)")
-        if not self.synth_timeout > 0:
-            raise bad("synth_timeout", "seconds > 0")
-        for name in ("server_epochs", "client_epochs", "lr", "lora_alpha"):
-            if not getattr(self, name) > 0:
-                raise bad(name, "a number > 0")
-        if not 0 <= self.lora_dropout < 1:
-            raise bad("lora_dropout", "a probability in [0, 1)")
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> PPCGPTConfig:
-        """From flat settings (keys with ``-`` or ``_``); unknown keys are an error."""
-        flat = {str(k).replace("-", "_"): v for k, v in values.items()}
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(flat) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown PPC-GPT setting(s) {unknown}: expected some of "
-                             f"{sorted(fields)}")
-        typed = {}
-        for name, value in flat.items():
-            kind = type(getattr(cls, name))
-            if kind is bool and isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(f"{name}={value!r} is invalid: expected true or false")
-                value = value.lower() in ("true", "1")
-            elif kind is float and isinstance(value, (int, float)) and not isinstance(value,
-                                                                                      bool):
-                value = float(value)
-            elif kind is int and isinstance(value, float) and value.is_integer():
-                value = int(value)
-            typed[name] = value
-        return cls(**typed)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+            raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
 
     # Derived settings ---------------------------------------------------------------------------
     @property
@@ -652,3 +590,52 @@ def make_backend(config: PPCGPTConfig, model: nn.Module | None = None, tokenizer
         return HFBackend(model, tokenizer, batch_size=config.synth_batch_size, name=config.model)
     return HFBackend.load(config.synth_model or config.model, device=device, dtype=config.dtype,
                           batch_size=config.synth_batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# The method: server settings and registry entry
+# ---------------------------------------------------------------------------------------------
+
+BASELINES = ("dense", "dense-sft", "plain-c")
+
+
+@dataclass(frozen=True)
+class RunSettings(ServerSettings):
+    """How the PPC-GPT ServerApp drives a run (server only)."""
+
+    label: ClassVar[str] = "PPC-GPT server"
+    baseline_names: ClassVar[tuple[str, ...]] = BASELINES
+
+    baselines: str = setting("dense,dense-sft,plain-c", "Comma-separated: dense, dense-sft, "
+                             "plain-c (or none).")
+    timeout: float = setting(7200.0, "Seconds to wait for the clients' replies of a round.",
+                             gt=0.0)
+
+
+def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+    """The CLI's table of a ``ppcgpt`` report: accuracy before (S) and after (C) retraining."""
+    rows = [[r["name"], str(r.get("layers", "-")),
+             "-" if "acc_server" not in r else f"{r['acc_server']:.3f}",
+             f"{r['acc_client']:.3f}", str(r.get("n_client", "-"))] for r in report["results"]]
+    synth = report.get("synthetic", {})
+    notes = [f"synthetic samples: {synth.get('accepted')}/{synth.get('attempts')} accepted "
+             f"({synth.get('backend')}); eps per word {report['config']['eps']}, at most "
+             f"{report.get('privacy', {}).get('eps_per_example_max')} per example"] if synth else []
+    return ("fedcompress ppcgpt (accuracy on the clients' private test data)",
+            ["name", "layers", "acc server (S)", "acc client (C)", "n"], rows, notes)
+
+
+METHOD = Method(
+    name="ppcgpt",
+    command="ppcgpt",
+    help="PPC-GPT on Flower's Simulation Engine: DP-perturbed client text, synthetic CoT data, "
+         "Block Influence layer removal, distillation, client retraining; baselines and a "
+         "report.",
+    settings=(PPCGPTConfig, RunSettings),
+    actions={"query.perturb": "perturb", "train.retrain": "retrain"},
+    message_keys={"config": "config", "text": "text", "examples": "examples",
+                  "metrics": "metrics", "plan": "plan", "adapter": "adapter"},
+    client_module="clients.ppcgpt",
+    server_module="server.ppcgpt",
+    summary=summary,
+)

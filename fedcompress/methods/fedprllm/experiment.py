@@ -16,24 +16,11 @@ from torch import nn
 from fedcompress.data.corpora import corpus_text, load_corpus
 from fedcompress.eval.perplexity import perplexity
 from fedcompress.models import LoadedModel, load_model
-from fedcompress.pruning.federated import FedPrLLMConfig, federation_windows
+from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig
+from fedcompress.methods.fedprllm.federated import federation_windows
 from fedcompress.pruning.local import apply_masks, local_masks, sparsity_report
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Where and how pruned models are evaluated (server only)."""
-
-    eval_text: str = "wiki"
-    eval_split: str = "test"
-    eval_seqlen: int = 256
-    eval_windows: int = 0  # 0: every window of the split
-
-    def to_dict(self) -> dict:
-        return dict(eval_text=self.eval_text, eval_split=self.eval_split,
-                    eval_seqlen=self.eval_seqlen, eval_windows=self.eval_windows)
 
 
 @dataclass

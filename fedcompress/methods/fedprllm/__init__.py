@@ -1,0 +1,44 @@
+"""FedPrLLM: federated pruning of an LLM by voting on the clients' local masks.
+
+* :mod:`.config`: the settings (clients, evaluation, server) with every default;
+* :mod:`.federated`: client windows, the wire formats and their validation, the vote
+  (:class:`~.federated.MaskAggregator`), the iterative client step;
+* :mod:`.experiment`: the server's model, data, baselines and evaluation.
+
+The Flower files: ``clients/fedprllm.py``, ``strategies/fedprllm.py``, ``server/fedprllm.py``.
+"""
+
+from __future__ import annotations
+
+from fedcompress.methods.base import Method
+from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig, RunSettings
+
+__all__ = ["METHOD", "EvalConfig", "FedPrLLMConfig", "RunSettings"]
+
+
+def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+    """The CLI's table of a ``prune`` report: perplexity, sparsity and times per model."""
+    rows = []
+    for r in report["results"]:
+        prune_s = r.get("prune_seconds", r.get("federated_seconds"))
+        rows.append([r["name"], f"{r['perplexity']:.3f}", f"{r['sparsity']:.3f}",
+                     "-" if prune_s is None else f"{prune_s:.1f}", f"{r['eval_seconds']:.1f}"])
+    return ("fedcompress prune", ["name", "perplexity", "sparsity", "prune s", "eval s"], rows,
+            [])
+
+
+METHOD = Method(
+    name="fedprllm",
+    command="prune",
+    help="Federated pruning (FedPrLLM) on Flower's Simulation Engine, with baselines and a "
+         "report.",
+    settings=(FedPrLLMConfig, EvalConfig, RunSettings),
+    actions={"query.warmup": "warmup", "train.masks": "oneshot_masks",
+             "train.layer_mask": "iterative_layer_mask"},
+    message_keys={"config": "config", "masks": "masks", "metrics": "metrics",
+                  "reference": "reference", "round": "round", "global": "global",
+                  "state": "fedprllm"},
+    client_module="clients.fedprllm",
+    server_module="server.fedprllm",
+    summary=summary,
+)

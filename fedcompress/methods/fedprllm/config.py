@@ -1,0 +1,140 @@
+"""FedPrLLM's settings: what the clients receive, how the server evaluates, how a run is driven.
+
+These classes hold every default of the method: the ``fedcompress prune`` options, the
+ServerApp's settings and the ``[tool.flwr.app.config.fedprllm]`` table are derived from them
+(``tests/test_methods.py`` checks the table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+from fedcompress.config import ServerSettings, Settings, setting
+from fedcompress.masks.aggregate import TIE_BREAKS
+from fedcompress.pruning.local import METHODS
+from fedcompress.pruning.select import GROUPS, check_group
+
+MODES = ("oneshot", "iterative")
+WIRES = ("packed", "compressed")
+PARTITIONS = ("iid", "dirichlet")
+DTYPES = ("float32", "bfloat16", "float16")
+BASELINES = ("dense", "centralized", "local-only")
+VARIANTS = ("configured", "all")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A server variant: how the server turns vote counts into the global mask."""
+
+    group: str = "layer"
+    scale: bool = False
+    tie_break: str = "magnitude"
+    seed: int = 0
+
+    def __post_init__(self):
+        check_group(self.group)
+        if self.tie_break not in TIE_BREAKS:
+            raise ValueError(f"unknown tie-break {self.tie_break!r}: expected one of "
+                             f"{', '.join(TIE_BREAKS)}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.group}{'+scale' if self.scale else ''}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FedPrLLMConfig(Settings):
+    """One FedPrLLM run as the clients see it. Defaults: the paper's best recipe on the embedded
+    model (Wanda with its own row-wise local comparison, 50%, server layer comparison,
+    one-shot, no scaling), 16 iid clients with 4 windows of 256 tokens each."""
+
+    label: ClassVar[str] = "FedPrLLM"
+
+    model: str = setting("smollm2-135m", "Model spec: embedded name, local directory, .gguf "
+                         "file or hub id.")
+    dtype: str = setting("float32", "Model dtype.", choices=DTYPES)
+    method: str = setting("wanda", "Local pruning: magnitude, wanda, sparsegpt.",
+                          choices=METHODS)
+    sparsity: float = setting(0.5, "Fraction of weights pruned in each linear layer, in "
+                              "[0, 1).", ge=0.0, lt=1.0)
+    nm: str = setting("none", "N:M semi-structured pattern, e.g. 2:4 (overrides --sparsity), "
+                      "or none.")
+    local_group: str = setting("row", "Clients' comparison group: layer, row, column.",
+                               choices=GROUPS)
+    group: str = setting("layer", "Server's comparison group for the vote: layer, row, "
+                         "column.", choices=GROUPS)
+    scale: bool = setting(False, "Scale kept weights by (m - votes)/m.")
+    tie_break: str = setting("magnitude", "Among equal vote counts prune first: magnitude "
+                             "(smaller |W|), random (seeded), index.", choices=TIE_BREAKS)
+    mode: str = setting("oneshot", "oneshot (one round) or iterative (one round per layer).",
+                        choices=MODES)
+    clients: int = setting(16, "Number of clients.", ge=1)
+    samples_per_client: int = setting(4, "Calibration windows per client.", ge=1)
+    seqlen: int = setting(256, "Tokens per calibration window.", ge=2)
+    partition: str = setting("iid", "iid or dirichlet.", choices=PARTITIONS)
+    alpha: float = setting(1.0, "Dirichlet concentration.", gt=0.0)
+    seed: int = setting(0, "Seed of every random choice.", ge=0)
+    calib_text: str = setting("wiki", "Calibration corpus: bundled name, hub name or "
+                              ".txt/.jsonl file ('+' joins several).")
+    calib_split: str = setting("train", "Split of the calibration corpus.")
+    batch_size: int = setting(4, "Windows per forward.", ge=1)
+    min_clients: int = setting(0, "Fewest valid clients to go on with (0: all).", ge=0)
+    mask_tolerance: float = setting(0.05, "Largest accepted distance of a client's mask "
+                                    "sparsity from the target.", ge=0.0, le=1.0)
+    wire: str = setting("packed", "Mask wire format: packed (1 bit per weight) or "
+                        "compressed (lossless, coded against public reference norms).",
+                        choices=WIRES)
+    wire_reference: str = setting("wiki", "Compressed wire: public corpus (its validation "
+                                  "split) of the reference norms, or none.")
+
+    def validate(self) -> None:
+        try:
+            self.prune  # noqa: B018 - validates the N:M pattern against method and group
+        except ValueError as err:
+            raise self.invalid("nm", f"none or N:M with 0 < N < M ({err})") from None
+        if self.min_clients > self.clients:
+            raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
+
+    @property
+    def prune(self):
+        from fedcompress.pruning.local import PruneConfig
+
+        return PruneConfig(self.method, self.sparsity, self.local_group, self.nm)
+
+    @property
+    def server(self) -> ServerConfig:
+        return ServerConfig(self.group, self.scale, self.tie_break, self.seed)
+
+    @property
+    def required_clients(self) -> int:
+        return self.min_clients or self.clients
+
+
+@dataclass(frozen=True)
+class EvalConfig(Settings):
+    """Where and how pruned models are evaluated (server only)."""
+
+    label: ClassVar[str] = "FedPrLLM evaluation"
+
+    eval_text: str = setting("wiki", "Evaluation corpus (as --calib-text).")
+    eval_split: str = setting("test", "Split of the evaluation corpus.")
+    eval_seqlen: int = setting(256, "Evaluation window.", ge=2)
+    eval_windows: int = setting(0, "Evaluate on the first N windows (0: the whole split).",
+                                ge=0)
+
+
+@dataclass(frozen=True)
+class RunSettings(ServerSettings):
+    """How the FedPrLLM ServerApp drives a run (server only)."""
+
+    label: ClassVar[str] = "FedPrLLM server"
+    baseline_names: ClassVar[tuple[str, ...]] = BASELINES
+
+    baselines: str = setting("dense,centralized,local-only", "Comma-separated: dense, "
+                             "centralized, local-only (or none).")
+    variants: str = setting("configured", "Server variants evaluated from the same one-shot "
+                            "masks: configured or all (3 groups x scaling).", choices=VARIANTS)

@@ -1,0 +1,189 @@
+"""The method registry and the shared settings base: one home per method, one set of defaults.
+
+Every default lives in a method's settings classes; the CLI options, the ServerApp settings and
+the ``[tool.flwr.app.config]`` table are derived from them (checked here), values from every
+source are converted the same way, and bad input is an error naming the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from fedcompress.config import Settings, SettingsError, convert, setting
+from fedcompress.methods import (
+    Method, MethodError, RunConfigError, get_method, methods, run_config_table,
+    settings_from_run_config)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy(Settings):
+    label: ClassVar[str] = "toy"
+
+    clients: int = setting(4, "Number of clients.", ge=1)
+    ratio: float = setting(0.5, "A ratio.", ge=0.0, lt=1.0)
+    mode: str = setting("a", "A or b.", choices=("a", "b"))
+    flag: bool = setting(False, "A flag.")
+    minimum: int = setting(0, "At most clients.", ge=0)
+
+    def validate(self) -> None:
+        if self.minimum > self.clients:
+            raise self.invalid("minimum", f"at most clients={self.clients}")
+
+
+# -- the settings base ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, value, expected", [
+    (int, 3, 3), (int, 3.0, 3), (int, "3", 3), (float, 2, 2.0), (float, "0.25", 0.25),
+    (bool, True, True), (bool, "false", False), (bool, "YES", True), (bool, "1", True),
+    (str, "x", "x"),
+])
+def test_convert_is_the_same_for_every_source(kind, value, expected):
+    got = convert(kind, "k", value)
+    assert got == expected and type(got) is kind
+
+
+@pytest.mark.parametrize("kind, value", [
+    (int, True), (int, 2.5), (int, "two"), (float, False), (float, "x"), (bool, "maybe"),
+    (bool, 1), (str, 3), (int, None),
+])
+def test_convert_refuses_with_the_value_named(kind, value):
+    with pytest.raises(SettingsError, match=rf"k={value!r} is invalid: expected"):
+        convert(kind, "k", value)
+
+
+def test_from_dict_converts_checks_and_rejects_unknown_keys():
+    toy = Toy.from_dict({"clients": "8", "ratio": 0, "flag": "true", "mode": "b"})
+    assert toy == Toy(clients=8, ratio=0.0, flag=True, mode="b")
+    assert type(toy.ratio) is float
+    with pytest.raises(SettingsError, match=r"unknown toy setting\(s\) \['colour'\]: expected "
+                                            r"some of \['clients', 'flag'"):
+        Toy.from_dict({"colour": "red"})
+    with pytest.raises(SettingsError, match=r"ratio=1.0 is invalid: expected a number in "
+                                            r"\[0, 1\)"):
+        Toy(ratio=1.0)
+    with pytest.raises(SettingsError, match="clients=0 is invalid: expected an integer >= 1"):
+        Toy.from_dict({"clients": 0})
+    with pytest.raises(SettingsError, match="mode='c' is invalid: expected one of 'a', 'b'"):
+        Toy(mode="c")
+    with pytest.raises(SettingsError, match="minimum=5 is invalid: expected at most clients=4"):
+        Toy(minimum=5)
+    with pytest.raises(SettingsError, match="ratio=nan"):
+        Toy(ratio=float("nan"))
+    with pytest.raises(SettingsError, match="clients='4' is invalid"):
+        Toy(clients="4")  # the constructor takes typed values; from_dict converts
+
+
+def test_defaults_and_help_come_from_the_fields():
+    assert Toy.defaults() == {"clients": 4, "ratio": 0.5, "mode": "a", "flag": False,
+                              "minimum": 0}
+    assert Toy.spec("clients").help == "Number of clients."
+    assert Toy.names() == ["clients", "ratio", "mode", "flag", "minimum"]
+
+
+# -- the registry -----------------------------------------------------------------------------
+def test_registry_knows_every_method_once():
+    known = methods()
+    assert set(known) >= {"fedprllm", "ppcgpt"}
+    assert len({m.command for m in known.values()}) == len(known)
+    actions = [a for m in known.values() for a in m.actions]
+    assert len(actions) == len(set(actions))
+    with pytest.raises(MethodError, match="unknown method 'nope': expected one of fedprllm"):
+        get_method("nope")
+
+
+def test_a_method_declaring_a_setting_twice_is_refused():
+    with pytest.raises(MethodError, match="setting 'clients' is declared by both Toy and Toy"):
+        Method("x", "x", "", (Toy, Toy), {}, {}, "clients.x", "server.x")
+    with pytest.raises(MethodError, match="action 'masks' is not"):
+        Method("x", "x", "", (Toy,), {"masks": "f"}, {}, "clients.x", "server.x")
+
+
+@pytest.mark.parametrize("name", ["fedprllm", "ppcgpt"])
+def test_every_action_has_its_handler(name):
+    import importlib
+
+    method = get_method(name)
+    module = importlib.import_module(method.client_module)
+    server = importlib.import_module(method.server_module)
+    for function in method.actions.values():
+        assert callable(getattr(module, function))
+    assert callable(server.run) and callable(server.check_settings)
+    assert "clients" in method.client_settings.names()  # the simulation's node count
+
+
+def test_the_one_client_app_serves_every_action():
+    from clients.app import app
+
+    registered = {key for key in app._registered_funcs}  # Flower's own registry of handlers
+    for method in methods().values():
+        assert set(method.actions) <= registered, (method.name, registered)
+
+
+# -- one set of defaults ----------------------------------------------------------------------
+def test_pyproject_run_config_table_is_the_methods_defaults():
+    table = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    assert table["config"] == run_config_table()
+    assert table["components"] == {"serverapp": "server.app:app", "clientapp": "clients.app:app"}
+
+
+@pytest.mark.parametrize("name", ["fedprllm", "ppcgpt"])
+def test_cli_options_are_the_methods_settings(name):
+    import typer.main
+
+    from fedcompress import cli
+
+    method = get_method(name)
+    command = next(c for c in typer.main.get_command(cli.app).commands.values()
+                   if c.name == method.command)
+    options = {p.name: p for p in command.params}
+    for key, default in method.defaults().items():
+        assert key in options, key
+        assert f"[default: {default}]" in options[key].help.replace("\\", "")
+    assert set(options) - set(method.defaults()) == {"cpus_per_client", "config", "log_level"}
+
+
+def test_settings_parse_into_the_methods_classes():
+    fed = get_method("fedprllm")
+    config, evals, server = fed.parse({"sparsity": "0.6", "eval-windows": 4, "out": "x"})
+    assert (config.sparsity, evals.eval_windows, server.out) == (0.6, 4, "x")
+    with pytest.raises(SettingsError, match=r"unknown fedprllm setting\(s\) \['eps'\]"):
+        fed.parse({"eps": 1.0})
+    with pytest.raises(SettingsError, match="baselines='dense,oracle' is invalid"):
+        fed.parse({"baselines": "dense,oracle"})
+    assert fed.parse({"baselines": "none"})[2].baseline_list() == []
+
+
+# -- the Flower run config --------------------------------------------------------------------
+def _run_config(**overrides) -> dict:
+    from flwr.common.config import flatten_dict
+
+    flat = flatten_dict(run_config_table())
+    flat.update(overrides)
+    return flat
+
+
+def test_run_config_names_the_method_and_its_settings():
+    method, settings = settings_from_run_config(_run_config(**{"fedprllm.sparsity": 0.7}))
+    assert method.name == "fedprllm" and settings["sparsity"] == 0.7
+    method, settings = settings_from_run_config(_run_config(method="ppcgpt",
+                                                            **{"ppcgpt.eps": 1.0}))
+    assert method.name == "ppcgpt" and settings["eps"] == 1.0
+    assert method.parse(settings)[0].eps == 1.0
+
+
+def test_run_config_errors_are_clear():
+    with pytest.raises(RunConfigError, match="is a setting of method 'fedprllm', but this run's "
+                                             "method is 'ppcgpt'"):
+        settings_from_run_config(_run_config(method="ppcgpt", **{"fedprllm.sparsity": 0.7}))
+    with pytest.raises(MethodError, match="unknown method 'prune'"):
+        settings_from_run_config(_run_config(method="prune"))
+    with pytest.raises(RunConfigError, match="no 'method' key"):
+        settings_from_run_config({"fedprllm.sparsity": 0.5})
+    with pytest.raises(RunConfigError, match="run config key 'sparsity'"):
+        settings_from_run_config({"method": "fedprllm", "sparsity": 0.5})
