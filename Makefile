@@ -29,6 +29,9 @@ demo: install
 	$(VENV)/bin/fedcompress prune --eval-windows 40 --out $(DEMO_OUT)
 
 test: install
+	# lint (ruff, rules in pyproject.toml) and types (mypy, lenient, on the library), then tests
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 clean:

@@ -20,10 +20,16 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from clients.common import cached_model
-from fedcompress.methods.fedprllm.federated import (
-    FedPrLLMConfig, decode_masks, encode_wire, expected_shapes, federation_windows,
-    iterative_client_step, masks_by_layer)
 from fedcompress.masks.stats import flatten_masks
+from fedcompress.methods.fedprllm.federated import (
+    FedPrLLMConfig,
+    decode_masks,
+    encode_wire,
+    expected_shapes,
+    federation_windows,
+    iterative_client_step,
+    masks_by_layer,
+)
 from fedcompress.pruning.local import local_masks
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,12 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from clients.common import cached_model
 from fedcompress.methods.ppcgpt import (
-    PPCGPTConfig, client_data, client_retrain, client_text, rebuild_model)
+    PPCGPTConfig,
+    client_data,
+    client_retrain,
+    client_text,
+    rebuild_model,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ and ``--out DIR``; options given on the command line override the file. Each run
 
 from __future__ import annotations
 
-import datetime as _dt
 import inspect
 import json
 import logging
@@ -174,7 +173,8 @@ def run_eval(settings: dict[str, Any], progress: bool = True):
     """The body of ``fedcompress eval`` (also used by the demo)."""
     import torch
 
-    from fedcompress.data import corpora, tasks as task_data
+    from fedcompress.data import corpora
+    from fedcompress.data import tasks as task_data
     from fedcompress.eval.perplexity import perplexity
     from fedcompress.eval.zeroshot import zero_shot
     from fedcompress.report import RunReport
@@ -472,10 +472,16 @@ def sanitize_command(
 
 def run_sanitize(settings: dict[str, Any]):
     """The body of ``fedcompress sanitize``: validate, load GloVe, sanitise, report."""
-    from fedcompress.data._jsonl import write_jsonl
     from fedcompress.data.errors import check_seed
-    from fedcompress.privacy.sanitize import (Sanitizer, SanitizerConfig, check_eps,
-                                              json_budget, release_notes, sanitize_file)
+    from fedcompress.data.jsonl import write_jsonl
+    from fedcompress.privacy.sanitize import (
+        Sanitizer,
+        SanitizerConfig,
+        check_eps,
+        json_budget,
+        release_notes,
+        sanitize_file,
+    )
     from fedcompress.report import RunReport
 
     if not settings["input"]:

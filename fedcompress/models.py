@@ -313,7 +313,8 @@ def resolve_model_spec(spec: str) -> tuple[str, str, bool]:
         return "gguf", str(target), converted
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise UnknownModelError(f"directory {spec!r} holds no config.json: not a model directory")
+            raise UnknownModelError(f"directory {spec!r} holds no config.json: not a model "
+                                    "directory")
         return "local", str(path), False
     if _HUB_ID.match(spec) and not path.exists():
         return "hub", spec, False

@@ -239,7 +239,7 @@ def iterative_schedule(layer_up_bytes: Sequence[int], compute_s: float | Sequenc
     glob = list(layer_up_bytes if global_mask_bytes is None else global_mask_bytes)
     if len(glob) != layers:
         raise ValueError(f"{len(glob)} global mask sizes for {layers} layers")
-    down = [down_bytes] + [down_bytes + glob[l - 1] for l in range(1, layers)]
+    down = [down_bytes] + [down_bytes + glob[i - 1] for i in range(1, layers)]
     return Schedule("iterative", [int(b) for b in layer_up_bytes], down,
                     _as_list(compute_s, layers, "compute_s"))
 

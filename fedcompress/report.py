@@ -1,4 +1,5 @@
-"""Run reports: ``report.json`` (machine-readable), ``report.md`` (a readable table), ``config.toml``.
+"""Run reports: ``report.json`` (machine-readable), ``report.md`` (a readable table),
+``config.toml``.
 
 Every command writes its output folder through :class:`RunReport`. Results are written to disk
 as soon as each one is added, so an interrupted or failing run never loses finished results.

@@ -15,13 +15,7 @@ import math
 import time
 from pathlib import Path
 
-# Imported here, at module level, on purpose. `flwr run` (simulation runtime) imports this module
-# in its ServerApp thread while its main thread imports the ClientApp module, which imports
-# transformers. transformers replaces itself in sys.modules (a lazy module) at the end of its
-# import, and a thread that meets it half-imported is handed the stale module object: a
-# `from transformers import AutoConfig` there fails with ImportError (Flower exit code 607).
-# An `import transformers` statement waits for the import to complete, so after this line every
-# `from transformers import ...` in this thread (e.g. in fedcompress.models) sees the real module.
+# transformers at module level, before the library imports it: see server/app.py.
 import transformers  # noqa: F401
 from flwr.app import ArrayRecord
 from flwr.serverapp import Grid, ServerApp
@@ -30,7 +24,10 @@ from fedcompress.methods.fedprllm import METHOD
 from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig, RunSettings
 from fedcompress.methods.fedprllm.experiment import prepare_experiment
 from fedcompress.methods.fedprllm.federated import (
-    ServerConfig, expected_shapes, public_reference_wire)
+    ServerConfig,
+    expected_shapes,
+    public_reference_wire,
+)
 from fedcompress.report import RunReport, default_out
 from server.common import make_server_app
 from strategies.fedprllm import make_strategy

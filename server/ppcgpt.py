@@ -17,7 +17,7 @@ import logging
 import time
 from pathlib import Path
 
-import transformers  # noqa: F401  (imported at module level: see server/fedprllm.py)
+import transformers  # noqa: F401  (at module level: see server/app.py)
 from flwr.app import ArrayRecord
 from flwr.serverapp import Grid, ServerApp
 

@@ -29,9 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcompress.models import load_model
 from fedcompress.methods.fedprllm.federated import (
-    FedPrLLMConfig, MaskAggregator, ServerConfig, encode_masks, federation_windows)
+    FedPrLLMConfig,
+    MaskAggregator,
+    ServerConfig,
+    encode_masks,
+    federation_windows,
+)
+from fedcompress.models import load_model
 from fedcompress.pruning.local import local_masks
 
 

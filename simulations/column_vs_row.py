@@ -35,9 +35,9 @@ import torch
 
 from fedcompress.data.calibration import sample_windows, tokenize_corpus
 from fedcompress.data.corpora import load_corpus
-from fedcompress.masks.compress import public_reference
+from fedcompress.masks.stats import flatten_masks
 from fedcompress.models import CALC_DTYPE, ModelAdapter, load_model, weight_matrix
-from fedcompress.pruning.local import PruneConfig
+from fedcompress.pruning.local import PruneConfig, column_norms
 
 
 def gini(x: np.ndarray) -> float:
@@ -69,8 +69,8 @@ def measure(model_name: str, sparsities: list[float], windows: int, seqlen: int,
     tokens = tokenize_corpus(loaded.tokenizer, load_corpus("wiki", "validation"))
     calib = sample_windows(tokens, windows, seqlen, np.random.default_rng(seed))
     start = time.perf_counter()
-    norms = public_reference(loaded.model, calib, PruneConfig("wanda", 0.5, "row"),
-                             progress=True)
+    norms = flatten_masks(column_norms(loaded.model, calib, PruneConfig("wanda", 0.5, "row"),
+                                       progress=True))
     adapter = ModelAdapter(loaded.model)
     layers = []
     for key, norm in norms.items():

@@ -22,8 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from fedcompress.network import (
-    PROFILES, Stragglers, compare, iterative_schedule, layer_mask_bytes, markdown_table,
-    oneshot_schedule)
+    PROFILES,
+    Stragglers,
+    compare,
+    iterative_schedule,
+    layer_mask_bytes,
+    markdown_table,
+    oneshot_schedule,
+)
 
 
 def model_shapes(model: str) -> dict[str, tuple]:
@@ -32,8 +38,8 @@ def model_shapes(model: str) -> dict[str, tuple]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fedcompress.models import load_model
     from fedcompress.methods.fedprllm.federated import expected_shapes
+    from fedcompress.models import load_model
 
     try:
         loaded = load_model(model, device="cpu")

@@ -43,6 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from fedcompress.data.calibration import tokenize_corpus  # noqa: E402
 from fedcompress.data.corpora import load_corpus  # noqa: E402
 from fedcompress.masks import stats  # noqa: E402
+from fedcompress.methods.fedprllm.federated import expected_shapes  # noqa: E402
 from fedcompress.models import (  # noqa: E402
     ModelAdapter,
     load_model,
@@ -51,7 +52,6 @@ from fedcompress.models import (  # noqa: E402
     weight_matrix,
 )
 from fedcompress.privacy import leakage as lk  # noqa: E402
-from fedcompress.methods.fedprllm.federated import expected_shapes  # noqa: E402
 from fedcompress.pruning.local import PruneConfig, local_masks  # noqa: E402
 from fedcompress.report import versions  # noqa: E402
 

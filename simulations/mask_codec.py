@@ -38,9 +38,10 @@ from fedcompress.data.calibration import sample_windows, tokenize_corpus
 from fedcompress.data.corpora import load_corpus
 from fedcompress.masks import compress as mc
 from fedcompress.masks.codec import encode_mask
-from fedcompress.models import load_model
+from fedcompress.masks.stats import flatten_masks
 from fedcompress.methods.fedprllm.federated import client_windows, mask_key
-from fedcompress.pruning.local import PruneConfig, local_masks
+from fedcompress.models import load_model
+from fedcompress.pruning.local import PruneConfig, column_norms, local_masks
 
 log = logging.getLogger("mask_codec")
 
@@ -122,7 +123,7 @@ def main() -> None:
         public = sample_windows(tokens, opts.ref_windows, opts.seqlen,
                                 np.random.default_rng(opts.seed + 1))
         start = time.perf_counter()
-        wire = mc.reference_to_wire(mc.public_reference(model, public))
+        wire = mc.reference_to_wire(flatten_masks(column_norms(model, public)))
         ref_seconds[name] = time.perf_counter() - start
         references[name] = mc.reference_from_wire(wire)
         downlink[name] = mc.reference_nbytes(wire)
@@ -231,7 +232,7 @@ def markdown(result: dict) -> str:
     for method, sparsity in keys:
         rs = [r for r in recs if r["method"] == method and r["sparsity"] == sparsity]
 
-        def col(field, ref=None):
+        def col(field, ref=None, rs=rs):
             vals = [_bpw(r["coders"][ref][field] if ref else r[field], n) for r in rs
                     if (ref is None and field in r) or (ref in r["coders"])]
             return f"{_mean(vals):.4f}" if vals else "-"

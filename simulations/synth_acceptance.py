@@ -30,7 +30,7 @@ import re
 import time
 from pathlib import Path
 
-from fedcompress.data._seeding import derived_rng
+from fedcompress.data.seeding import derived_rng
 from fedcompress.data.tasks import BUNDLED_TASKS, load_task
 from fedcompress.models import EMBEDDED_MODELS, missing_packages
 from fedcompress.report import markdown_table, versions

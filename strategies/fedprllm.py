@@ -24,11 +24,20 @@ from flwr.serverapp.strategy import Strategy
 
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from fedcompress.methods.fedprllm.federated import (
-    MaskAggregator, decode_wire, encode_masks, masks_by_layer)
+    MaskAggregator,
+    decode_wire,
+    encode_masks,
+    masks_by_layer,
+)
 from fedcompress.models import ModelAdapter
 from strategies.common import (
-    NotEnoughClientsError, StrategyOutcome, collect_valid_replies, reply_metrics,
-    require_valid, wait_for_nodes)
+    NotEnoughClientsError,
+    StrategyOutcome,
+    collect_valid_replies,
+    reply_metrics,
+    require_valid,
+    wait_for_nodes,
+)
 
 __all__ = ["FedPrLLM", "IterativeFedPrLLM", "NotEnoughClientsError", "make_strategy"]
 
@@ -147,7 +156,8 @@ class FedPrLLM(Strategy):
         server variant: one-shot masks serve every variant); returns each linear layer's
         pruned fraction."""
         return self.aggregator.prune(model, server or self.config.server,
-                                     self.config.prune.target_sparsity, self.config.prune.nm_pattern)
+                                     self.config.prune.target_sparsity,
+                                     self.config.prune.nm_pattern)
 
 
 class IterativeFedPrLLM(FedPrLLM):

@@ -2,9 +2,9 @@
 removal plan and LoRA adapter and collect the clients' accuracies (round 2).
 
 The generation, layer removal and distillation between the rounds run in the ServerApp
-(:mod:`fedcompress.methods.ppcgpt`). A reply that is an error, or whose content is malformed (text that
-is not a list of questions with choices, metrics missing or out of range), is logged with its
-reason, recorded in :attr:`PPCGPT.outcome` and left out
+(:mod:`fedcompress.methods.ppcgpt`). A reply that is an error, or whose content is malformed
+(text that is not a list of questions with choices, metrics missing or out of range), is logged
+with its reason, recorded in :attr:`PPCGPT.outcome` and left out
 (:func:`strategies.common.collect_valid_replies`); a round fails with
 :class:`NotEnoughClientsError` when fewer than ``config.required_clients`` valid replies remain.
 The clients' metrics are in ``outcome.client_metrics`` with their ``stage`` (``perturb``:
@@ -24,8 +24,13 @@ from flwr.serverapp.strategy import Strategy
 
 from fedcompress.methods.ppcgpt import PPCGPTConfig, parse_perturbed
 from strategies.common import (
-    NotEnoughClientsError, StrategyOutcome, collect_valid_replies, reply_metrics, require_valid,
-    wait_for_nodes)
+    NotEnoughClientsError,
+    StrategyOutcome,
+    collect_valid_replies,
+    reply_metrics,
+    require_valid,
+    wait_for_nodes,
+)
 
 __all__ = ["PPCGPT", "NotEnoughClientsError"]
 

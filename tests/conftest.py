@@ -235,3 +235,18 @@ def same_ppcgpt_result(report: dict, reference: dict) -> None:
         for a, b in zip(got["per_client"], want["per_client"], strict=True):
             assert a["partition"] == b["partition"]
             assert (a.get("server"), a["client"]) == (b.get("server"), b["client"])
+
+
+def load_tool(name: str):
+    """A maintainer script of ``tools/`` (not part of the package) imported as module ``name``."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import load_tool
 
-from fedcompress.data import build
-from fedcompress.data.build import (
+from fedcompress.data.tasks import BUNDLED_TASKS
+
+build = load_tool("build_data")
+from build_data import (  # noqa: E402
     ARCHIVES,
     STDLIB,
     BuildError,
@@ -31,7 +34,6 @@ from fedcompress.data.build import (
     splice_sources,
     strip_gutenberg_boilerplate,
 )
-from fedcompress.data.tasks import BUNDLED_TASKS
 
 # ------------------------------------------------------------------------------------------
 # synthetic archives

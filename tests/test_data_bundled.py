@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import load_tool
 
 from fedcompress.data import (
     BUNDLED_CORPORA,
@@ -22,8 +23,9 @@ from fedcompress.data import (
     load_task,
     task_files,
 )
-from fedcompress.data import build
-from fedcompress.data.build import ARCHIVES, STDLIB, module_name
+
+build = load_tool("build_data")
+from build_data import ARCHIVES, STDLIB, module_name  # noqa: E402
 
 MANIFEST = json.loads((BUNDLED_DIR / "manifest.json").read_text(encoding="utf-8"))
 
@@ -67,8 +69,8 @@ def test_sources_md_states_provenance_and_licences() -> None:
         assert archive.sha256 in sources
         assert archive.requirement in sources
     for needle in ("CC BY-SA 3.0", "Apache-2.0", "public domain", "CC BY 2.5",
-                   "python -m fedcompress.data.build --archives DIR", "canary GUID",
-                   "python -m fedcompress.data.build --only code", "CPython 3.11.7", "PSF-2.0",
+                   "python tools/build_data.py --archives DIR", "canary GUID",
+                   "python tools/build_data.py --only code", "CPython 3.11.7", "PSF-2.0",
                    "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2", STDLIB.sha256,
                    "Python Software Foundation; All Rights Reserved"):
         assert needle in sources

@@ -200,7 +200,7 @@ def test_missing_bundled_file_explains_how_to_regenerate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(corpora, "BUNDLED_DIR", tmp_path)
-    with pytest.raises(EmptyCorpusError, match=r"fedcompress\.data\.build"):
+    with pytest.raises(EmptyCorpusError, match=r"tools/build_data\.py"):
         load_corpus("wiki", "train")
 
 

@@ -388,7 +388,11 @@ def test_deployed_ppcgpt_equals_in_process(deployments, tiny_model_dir, openai_s
     """PPC-GPT on the same deployment (TLS, registered sites), after its FedPrLLM run: the one
     FAB serves both methods; the report equals the same pipeline run in this process."""
     from conftest import (
-        ppcgpt_in_process, ppcgpt_tiny_settings, same_ppcgpt_result, yes_no_generator)
+        ppcgpt_in_process,
+        ppcgpt_tiny_settings,
+        same_ppcgpt_result,
+        yes_no_generator,
+    )
 
     dep = deployments["full"]
     dep.result.result()  # one run at a time on this SuperLink
@@ -445,9 +449,9 @@ def test_unregistered_supernode_is_refused(deployments):
 def _reference_model(model_dir: Path, settings: dict, node_configs: list[dict]):
     """The in-process vote with the same settings, seeds and node configs (the reference of
     tests/test_fedprllm.py: the real ClientApp and strategy, messages handled in process)."""
+    from conftest import InProcessFederation
     from flwr.app import ArrayRecord, ConfigRecord
 
-    from conftest import InProcessFederation
     from fedcompress.models import load_model
     from server.fedprllm import split_settings
     from strategies.fedprllm import FedPrLLM

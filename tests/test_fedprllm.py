@@ -8,17 +8,27 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessFederation
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
-from conftest import InProcessFederation
-from fedcompress.models import load_model
 from fedcompress.methods.fedprllm.federated import (
-    FedPrLLMConfig, InvalidMaskError, MaskAggregator, client_windows, decode_masks,
-    ServerConfig, encode_masks, expected_shapes, federation_windows, iterative_client_step,
-    iterative_vote, mask_key, public_reference_wire)
+    FedPrLLMConfig,
+    InvalidMaskError,
+    MaskAggregator,
+    ServerConfig,
+    client_windows,
+    decode_masks,
+    encode_masks,
+    expected_shapes,
+    federation_windows,
+    iterative_client_step,
+    iterative_vote,
+    mask_key,
+    public_reference_wire,
+)
+from fedcompress.models import load_model
 from fedcompress.pruning.local import PruneConfig, local_masks
-from strategies.fedprllm import (
-    FedPrLLM, IterativeFedPrLLM, NotEnoughClientsError, make_strategy)
+from strategies.fedprllm import FedPrLLM, IterativeFedPrLLM, NotEnoughClientsError, make_strategy
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +206,8 @@ def test_corrupted_compressed_payload_is_left_out(tiny_dir, tiny):
                          reply_to=Message(RecordDict(), dst_node_id=replies[2].metadata.src_node_id,
                                           message_type="train.masks"))
     strategy.aggregate_train(1, replies)
-    assert strategy.aggregator.clients == 3 and "invalid masks" in strategy.outcome.rejected[0]["reason"]
+    rejected = strategy.outcome.rejected
+    assert strategy.aggregator.clients == 3 and "invalid masks" in rejected[0]["reason"]
 
 
 def _tamper(reply: Message, how: str) -> Message:
@@ -226,7 +237,8 @@ def test_bad_client_is_left_out_and_run_goes_on(tiny_dir, tiny, how, caplog):
     replies[1] = _tamper(replies[1], how)
     strategy.aggregate_train(1, replies)
     assert strategy.aggregator.clients == 3
-    assert len(strategy.outcome.rejected) == 1 and "invalid masks" in strategy.outcome.rejected[0]["reason"]
+    rejected = strategy.outcome.rejected
+    assert len(rejected) == 1 and "invalid masks" in rejected[0]["reason"]
     assert "client node 101 left out: invalid masks" in caplog.text
 
 

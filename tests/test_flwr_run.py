@@ -186,7 +186,11 @@ def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path):
 @pytest.mark.simulation
 def test_flwr_run_ppcgpt_equals_in_process(tiny_model_dir, flwr_env, tmp_path, openai_stub):
     from conftest import (
-        ppcgpt_in_process, ppcgpt_tiny_settings, same_ppcgpt_result, yes_no_generator)
+        ppcgpt_in_process,
+        ppcgpt_tiny_settings,
+        same_ppcgpt_result,
+        yes_no_generator,
+    )
 
     flwr = str(Path(sys.executable).parent / "flwr")
     with openai_stub(yes_no_generator) as stub:

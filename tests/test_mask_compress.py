@@ -9,8 +9,13 @@ import torch
 from fedcompress.masks import compress as mc
 from fedcompress.masks.codec import MaskDecodeError
 from fedcompress.masks.compress import (
-    CompressedMaskError, ReferenceMismatchError, decode_mask_ctx, decode_masks_ctx,
-    encode_mask_ctx, encode_masks_ctx)
+    CompressedMaskError,
+    ReferenceMismatchError,
+    decode_mask_ctx,
+    decode_masks_ctx,
+    encode_mask_ctx,
+    encode_masks_ctx,
+)
 from fedcompress.pruning.select import select_prune_mask
 
 HEADER = mc._HEADER.size
@@ -287,21 +292,23 @@ def test_encoder_validates_its_inputs():
 def tiny_setup():
     from conftest import build_tiny_model
 
-    from fedcompress.pruning.local import PruneConfig, local_masks
+    from fedcompress.masks.stats import flatten_masks
+    from fedcompress.pruning.local import PruneConfig, column_norms, local_masks
 
     model = build_tiny_model("llama", n_layers=2)
     gen = torch.Generator().manual_seed(0)
     public = torch.randint(0, 128, (4, 16), generator=gen)
     private = torch.randint(0, 128, (2, 16), generator=gen)
-    reference = mc.public_reference(model, public)
+    reference = flatten_masks(column_norms(model, public))
     masks = local_masks(model, private, PruneConfig("wanda", 0.5, "row")).masks
     flat = {f"layers.{i}.{name}": m for i, layer in enumerate(masks) for name, m in layer.items()}
     return model, reference, flat
 
 
 def test_public_reference_and_wire_form(tiny_setup):
+    from fedcompress.masks.stats import flatten_masks
     from fedcompress.methods.fedprllm.federated import expected_shapes
-    from fedcompress.pruning.local import PruneConfig
+    from fedcompress.pruning.local import PruneConfig, column_norms
 
     model, reference, _ = tiny_setup
     shapes = expected_shapes(model)
@@ -314,7 +321,8 @@ def test_public_reference_and_wire_form(tiny_setup):
     assert mc.reference_nbytes(wire) == 2 * sum(s[1] for s in shapes.values())
     back = mc.reference_from_wire(wire)
     assert all(torch.equal(back[k], torch.from_numpy(wire[k].astype(np.float32))) for k in wire)
-    pruned = mc.public_reference(model, torch.randint(0, 128, (2, 16)), PruneConfig("wanda", 0.5))
+    pruned = flatten_masks(column_norms(model, torch.randint(0, 128, (2, 16)),
+                                        PruneConfig("wanda", 0.5)))
     assert set(pruned) == set(shapes)
 
 

@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from fedcompress.masks.aggregate import (
-    apply_global_mask, count_dtype, count_packed, count_words, global_mask, payload_words,
-    scale_weights, vote_counts)
+    apply_global_mask,
+    count_dtype,
+    count_packed,
+    count_words,
+    global_mask,
+    payload_words,
+    scale_weights,
+    vote_counts,
+)
 from fedcompress.masks.codec import MaskDecodeError, check_packed, decode_mask, encode_mask
 
 B = torch.tensor  # shorthand

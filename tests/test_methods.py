@@ -16,8 +16,14 @@ import pytest
 
 from fedcompress.config import Settings, SettingsError, convert, setting
 from fedcompress.methods import (
-    Method, MethodError, RunConfigError, get_method, methods, run_config_table,
-    settings_from_run_config)
+    Method,
+    MethodError,
+    RunConfigError,
+    get_method,
+    methods,
+    run_config_table,
+    settings_from_run_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -187,3 +193,39 @@ def test_run_config_errors_are_clear():
         settings_from_run_config({"fedprllm.sparsity": 0.5})
     with pytest.raises(RunConfigError, match="run config key 'sparsity'"):
         settings_from_run_config({"method": "fedprllm", "sparsity": 0.5})
+
+
+# -- dependencies point one way ---------------------------------------------------------------
+TOOLBOX = ("pruning", "masks", "layers", "privacy", "synth", "distill", "eval", "data")
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("package", TOOLBOX)
+def test_the_toolbox_knows_no_method_and_no_flower(package):
+    for path in sorted((REPO / "fedcompress" / package).rglob("*.py")):
+        bad = {m for m in _imports(path)
+               if m.startswith(("fedcompress.methods", "flwr", "clients", "server",
+                                "strategies", "fedcompress.bench", "fedcompress.cli"))}
+        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+        private = {m for m in _imports(path) if m.startswith("fedcompress.")
+                   and any(part.startswith("_") for part in m.split(".")[2:])
+                   and not m.startswith(f"fedcompress.{package}.")}
+        assert not private, f"{path.relative_to(REPO)} uses another package's private {private}"
+
+
+def test_no_flower_import_in_the_library_and_pruning_below_masks():
+    for path in sorted((REPO / "fedcompress").rglob("*.py")):
+        assert not {m for m in _imports(path) if m.startswith("flwr")}, path
+    for path in sorted((REPO / "fedcompress" / "pruning").rglob("*.py")):
+        assert not {m for m in _imports(path) if m.startswith("fedcompress.masks")}, path

@@ -9,13 +9,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessFederation, yes_no_generator
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from conftest import InProcessFederation, yes_no_generator
-from fedcompress.methods import ppcgpt
 from fedcompress.data.embeddings import EmbeddingTable
-from fedcompress.models import load_model, num_layers
+from fedcompress.methods import ppcgpt
 from fedcompress.methods.ppcgpt import InvalidClientText, PPCGPTConfig
+from fedcompress.models import load_model, num_layers
 from fedcompress.privacy.sanitize import Sanitizer, SanitizerConfig
 from strategies.ppcgpt import PPCGPT, NotEnoughClientsError
 
@@ -211,7 +211,8 @@ def test_bad_client_text_is_left_out(tiny_dir, tiny_glove, caplog):
         for i, r in enumerate(real(messages))]
     examples = strategy.collect_text(grid, timeout=60)
     assert len(examples) == 2 * 4 and len({e["id"] for e in examples}) == 8
-    assert strategy.outcome.rejected[0]["node"] == 101 and "not JSON" in strategy.outcome.rejected[0]["reason"]
+    rejected = strategy.outcome.rejected
+    assert rejected[0]["node"] == 101 and "not JSON" in rejected[0]["reason"]
     assert "left out" in caplog.text
     strategy = PPCGPT(config_for(tiny_dir))  # min_clients 0: all three needed
     with pytest.raises(NotEnoughClientsError, match="2 valid client replies"):

@@ -8,14 +8,19 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import yes_no_generator
-from fedcompress.methods import ppcgpt
-from fedcompress.bench.ppcgpt_study import (
-    StudyConfigError, first_per_source, load_study, majority_share, run_study,
-    study_from_dict)
-from fedcompress.synth.backends import OpenAIBackend
 from test_ppcgpt import tiny_sanitizer
+
+from fedcompress.bench.ppcgpt_study import (
+    StudyConfigError,
+    first_per_source,
+    load_study,
+    majority_share,
+    run_study,
+    study_from_dict,
+)
+from fedcompress.methods import ppcgpt
+from fedcompress.synth.backends import OpenAIBackend
 
 
 @pytest.mark.parametrize("raw, message", [

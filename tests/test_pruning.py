@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedcompress.models import ModelAdapter, weight_matrix
+from fedcompress.models import ModelAdapter
 from fedcompress.pruning.local import PruneConfig, apply_masks, local_masks, sparsity_report
 from fedcompress.pruning.scores import CholeskyError, sparsegpt_prune, wanda_scores
 from fedcompress.pruning.select import parse_nm, select_prune_mask

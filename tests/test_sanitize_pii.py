@@ -16,11 +16,10 @@ import re
 
 import numpy as np
 import pytest
+from test_sanitize import make, tiny_table
 
 from fedcompress.privacy import sanitize as sz
 from fedcompress.privacy.sanitize import Sanitizer, SanitizerConfig
-
-from test_sanitize import make, tiny_table
 
 PII = [
     "My name is Zbigniew Kowalczykowski and my account number is 4417-1234-5678-9113, "

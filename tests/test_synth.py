@@ -16,7 +16,6 @@ import torch
 
 from fedcompress.data.tasks import load_task
 from fedcompress.synth import (
-    PPC_GPT_PROMPTS,
     Failed,
     HFBackend,
     OpenAIBackend,

@@ -7,7 +7,8 @@ with/without rationales, with/without server-side retraining, Block Influence vs
 removal, pruning ratio) and report the server's model on the clients' test data ("S") and the
 clients' retrained model ("C").
 
-A config has a ``[ppcgpt]`` table (the base run: any :class:`~fedcompress.methods.ppcgpt.PPCGPTConfig`
+A config has a ``[ppcgpt]`` table (the base run: any
+:class:`~fedcompress.methods.ppcgpt.PPCGPTConfig`
 setting), an ``[ablations]`` table (per axis, the values its table compares; the base value is
 added when missing) and an optional ``[study]`` table (``title``, ``baselines``: any of
 ``dense``, ``dense-sft``, ``plain-c``; ``device``).
@@ -15,7 +16,8 @@ added when missing) and an optional ``[study]`` table (``title``, ``baselines``:
 How it runs (in-process, by the library functions the Flower apps call, so no simulation
 engine is needed; the Flower app itself is tested against them):
 
-* each client's private data and round-1 text are :func:`~fedcompress.methods.ppcgpt.client_data` and
+* each client's private data and round-1 text are
+  :func:`~fedcompress.methods.ppcgpt.client_data` and
   :func:`~fedcompress.methods.ppcgpt.client_text`, exactly what its ClientApp sends;
 * synthetic data is generated once per privacy budget and reused by every variant at that
   budget; the base budget is generated at the largest synthetic ratio of Table 3 and a smaller
@@ -49,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from fedcompress.methods import ppcgpt
-from fedcompress.models import num_layers
 from fedcompress.methods.ppcgpt import PPCGPTConfig
+from fedcompress.models import num_layers
 from fedcompress.report import RunReport, atomic_write, markdown_table
 
 logger = logging.getLogger(__name__)

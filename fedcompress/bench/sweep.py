@@ -2,7 +2,8 @@
 
 A config has a ``[bench]`` table (settings shared by every study) and one ``[study.NAME]``
 table per study. In a study, a setting given as a list is swept (cartesian product); a scalar is
-fixed. Settings are those of :class:`~fedcompress.methods.fedprllm.federated.FedPrLLMConfig` (``model``,
+fixed. Settings are those of :class:`~fedcompress.methods.fedprllm.config.FedPrLLMConfig`
+(``model``,
 ``method``, ``sparsity``, ``local_group``, ``group``, ``scale``, ``mode``, ``tie_break``,
 ``clients``, ``samples_per_client``, ``partition``, ``alpha``, ``calib_text``, ...), the
 evaluation settings (``eval_text``, ``eval_windows``, ...), and per study:
@@ -44,7 +45,12 @@ import numpy as np
 
 from fedcompress.methods.fedprllm.experiment import EvalConfig, Experiment, prepare_experiment
 from fedcompress.methods.fedprllm.federated import (
-    FedPrLLMConfig, MaskAggregator, ServerConfig, encode_masks, iterative_vote, payload_nbytes)
+    FedPrLLMConfig,
+    MaskAggregator,
+    encode_masks,
+    iterative_vote,
+    payload_nbytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -386,7 +392,8 @@ class BenchRunner:
         meta = {**meta, "count_seconds": time.perf_counter() - start}
         self._mask_stats(client_id, aggregator)
         for cell in variants:
-            self._run_cell(cell, lambda cell=cell: self._oneshot(view, cell, aggregator, meta))
+            self._run_cell(cell, lambda cell=cell, agg=aggregator: self._oneshot(view, cell, agg,
+                                                                                 meta))
         del aggregator
 
     def _client_masks(self, exp: Experiment, client_id: str) -> tuple[MaskAggregator, dict]:

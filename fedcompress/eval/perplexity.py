@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fedcompress.eval._common import eval_mode, resolve_device
-from fedcompress.models import CALC_DTYPE, model_context_length
+from fedcompress.eval.common import eval_mode, resolve_device
 from fedcompress.eval.errors import EvalInputError, SeqlenError, TextTooShortError
+from fedcompress.models import CALC_DTYPE, model_context_length
 
 __all__ = ["CALC_DTYPE", "PerplexityResult", "perplexity", "tokenize_text"]
 

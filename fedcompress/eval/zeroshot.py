@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import yaml
 
-from fedcompress.data._jsonl import write_jsonl
 from fedcompress.data.errors import EmptyTaskError, UnknownSplitError, UnknownTaskError
+from fedcompress.data.jsonl import write_jsonl
 from fedcompress.data.tasks import TaskExample, validate_examples
-from fedcompress.eval._common import eval_mode, hub_offline
+from fedcompress.eval.common import eval_mode, hub_offline
 from fedcompress.eval.errors import EvalInputError
 from fedcompress.eval.perplexity import CALC_DTYPE
 
@@ -141,13 +141,13 @@ def _quiet_lm_eval(progress: bool) -> Iterator[None]:
     task_module = importlib.import_module("lm_eval.api.task")
     saved_tqdm = getattr(task_module, "tqdm", None)
     if not progress and saved_tqdm is not None:
-        task_module.tqdm = functools.partial(saved_tqdm, disable=True)
+        setattr(task_module, "tqdm", functools.partial(saved_tqdm, disable=True))
     try:
         yield
     finally:
         hf_logger.removeFilter(noise_filter)
         if saved_tqdm is not None:
-            task_module.tqdm = saved_tqdm
+            setattr(task_module, "tqdm", saved_tqdm)
         if bars_were_enabled:
             datasets.enable_progress_bars()
 

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedcompress.eval._common import eval_mode, model_input_device
+from fedcompress.eval.common import eval_mode, model_input_device
 from fedcompress.layers.importance import LayerImportance, sum_importances
 from fedcompress.models import CALC_DTYPE, ModelAdapter, model_context_length
 

@@ -9,7 +9,8 @@ in seconds for the whole model; see ``simulations/mask_codec.py`` and
 ``simulations/results/mask_codec/``. Payloads are never larger than bit-packing plus a header.
 
 **Reference.** The server measures per-input-column activation norms of every linear layer on
-PUBLIC text (:func:`public_reference`: the calibration walker over public windows) and
+PUBLIC text (:func:`fedcompress.pruning.local.column_norms`: the calibration walker over public
+windows, keyed with :func:`fedcompress.masks.stats.flatten_masks`) and
 broadcasts them once (:func:`reference_to_wire`: float16, ``in_features`` values per linear
 layer, ~0.3 MB for SmolLM2-135M). Client and server both hold the global weights, so both compute
 the same *reference scores* ``s_ij = |W_ij| * norm_j`` in float32 (one IEEE multiplication per
@@ -99,7 +100,6 @@ __all__ = [
     "encode_masks_ctx",
     "input_groups",
     "linear_weights",
-    "public_reference",
     "reference_contexts",
     "reference_from_wire",
     "reference_nbytes",
@@ -628,44 +628,19 @@ def bits_per_weight(payload: np.ndarray | bytes, shape: tuple[int, ...]) -> floa
 
 
 # ------------------------------------------------------------------------------------------
-# Whole models: the public reference and per-layer payloads keyed like the bit-packed ones
+# Whole models: the reference's broadcast form and per-layer payloads keyed like the bit-packed ones
 # ------------------------------------------------------------------------------------------
 
 def linear_weights(model: nn.Module, layers: Iterable[int] | None = None
                    ) -> dict[str, torch.Tensor]:
     """Wire key (``layers.{i}.{name}``) -> ``[out, in]`` weight of every prunable linear layer."""
-    from fedcompress.models import ModelAdapter, weight_matrix
     from fedcompress.masks.codec import mask_key
+    from fedcompress.models import ModelAdapter, weight_matrix
 
     adapter = ModelAdapter(model)
     indices = range(len(adapter)) if layers is None else layers
     return {mask_key(i, name): weight_matrix(m).detach()
             for i in indices for name, m in ModelAdapter.linear_layers(adapter.layers[i]).items()}
-
-
-def public_reference(model: nn.Module, windows: torch.Tensor, prune=None, batch_size: int = 8,
-                     progress: bool = False) -> dict[str, torch.Tensor]:
-    """Per-input-column activation norms (float32, RMS over tokens) of every linear layer,
-    measured by the calibration walker on PUBLIC ``windows``.
-
-    ``prune`` (a :class:`~fedcompress.pruning.local.PruneConfig`) forwards each layer's samples
-    through the layer pruned by that recipe, as the clients' pass does; None: the dense model.
-    """
-    from fedcompress.masks.codec import mask_key
-    from fedcompress.pruning.local import layer_prune_fn
-    from fedcompress.pruning.walker import walk
-
-    norms: dict[str, torch.Tensor] = {}
-    prune_fn = layer_prune_fn(prune) if prune is not None else None
-
-    def record(index, layer, stats):
-        for name, st in stats.items():
-            norms[mask_key(index, name)] = st.sq_norm.sqrt().to(CALC_DTYPE).cpu()
-        return prune_fn(index, layer, stats) if prune_fn else ({}, None)
-
-    walk(model, windows, record, hessian=bool(prune is not None and prune.needs_hessian),
-         batch_size=batch_size, progress=progress)
-    return norms
 
 
 def reference_to_wire(reference: Mapping[str, torch.Tensor], dtype: str = "float16"

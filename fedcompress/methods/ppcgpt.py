@@ -35,11 +35,9 @@ Accuracy everywhere is multiple-choice accuracy in the distillation prompt forma
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import json
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass

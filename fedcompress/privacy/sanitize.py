@@ -156,9 +156,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fedcompress.data._jsonl import dumps_line, read_jsonl
 from fedcompress.data.embeddings import DTYPE, EmbeddingTable, load_glove, model_embedding_table
 from fedcompress.data.errors import check_seed
+from fedcompress.data.jsonl import dumps_line, read_jsonl
 
 __all__ = [
     "DELTA_U",

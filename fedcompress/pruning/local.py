@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from fedcompress.models import ModelAdapter, weight_matrix
+from fedcompress.models import CALC_DTYPE, ModelAdapter, weight_matrix
 from fedcompress.pruning.scores import magnitude_scores, sparsegpt_prune, wanda_scores
 from fedcompress.pruning.select import check_group, check_sparsity, parse_nm, select_prune_mask
 from fedcompress.pruning.walker import LayerStats, WalkResult, walk
@@ -94,6 +94,29 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
         return result
     return walk(model, windows, layer_prune_fn(config), hessian=config.needs_hessian,
                 batch_size=batch_size, keep_weights=keep_weights, progress=progress)
+
+
+def column_norms(model: nn.Module, windows: torch.Tensor, prune: PruneConfig | None = None,
+                 batch_size: int = 8, progress: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Per-input-column activation norms (float32, RMS over tokens) of every linear layer of
+    every decoder layer (one dict per layer, like :attr:`WalkResult.masks`), from one pass of
+    the calibration walker over ``windows`` (e.g. PUBLIC text: the reference of the compressed
+    mask format).
+
+    ``prune`` forwards each layer's samples through the layer pruned by that recipe, as the
+    clients' pass does; None: the dense model.
+    """
+    norms: list[dict[str, torch.Tensor]] = []
+    prune_fn = layer_prune_fn(prune) if prune is not None else None
+
+    def record(index, layer, stats):
+        norms.append({name: st.sq_norm.sqrt().to(CALC_DTYPE).cpu()
+                      for name, st in stats.items()})
+        return prune_fn(index, layer, stats) if prune_fn else ({}, None)
+
+    walk(model, windows, record, hessian=bool(prune is not None and prune.needs_hessian),
+         batch_size=batch_size, progress=progress)
+    return norms
 
 
 @torch.no_grad()

@@ -214,7 +214,8 @@ def walk(model: nn.Module, windows: torch.Tensor, prune_fn: LayerPruneFn,
     adapter = ModelAdapter(model)
     inputs = capture_layer_inputs(model, windows, batch_size)
     result = WalkResult()
-    for index in tqdm(range(len(adapter)), desc="pruning layers", disable=not progress, leave=False):
+    for index in tqdm(range(len(adapter)), desc="pruning layers", disable=not progress,
+                      leave=False):
         layer = adapter.layers[index]
         stats = collect_stats(layer, inputs, hessian=hessian, batch_size=batch_size)
         masks, weights = prune_fn(index, layer, stats)

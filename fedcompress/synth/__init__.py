@@ -15,9 +15,9 @@ from fedcompress.synth.backends import Backend, Failed, HFBackend, OpenAIBackend
 from fedcompress.synth.generate import (
     STAGES,
     SynthConfig,
+    SyntheticSample,
     SynthResult,
     SynthStats,
-    SyntheticSample,
     attempts_per_example,
     generate_synthetic,
     load_jsonl,

@@ -44,8 +44,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fedcompress.data._jsonl import read_jsonl, write_jsonl
-from fedcompress.data._seeding import derived_rng
+from fedcompress.data.jsonl import read_jsonl, write_jsonl
+from fedcompress.data.seeding import derived_rng
 from fedcompress.synth.backends import Backend, Failed
 from fedcompress.synth.parse import (
     ParsedQuestion,

@@ -15,9 +15,9 @@ from torch import nn
 
 from fedcompress.data.corpora import corpus_text, load_corpus
 from fedcompress.eval.perplexity import perplexity
-from fedcompress.models import LoadedModel, load_model
 from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig
 from fedcompress.methods.fedprllm.federated import federation_windows
+from fedcompress.models import LoadedModel, load_model
 from fedcompress.pruning.local import apply_masks, local_masks, sparsity_report
 
 logger = logging.getLogger(__name__)

@@ -26,8 +26,14 @@ from torch import nn
 
 from fedcompress.masks.aggregate import apply_global_mask, count_words, global_mask, payload_words
 from fedcompress.masks.codec import (
-    MaskDecodeError, check_packed, decode_mask, encode_mask, key_mismatch, mask_key,
-    packed_nbytes)
+    MaskDecodeError,
+    check_packed,
+    decode_mask,
+    encode_mask,
+    key_mismatch,
+    mask_key,
+    packed_nbytes,
+)
 from fedcompress.masks.stats import flatten_masks
 from fedcompress.methods.fedprllm.config import PARTITIONS, FedPrLLMConfig, ServerConfig
 from fedcompress.models import ModelAdapter, weight_matrix
@@ -195,12 +201,14 @@ def public_reference_wire(model: nn.Module, tokenizer, config: FedPrLLMConfig
         return {}
     from fedcompress.data.calibration import sample_windows, tokenize_corpus
     from fedcompress.data.corpora import load_corpus
-    from fedcompress.masks.compress import public_reference, reference_to_wire
+    from fedcompress.masks.compress import reference_to_wire
+    from fedcompress.pruning.local import column_norms
 
     tokens = tokenize_corpus(tokenizer, load_corpus(config.wire_reference, "validation"))
     windows = sample_windows(tokens, REFERENCE_WINDOWS, config.seqlen,
                              np.random.default_rng(config.seed))
-    return reference_to_wire(public_reference(model, windows, config.prune, config.batch_size))
+    return reference_to_wire(flatten_masks(column_norms(model, windows, config.prune,
+                                                        config.batch_size)))
 
 
 def _reference(reference_wire: dict[str, np.ndarray] | None, keys) -> dict | None:
@@ -394,7 +402,12 @@ def iterative_client_step(model: nn.Module, windows: torch.Tensor, layer: int,
     """
     from fedcompress.pruning.local import layer_prune_fn
     from fedcompress.pruning.walker import (
-        LayerInputs, capture_layer_inputs, collect_stats, forward_layer, masked_layer_copy)
+        LayerInputs,
+        capture_layer_inputs,
+        collect_stats,
+        forward_layer,
+        masked_layer_copy,
+    )
 
     adapter = ModelAdapter(model)
     if not 0 <= layer < len(adapter):

@@ -1,4 +1,5 @@
-"""Helpers shared by the evaluation modules (internal)."""
+"""Model helpers shared by evaluation, layer importance and distillation: the device a model
+takes its inputs on, evaluation mode as a context, the default device, offline hub access."""
 
 from __future__ import annotations
 
