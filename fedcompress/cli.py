@@ -193,8 +193,7 @@ def run_eval(settings: dict[str, Any], progress: bool = True):
     out = Path(settings["out"]) if settings["out"] else default_out("eval")
     settings["out"] = str(out)
     torch.manual_seed(settings["seed"])
-    report = RunReport(out, "eval", settings, seeds={"seed": settings["seed"]})
-    try:
+    with RunReport(out, "eval", settings, seeds={"seed": settings["seed"]}) as report:
         with report.phase("load_model"):
             loaded = models.load_model(settings["model"], device=settings["device"],
                                        dtype=settings["dtype"])
@@ -226,10 +225,6 @@ def run_eval(settings: dict[str, Any], progress: bool = True):
                     "accuracy": score.acc, "acc_stderr": score.acc_stderr,
                     "acc_norm": score.acc_norm, "chance": score.chance, "examples": score.n,
                     "seconds": seconds})
-    except BaseException:
-        report.finish("failed")
-        raise
-    report.finish("ok")
     report.print_table()
     return report
 
@@ -375,7 +370,7 @@ def bench_command(
     """Sweep FedPrLLM aggregation strategies (method x sparsity x group x scaling x mode x
     tie-break, plus baselines) from one config; resumable; tables, plots, report."""
     _setup_logging(log_level)
-    from fedcompress.bench.report import run_bench
+    from fedcompress.bench.run import run_bench
 
     report = run_bench(config_file, out, {"eval_windows": eval_windows},
                        None if device in (None, "auto") else device, progress, dry_run)
@@ -497,8 +492,7 @@ def run_sanitize(settings: dict[str, Any]):
     out = Path(settings["out"]) if settings["out"] else default_out("sanitize")
     settings = {**settings, "out": str(out)}
     target = out / f"sanitized{'.jsonl' if source.suffix == '.jsonl' else source.suffix or '.txt'}"
-    report = RunReport(out, "sanitize", settings, seeds={"seed": seed})
-    try:
+    with RunReport(out, "sanitize", settings, seeds={"seed": seed}) as report:
         with report.phase("load"):
             sanitizer = Sanitizer.glove(config)
         start = time.perf_counter()
@@ -520,10 +514,6 @@ def run_sanitize(settings: dict[str, Any]):
             "eps_document_max": json_budget(eps_max),
             "words_per_s": counts["words"] / seconds if seconds > 0 else None})
         report.extra["output"] = {"text": str(target), "documents": str(out / "documents.jsonl")}
-    except BaseException:
-        report.finish("failed")
-        raise
-    report.finish("ok")
     report.print_table()
     return report
 

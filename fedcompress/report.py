@@ -127,6 +127,7 @@ class RunReport:
         self.sections: list[tuple[str, str]] = []  # (title, markdown) shown before the results
         self.markdown_results = True  # False: results only in report.json (large sweeps)
         self.status = "running"
+        self.exit_status = "ok"  # what `with report:` finishes with when its block succeeds
         self.versions = versions()
         atomic_write(self.out_dir / "config.toml",
                       tomli_w.dumps({k: v for k, v in _jsonable(config).items() if v is not None}))
@@ -213,9 +214,10 @@ class RunReport:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """Finish the report: ``ok``, or ``failed`` when the block raised (the exception goes
-        on; every result added so far is already on disk)."""
-        self.finish("ok" if exc_type is None else "failed")
+        """Finish the report: :attr:`exit_status` (``ok`` unless the block set another, e.g.
+        ``incomplete``), or ``failed`` when the block raised (the exception goes on; every result
+        added so far is already on disk)."""
+        self.finish(self.exit_status if exc_type is None else "failed")
 
     def finish(self, status: str = "ok") -> None:
         self.status = status

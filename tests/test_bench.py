@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fedcompress.bench.report import run_bench
+from fedcompress.bench.run import run_bench
 from fedcompress.bench.sweep import BenchConfigError, plan
 from fedcompress.bench.tables import study_table
 

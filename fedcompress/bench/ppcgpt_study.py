@@ -490,19 +490,18 @@ def run_study(config_path: str | Path, out: str | Path, overrides: Mapping[str, 
         report.extra["synthetic"] = runner.synthetic
         report.write()
 
-    update()
-    if dry_run:
-        report.finish("planned")
-        return report
-    runner.on_result = update
-    try:
-        with report.phase("study"):
-            runner.run()
-    except BaseException:
+    with report:
         update()
-        report.finish("failed")
-        raise
-    update()
-    failed = [c for c in study.cells() if runner.results.get(c.id, {}).get("status") != "ok"]
-    report.finish("ok" if not failed else "incomplete")
+        if dry_run:
+            report.exit_status = "planned"
+            return report
+        runner.on_result = update
+        try:
+            with report.phase("study"):
+                runner.run()
+        finally:
+            update()  # what finished, also when the study fails
+        failed = [c for c in study.cells()
+                  if runner.results.get(c.id, {}).get("status") != "ok"]
+        report.exit_status = "ok" if not failed else "incomplete"
     return report

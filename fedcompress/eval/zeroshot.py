@@ -141,13 +141,13 @@ def _quiet_lm_eval(progress: bool) -> Iterator[None]:
     task_module = importlib.import_module("lm_eval.api.task")
     saved_tqdm = getattr(task_module, "tqdm", None)
     if not progress and saved_tqdm is not None:
-        setattr(task_module, "tqdm", functools.partial(saved_tqdm, disable=True))
+        task_module.tqdm = functools.partial(saved_tqdm, disable=True)  # type: ignore[attr-defined]
     try:
         yield
     finally:
         hf_logger.removeFilter(noise_filter)
         if saved_tqdm is not None:
-            setattr(task_module, "tqdm", saved_tqdm)
+            task_module.tqdm = saved_tqdm  # type: ignore[attr-defined]
         if bars_were_enabled:
             datasets.enable_progress_bars()
 

@@ -1,5 +1,6 @@
-"""A bench sweep's report: ``report.json`` (every cell), ``report.md`` (one paper-shaped table
-per study, the server's cost next to the clients', mask statistics) and PNG plots."""
+"""Running a bench sweep and writing its report through :class:`fedcompress.report.RunReport`:
+``report.json`` (every cell), ``report.md`` (one paper-shaped table per study, the server's cost
+next to the clients', mask statistics) and PNG plots."""
 
 from __future__ import annotations
 
@@ -36,22 +37,21 @@ def run_bench(config_path: str | Path, out: str | Path | None = None,
     report.extra["plan"] = {"cells": len(runner.cells()), "pending": len(pending)}
     logger.info("bench %s: %d studies, %d cells, %d pending", config_path, len(studies),
                 len(runner.cells()), len(pending))
-    if dry_run:
-        _update(report, runner, studies)
-        report.finish("planned")
-        return report
-    runner.on_result = lambda record: _update(report, runner, studies)
-    try:
-        with report.phase("sweep"):
-            runner.run()
+    with report:
+        if dry_run:
+            _update(report, runner, studies)
+            report.exit_status = "planned"
+            return report
+        runner.on_result = lambda record: _update(report, runner, studies)
+        try:
+            with report.phase("sweep"):
+                runner.run()
+        finally:
+            _update(report, runner, studies)  # what finished, also when the sweep fails
         with report.phase("plots"):
             _update(report, runner, studies, with_plots=True)
-    except BaseException:
-        _update(report, runner, studies)
-        report.finish("failed")
-        raise
-    failed = [r for r in runner.results.values() if r.get("status") != "ok"]
-    report.finish("ok" if not failed else "incomplete")
+        failed = [r for r in runner.results.values() if r.get("status") != "ok"]
+        report.exit_status = "ok" if not failed else "incomplete"
     return report
 
 
