@@ -172,7 +172,7 @@ def test_top_k_validation(table):
 @pytest.mark.parametrize("mechanism", ["santext", "custext"])
 @pytest.mark.parametrize("eps", [1.0, 6.0])
 def test_samples_follow_the_exact_distribution(table, monkeypatch, block, mechanism, eps):
-    monkeypatch.setattr(sz, "BLOCK", block)
+    monkeypatch.setattr(sz.sanitizer, "BLOCK", block)
     s = make(table, mechanism=mechanism, top_k=5)
     n = 30_000
     for word in ("lion", "the"):
@@ -190,7 +190,7 @@ def test_samples_follow_the_exact_distribution(table, monkeypatch, block, mechan
 
 def test_sampling_is_exact_inverse_cdf(table, monkeypatch):
     """A uniform in the interval of a candidate selects exactly that candidate."""
-    monkeypatch.setattr(sz, "BLOCK", 4)
+    monkeypatch.setattr(sz.sanitizer, "BLOCK", 4)
     s = make(table)
     row = table.index["tiger"]
     words, p = s.distribution("tiger", 2.0)
@@ -320,7 +320,7 @@ def test_determinism_and_seeds(table):
 
 
 def test_stream_equals_whole_text(table, monkeypatch):
-    monkeypatch.setattr(sz, "CHUNK_WORDS", 7)  # several vectorised steps per piece
+    monkeypatch.setattr(sz.text, "CHUNK_WORDS", 7)  # several vectorised steps per piece
     s = make(table, mechanism="custext", top_k=3, oov="random")
     text = "The cat's dog, don't-stop: paris\u2019 bus xyzzy. " * 50
     whole = s.sanitize(text, eps=1.5, seed=2)
@@ -339,7 +339,7 @@ def test_stream_equals_whole_text(table, monkeypatch):
 
 
 def test_long_text_streams_in_chunks(table, monkeypatch):
-    monkeypatch.setattr(sz, "CHUNK_WORDS", 1000)
+    monkeypatch.setattr(sz.text, "CHUNK_WORDS", 1000)
     written: list[str] = []
     s = make(table)
     sentence = "The lion and the tiger and a bus of London, "

@@ -1,0 +1,263 @@
+"""Text around the mechanism: tokenisation into words (identifiers whole), stop words,
+streaming in pieces, UTF-8 decoding, and files.
+"""
+
+from __future__ import annotations
+
+import codecs
+import itertools
+import re
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedcompress.data.errors import check_seed
+from fedcompress.data.jsonl import dumps_line, read_jsonl
+from fedcompress.privacy.sanitize.config import OOVPolicy
+from fedcompress.privacy.sanitize.errors import InputEncodingError, OOVError, SanitizeError
+from fedcompress.privacy.sanitize.mechanism import check_eps
+
+if TYPE_CHECKING:
+    from fedcompress.privacy.sanitize.report import SanitizeReport
+    from fedcompress.privacy.sanitize.sanitizer import Sanitizer
+
+
+
+WORD_PATTERN = r"\w+(?:[-'’]\w+)*"
+"""What a candidate looks like: letters, digits and ``_`` joined by inner ``-``, ``'``, ``’``
+(table words of another shape, such as ``3.5`` or ``google.com``, are inputs, never outputs)."""
+
+_URL_PATTERN = (r"(?:[A-Za-z][A-Za-z0-9+.-]*://|www\.)"
+                r"[^\s<>\"'`()\[\]{}]*[^\s<>\"'`()\[\]{}.,;:!?]")
+TOKEN_PATTERN = _URL_PATTERN + r"|\w+(?:[-'’.:/@+]\w+)*"
+"""What counts as a word of the input: a URL, or letters, digits and ``_`` joined by inner
+``-``, ``'``, ``’``, ``.``, ``:``, ``/``, ``@`` or ``+`` (everything else is copied unchanged).
+No word contains whitespace."""
+
+CHUNK_WORDS = 8192
+"""Words sanitised per vectorised step (bounds the memory of a long text)."""
+
+
+_WORD = re.compile(WORD_PATTERN)
+_TOKEN = re.compile(TOKEN_PATTERN)
+_SEPARATOR = re.compile(r"([-'’])")
+_IDENTIFIER = re.compile(r"[\d.:/@+]")  # a word with one of these inside is never split
+_UP_TO_LAST_SPACE = re.compile(r".*\s", re.DOTALL)
+_NOT_CLITIC = re.compile(r"n['’]t$", re.IGNORECASE)
+_CLITIC = re.compile(r"['’](?:s|re|ve|ll|d|m)$", re.IGNORECASE)
+
+# Kinds of word occurrences.
+_SENSITIVE, _COMMON, _STOP, _OOV = 0, 1, 2, 3
+
+
+class _Run:
+    """State of one sanitised document: buffered words of the current chunk and counts."""
+
+    def __init__(self, sanitizer: Sanitizer, write: Callable[[str], Any], eps: float,
+                 rng: np.random.Generator) -> None:
+        self.s = sanitizer
+        self.cfg = sanitizer.config
+        self.write = write
+        self.eps = eps
+        self.rng = rng
+        self.index = sanitizer.table.index
+        self.stop = self.cfg.stopwords if self.cfg.keep_stopwords else frozenset()
+        self.carry = ""      # the tail of the stream not yet tokenised (may continue a word)
+        self.offset = 0      # characters of the stream before ``carry``
+        self.parts: list[str] = []
+        self.slots: list[int] = []   # index in parts of each word
+        self.rows: list[int] = []    # table row (-1: out of vocabulary)
+        self.kinds: list[int] = []
+        self.clitic: list[bool] = []
+        self.n_words = self.n_perturbed = self.n_kept = self.n_oov = self.n_changed = 0
+
+    def feed(self, text: str, final: bool) -> None:
+        buf = self.carry + text if self.carry else text
+        if final:
+            cut = len(buf)
+        else:
+            # no word spans whitespace, so everything up to the last whitespace tokenises the
+            # same whatever follows; the rest waits for the next piece
+            space = _UP_TO_LAST_SPACE.match(buf)
+            cut = space.end() if space is not None else 0
+        pos = 0
+        for match in _TOKEN.finditer(buf, 0, cut):
+            self._word(buf, pos, match)
+            pos = match.end()
+        self.parts.append(buf[pos:cut])
+        self.carry = buf[cut:]
+        self.offset += cut
+        if final:
+            self._flush()
+        elif len(self.rows) >= CHUNK_WORDS:
+            self._flush()
+
+    def _word(self, buf: str, pos: int, match: re.Match[str]) -> None:
+        parts = self.parts
+        parts.append(buf[pos:match.start()])
+        word = match.group()
+        key = word.lower() if self.cfg.lowercase else word
+        if "’" in key:
+            key = key.replace("’", "'")
+        if key in self.stop:
+            self._add(word, -1, _STOP, False)
+        elif (row := self.index.get(key)) is not None:
+            self._add(word, row, _COMMON if row < self.cfg.common_words else _SENSITIVE, False)
+        else:
+            at = self.offset + match.start()  # stream offset of the piece
+            for piece, is_word, is_clitic in self.s._split(word):
+                at += len(piece)
+                if not is_word:
+                    parts.append(piece)
+                    continue
+                key = self.s._key(piece)
+                row = self.index.get(key)
+                if key in self.stop:
+                    self._add(piece, -1, _STOP, is_clitic)
+                elif row is None:
+                    if self.cfg.oov is OOVPolicy.ERROR:
+                        raise OOVError(piece, at - len(piece))
+                    self._add(piece, -1, _OOV, is_clitic)
+                else:
+                    kind = _COMMON if row < self.cfg.common_words else _SENSITIVE
+                    self._add(piece, row, kind, is_clitic)
+        if len(self.rows) >= CHUNK_WORDS:
+            self._flush()
+
+    def _add(self, word: str, row: int, kind: int, clitic: bool) -> None:
+        self.slots.append(len(self.parts))
+        self.parts.append(word)
+        self.rows.append(row)
+        self.kinds.append(kind)
+        self.clitic.append(clitic)
+
+    def _flush(self) -> None:
+        """Draw the outputs of the buffered words (vectorised) and write the text so far."""
+        n = len(self.rows)
+        if n:
+            rows = np.asarray(self.rows, dtype=np.int64)
+            kinds = np.asarray(self.kinds, dtype=np.int8)
+            uniforms = self.rng.random((n, 2))  # (SanText+ coin, sample) per word, text order
+            perturb = (kinds == _SENSITIVE) | ((kinds == _COMMON)
+                                               & (uniforms[:, 0] < self.cfg.common_p))
+            where = np.flatnonzero(perturb)
+            chosen = self.s._sample(rows[where], uniforms[where, 1], self.eps)
+            self.n_changed += int(np.count_nonzero(self.s.candidate_rows[chosen] != rows[where]))
+            oov = np.flatnonzero(kinds == _OOV)
+            if self.cfg.oov is OOVPolicy.RANDOM and len(oov):
+                n_cand = len(self.s.candidate_rows)
+                where = np.r_[where, oov]
+                chosen = np.r_[chosen, np.minimum((uniforms[oov, 1] * n_cand).astype(np.int64),
+                                                  n_cand - 1)]
+            words = self.s.candidate_words
+            same = self.s.candidate_rows[chosen] == rows[where]
+            for i, c, unchanged in zip(where.tolist(), chosen.tolist(), same.tolist()):
+                # a clitic replaced by another word becomes a word of its own
+                spaced = self.clitic[i] and not unchanged
+                self.parts[self.slots[i]] = (" " + words[c]) if spaced else words[c]
+            n_perturbed = int(np.count_nonzero(perturb))
+            self.n_words += n
+            self.n_perturbed += n_perturbed
+            self.n_oov += len(oov)
+            self.n_kept += n - n_perturbed - len(oov)
+        self.write("".join(self.parts))
+        self.parts.clear()
+        self.slots.clear()
+        self.rows.clear()
+        self.kinds.clear()
+        self.clitic.clear()
+
+
+def _decode(text: object) -> str:
+    if isinstance(text, str):
+        return text
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        data = bytes(text)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InputEncodingError(_encoding_message(data, err, 0)) from err
+    raise TypeError(f"text must be str or UTF-8 bytes, got {type(text).__name__}")
+
+
+def _decode_stream(pieces: Iterable[str | bytes]) -> Iterator[str]:
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    consumed = 0  # bytes given to the decoder before the current piece
+    for piece in pieces:
+        if isinstance(piece, str):
+            yield piece
+            continue
+        data = bytes(_check_bytes(piece))
+        pending = len(decoder.getstate()[0])
+        try:
+            yield decoder.decode(data)
+        except UnicodeDecodeError as err:
+            raise InputEncodingError(_encoding_message(err.object, err,
+                                                       consumed - pending)) from err
+        consumed += len(data)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:
+        raise InputEncodingError(_encoding_message(err.object, err,
+                                                   consumed - len(err.object))) from err
+
+
+def _check_bytes(piece: object) -> bytes | bytearray | memoryview:
+    if not isinstance(piece, (bytes, bytearray, memoryview)):
+        raise TypeError(f"pieces must be str or UTF-8 bytes, got {type(piece).__name__}")
+    return piece
+
+
+def _encoding_message(data: bytes, err: UnicodeDecodeError, base: int) -> str:
+    bad = data[err.start:err.end]
+    return (f"text is not valid UTF-8: byte(s) {bad.hex(' ')} at byte offset {base + err.start} "
+            f"({err.reason}); decode it with its real encoding and pass a str")
+
+
+def sanitize_file(sanitizer: Sanitizer, source: str | Path, target: str | Path, *, eps: float,
+                  seed: int, field: str = "text") -> list[SanitizeReport]:
+    """Sanitise a file into ``target``; return one report per document.
+
+    * ``.jsonl``: every record (a JSON object per line) is a document: its string ``field`` is
+      replaced by the sanitised text, the other fields are copied. Record ``i`` draws from
+      ``default_rng(SeedSequence(seed, spawn_key=(i,)))``, as in :meth:`Sanitizer.sanitize_many`.
+    * anything else: the whole file is one document, read as UTF-8 in blocks of 1 MiB and
+      written as it is sanitised (memory stays bounded; line endings are kept).
+
+    Raises:
+        SanitizeError: a record is not an object or lacks a string ``field`` (file and line
+            named); :class:`InputEncodingError` if the file is not UTF-8.
+    """
+    source, target = Path(source), Path(target)
+    eps, seed = check_eps(eps), check_seed(seed)
+    if source.suffix != ".jsonl":
+        with source.open("rb") as src, target.open("w", encoding="utf-8", newline="") as dst:
+            blocks = iter(lambda: src.read(1 << 20), b"")
+            return [sanitizer.sanitize_stream(blocks, dst.write, eps=eps, seed=seed)]
+
+    def checked() -> Iterator[tuple[dict[str, Any], str]]:
+        try:
+            for line, record in read_jsonl(source, SanitizeError):
+                text = record.get(field)
+                if not isinstance(text, str):
+                    raise SanitizeError(f"{source}:{line}: field {field!r} must be a string, "
+                                        f"got {text!r:.80}")
+                yield record, text
+        except UnicodeDecodeError:
+            data = source.read_bytes()  # decode the whole file again for the exact offset
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise InputEncodingError(f"{source}: {_encoding_message(data, err, 0)}") from None
+            raise  # pragma: no cover - the second decode fails like the first
+
+    records, texts = itertools.tee(checked())
+    reports = []
+    with target.open("w", encoding="utf-8", newline="\n") as dst:
+        results = sanitizer.iter_many((text for _, text in texts), eps=eps, seed=seed)
+        for (record, _), result in zip(records, results):
+            dst.write(dumps_line({**record, field: result.text}) + "\n")
+            reports.append(result.report)
+    return reports
