@@ -33,11 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcompress.data.calibration import sample_windows, tokenize_corpus
+from fedcompress.data.calibration import calibration_windows
 from fedcompress.data.corpora import load_corpus
+from fedcompress.masks.reference import linear_weights
 from fedcompress.masks.stats import flatten_masks
-from fedcompress.models import CALC_DTYPE, ModelAdapter, load_model, weight_matrix
+from fedcompress.models import CALC_DTYPE, load_model
 from fedcompress.pruning.local import PruneConfig, column_norms
+from fedcompress.pruning.select import select_prune_mask
 
 
 def gini(x: np.ndarray) -> float:
@@ -49,14 +51,6 @@ def gini(x: np.ndarray) -> float:
     return float((2 * np.arange(1, n + 1) - n - 1) @ x / (n * x.sum()))
 
 
-def selection(scores: torch.Tensor, sparsity: float, dim: int) -> torch.Tensor:
-    """Prune mask keeping the top ``1 - sparsity`` scores per group along ``dim`` (1: per row,
-    0: per column); the sort is stable, so among equal scores the lower index is pruned."""
-    k = int(sparsity * scores.shape[dim])
-    order = torch.sort(scores, dim=dim, stable=True).indices.narrow(dim, 0, k)
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(dim, order, True)
-
-
 def pruned_error(scores: torch.Tensor, mask: torch.Tensor) -> float:
     """``sum_pruned s^2 / sum s^2`` in float32."""
     sq = scores.square()
@@ -66,16 +60,16 @@ def pruned_error(scores: torch.Tensor, mask: torch.Tensor) -> float:
 def measure(model_name: str, sparsities: list[float], windows: int, seqlen: int, seed: int
             ) -> dict:
     loaded = load_model(model_name, device="cpu")
-    tokens = tokenize_corpus(loaded.tokenizer, load_corpus("wiki", "validation"))
-    calib = sample_windows(tokens, windows, seqlen, np.random.default_rng(seed))
+    calib = calibration_windows(loaded.tokenizer, load_corpus("wiki", "validation"), windows,
+                                seqlen, seed)
     start = time.perf_counter()
     norms = flatten_masks(column_norms(loaded.model, calib, PruneConfig("wanda", 0.5, "row"),
                                        progress=True))
-    adapter = ModelAdapter(loaded.model)
+    weights = linear_weights(loaded.model)
     layers = []
     for key, norm in norms.items():
         _, index, name = key.split(".", 2)
-        w = weight_matrix(ModelAdapter.linear_layers(adapter.layers[int(index)])[name])
+        w = weights[key]
         scores = w.detach().to(CALC_DTYPE).abs() * norm.to(CALC_DTYPE)[None, :]
         sq = np.sort(norm.numpy().astype(np.float64) ** 2)[::-1]
         top = max(1, int(round(0.01 * sq.size)))
@@ -83,7 +77,8 @@ def measure(model_name: str, sparsities: list[float], windows: int, seqlen: int,
                "top1pct_share": float(sq[:top].sum() / sq.sum())}
         outliers = torch.topk(norm, top).indices
         for s in sparsities:
-            by_row, by_col = selection(scores, s, 1), selection(scores, s, 0)
+            by_row = select_prune_mask(scores, s, "row")
+            by_col = select_prune_mask(scores, s, "column")
             row[f"row_{s}"], row[f"column_{s}"] = (pruned_error(scores, by_row),
                                                    pruned_error(scores, by_col))
             row[f"outliers_row_{s}"] = float(by_row[:, outliers].float().mean())

@@ -34,20 +34,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcompress.data.calibration import sample_windows, tokenize_corpus
+from fedcompress.data.calibration import calibration_windows, tokenize_corpus
 from fedcompress.data.corpora import load_corpus
 from fedcompress.masks import compress as mc
+from fedcompress.masks import reference as mref
 from fedcompress.masks.codec import encode_mask
-from fedcompress.masks.stats import flatten_masks
-from fedcompress.methods.fedprllm.federated import client_windows, mask_key
+from fedcompress.masks.stats import flatten_masks, linear_name_of
+from fedcompress.methods.fedprllm.federated import client_windows
 from fedcompress.models import load_model
 from fedcompress.pruning.local import PruneConfig, column_norms, local_masks
 
 log = logging.getLogger("mask_codec")
-
-
-def flat_masks(walk_masks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {mask_key(i, name): m for i, layer in enumerate(walk_masks) for name, m in layer.items()}
 
 
 def packed_bytes(masks: dict[str, torch.Tensor]) -> bytes:
@@ -76,7 +73,7 @@ def ctx_sizes(masks, weights, reference, check: bool = True) -> dict:
             raise AssertionError("context coder round trip is not lossless")
     by_group: dict[str, list[int]] = {}
     for key, payload in chosen.items():
-        name = "+".join(k.split(".", 2)[2].split(".")[-1] for k in key.split("+"))
+        name = "+".join(linear_name_of(k).split(".")[-1] for k in key.split("+"))
         entry = by_group.setdefault(name, [0, 0])
         entry[0] += payload.size
         entry[1] += sum(masks[k].numel() for k in key.split("+"))
@@ -110,7 +107,7 @@ def main() -> None:
 
     loaded = load_model(opts.model, device="cpu")
     model, tokenizer = loaded.model, loaded.tokenizer
-    weights = {k: w.detach().cpu() for k, w in mc.linear_weights(model).items()}
+    weights = {k: w.detach().cpu() for k, w in mref.linear_weights(model).items()}
     n_weights = sum(w.numel() for w in weights.values())
     train = tokenize_corpus(tokenizer, load_corpus("wiki", "train"))
     n_clients = max(opts.clients, opts.curve_clients)
@@ -119,14 +116,13 @@ def main() -> None:
     references, downlink, ref_seconds = {"none": None}, {"none": 0}, {}
     for name, corpus, split in (("wiki-validation", "wiki", "validation"),
                                 ("shakespeare", "shakespeare", "train")):
-        tokens = tokenize_corpus(tokenizer, load_corpus(corpus, split))
-        public = sample_windows(tokens, opts.ref_windows, opts.seqlen,
-                                np.random.default_rng(opts.seed + 1))
+        public = calibration_windows(tokenizer, load_corpus(corpus, split), opts.ref_windows,
+                                     opts.seqlen, opts.seed + 1)
         start = time.perf_counter()
-        wire = mc.reference_to_wire(flatten_masks(column_norms(model, public)))
+        wire = mref.reference_to_wire(flatten_masks(column_norms(model, public)))
         ref_seconds[name] = time.perf_counter() - start
-        references[name] = mc.reference_from_wire(wire)
-        downlink[name] = mc.reference_nbytes(wire)
+        references[name] = mref.reference_from_wire(wire)
+        downlink[name] = mref.reference_nbytes(wire)
         log.info("reference %s: %.1f s, %d bytes", name, ref_seconds[name], downlink[name])
 
     records = []
@@ -156,7 +152,7 @@ def main() -> None:
 
     def client_masks(config: PruneConfig, client: int) -> tuple[dict, float]:
         start = time.perf_counter()
-        masks = flat_masks(local_masks(model, windows[client], config).masks)
+        masks = flatten_masks(local_masks(model, windows[client], config).masks)
         seconds = time.perf_counter() - start
         log.info("masks %s %.2f client %d: %.1f s", config.method, config.sparsity, client,
                  seconds)

@@ -132,7 +132,7 @@ def _decided(report: dict) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "simulations/results/method-runtimes")
+    parser.add_argument("--out", type=Path, default=Path("simulations/results/method-runtimes"))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     rows: dict[str, list[float]] = {"fedcompress ppcgpt": [], "flwr run .": []}

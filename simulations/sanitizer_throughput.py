@@ -40,7 +40,7 @@ from pathlib import Path
 
 from fedcompress.data.corpora import load_corpus
 from fedcompress.data.embeddings import load_glove
-from fedcompress.privacy.sanitize import WORD_PATTERN, Sanitizer, SanitizerConfig
+from fedcompress.privacy.sanitize import TOKEN_PATTERN, WORD_PATTERN, Sanitizer, SanitizerConfig
 from fedcompress.report import markdown_table, versions
 
 log = logging.getLogger("sanitizer_throughput")
@@ -103,7 +103,7 @@ def main() -> None:
 
     corpus = [doc.text for doc in load_corpus(args.corpus, args.split)]
     texts = corpus
-    distinct = len({w.lower() for t in texts for w in re.findall(WORD_PATTERN, t)})
+    distinct = len({w.lower() for t in texts for w in re.findall(TOKEN_PATTERN, t)})
     start = time.perf_counter()
     table = load_glove()
     glove_seconds = time.perf_counter() - start

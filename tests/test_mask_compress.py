@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fedcompress.masks import compress as mc
+from fedcompress.masks import reference as mref
 from fedcompress.masks.codec import MaskDecodeError
 from fedcompress.masks.compress import (
     CompressedMaskError,
@@ -120,7 +121,7 @@ def test_low_precision_weights():
 
 def test_mask_equal_to_reference_mask_is_tiny():
     weight, norm, _ = _problem(256, 512)
-    mask = select_prune_mask(mc.reference_scores(weight, norm), 0.5, "row")
+    mask = select_prune_mask(mref.reference_scores(weight, norm), 0.5, "row")
     payload = _roundtrip(mask, weight, norm)
     assert payload.size <= HEADER + 16
     assert mc.bits_per_weight(payload, mask.shape) < 0.005
@@ -316,10 +317,10 @@ def test_public_reference_and_wire_form(tiny_setup):
     for key, norm in reference.items():
         assert norm.dtype == torch.float32 and norm.shape == (shapes[key][1],)
         assert bool((norm >= 0).all())
-    wire = mc.reference_to_wire(reference)
+    wire = mref.reference_to_wire(reference)
     assert all(a.dtype == np.float16 for a in wire.values())
-    assert mc.reference_nbytes(wire) == 2 * sum(s[1] for s in shapes.values())
-    back = mc.reference_from_wire(wire)
+    assert mref.reference_nbytes(wire) == 2 * sum(s[1] for s in shapes.values())
+    back = mref.reference_from_wire(wire)
     assert all(torch.equal(back[k], torch.from_numpy(wire[k].astype(np.float32))) for k in wire)
     pruned = flatten_masks(column_norms(model, torch.randint(0, 128, (2, 16)),
                                         PruneConfig("wanda", 0.5)))
@@ -339,8 +340,8 @@ def test_groups_follow_shared_inputs(tiny_setup):
 @pytest.mark.parametrize("group", [True, False])
 def test_real_masks_of_a_tiny_model_roundtrip(tiny_setup, use_reference, group):
     model, reference, flat = tiny_setup
-    ref = mc.reference_from_wire(mc.reference_to_wire(reference)) if use_reference else None
-    weights = mc.linear_weights(model)
+    ref = mref.reference_from_wire(mref.reference_to_wire(reference)) if use_reference else None
+    weights = mref.linear_weights(model)
     payload = encode_masks_ctx(flat, weights, ref, group=group)
     assert any("+" in k for k in payload) == (group and use_reference)
     decoded = decode_masks_ctx(payload, weights, ref)
@@ -352,7 +353,7 @@ def test_real_masks_of_a_tiny_model_roundtrip(tiny_setup, use_reference, group):
 
 def test_model_level_validation(tiny_setup):
     model, reference, flat = tiny_setup
-    weights = mc.linear_weights(model)
+    weights = mref.linear_weights(model)
     payload = encode_masks_ctx(flat, weights, reference)
     first = next(iter(payload))
     with pytest.raises(CompressedMaskError, match="missing"):

@@ -134,7 +134,7 @@ def test_the_one_client_app_serves_every_action():
 # -- one set of defaults ----------------------------------------------------------------------
 def test_pyproject_run_config_table_is_the_methods_defaults():
     table = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
-    assert table["config"] == run_config_table()
+    assert table["config"] == run_config_table(), "run `python tools/flwr_config.py`"
     assert table["components"] == {"serverapp": "server.app:app", "clientapp": "clients.app:app"}
 
 
@@ -229,3 +229,20 @@ def test_no_flower_import_in_the_library_and_pruning_below_masks():
         assert not {m for m in _imports(path) if m.startswith("flwr")}, path
     for path in sorted((REPO / "fedcompress" / "pruning").rglob("*.py")):
         assert not {m for m in _imports(path) if m.startswith("fedcompress.masks")}, path
+
+
+@pytest.mark.parametrize("name", ["fedprllm", "ppcgpt"])
+def test_message_keys_used_by_the_flower_files_are_declared(name):
+    """Every record key the method's ClientApp handlers and strategy read or write is one of
+    the keys its METHOD declares (one list of the wire's names)."""
+    import re
+
+    method = get_method(name)
+    declared = set(method.message_keys.values())
+    used = set()
+    for path in (REPO / "clients" / f"{name}.py", REPO / "strategies" / f"{name}.py"):
+        text = path.read_text()
+        used |= set(re.findall(r'content\["([a-z_]+)"\]', text))
+        used |= set(re.findall(r'"([a-z_]+)": (?:ConfigRecord|ArrayRecord|MetricRecord)\(', text))
+        used |= set(re.findall(r'RecordDict\(\{"([a-z_]+)"', text))
+    assert used and used <= declared, sorted(used - declared)

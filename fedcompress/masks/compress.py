@@ -10,12 +10,11 @@ in seconds for the whole model; see ``simulations/mask_codec.py`` and
 
 **Reference.** The server measures per-input-column activation norms of every linear layer on
 PUBLIC text (:func:`fedcompress.pruning.local.column_norms`: the calibration walker over public
-windows, keyed with :func:`fedcompress.masks.stats.flatten_masks`) and
-broadcasts them once (:func:`reference_to_wire`: float16, ``in_features`` values per linear
-layer, ~0.3 MB for SmolLM2-135M). Client and server both hold the global weights, so both compute
-the same *reference scores* ``s_ij = |W_ij| * norm_j`` in float32 (one IEEE multiplication per
-weight: bit-exact on every platform). ``norm=None`` is the magnitude reference (no public data,
-no downlink; costs ~50% more with column factors).
+windows) and broadcasts them once (:mod:`fedcompress.masks.reference`: float16, ``in_features``
+values per linear layer, ~0.3 MB for SmolLM2-135M). Client and server both hold the global
+weights, so both compute the same *reference scores* ``s_ij = |W_ij| * norm_j`` in float32 (one
+IEEE multiplication per weight: bit-exact on every platform). ``norm=None`` is the magnitude
+reference (no public data, no downlink; costs ~50% more with column factors).
 
 **Column factors (side information).** The encoder may send one factor ``f_j`` per input column
 (an integer code ``q_j``; ``f_j`` is the float32 whose bit pattern is
@@ -68,9 +67,9 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from fedcompress.masks.codec import MaskDecodeError, key_mismatch
+from fedcompress.masks.reference import reference_scores
 from fedcompress.models import CALC_DTYPE
 
 FORMAT_VERSION = 1
@@ -99,12 +98,7 @@ __all__ = [
     "encode_mask_ctx",
     "encode_masks_ctx",
     "input_groups",
-    "linear_weights",
     "reference_contexts",
-    "reference_from_wire",
-    "reference_nbytes",
-    "reference_scores",
-    "reference_to_wire",
 ]
 
 
@@ -119,43 +113,6 @@ class ReferenceMismatchError(CompressedMaskError):
 # ------------------------------------------------------------------------------------------
 # Reference scores and contexts (shared by encoder and decoder: exact, integer where possible)
 # ------------------------------------------------------------------------------------------
-
-def reference_scores(weight: torch.Tensor | Sequence[torch.Tensor],
-                     col_norm: torch.Tensor | None) -> torch.Tensor:
-    """``|W_ij| * norm_j`` in float32 (``|W|`` without a reference). Bit-exact everywhere.
-
-    ``weight`` may be a sequence of matrices with the same input size: they are stacked row-wise
-    (layers reading the same input, coded together).
-    """
-    parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
-    if not parts or any(p.dim() != 2 for p in parts):
-        raise ValueError(f"weight must be a matrix [out, in] or a list of them, got shapes "
-                         f"{[tuple(p.shape) for p in parts]}")
-    cols = parts[0].shape[1]
-    if any(p.shape[1] != cols for p in parts):
-        raise ValueError(f"stacked weights have different input sizes "
-                         f"{[tuple(p.shape) for p in parts]}")
-    norm = None
-    if col_norm is not None:
-        norm = col_norm.detach().cpu()
-        if norm.shape != (cols,):
-            raise ValueError(f"reference norms of shape {tuple(norm.shape)} do not match a "
-                             f"weight with {cols} input features")
-        norm = norm.to(CALC_DTYPE)
-        if not bool(torch.isfinite(norm).all()) or bool((norm < 0).any()):
-            raise ValueError("reference norms must be finite and non-negative")
-    # numpy: single-threaded elementwise IEEE float32 (the same bits as torch, without thread
-    # start-up costs on busy machines)
-    out = np.empty((sum(p.shape[0] for p in parts), cols), dtype=np.float32)
-    row = 0
-    for part in parts:
-        block = out[row:row + part.shape[0]]
-        np.abs(part.detach().cpu().to(CALC_DTYPE).numpy(), out=block)
-        if norm is not None:
-            np.multiply(block, norm.numpy()[None, :], out=block)
-        row += part.shape[0]
-    return torch.from_numpy(out)
-
 
 def _shape(weight: torch.Tensor | Sequence[torch.Tensor]) -> tuple[int, int]:
     parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
@@ -630,50 +587,6 @@ def bits_per_weight(payload: np.ndarray | bytes, shape: tuple[int, ...]) -> floa
 # ------------------------------------------------------------------------------------------
 # Whole models: the reference's broadcast form and per-layer payloads keyed like the bit-packed ones
 # ------------------------------------------------------------------------------------------
-
-def linear_weights(model: nn.Module, layers: Iterable[int] | None = None
-                   ) -> dict[str, torch.Tensor]:
-    """Wire key (``layers.{i}.{name}``) -> ``[out, in]`` weight of every prunable linear layer."""
-    from fedcompress.masks.codec import mask_key
-    from fedcompress.models import ModelAdapter, weight_matrix
-
-    adapter = ModelAdapter(model)
-    indices = range(len(adapter)) if layers is None else layers
-    return {mask_key(i, name): weight_matrix(m).detach()
-            for i in indices for name, m in ModelAdapter.linear_layers(adapter.layers[i]).items()}
-
-
-def reference_to_wire(reference: Mapping[str, torch.Tensor], dtype: str = "float16"
-                      ) -> dict[str, np.ndarray]:
-    """The broadcast form of a reference: each layer's norms divided by their maximum (a scale
-    that changes no rank) and rounded to ``dtype`` (``float16`` or ``float32``). Both sides must
-    use :func:`reference_from_wire` of the SAME arrays."""
-    if dtype not in ("float16", "float32"):
-        raise ValueError(f"reference dtype {dtype!r}: expected float16 or float32")
-    out = {}
-    for key, norm in reference.items():
-        norm = norm.detach().cpu().to(torch.float64)
-        top = float(norm.max()) if norm.numel() else 0.0
-        out[key] = (norm / top if top > 0 else norm).numpy().astype(dtype)
-    return out
-
-
-def reference_from_wire(arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """float32 reference norms from their broadcast form (exact widening)."""
-    out = {}
-    for key, arr in arrays.items():
-        arr = np.asarray(arr)
-        if arr.dtype not in (np.float16, np.float32) or arr.ndim != 1:
-            raise ValueError(f"reference {key}: expected a 1-D float16/float32 array, got "
-                             f"{arr.dtype} {arr.shape}")
-        out[key] = torch.from_numpy(arr.astype(np.float32))
-    return out
-
-
-def reference_nbytes(arrays: Mapping[str, np.ndarray]) -> int:
-    """Downlink bytes of a broadcast reference (values only)."""
-    return int(sum(np.asarray(a).nbytes for a in arrays.values()))
-
 
 GROUP_SEPARATOR = "+"
 

@@ -192,7 +192,7 @@ def public_reference_wire(model: nn.Module, tokenizer, config: FedPrLLMConfig
     """What the server broadcasts for the compressed wire format: per-input-column activation
     norms of every linear layer measured on PUBLIC text (``REFERENCE_WINDOWS`` windows of the
     validation split of ``config.wire_reference``, forwarded through the locally pruned layers
-    as the clients' pass does), as float16 (:func:`~fedcompress.masks.compress.reference_to_wire`).
+    as the clients' pass does), as float16 (:func:`~fedcompress.masks.reference.reference_to_wire`).
     ``{}`` for ``wire_reference="none"`` (magnitude reference, nothing to send); ``None`` for the
     bit-packed format."""
     if config.wire != "compressed":
@@ -201,7 +201,7 @@ def public_reference_wire(model: nn.Module, tokenizer, config: FedPrLLMConfig
         return {}
     from fedcompress.data.calibration import sample_windows, tokenize_corpus
     from fedcompress.data.corpora import load_corpus
-    from fedcompress.masks.compress import reference_to_wire
+    from fedcompress.masks.reference import reference_to_wire
     from fedcompress.pruning.local import column_norms
 
     tokens = tokenize_corpus(tokenizer, load_corpus(config.wire_reference, "validation"))
@@ -212,7 +212,7 @@ def public_reference_wire(model: nn.Module, tokenizer, config: FedPrLLMConfig
 
 
 def _reference(reference_wire: dict[str, np.ndarray] | None, keys) -> dict | None:
-    from fedcompress.masks.compress import reference_from_wire
+    from fedcompress.masks.reference import reference_from_wire
 
     if not reference_wire:
         return None
@@ -227,7 +227,8 @@ def encode_wire(masks: dict[str, torch.Tensor], model: nn.Module, config: FedPrL
     """One client's ``{wire key: mask}`` in the run's wire format."""
     if config.wire == "packed":
         return {key: encode_mask(mask) for key, mask in masks.items()}
-    from fedcompress.masks.compress import encode_masks_ctx, linear_weights
+    from fedcompress.masks.compress import encode_masks_ctx
+    from fedcompress.masks.reference import linear_weights
 
     weights = linear_weights(model, sorted({int(k.split(".")[1]) for k in masks}))
     return encode_masks_ctx(masks, {k: weights[k] for k in masks},
@@ -240,7 +241,8 @@ def decode_wire(payload: dict[str, np.ndarray], shapes: dict[str, tuple], model:
     """One client's payload in the run's wire format -> validated bit-packed masks
     (:func:`check_payload`: names, shapes, sparsity); :class:`InvalidMaskError` says why not."""
     if config.wire == "compressed":
-        from fedcompress.masks.compress import decode_masks_ctx, linear_weights
+        from fedcompress.masks.compress import decode_masks_ctx
+        from fedcompress.masks.reference import linear_weights
 
         weights = linear_weights(model, sorted({int(k.split(".")[1]) for k in shapes}))
         try:

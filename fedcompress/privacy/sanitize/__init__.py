@@ -149,8 +149,8 @@ from fedcompress.privacy.sanitize.report import (
     release_notes,
     warn_clear,
 )
-from fedcompress.privacy.sanitize.sanitizer import Sanitizer
-from fedcompress.privacy.sanitize.text import TOKEN_PATTERN, WORD_PATTERN, sanitize_file
+from fedcompress.privacy.sanitize.sanitizer import Sanitizer, sanitize_file
+from fedcompress.privacy.sanitize.text import TOKEN_PATTERN, WORD_PATTERN
 
 __all__ = [
     "DELTA_U",

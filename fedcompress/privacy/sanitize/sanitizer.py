@@ -9,15 +9,17 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedcompress.data.embeddings import DTYPE, EmbeddingTable, load_glove, model_embedding_table
 from fedcompress.data.errors import check_seed
+from fedcompress.data.jsonl import dumps_line, read_jsonl
 from fedcompress.privacy.sanitize.cache import _LRU, _RowPool
 from fedcompress.privacy.sanitize.config import Mechanism, OOVPolicy, SanitizerConfig, Utility
-from fedcompress.privacy.sanitize.errors import OOVError, SanitizeError
+from fedcompress.privacy.sanitize.errors import InputEncodingError, OOVError, SanitizeError
 from fedcompress.privacy.sanitize.mechanism import (
     _TINY,
     BLOCK,
@@ -38,6 +40,7 @@ from fedcompress.privacy.sanitize.text import (
     WORD_PATTERN,
     _decode,
     _decode_stream,
+    _encoding_message,
     _Run,
 )
 
@@ -452,3 +455,50 @@ class Sanitizer:
             self._extra_group.update(zip(batch.tolist(), self._cand_group[nearest].tolist()))
         return [self._groups[int(self._cand_group[c]) if c >= 0 else self._extra_group[int(r)]]
                 for r, c in zip(rows, cands)]
+
+
+def sanitize_file(sanitizer: Sanitizer, source: str | Path, target: str | Path, *, eps: float,
+                  seed: int, field: str = "text") -> list[SanitizeReport]:
+    """Sanitise a file into ``target``; return one report per document.
+
+    * ``.jsonl``: every record (a JSON object per line) is a document: its string ``field`` is
+      replaced by the sanitised text, the other fields are copied. Record ``i`` draws from
+      ``default_rng(SeedSequence(seed, spawn_key=(i,)))``, as in :meth:`Sanitizer.sanitize_many`.
+    * anything else: the whole file is one document, read as UTF-8 in blocks of 1 MiB and
+      written as it is sanitised (memory stays bounded; line endings are kept).
+
+    Raises:
+        SanitizeError: a record is not an object or lacks a string ``field`` (file and line
+            named); :class:`InputEncodingError` if the file is not UTF-8.
+    """
+    source, target = Path(source), Path(target)
+    eps, seed = check_eps(eps), check_seed(seed)
+    if source.suffix != ".jsonl":
+        with source.open("rb") as src, target.open("w", encoding="utf-8", newline="") as dst:
+            blocks = iter(lambda: src.read(1 << 20), b"")
+            return [sanitizer.sanitize_stream(blocks, dst.write, eps=eps, seed=seed)]
+
+    def checked() -> Iterator[tuple[dict[str, Any], str]]:
+        try:
+            for line, record in read_jsonl(source, SanitizeError):
+                text = record.get(field)
+                if not isinstance(text, str):
+                    raise SanitizeError(f"{source}:{line}: field {field!r} must be a string, "
+                                        f"got {text!r:.80}")
+                yield record, text
+        except UnicodeDecodeError:
+            data = source.read_bytes()  # decode the whole file again for the exact offset
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise InputEncodingError(f"{source}: {_encoding_message(data, err, 0)}") from None
+            raise  # pragma: no cover - the second decode fails like the first
+
+    records, texts = itertools.tee(checked())
+    reports = []
+    with target.open("w", encoding="utf-8", newline="\n") as dst:
+        results = sanitizer.iter_many((text for _, text in texts), eps=eps, seed=seed)
+        for (record, _), result in zip(records, results):
+            dst.write(dumps_line({**record, field: result.text}) + "\n")
+            reports.append(result.report)
+    return reports

@@ -5,22 +5,16 @@ streaming in pieces, UTF-8 decoding, and files.
 from __future__ import annotations
 
 import codecs
-import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedcompress.data.errors import check_seed
-from fedcompress.data.jsonl import dumps_line, read_jsonl
 from fedcompress.privacy.sanitize.config import OOVPolicy
-from fedcompress.privacy.sanitize.errors import InputEncodingError, OOVError, SanitizeError
-from fedcompress.privacy.sanitize.mechanism import check_eps
+from fedcompress.privacy.sanitize.errors import InputEncodingError, OOVError
 
 if TYPE_CHECKING:
-    from fedcompress.privacy.sanitize.report import SanitizeReport
     from fedcompress.privacy.sanitize.sanitizer import Sanitizer
 
 
@@ -214,50 +208,3 @@ def _encoding_message(data: bytes, err: UnicodeDecodeError, base: int) -> str:
     bad = data[err.start:err.end]
     return (f"text is not valid UTF-8: byte(s) {bad.hex(' ')} at byte offset {base + err.start} "
             f"({err.reason}); decode it with its real encoding and pass a str")
-
-
-def sanitize_file(sanitizer: Sanitizer, source: str | Path, target: str | Path, *, eps: float,
-                  seed: int, field: str = "text") -> list[SanitizeReport]:
-    """Sanitise a file into ``target``; return one report per document.
-
-    * ``.jsonl``: every record (a JSON object per line) is a document: its string ``field`` is
-      replaced by the sanitised text, the other fields are copied. Record ``i`` draws from
-      ``default_rng(SeedSequence(seed, spawn_key=(i,)))``, as in :meth:`Sanitizer.sanitize_many`.
-    * anything else: the whole file is one document, read as UTF-8 in blocks of 1 MiB and
-      written as it is sanitised (memory stays bounded; line endings are kept).
-
-    Raises:
-        SanitizeError: a record is not an object or lacks a string ``field`` (file and line
-            named); :class:`InputEncodingError` if the file is not UTF-8.
-    """
-    source, target = Path(source), Path(target)
-    eps, seed = check_eps(eps), check_seed(seed)
-    if source.suffix != ".jsonl":
-        with source.open("rb") as src, target.open("w", encoding="utf-8", newline="") as dst:
-            blocks = iter(lambda: src.read(1 << 20), b"")
-            return [sanitizer.sanitize_stream(blocks, dst.write, eps=eps, seed=seed)]
-
-    def checked() -> Iterator[tuple[dict[str, Any], str]]:
-        try:
-            for line, record in read_jsonl(source, SanitizeError):
-                text = record.get(field)
-                if not isinstance(text, str):
-                    raise SanitizeError(f"{source}:{line}: field {field!r} must be a string, "
-                                        f"got {text!r:.80}")
-                yield record, text
-        except UnicodeDecodeError:
-            data = source.read_bytes()  # decode the whole file again for the exact offset
-            try:
-                data.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise InputEncodingError(f"{source}: {_encoding_message(data, err, 0)}") from None
-            raise  # pragma: no cover - the second decode fails like the first
-
-    records, texts = itertools.tee(checked())
-    reports = []
-    with target.open("w", encoding="utf-8", newline="\n") as dst:
-        results = sanitizer.iter_many((text for _, text in texts), eps=eps, seed=seed)
-        for (record, _), result in zip(records, results):
-            dst.write(dumps_line({**record, field: result.text}) + "\n")
-            reports.append(result.report)
-    return reports
