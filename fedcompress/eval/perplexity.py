@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from fedcompress.eval.common import eval_mode, resolve_device
@@ -160,40 +161,13 @@ def perplexity(
         EvalInputError: malformed token ids (shape, dtype, or ids outside the model's vocabulary).
         ValueError: ``batch_size`` or ``max_windows`` below 1, or a device mismatch.
     """
-    if isinstance(seqlen, bool) or not isinstance(seqlen, int):
-        raise TypeError(f"seqlen must be an int, got {type(seqlen).__name__}")
-    if seqlen < 2:
-        raise SeqlenError(
-            f"seqlen={seqlen} is too short: a window needs at least 2 tokens "
-            "(one context token and one predicted token)"
-        )
-    context = model_context_length(model)
-    if context is not None and seqlen > context:
-        raise SeqlenError(
-            f"seqlen={seqlen} exceeds the model context length of {context} tokens "
-            "(config.max_position_embeddings or equivalent)"
-        )
-    if context is None:
-        logger.warning("model config declares no context length; cannot check seqlen=%d", seqlen)
+    _check_seqlen(model, seqlen)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
-
-    ids = _as_token_ids(text, tokenizer)
+    ids = _checked_ids(model, _as_token_ids(text, tokenizer), seqlen)
     n_ids = int(ids.numel())
-    if n_ids < seqlen:
-        raise TextTooShortError(
-            f"text has {n_ids} tokens, fewer than one window of seqlen={seqlen} tokens"
-        )
-    vocab = _vocab_size(model)
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or (vocab is not None and hi >= vocab):
-        raise EvalInputError(
-            f"token ids span [{lo}, {hi}] but the model vocabulary has {vocab} entries "
-            "(is the tokenizer the model's?)"
-        )
-
     n_windows = n_ids // seqlen
     if max_windows is not None:
         n_windows = min(n_windows, max_windows)
@@ -210,28 +184,8 @@ def perplexity(
         dev,
     )
 
-    nll_sum = 0.0  # Python float: float64 accumulation across windows
     t0 = time.perf_counter()
-    with eval_mode(model), torch.inference_mode():
-        for start in tqdm(
-            range(0, n_windows, batch_size),
-            desc=f"perplexity (seqlen {seqlen})",
-            unit="batch",
-            disable=not progress,
-            leave=False,
-        ):
-            batch = windows[start : start + batch_size].to(dev)
-            out = model(input_ids=batch, use_cache=False)
-            logits = out.logits if hasattr(out, "logits") else out[0]
-            window_nll = torch.empty(batch.shape[0], dtype=CALC_DTYPE, device=logits.device)
-            targets = batch[:, 1:].to(logits.device)
-            for row in range(batch.shape[0]):
-                # One window at a time: seqlen x vocab in float32, never batch x seqlen x vocab.
-                logp = torch.log_softmax(logits[row, :-1].to(CALC_DTYPE), dim=-1)
-                token_logp = logp.gather(-1, targets[row].unsqueeze(-1)).squeeze(-1)
-                window_nll[row] = -token_logp.sum()
-            nll_sum += float(window_nll.cpu().to(torch.float64).sum())
-            del out, logits
+    nll_sum = _nll_sum(model, windows, batch_size, dev, progress)
     seconds = time.perf_counter() - t0
 
     n_tokens = n_windows * (seqlen - 1)
@@ -252,3 +206,67 @@ def perplexity(
         result.tokens_per_second,
     )
     return result
+def _check_seqlen(model: nn.Module, seqlen: int) -> None:
+    """A window of ``seqlen`` tokens predicts at least one token and fits the model."""
+    if isinstance(seqlen, bool) or not isinstance(seqlen, int):
+        raise TypeError(f"seqlen must be an int, got {type(seqlen).__name__}")
+    if seqlen < 2:
+        raise SeqlenError(
+            f"seqlen={seqlen} is too short: a window needs at least 2 tokens "
+            "(one context token and one predicted token)"
+        )
+    context = model_context_length(model)
+    if context is not None and seqlen > context:
+        raise SeqlenError(
+            f"seqlen={seqlen} exceeds the model context length of {context} tokens "
+            "(config.max_position_embeddings or equivalent)"
+        )
+    if context is None:
+        logger.warning("model config declares no context length; cannot check seqlen=%d", seqlen)
+
+
+def _checked_ids(model: nn.Module, ids: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """``ids`` if they fill one window and lie inside the model's vocabulary."""
+    n_ids = int(ids.numel())
+    if n_ids < seqlen:
+        raise TextTooShortError(
+            f"text has {n_ids} tokens, fewer than one window of seqlen={seqlen} tokens"
+        )
+    vocab = _vocab_size(model)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        raise EvalInputError(
+            f"token ids span [{lo}, {hi}] but the model vocabulary has {vocab} entries "
+            "(is the tokenizer the model's?)"
+        )
+    return ids
+
+
+def _nll_sum(model: nn.Module, windows: torch.Tensor, batch_size: int, dev: torch.device,
+             progress: bool) -> float:
+    """Summed negative log-likelihood of every window's next tokens (float32 per window,
+    float64 across windows)."""
+    nll_sum = 0.0  # Python float: float64 accumulation across windows
+    with eval_mode(model), torch.inference_mode():
+        for start in tqdm(
+            range(0, len(windows), batch_size),
+            desc=f"perplexity (seqlen {windows.shape[1]})",
+            unit="batch",
+            disable=not progress,
+            leave=False,
+        ):
+            batch = windows[start : start + batch_size].to(dev)
+            out = model(input_ids=batch, use_cache=False)
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            window_nll = torch.empty(batch.shape[0], dtype=CALC_DTYPE, device=logits.device)
+            targets = batch[:, 1:].to(logits.device)
+            for row in range(batch.shape[0]):
+                # One window at a time: seqlen x vocab in float32, never batch x seqlen x vocab.
+                logp = torch.log_softmax(logits[row, :-1].to(CALC_DTYPE), dim=-1)
+                token_logp = logp.gather(-1, targets[row].unsqueeze(-1)).squeeze(-1)
+                window_nll[row] = -token_logp.sum()
+            nll_sum += float(window_nll.cpu().to(torch.float64).sum())
+            del out, logits
+    return nll_sum
+
+

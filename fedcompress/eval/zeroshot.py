@@ -270,39 +270,11 @@ def zero_shot(
     if isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0:
         raise ValueError(f"num_fewshot must be an int >= 0, got {num_fewshot!r}")
 
-    eval_sets, shot_sets = _select(tasks, names, split, fewshot_split, num_fewshot)
-    prepared: dict[str, tuple[list[TaskExample], list[TaskExample] | None]] = {}
-    for name, records in eval_sets.items():
-        clean = validate_examples(name, records)
-        if limit is not None:
-            clean = clean[:limit]
-        shots = shot_sets[name]
-        clean_shots = validate_examples(name, shots) if shots is not None else None
-        if clean_shots is not None and len(clean_shots) < num_fewshot:
-            raise EmptyTaskError(
-                f"task {name!r}: num_fewshot={num_fewshot} but the few-shot split has only "
-                f"{len(clean_shots)} records"
-            )
-        prepared[name] = (clean, clean_shots)
-
+    prepared = _prepare(tasks, names, split, fewshot_split, num_fewshot, limit)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedcompress-lmeval-") as tmp:
         root = Path(tmp)
-        task_ids: dict[str, str] = {}
-        for i, (name, (records, shots)) in enumerate(prepared.items()):
-            task_id = f"fedcompress_{i}_{_slug(name)}"
-            task_ids[name] = task_id
-            task_dir = root / "tasks" / task_id
-            task_dir.mkdir(parents=True)
-            data_files = {_EVAL_SPLIT: str(task_dir / f"{_EVAL_SPLIT}.jsonl")}
-            write_jsonl(Path(data_files[_EVAL_SPLIT]), records)
-            if shots is not None:
-                data_files[_FEWSHOT_SPLIT] = str(task_dir / f"{_FEWSHOT_SPLIT}.jsonl")
-                write_jsonl(Path(data_files[_FEWSHOT_SPLIT]), shots)
-            config = _task_config(task_id, data_files, str(root / "hf_cache"), prompt)
-            (task_dir / f"{task_id}.yaml").write_text(
-                yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8"
-            )
+        task_ids = _write_tasks(root, prepared, prompt)
         logger.info(
             "zero-shot: %d task(s) (%s), split=%r, %d-shot, batch_size=%d",
             len(task_ids),
@@ -322,6 +294,56 @@ def zero_shot(
             progress=progress,
         )
 
+    results = _task_results(raw, prepared, task_ids)
+    logger.info("zero-shot evaluation took %.1fs", time.perf_counter() - t0)
+    return results
+
+
+def _prepare(tasks, names, split, fewshot_split, num_fewshot: int, limit: int | None
+             ) -> dict[str, tuple[list[TaskExample], list[TaskExample] | None]]:
+    """Each selected task's validated evaluation records (cut to ``limit``) and few-shot
+    records."""
+    eval_sets, shot_sets = _select(tasks, names, split, fewshot_split, num_fewshot)
+    prepared: dict[str, tuple[list[TaskExample], list[TaskExample] | None]] = {}
+    for name, records in eval_sets.items():
+        clean = validate_examples(name, records)
+        if limit is not None:
+            clean = clean[:limit]
+        shots = shot_sets[name]
+        clean_shots = validate_examples(name, shots) if shots is not None else None
+        if clean_shots is not None and len(clean_shots) < num_fewshot:
+            raise EmptyTaskError(
+                f"task {name!r}: num_fewshot={num_fewshot} but the few-shot split has only "
+                f"{len(clean_shots)} records"
+            )
+        prepared[name] = (clean, clean_shots)
+    return prepared
+
+
+def _write_tasks(root: Path, prepared: dict, prompt) -> dict[str, str]:
+    """One lm-eval task folder per task under ``root/tasks`` (data as JSONL, config as YAML);
+    returns task name -> lm-eval task id."""
+    task_ids: dict[str, str] = {}
+    for i, (name, (records, shots)) in enumerate(prepared.items()):
+        task_id = f"fedcompress_{i}_{_slug(name)}"
+        task_ids[name] = task_id
+        task_dir = root / "tasks" / task_id
+        task_dir.mkdir(parents=True)
+        data_files = {_EVAL_SPLIT: str(task_dir / f"{_EVAL_SPLIT}.jsonl")}
+        write_jsonl(Path(data_files[_EVAL_SPLIT]), records)
+        if shots is not None:
+            data_files[_FEWSHOT_SPLIT] = str(task_dir / f"{_FEWSHOT_SPLIT}.jsonl")
+            write_jsonl(Path(data_files[_FEWSHOT_SPLIT]), shots)
+        config = _task_config(task_id, data_files, str(root / "hf_cache"), prompt)
+        (task_dir / f"{task_id}.yaml").write_text(
+            yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8"
+        )
+    return task_ids
+
+
+def _task_results(raw: dict, prepared: dict, task_ids: dict[str, str]
+                  ) -> dict[str, TaskResult]:
+    """lm-eval's output -> one :class:`TaskResult` per task (logged)."""
     results: dict[str, TaskResult] = {}
     for name, task_id in task_ids.items():
         records = prepared[name][0]
@@ -347,7 +369,6 @@ def zero_shot(
             n,
             results[name].chance,
         )
-    logger.info("zero-shot evaluation took %.1fs", time.perf_counter() - t0)
     return results
 
 
