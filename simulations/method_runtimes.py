@@ -13,7 +13,7 @@ alternating:
   ``FLWR_HOME``; the SuperLink and everything it started are stopped by PID after each run.
 
 Both runs must give the same result (the same accuracies and removal plan). Writes
-``runtimes.json`` and ``runtimes.md`` to ``--out``.
+``report.json``, ``report.md`` and ``config.toml`` to ``--out`` (:class:`RunReport`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from conftest import (  # noqa: E402
     yes_no_generator,
 )
 
-from fedcompress.report import markdown_table, versions  # noqa: E402
+from fedcompress.report import RunReport, markdown_table  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -135,8 +135,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("simulations/results/method-runtimes"))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    command = f"python simulations/method_runtimes.py --out {args.out} --repeats {args.repeats}"
     rows: dict[str, list[float]] = {"fedcompress ppcgpt": [], "flwr run .": []}
-    with tempfile.TemporaryDirectory() as tmp, _OpenAIStub(yes_no_generator) as stub:
+    config = {"repeats": args.repeats, "method": "ppcgpt",
+              "settings": {**ppcgpt_tiny_settings("tiny 3-layer llama", "scripted stub", ""),
+                           "out": "(per run)"}}
+    with RunReport(args.out, "method-runtimes", config) as report, \
+            tempfile.TemporaryDirectory() as tmp, _OpenAIStub(yes_no_generator) as stub:
+        report.command_line = report.reproduce = command
         tmp = Path(tmp)
         model_dir = tmp / "tiny-llama"
         build_tiny_model("llama", n_layers=3).save_pretrained(model_dir)
@@ -145,34 +151,30 @@ def main() -> None:
         settings.pop("out")
         decided = []
         for i in range(args.repeats):
-            seconds, report = run_cli(settings, tmp / f"cli-{i}")
-            rows["fedcompress ppcgpt"].append(seconds)
-            decided.append(_decided(report))
-            seconds, report = run_flwr(settings, tmp / f"flwr-{i}", tmp / f"home-{i}")
-            rows["flwr run ."].append(seconds)
-            decided.append(_decided(report))
+            for entry in rows:
+                if entry == "flwr run .":
+                    seconds, run_report = run_flwr(settings, tmp / f"flwr-{i}", tmp / f"home-{i}")
+                else:
+                    seconds, run_report = run_cli(settings, tmp / f"cli-{i}")
+                rows[entry].append(seconds)
+                decided.append(_decided(run_report))
+                report.add_result({"name": entry, "repeat": i, "seconds": seconds})
             print(f"repeat {i}: cli {rows['fedcompress ppcgpt'][-1]:.1f} s, "
                   f"flwr run {rows['flwr run .'][-1]:.1f} s", flush=True)
-    same = all(d == decided[0] for d in decided)
-    medians = {k: statistics.median(v) for k, v in rows.items()}
-    command = f"python simulations/method_runtimes.py --out {args.out} --repeats {args.repeats}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "runtimes.json").write_text(json.dumps({
-        "command": command, "settings": {**settings, "model": "tiny 3-layer llama",
-                                         "synth_url": "scripted stub"},
-        "seconds": rows, "median_seconds": medians, "same_result": same,
-        "cpus": os.cpu_count(), "versions": versions()}, indent=2) + "\n")
-    table = markdown_table(["entry point", "median s", "runs (s)", "/ CLI"], [
-        [k, f"{medians[k]:.1f}", ", ".join(f"{s:.1f}" for s in v),
-         f"{medians[k] / medians['fedcompress ppcgpt']:.2f}x"] for k, v in rows.items()])
-    text = "\n".join([
-        "# PPC-GPT wall time by entry point (tiny model, 2 clients, scripted LLM_syn)", "",
-        "Whole command, from start to the report written (model load, Ray or Flower start-up, "
-        "both rounds, the dense baseline); alternating runs on this machine "
-        f"({os.cpu_count()} CPUs). Same removal plan and accuracies in every run: {same}.", "",
-        table, "", f"Command: `{command}`", ""])
-    (args.out / "runtimes.md").write_text(text)
-    print(text)
+        same = all(d == decided[0] for d in decided)
+        medians = {k: statistics.median(v) for k, v in rows.items()}
+        report.extra.update({"median_seconds": medians, "same_result": same,
+                             "cpus": os.cpu_count()})
+        table = markdown_table(["entry point", "median s", "runs (s)", "/ CLI"], [
+            [k, f"{medians[k]:.1f}", ", ".join(f"{s:.1f}" for s in v),
+             f"{medians[k] / medians['fedcompress ppcgpt']:.2f}x"] for k, v in rows.items()])
+        report.sections.append((
+            "PPC-GPT wall time by entry point (tiny model, 2 clients, scripted LLM_syn)",
+            "Whole command, from start to the report written (model load, Ray or Flower "
+            "start-up, both rounds, the dense baseline); alternating runs on this machine "
+            f"({os.cpu_count()} CPUs). Same removal plan and accuracies in every run: "
+            f"{same}.\n\n{table}"))
+    print(report.markdown())
 
 
 if __name__ == "__main__":
