@@ -131,3 +131,23 @@ def test_table_with_a_server_setting_as_columns(tiny_dir):
     assert header == ["local_group", "strategy", "group=layer", "group=row"]
     assert rows == [["row", "FedPrLLM one-shot", "1.00", "1.00"],
                     ["column", "FedPrLLM one-shot", "1.00", "1.00"]]
+
+
+def test_records_from_before_a_setting_existed_keep_their_cells(tiny_dir, tmp_path):
+    """A stored record without a later-added setting (wire, wire_reference) is the cell at the
+    value it was made with: a rerun finds it instead of recomputing it."""
+    from fedcompress.bench.sweep import ADDED_LATER, load_results, record_cell
+
+    (study,) = plan(_config(tiny_dir))[:1]
+    path = tmp_path / "results.jsonl"
+    with path.open("w") as fh:
+        for cell in study.cells:
+            record = {"id": cell.id, "kind": cell.kind, **cell.settings(),
+                      "eval": dict(cell.evals), "status": "ok"}
+            assert record_cell(record).id == cell.id  # today's records map to themselves
+            old = {k: v for k, v in record.items() if k not in ADDED_LATER}
+            old["id"] = "made-before-wire"
+            fh.write(json.dumps(old) + "\n")
+    found = load_results(path)
+    assert set(found) == {c.id for c in study.cells}
+    assert all(r["id"] in found for r in found.values())

@@ -505,8 +505,25 @@ def _progress(items, enabled: bool, description: str):
     yield from tqdm(items, desc=description, leave=False)
 
 
+# Settings added to FedPrLLM after results were first recorded, with the value every earlier
+# record was made with: a record without the key is the cell at that value.
+ADDED_LATER = {"wire": "packed", "wire_reference": "wiki"}
+
+
+def record_cell(record: dict) -> Cell:
+    """The cell a stored record belongs to, under today's settings (keys it lacks from
+    :data:`ADDED_LATER` take the value it was made with)."""
+    client = {k: record[k] for k in CLIENT_KEYS if k in record}
+    if record["kind"] != "dense":
+        client.update({k: v for k, v in ADDED_LATER.items() if k not in client})
+    return Cell(record["kind"], tuple((k, client[k]) for k in CLIENT_KEYS if k in client),
+                tuple((k, record[k]) for k in SERVER_KEYS if k in record),
+                tuple(sorted(record.get("eval", {}).items())))
+
+
 def load_results(path: Path) -> dict[str, dict]:
-    """``results.jsonl`` -> the last record of each cell (an interrupted write is ignored)."""
+    """``results.jsonl`` -> the last record of each cell, keyed by the cell's id under today's
+    settings (:func:`record_cell`; an interrupted write is ignored)."""
     results: dict[str, dict] = {}
     if not path.exists():
         return results
@@ -518,5 +535,6 @@ def load_results(path: Path) -> dict[str, dict]:
         except json.JSONDecodeError:
             logger.warning("%s:%d: unreadable record skipped (interrupted write?)", path, number)
             continue
-        results[record["id"]] = record
+        cell_id = record_cell(record).id
+        results[cell_id] = {**record, "id": cell_id} if record["id"] != cell_id else record
     return results
