@@ -539,11 +539,7 @@ def train_lora(model: nn.Module, data: DistillData, config: TrainConfig, pad_id:
     wall_start = time.perf_counter()
     if len(data) == 0:
         raise EmptyDataError("no samples to train on")
-    weights = {LABEL_TASK: 1.0, RATIONALE_TASK: float(config.rationale_weight)}
-    weights = {t: weights[t] for t in data.tasks if weights[t] > 0}
-    if not weights:
-        raise EmptyDataError(f"no task to train: data has {data.tasks}, rationale_weight="
-                             f"{config.rationale_weight}")
+    weights = _task_weights(data, config)
     context = model_context_length(model)
     if context is not None and data.longest > context:
         raise ValueError(f"the longest example has {data.longest} tokens, more than the model's "
@@ -596,15 +592,8 @@ def train_lora(model: nn.Module, data: DistillData, config: TrainConfig, pad_id:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
 
-                losses = {t: sums[t] / counts[t] for t in weights}
-                total = sum(weights[t] * losses[t] for t in weights)
-                metrics.steps = step
-                metrics.samples_seen += config.batch_size * config.grad_accum
-                metrics.loss.append(total)
-                metrics.grad_norm.append(grad_norm)
-                for t in weights:
-                    metrics.task_loss[t].append(losses[t])
-                    metrics.target_tokens[t] += counts[t]
+                losses, total = _record_step(metrics, step, weights, sums, counts, grad_norm,
+                                             config.batch_size * config.grad_accum)
                 metrics.train_seconds += time.perf_counter() - train_start
                 bar.set_postfix(loss=f"{total:.4f}")
                 if step % config.log_every == 0 or step == steps:
@@ -629,6 +618,34 @@ def train_lora(model: nn.Module, data: DistillData, config: TrainConfig, pad_id:
                 "%.4f", metrics.steps, metrics.wall_seconds, metrics.train_seconds,
                 metrics.eval_seconds, metrics.loss[0], metrics.loss[-1])
     return DistillResult(model, metrics, merged)
+
+
+def _task_weights(data: Any, config: TrainConfig) -> dict[str, float]:
+    """Loss weight of each task present in ``data`` (label 1, rationale ``rationale_weight``;
+    tasks of weight 0 are left out); an error when none is left."""
+    weights = {LABEL_TASK: 1.0, RATIONALE_TASK: float(config.rationale_weight)}
+    weights = {t: weights[t] for t in data.tasks if weights[t] > 0}
+    if not weights:
+        raise EmptyDataError(f"no task to train: data has {data.tasks}, rationale_weight="
+                             f"{config.rationale_weight}")
+    return weights
+
+
+def _record_step(metrics: TrainMetrics, step: int, weights: dict[str, float],
+                 sums: dict[str, float], counts: dict[str, int], grad_norm: float,
+                 samples: int) -> tuple[dict[str, float], float]:
+    """Add one optimizer step to ``metrics``: each task's token-mean loss, their weighted
+    total, the gradient norm and the counts; returns (losses, total)."""
+    losses = {t: sums[t] / counts[t] for t in weights}
+    total = sum(weights[t] * losses[t] for t in weights)
+    metrics.steps = step
+    metrics.samples_seen += samples
+    metrics.loss.append(total)
+    metrics.grad_norm.append(grad_norm)
+    for t in weights:
+        metrics.task_loss[t].append(losses[t])
+        metrics.target_tokens[t] += counts[t]
+    return losses, total
 
 
 def distill(model: nn.Module, tokenizer: Any, samples: Iterable[Any],
