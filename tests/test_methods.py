@@ -246,3 +246,34 @@ def test_message_keys_used_by_the_flower_files_are_declared(name):
         used |= set(re.findall(r'"([a-z_]+)": (?:ConfigRecord|ArrayRecord|MetricRecord)\(', text))
         used |= set(re.findall(r'RecordDict\(\{"([a-z_]+)"', text))
     assert used and used <= declared, sorted(used - declared)
+
+
+def test_a_renamed_setting_keeps_its_old_name_as_an_alias():
+    method = Method("toy", "toy", "", (Toy,), {}, {}, "clients.toy", "server.toy",
+                    aliases={"num_clients": "clients"})
+    (toy,) = method.parse({"num-clients": 7})
+    assert toy.clients == 7
+    (toy,) = method.parse({"num_clients": 7, "clients": 9})  # the current name wins
+    assert toy.clients == 9
+
+
+def test_deprecated_cli_option_warns_and_maps(monkeypatch, caplog):
+    import logging
+
+    import typer
+    from typer.testing import CliRunner
+
+    from fedcompress import cli
+
+    method = Method("toy", "toy", "A toy.", (Toy,), {}, {}, "clients.toy", "server.toy",
+                    aliases={"num_clients": "clients"})
+    seen = {}
+    monkeypatch.setattr(cli, "app", typer.Typer())
+    monkeypatch.setattr(cli, "run_method", lambda name, settings: seen.update(settings))
+    monkeypatch.setattr(cli, "_setup_logging", lambda level: None)
+    cli._add_method_command(method)
+    cli.app.command("noop")(lambda: None)  # a second command keeps typer's subcommand form
+    with caplog.at_level(logging.WARNING, logger="fedcompress"):
+        result = CliRunner().invoke(cli.app, ["toy", "--num-clients", "5"])
+    assert result.exit_code == 0, result.output
+    assert seen["clients"] == 5 and "--num-clients is deprecated: use --clients" in caplog.text
