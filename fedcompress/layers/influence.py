@@ -293,17 +293,9 @@ def block_influence(
     start = time.perf_counter()
     with eval_mode(model), torch.inference_mode():
         for batch in tqdm(batches, desc="block influence", unit="batch", disable=not progress):
-            width = max(len(encoded[k].ids) for k in batch)
-            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            counted = torch.zeros((len(batch), width), dtype=torch.bool)
-            for row, k in enumerate(batch):
-                ids, target_start, _ = encoded[k]
-                input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-                attention[row, :len(ids)] = 1
-                first = 0 if positions == "all" else target_start
-                counted[row, first:len(ids)] = True
-                no_tokens += first >= len(ids)
+            input_ids, attention, counted, empty = pack_batch([encoded[k] for k in batch], pad,
+                                                              positions)
+            no_tokens += empty
             n_batch = int(counted.sum())
             if n_batch == 0:
                 continue
@@ -332,6 +324,25 @@ def block_influence(
         info={"positions": positions, "max_length": max_length, "batch_size": batch_size,
               "truncated": sum(1 for e in encoded if e.full_length > max_length),
               "pairs_without_counted_tokens": no_tokens, "seconds": seconds})
+
+
+def pack_batch(encoded: Sequence[EncodedPair], pad: int, positions: str = "target"
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Right-padded ``input_ids`` and ``attention`` of encoded pairs (``ids``, ``target_start``,
+    ...), the mask of the positions that count (``all`` tokens, or the ``target`` ones), and
+    how many pairs have no counted position."""
+    width = max(len(e.ids) for e in encoded)
+    input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(encoded), width), dtype=torch.long)
+    counted = torch.zeros((len(encoded), width), dtype=torch.bool)
+    empty = 0
+    for row, (ids, target_start, *_) in enumerate(encoded):
+        input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention[row, :len(ids)] = 1
+        first = 0 if positions == "all" else target_start
+        counted[row, first:len(ids)] = True
+        empty += first >= len(ids)
+    return input_ids, attention, counted, empty
 
 
 def label_rationale_influence(
