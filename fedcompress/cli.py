@@ -77,7 +77,8 @@ def _option(defaults: dict[str, Any], name: str, help_text: str, **kwargs):
     """A long option whose help ends with its default from ``defaults``. The brackets are
     escaped: rich would read ``[default: x]`` as markup and drop it."""
     default = defaults.get(name.split("/")[0].lstrip("-").replace("-", "_"))
-    return typer.Option(name, help=f"{help_text} \\[default: {default}]", show_default=False,
+    shown = '""' if default == "" else default  # an empty default is said, not left blank
+    return typer.Option(name, help=f"{help_text} \\[default: {shown}]", show_default=False,
                         **kwargs)
 
 

@@ -150,7 +150,8 @@ def test_cli_options_are_the_methods_settings(name):
     options = {p.name: p for p in command.params}
     for key, default in method.defaults().items():
         assert key in options, key
-        assert f"[default: {default}]" in options[key].help.replace("\\", "")
+        shown = '""' if default == "" else default
+        assert f"[default: {shown}]" in options[key].help.replace("\\", "")
     assert set(options) - set(method.defaults()) == {"cpus_per_client", "config", "log_level"}
 
 
