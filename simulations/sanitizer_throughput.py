@@ -17,7 +17,7 @@ Words per second are reported on wall-clock time and on the process's CPU time (
 shared: the load average at the start and end of each pass is recorded; BLAS may use both
 cores, so CPU time can exceed wall time). Also: the setup time (GloVe load; CusText grouping),
 the share of perturbed words that changed (a utility diagnostic) and the cache size. Writes
-``throughput.json`` and ``throughput.md`` to ``--out``.
+``report.json``, ``report.md`` and ``config.toml`` to ``--out`` (:class:`RunReport`).
 
 Out-of-vocabulary words, side by side: ``--oov random,keep`` measures each policy on the same
 text (``random``, the default, replaces them by a uniform candidate; ``keep`` copies them), and
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import os
 import random
@@ -41,7 +40,7 @@ from pathlib import Path
 from fedcompress.data.corpora import load_corpus
 from fedcompress.data.embeddings import load_glove
 from fedcompress.privacy.sanitize import TOKEN_PATTERN, WORD_PATTERN, Sanitizer, SanitizerConfig
-from fedcompress.report import markdown_table, versions
+from fedcompress.report import RunReport, markdown_table
 
 log = logging.getLogger("sanitizer_throughput")
 
@@ -110,52 +109,48 @@ def main() -> None:
     log.info("GloVe loaded in %.2fs; %d documents of %s/%s", glove_seconds, len(texts),
              args.corpus, args.split)
 
-    rows = []
-    for mechanism, share, oov in itertools.product(
-            args.mechanisms.split(","), [float(x) for x in args.oov_share.split(",")],
-            args.oov.split(",")):
-        texts = with_oov(corpus, share, args.seed)
-        config = SanitizerConfig(mechanism=mechanism, top_k=args.top_k,
-                                 candidates=args.candidates, cache_mb=args.cache_mb, oov=oov)
-        start = time.perf_counter()
-        sanitizer = Sanitizer(table, config)
-        setup = time.perf_counter() - start
-        for eps in (float(e) for e in args.eps.split(",")):
-            sanitizer.clear_cache()
-            for phase, seed in (("cold", args.seed), ("warm", args.seed + 1)):
-                row = {"mechanism": mechanism, "oov_policy": oov, "oov_share": share,
-                       "eps": eps, "phase": phase,
-                       "setup_s": setup, **measure(sanitizer, texts, eps, seed)}
-                rows.append(row)
-                log.info("%s oov=%s share=%g eps=%g %s: %.0f words/s (%.0f per CPU s), "
-                         "load %.1f", mechanism, oov, share, eps, phase, row["words_per_s"],
-                         row["words_per_cpu_s"], row["load_end"])
-
-    args.out.mkdir(parents=True, exist_ok=True)
     command = ("python simulations/sanitizer_throughput.py --out " + str(args.out)
                + f" --corpus {args.corpus} --split {args.split} --mechanisms {args.mechanisms}"
                + f" --eps {args.eps} --candidates {args.candidates} --top-k {args.top_k}"
                + f" --cache-mb {args.cache_mb:g} --seed {args.seed} --oov {args.oov}"
                + f" --oov-share {args.oov_share}")
-    report = {"command": command, "config": vars(args) | {"out": str(args.out)},
-              "glove_load_seconds": glove_seconds, "documents": len(corpus),
-              "cpus": os.cpu_count(), "versions": versions(), "results": rows}
-    (args.out / "throughput.json").write_text(json.dumps(report, indent=2) + "\n")
+    with RunReport(args.out, "sanitizer-throughput", vars(args) | {"out": str(args.out)},
+                   seeds={"seed": args.seed}) as report:
+        report.command_line = report.reproduce = command
+        report.markdown_results = False  # the section below is the table
+        report.extra.update({"glove_load_seconds": glove_seconds, "documents": len(corpus),
+                             "distinct_words": distinct, "cpus": os.cpu_count()})
+        rows = []
+        for mechanism, share, oov in itertools.product(
+                args.mechanisms.split(","), [float(x) for x in args.oov_share.split(",")],
+                args.oov.split(",")):
+            texts = with_oov(corpus, share, args.seed)
+            config = SanitizerConfig(mechanism=mechanism, top_k=args.top_k,
+                                     candidates=args.candidates, cache_mb=args.cache_mb, oov=oov)
+            start = time.perf_counter()
+            sanitizer = Sanitizer(table, config)
+            setup = time.perf_counter() - start
+            for eps in (float(e) for e in args.eps.split(",")):
+                sanitizer.clear_cache()
+                for phase, seed in (("cold", args.seed), ("warm", args.seed + 1)):
+                    row = {"mechanism": mechanism, "oov_policy": oov, "oov_share": share,
+                           "eps": eps, "phase": phase,
+                           "setup_s": setup, **measure(sanitizer, texts, eps, seed)}
+                    rows.append(row)
+                    report.add_result({"name": f"{mechanism} {oov} {share:g} eps {eps:g} "
+                                               f"{phase}", **row})
+                    log.info("%s oov=%s share=%g eps=%g %s: %.0f words/s (%.0f per CPU s), "
+                             "load %.1f", mechanism, oov, share, eps, phase, row["words_per_s"],
+                             row["words_per_cpu_s"], row["load_end"])
+        report.sections.append((
+            f"Sanitizer throughput: {args.corpus}/{args.split} ({len(corpus)} documents, "
+            f"{rows[0]['words'] if rows else 0:,} words), GloVe 6B 50d",
+            explanation(args, distinct, glove_seconds) + "\n\n" + throughput_table(rows)))
+    print(report.markdown())
 
-    columns = ["mechanism", "oov", "oov share", "eps", "phase", "words", "oov words",
-               "words/s", "words/CPU s", "seconds", "load avg", "changed", "cache MiB",
-               "setup s"]
-    table_rows = [[r["mechanism"], r["oov_policy"], f"{r['oov_share']:g}", f"{r['eps']:g}",
-                   r["phase"], str(r["words"]), str(r["oov"]),
-                   f"{r['words_per_s']:,.0f}", f"{r['words_per_cpu_s']:,.0f}",
-                   f"{r['seconds']:.2f}", f"{r['load_start']:.1f}-{r['load_end']:.1f}",
-                   f"{r['changed_share']:.1%}", f"{r['cache_mib']:.0f}", f"{r['setup_s']:.2f}"]
-                  for r in rows]
-    words = rows[0]["words"] if rows else 0
-    text = "\n".join([
-        f"# Sanitizer throughput: {args.corpus}/{args.split} ({len(corpus)} documents, "
-        f"{words:,} words), GloVe 6B 50d",
-        "",
+
+def explanation(args, distinct: int, glove_seconds: float) -> str:
+    return (
         f"SanText: {args.candidates:,} candidates; CusText: groups of {args.top_k}. `cold`: "
         "first pass with an empty table cache (every distinct word's table computed); `warm`: "
         "second pass, another seed. `words/CPU s` uses the process's CPU time (the machine is "
@@ -166,15 +161,19 @@ def main() -> None:
         "group (once per sanitizer, kept by `clear_cache`). `oov`: the out-of-vocabulary "
         "policy (`random`, the default: replaced by a uniform candidate; `keep`: copied); "
         "`oov share`: share of the words replaced by random out-of-vocabulary codes (seeded) "
-        "before sanitising.",
-        "",
-        markdown_table(columns, table_rows),
-        "",
-        f"Command: `{command}`",
-        "",
-    ])
-    (args.out / "throughput.md").write_text(text)
-    print(text)
+        "before sanitising.")
+
+
+def throughput_table(rows: list[dict]) -> str:
+    columns = ["mechanism", "oov", "oov share", "eps", "phase", "words", "oov words",
+               "words/s", "words/CPU s", "seconds", "load avg", "changed", "cache MiB",
+               "setup s"]
+    return markdown_table(columns, [
+        [r["mechanism"], r["oov_policy"], f"{r['oov_share']:g}", f"{r['eps']:g}", r["phase"],
+         str(r["words"]), str(r["oov"]), f"{r['words_per_s']:,.0f}",
+         f"{r['words_per_cpu_s']:,.0f}", f"{r['seconds']:.2f}",
+         f"{r['load_start']:.1f}-{r['load_end']:.1f}", f"{r['changed_share']:.1%}",
+         f"{r['cache_mib']:.0f}", f"{r['setup_s']:.2f}"] for r in rows])
 
 
 if __name__ == "__main__":
