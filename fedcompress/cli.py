@@ -310,11 +310,6 @@ def run_method(name: str, settings: dict[str, Any]) -> dict:
     return report
 
 
-def run_prune(settings: dict[str, Any]) -> dict:
-    """``fedcompress prune`` with flat settings (e.g. from Python)."""
-    return run_method("fedprllm", settings)
-
-
 def _print_summary(report: dict, title: str, columns: list[str], rows: list[list[str]],
                    notes: list[str] = ()) -> None:
     from rich.console import Console

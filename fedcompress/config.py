@@ -151,14 +151,11 @@ class Settings:
                 continue
             value = getattr(self, f.name)
             kind = self.types()[f.name]
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                    object.__setattr__(self, f.name, float(value))
-                    value = float(value)
-                else:
-                    raise SettingsError(f"{f.name}={value!r} is invalid: expected "
-                                        f"{spec.expected(kind)}")
-            if not spec.ok(value):
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)  # an int where a float is declared is that float
+                object.__setattr__(self, f.name, value)
+            typed = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if not (typed and spec.ok(value)):
                 raise SettingsError(f"{f.name}={value!r} is invalid: expected "
                                     f"{spec.expected(kind)}")
         self.validate()

@@ -278,3 +278,8 @@ def test_deprecated_cli_option_warns_and_maps(monkeypatch, caplog):
         result = CliRunner().invoke(cli.app, ["toy", "--num-clients", "5"])
     assert result.exit_code == 0, result.output
     assert seen["clients"] == 5 and "--num-clients is deprecated: use --clients" in caplog.text
+
+
+def test_run_config_key_no_method_has_is_an_error():
+    with pytest.raises(RunConfigError, match="method 'ppcgpt' has no setting 'sparsity'"):
+        settings_from_run_config(_run_config(**{"ppcgpt.sparsity": 0.5}))

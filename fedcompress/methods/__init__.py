@@ -108,7 +108,10 @@ def settings_from_run_config(run_config: Mapping[str, Any]) -> tuple[Method, dic
             settings[name] = value
             continue
         defaults = other.run_config_defaults()
-        if name in defaults and value != defaults[name]:
+        if name not in defaults:
+            raise RunConfigError(f"run config key {key!r}: method {owner!r} has no setting "
+                                 f"{name!r}")
+        if value != defaults[name]:
             raise RunConfigError(
                 f"run config {key}={value!r} is a setting of method {owner!r}, but this run's "
                 f"method is {method.name!r}: set {method.name}.{name} instead (if it exists) or "

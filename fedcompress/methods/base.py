@@ -36,7 +36,6 @@ class Method:
         client_module / server_module: the thin Flower files (``server_module`` defines
             ``run(grid, settings) -> RunReport`` and ``check_settings(settings)``).
         summary: ``report dict -> (title, columns, rows, notes)`` for the CLI's table.
-        cli_only: settings the CLI shows that are not the method's (e.g. Ray CPUs per client).
         aliases: deprecated option name -> current setting name.
     """
 
