@@ -9,6 +9,9 @@ declares (``fedcompress.methods.privytune.METHOD.actions``):
   removal plan (``config``); the site trains them on its data with DP-SGD for one round and
   returns its weights, its example count (``num-examples``, FedAvg's weight) and the epsilon its
   accountant has spent after this round.
+  Under client-side central DP (``central_dp="client"``) the reply passes through Flower's
+  ``fixedclipping_mod``: the site's update (its weights minus the global ones) is clipped to
+  the norm the server's DP wrapper sent.
 * ``query.attack``: the final global weights; the site runs the extraction attack with its
   training texts as members and its held-out texts as non-members; only the scores leave.
 
@@ -21,6 +24,8 @@ import logging
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp.mod import fixedclipping_mod
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from clients.common import cached_model
 from fedcompress.methods import privytune as ppt
@@ -33,6 +38,7 @@ def _setup(message: Message, context: Context):
     settings = dict(message.content["config"])
     removed = ppt.parse_removed(str(settings.pop("removed", "none")))
     settings.pop("server-round", None)
+    settings.pop(KEY_CLIPPING_NORM, None)  # Flower's client-side DP wrapper, for its mod
     config = ppt.PrivyTuneConfig.from_dict(settings)
     partition = int(context.node_config.get("partition-id", -1))
     return config, partition, ppt.site_data(config, partition), removed
@@ -61,7 +67,18 @@ def cosines(message: Message, context: Context) -> Message:
 
 
 def train(message: Message, context: Context) -> Message:
-    """One DP-LoRA round on this site's data."""
+    """One DP-LoRA round on this site's data (its update clipped by Flower's
+    ``fixedclipping_mod`` under client-side central DP)."""
+    if message.content["config"].get("central_dp") == "client":
+        if KEY_CLIPPING_NORM not in message.content["config"]:
+            raise ValueError(f"central_dp='client' but the message carries no "
+                             f"{KEY_CLIPPING_NORM!r}: the server must wrap its strategy in "
+                             "DifferentialPrivacyClientSideFixedClipping")
+        return fixedclipping_mod(message, context, _train)
+    return _train(message, context)
+
+
+def _train(message: Message, context: Context) -> Message:
     config, partition, data, removed = _setup(message, context)
     server_round = int(message.content["config"]["server-round"])
     model, tokenizer = _model(config, data, removed, message.content["arrays"])

@@ -25,7 +25,7 @@ from fedcompress.methods import privytune as ppt
 from fedcompress.models import load_model, num_layers
 from fedcompress.report import RunReport
 from server.common import make_server_app, run_with_report
-from strategies.privytune import PrivyTuneFedAvg
+from strategies.privytune import PrivyTuneFedAvg, training_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +98,10 @@ def _run(grid: Grid, config: ppt.PrivyTuneConfig, server: ppt.RunSettings,
         report.write()
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
+    trainer = training_strategy(strategy)
     start = time.perf_counter()
     with report.phase("federated"):
-        result = strategy.start(
+        result = trainer.start(
             grid, ArrayRecord({k: Array(v) for k, v in initial.items()}),
             num_rounds=config.rounds, timeout=server.timeout, train_config=strategy.site_config(),
             evaluate_fn=evaluate_fn)
@@ -113,10 +114,17 @@ def _run(grid: Grid, config: ppt.PrivyTuneConfig, server: ppt.RunSettings,
     spent = [m["epsilon_spent"] for m in last if "epsilon_spent" in m]
     report.extra["sites"] = sites
     report.extra["rejected"] = strategy.outcome.rejected
+    central = getattr(trainer, "central_spent", None)
+    if central is not None:
+        report.extra["central_dp"] = {"wrapper": config.central_dp,
+                                      "noise_multiplier": config.central_noise,
+                                      "clipping_norm": config.central_clip,
+                                      "rounds": central}
     row = {"name": "federated", **_metric_row(metrics), "layers": num_layers(base) -
            len(plan.removed), "removed": len(plan.removed),
            "epsilon": config.epsilon if config.private else "none",
            "epsilon_spent_max": max(spent) if spent else None, "sites": len(last),
+           "central_epsilon": central[-1]["epsilon"] if central else None,
            "seconds": seconds,
            "bytes_down_per_site": strategy.outcome.bytes_down // max(config.clients, 1),
            "bytes_up_per_site_round": last[0].get("bytes_up") if last else None}

@@ -11,6 +11,18 @@
   weighted by ``num-examples``.
 
 Round 0 (:meth:`collect_cosines`) and the audit (:meth:`collect_attacks`) are queries.
+
+**Site-level central DP** (``central_dp``, optional, on top of each site's record-level DP-SGD):
+:func:`training_strategy` wraps a FedAvg in Flower's own
+:class:`~flwr.serverapp.strategy.DifferentialPrivacyServerSideFixedClipping` (the server clips
+each site's update to ``central_clip``) or :class:`~flwr.serverapp.strategy.
+DifferentialPrivacyClientSideFixedClipping` (each site clips its own with Flower's
+``fixedclipping_mod``), which add Gaussian noise of std ``central_noise * central_clip / sites``
+to the average, and Flower's RDP accountant (no sampling amplification: every site takes part in
+every round) reports the site-level (epsilon, delta) after every round. The wrapped FedAvg keeps
+Flower's own ``aggregate_train`` (the accountant requires it) with equal site weights
+(``site-weight``); replies are validated before the wrapper sees them, and a run under central
+DP needs every site's valid reply in every round.
 """
 
 from __future__ import annotations
@@ -22,7 +34,18 @@ from collections.abc import Iterable
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    FedAvg,
+    Strategy,
+)
+from flwr.supercore.privacy_accounting import (
+    NeighboringRelation,
+    PrivacyConfig,
+    SamplingMethod,
+)
+from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from fedcompress.layers.redundancy import CosineMatrix
 from fedcompress.methods.privytune import PrivyTuneConfig, removed_text
@@ -31,7 +54,7 @@ from strategies.common import (
     StrategyOutcome,
 )
 
-__all__ = ["PrivyTuneFedAvg"]
+__all__ = ["PrivyTuneFedAvg", "central_noise_seed", "training_strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +62,23 @@ logger = logging.getLogger(__name__)
 EPSILON_SLACK = 1e-6
 
 
-class PrivyTuneFedAvg(RecordsReplies, FedAvg):
+class DPLoRAMessages(FedAvg):
+    """FedAvg whose training messages are ``train.dplora`` (the one ClientApp serves several
+    methods) and whose bytes sent are counted in ``self.outcome``."""
+
+    outcome: StrategyOutcome
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        messages = [Message(m.content, m.metadata.dst_node_id, "train.dplora",
+                            group_id=m.metadata.group_id)
+                    for m in super().configure_train(server_round, arrays, config, grid)]
+        self.outcome.bytes_down += sum(sum(r.count_bytes() for r in m.content.values())
+                                       for m in messages)
+        return messages
+
+
+class PrivyTuneFedAvg(RecordsReplies, DPLoRAMessages):
     """FedAvg over the sites' trainable weights (LoRA factors and head, or every weight)."""
 
     def __init__(self, config: PrivyTuneConfig, shapes: dict[str, tuple[int, ...]],
@@ -86,14 +125,6 @@ class PrivyTuneFedAvg(RecordsReplies, FedAvg):
         return [m for _, m in self._keep("cosines", 0, replies, validate, what="matrix")]
 
     # -- rounds 1..R (Flower's FedAvg) -----------------------------------------------------------
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        messages = [Message(m.content, m.metadata.dst_node_id, "train.dplora",
-                            group_id=m.metadata.group_id)
-                    for m in super().configure_train(server_round, arrays, config, grid)]
-        self.outcome.bytes_down += sum(sum(r.count_bytes() for r in m.content.values())
-                                       for m in messages)
-        return messages
 
     def _check_weights(self, record: ArrayRecord) -> None:
         names = set(record.keys())
@@ -109,6 +140,13 @@ class PrivyTuneFedAvg(RecordsReplies, FedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        return super().aggregate_train(server_round,
+                                       self.valid_train_replies(server_round, replies))
+
+    def valid_train_replies(self, server_round: int, replies: Iterable[Message]
+                            ) -> list[Message]:
+        """The replies whose weights, example count and epsilon are valid (the others are
+        recorded with their reason); each valid site's metrics recorded with its bytes up."""
         target = self.config.epsilon
 
         def validate(reply: Message) -> None:
@@ -122,6 +160,9 @@ class PrivyTuneFedAvg(RecordsReplies, FedAvg):
                 if not math.isfinite(spent) or not 0 <= spent <= target + 0.01 + EPSILON_SLACK:
                     raise ValueError(f"epsilon_spent={spent}: expected within the target "
                                      f"{target}")
+            if self.config.central and metrics.get("site-weight") != 1:
+                raise ValueError(f"site-weight={metrics.get('site-weight')!r}: expected 1 "
+                                 "(central DP averages the sites with equal weights)")
 
         valid = self._keep("train", server_round, replies, validate, what="weights")
         bytes_up = sum(sum(r.count_bytes() for r in reply.content.values())
@@ -129,7 +170,7 @@ class PrivyTuneFedAvg(RecordsReplies, FedAvg):
         self.outcome.client_metrics[-len(valid):] = [
             {**m, "bytes_up": bytes_up // max(len(valid), 1)}
             for m in self.outcome.client_metrics[-len(valid):]]
-        return super().aggregate_train(server_round, [reply for reply, _ in valid])
+        return [reply for reply, _ in valid]
 
     # -- audit -----------------------------------------------------------------------------------
     def collect_attacks(self, grid: Grid, arrays: ArrayRecord, timeout: float) -> list[dict]:
@@ -147,3 +188,79 @@ class PrivyTuneFedAvg(RecordsReplies, FedAvg):
 
         self._keep("attack", self.config.rounds + 1, replies, validate, what="scores")
         return self.stage_metrics("attack")
+
+
+# -- site-level central DP (Flower's wrappers and accountant) -----------------------------------
+
+
+def central_noise_seed(seed: int, server_round: int) -> int:
+    """The seed of round ``server_round``'s central DP noise."""
+    return (seed * 1_000_003 + 7919 * server_round) % 2**32
+
+
+class _AccountedFedAvg(DPLoRAMessages):
+    """The FedAvg inside a central-DP wrapper: Flower's own ``aggregate_train`` (its accountant
+    refuses any other) over equal site weights."""
+
+    def __init__(self, outcome: StrategyOutcome, sites: int):
+        super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=sites,
+                         min_evaluate_nodes=0, min_available_nodes=sites,
+                         weighted_by_key="site-weight")
+        self.outcome = outcome
+
+
+class _ValidatedCentralDP:
+    """Mixin over a Flower DP wrapper: replies validated by the PrivyTune strategy first (every
+    site must pass: the accountant counts all of them, so fewer valid replies end the run with
+    :class:`~strategies.common.NotEnoughClientsError`), the privacy spent recorded per round."""
+
+    validator: PrivyTuneFedAvg
+    central_spent: list[dict]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        # every site required (the config's min_clients = clients under central DP)
+        valid = self.validator.valid_train_replies(server_round, replies)
+        # Flower draws the noise from NumPy's global generator: seeded per round from the
+        # run's seed (reproducible; keep the seed secret from whom the noise protects against),
+        # and the caller's generator state restored.
+        state = np.random.get_state()
+        np.random.seed(central_noise_seed(self.validator.config.seed, server_round))
+        try:
+            result = super().aggregate_train(server_round, valid)  # type: ignore[misc]
+        finally:
+            np.random.set_state(state)
+        spent = self.privacy_spent()  # type: ignore[attr-defined]
+        self.central_spent.append({"round": server_round, "epsilon": spent.epsilon,
+                                   "delta": spent.delta, "releases": spent.num_releases,
+                                   "accounting": spent.accounting_method})
+        return result
+
+
+class ServerSideCentralDP(_ValidatedCentralDP, DifferentialPrivacyServerSideFixedClipping):
+    """Flower's server-side fixed-clipping wrapper, replies validated first."""
+
+
+class ClientSideCentralDP(_ValidatedCentralDP, DifferentialPrivacyClientSideFixedClipping):
+    """Flower's client-side fixed-clipping wrapper (the sites run ``fixedclipping_mod``),
+    replies validated first."""
+
+
+def training_strategy(strategy: PrivyTuneFedAvg) -> Strategy:
+    """The strategy that runs rounds 1..R: ``strategy`` itself, or (``central_dp`` set) a FedAvg
+    over equal site weights inside Flower's DP wrapper with Flower's RDP accountant at
+    ``dp_delta``, validated by ``strategy``. Its ``central_spent`` lists the site-level
+    (epsilon, delta) after each round."""
+    config = strategy.config
+    if not config.central:
+        return strategy
+    accountant = RdpAccountant(PrivacyConfig(
+        target_delta=config.dp_delta, population_size=config.clients,
+        neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+        sampling_method=SamplingMethod.NO_AMPLIFICATION))
+    wrapper = {"server": ServerSideCentralDP, "client": ClientSideCentralDP}[config.central_dp]
+    dp = wrapper(_AccountedFedAvg(strategy.outcome, config.clients), config.central_noise,
+                 config.central_clip, config.clients, accountant=accountant)
+    dp.validator = strategy
+    dp.central_spent = []
+    return dp

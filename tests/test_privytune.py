@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedcompress.methods import get_method
 from fedcompress.methods import privytune as ppt
@@ -172,3 +172,138 @@ epsilons = [8.0, 0.0]
     assert (out / f"fig2-{tiny_task.replace(':', '-')}.png").exists()
     again = run_study(config, out)  # resumed: every cell found again, none re-run
     assert again.timings["study"] < 5 and again.status == "ok"
+
+
+class _Grid:
+    """The nodes FedAvg samples from (``configure_train`` asks for nothing else)."""
+
+    def __init__(self, nodes):
+        self.nodes = list(nodes)
+
+    def get_node_ids(self):
+        return self.nodes
+
+
+def _central_setup(central_dp: str, sites: int = 3, noise: float = 0.5, clip: float = 0.1):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from strategies.privytune import PrivyTuneFedAvg, training_strategy
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+
+    config = ppt.PrivyTuneConfig.from_dict({"clients": sites, "epsilon": 1.0,
+                                            "central_dp": central_dp, "central_noise": noise,
+                                            "central_clip": clip, "seed": 3})
+    shapes = {"a": (2, 3), "b": (4,)}
+    strategy = PrivyTuneFedAvg(config, shapes, [])
+    rng = np.random.default_rng(1)
+    current = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    sites_w = [{k: current[k] + rng.standard_normal(s).astype(np.float32) * (i + 1) * 0.05
+                for k, s in shapes.items()} for i in range(sites)]
+    return config, strategy, training_strategy(strategy), current, sites_w
+
+
+def test_central_dp_server_side_is_the_clipped_mean_plus_seeded_noise():
+    """Flower's server-side wrapper: each site's update clipped to C (L2 over all its arrays),
+    equal weights (not num-examples), noise of std z*C/n from the round's seed; Flower's RDP
+    accountant reports the site-level epsilon, growing with the rounds."""
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+    from strategies.privytune import central_noise_seed
+
+    config, strategy, dp, current, sites = _central_setup("server")
+    assert isinstance(dp, DifferentialPrivacyServerSideFixedClipping)
+    arrays = ArrayRecord({k: Array(v) for k, v in current.items()})
+    spent = []
+    for server_round in (1, 2):
+        messages = list(dp.configure_train(server_round, arrays, ConfigRecord({}),
+                                           _Grid([1, 2, 3])))
+        assert {m.metadata.message_type for m in messages} == {"train.dplora"}
+        replies = [_reply(sites[i], {"num-examples": 10 * (i + 1), "site-weight": 1,
+                                     "epsilon_spent": 0.5}, i + 1) for i in range(3)]
+        out, _ = dp.aggregate_train(server_round, replies)
+        clipped = []
+        for site in sites:
+            update = {k: site[k].astype(np.float64) - current[k] for k in current}
+            norm = np.sqrt(sum((u ** 2).sum() for u in update.values()))
+            clipped.append({k: u * min(1.0, 0.1 / norm) for k, u in update.items()})
+        noise_rng = np.random.RandomState(central_noise_seed(3, server_round))
+        for key in current:  # Flower adds noise array by array, in the record's order
+            mean = current[key] + sum(c[key] for c in clipped) / 3
+            noise = noise_rng.normal(0, 0.5 * 0.1 / 3, current[key].shape).astype(np.float32)
+            np.testing.assert_allclose(out[key].numpy(), mean + noise, rtol=1e-5, atol=1e-6)
+        spent.append(dp.central_spent[-1]["epsilon"])
+    assert 0 < spent[0] < spent[1] and dp.central_spent[-1]["releases"] == 2
+    assert len(strategy.stage_metrics("train")) == 6  # validated by the PrivyTune strategy
+
+
+def test_central_dp_needs_every_site_and_equal_weights():
+    from strategies.common import NotEnoughClientsError
+
+    config, strategy, dp, current, sites = _central_setup("server")
+    arrays = ArrayRecord({k: Array(v) for k, v in current.items()})
+    list(dp.configure_train(1, arrays, ConfigRecord({}), _Grid([1, 2, 3])))
+    replies = [_reply(sites[i], {"num-examples": 10, "site-weight": 1, "epsilon_spent": 0.5},
+                      i + 1) for i in range(2)]
+    replies.append(_reply(sites[2], {"num-examples": 10, "site-weight": 5,
+                                     "epsilon_spent": 0.5}, 3))
+    with pytest.raises(NotEnoughClientsError, match="2 valid client replies, the run needs 3"):
+        dp.aggregate_train(1, replies)
+    assert "site-weight=5" in strategy.outcome.rejected[0]["reason"]
+    for values, match in (({"central_dp": "server"}, "central_noise=0.0 is invalid"),
+                          ({"central_dp": "client", "central_noise": 1.0, "clients": 4,
+                            "min_clients": 3}, "min_clients=3 is invalid"),
+                          ({"central_dp": "both"}, "central_dp='both' is invalid")):
+        with pytest.raises(ValueError, match=match):
+            ppt.PrivyTuneConfig.from_dict(values)
+
+
+def test_central_dp_client_side_clips_the_update_at_the_site(monkeypatch):
+    """Client-side wrapper: the server sends the clipping norm; the site's reply passes through
+    Flower's fixedclipping_mod, which clips its update to that norm."""
+    from flwr.app import Context
+    from flwr.supercore.task_identity import TaskIdentity
+
+    import clients.privytune as site
+
+    config, strategy, dp, current, sites = _central_setup("client", clip=0.01)
+    arrays = ArrayRecord({k: Array(v) for k, v in current.items()})
+    settings = {k: v for k, v in config.to_dict().items() if v != ""}
+    message = next(iter(dp.configure_train(1, arrays, ConfigRecord(settings), _Grid([1, 2, 3]))))
+    assert message.content["config"]["clipping_norm"] == 0.01
+
+    def fake_train(msg, context):  # the site's training: far from the global weights
+        return Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in
+                                                          sites[2].items()}),
+                                   "metrics": MetricRecord({"num-examples": 1})}),
+                       reply_to=msg)
+
+    monkeypatch.setattr(site, "_train", fake_train)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    reply = site.train(message, Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
+                                        run_config={}))
+    update = [reply.content["arrays"][k].numpy() - current[k] for k in current]
+    assert np.sqrt(sum((u.astype(np.float64) ** 2).sum() for u in update)) == pytest.approx(
+        0.01, rel=1e-4)
+    content = message.content
+    del content["config"]["clipping_norm"]
+    with pytest.raises(ValueError, match="carries no 'clipping_norm'"):
+        site.train(Message(content, dst_node_id=1, message_type="train.dplora"), None)
+
+
+def test_central_dp_run_reports_the_site_level_epsilon_per_round(tiny_dir, tiny_task, tmp_path):
+    """The whole pipeline (ClientApp handlers in-process) under client-side central DP: every
+    round's site-level epsilon from Flower's accountant in the report, next to each site's
+    record-level epsilon."""
+    from conftest import privytune_in_process, privytune_tiny_settings
+
+    report = privytune_in_process(privytune_tiny_settings(
+        tiny_dir, tiny_task, tmp_path / "run", attack_samples=0, baselines="",
+        central_dp="client", central_noise=2.0, central_clip=0.5))
+    assert report["status"] == "ok"
+    central = report["central_dp"]
+    assert central["wrapper"] == "client" and [r["round"] for r in central["rounds"]] == [1, 2]
+    assert 0 < central["rounds"][0]["epsilon"] < central["rounds"][1]["epsilon"]
+    fed = report["results"][0]
+    assert fed["central_epsilon"] == central["rounds"][1]["epsilon"]
+    assert 0 < fed["epsilon_spent_max"] <= 8.0 + 1e-6

@@ -103,6 +103,9 @@ OBJECTIVES = ("classify", "lm")
 REMOVALS = ("ratio", "greedy", "none")
 SOURCES = ("sites", "public")
 PARTITIONS = ("iid", "dirichlet")
+#: Site-level central DP on the server's average (Flower's DP strategy wrappers): none, clipping
+#: of each site's update on the server, or on the site (Flower's ``fixedclipping_mod``).
+CENTRAL_DP = ("none", "server", "client")
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,33 @@ class PrivyTuneConfig(Settings):
     lora_alpha: int = setting(16, "LoRA alpha.", ge=1)
     attack_samples: int = setting(32, "Members (and non-members) per site attacked by the "
                                   "extraction audit (0: no attack).", ge=0)
+    central_dp: str = setting("none", "Site-level central DP on the FedAvg of every round "
+                              "(Flower's DP strategy wrappers, on top of each site's DP-SGD): "
+                              "none, server (the server clips each site's update) or client "
+                              "(each site clips its own, Flower's fixedclipping_mod).",
+                              choices=CENTRAL_DP)
+    central_noise: float = setting(0.0, "Noise multiplier z of central DP: Gaussian noise of "
+                                   "std z * central_clip / sites added to the average (> 0 "
+                                   "when central_dp is on).", ge=0.0)
+    central_clip: float = setting(1.0, "Clipping norm of a site's update (its trainable "
+                                  "weights minus the global ones, L2 over all of them) under "
+                                  "central DP.", gt=0.0)
+
+    def validate(self) -> None:
+        if self.min_clients > self.clients:
+            raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
+        if self.central_dp != "none":
+            if self.central_noise <= 0:
+                raise self.invalid("central_noise", f"> 0 with central_dp={self.central_dp!r} "
+                                   "(the accountant needs noise)")
+            if self.required_clients != self.clients:
+                raise self.invalid("min_clients", f"0 or clients={self.clients} with "
+                                   f"central_dp={self.central_dp!r}: the central accountant "
+                                   "counts every site in every round")
+
+    @property
+    def central(self) -> bool:
+        return self.central_dp != "none"
 
     @property
     def private(self) -> bool:
@@ -458,7 +488,9 @@ def site_train(config: PrivyTuneConfig, model: nn.Module, train: Encoded, pad: i
     seed = config.seed + 1000 * server_round + partition
     result = train_prepared(model, train, config.finetune_config(config.local_epochs, seed),
                              pad, sigma=sigma, progress=False)
-    metrics: dict[str, Any] = {"num-examples": n, "steps": result.steps,
+    # "site-weight": every site counts once in a FedAvg under central DP (its accountant's
+    # sensitivity assumes equal weights); "num-examples" weights it otherwise.
+    metrics: dict[str, Any] = {"num-examples": n, "site-weight": 1, "steps": result.steps,
                                "loss_first": result.losses[0], "loss_last": result.losses[-1],
                                "seconds": result.seconds}
     if sigma is not None:
