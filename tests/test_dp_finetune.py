@@ -169,3 +169,24 @@ def test_per_example_gradients_are_exact_with_tied_embeddings(tiny_tokenizer):
     for name, p in params.items():
         assert p.grad_sample.shape[0] == 2, name
         assert torch.allclose(p.grad_sample.mean(0), p.grad, atol=1e-6), name
+
+
+@pytest.mark.parametrize("epsilon", [5.0, None])
+def test_physical_batches_take_the_same_step_as_the_whole_batch(tiny_model, tiny_tokenizer,
+                                                                epsilon):
+    """A logical batch in chunks of 3 (opacus' skip-step accumulation under DP, gradient
+    accumulation without) gives the weights and losses of the whole batch at once, up to float
+    summation order and padding: the same clipped sum, the same noise added once."""
+    runs = []
+    for physical in (0, 3):
+        config = FinetuneConfig(mode="full", epochs=2, batch_size=8, epsilon=epsilon,
+                                delta=1e-3, seed=3, lr=1e-2, physical_batch_size=physical)
+        result = finetune(decoder_classifier(tiny_model, tiny_tokenizer),
+                          data(tiny_tokenizer, copies=4), config, pad_id(tiny_tokenizer),
+                          progress=False)
+        runs.append((result.losses, [p.detach().clone() for p in result.model.parameters()]))
+    assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-5, nan_ok=True)
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)  # Adam: lr 1e-2, 4 steps
+    with pytest.raises(ValueError, match="physical_batch_size=-1 is invalid"):
+        FinetuneConfig(physical_batch_size=-1)

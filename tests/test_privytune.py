@@ -136,6 +136,7 @@ title = "tiny"
 tasks = ["{tiny_task}"]
 epsilon = 8.0
 ratios = [0.34, 0.67]
+compare_ratio = 0.67
 
 [privytune]
 model = "{tiny_dir}"
@@ -169,6 +170,7 @@ epsilons = [8.0, 0.0]
                                                      "Table 6"]
     table1 = dict(report.sections)[titles[0]]
     assert table1.count("\n") == 1 + 8 and "failed" not in table1
+    assert "ratio 0.67" in titles[0] and table1.count("(-L") == 8  # 2 of 3 layers removed
     assert (out / f"fig2-{tiny_task.replace(':', '-')}.png").exists()
     again = run_study(config, out)  # resumed: every cell found again, none re-run
     assert again.timings["study"] < 5 and again.status == "ok"

@@ -5,7 +5,8 @@ centralized pipeline (:func:`fedcompress.methods.privytune.central_run`, the pap
 data holder), one column per task:
 
 * Table 1: redundancy measure (adjacent "Cosine" vs "Pairwise-Cosine") x training (Train = full,
-  LoRA) x DP (none, the study's epsilon), at the smallest ratio;
+  LoRA) x DP (none, the study's epsilon), at ``compare_ratio`` (default: the smallest ratio;
+  each cell names the layers it removed, so a reader sees where both measures pick the same);
 * Table 2 (Train) and Table 3 (LoRA): removal ratio x DP, pairwise measure;
 * Table 4: Train vs LoRA under DP by ratio (the cells of Tables 2-3);
 * Table 6: the extraction audit by epsilon (the ``[attack]`` table: a causal LM fine-tuned on
@@ -13,9 +14,10 @@ data holder), one column per task:
 * Fig. 2: the heat map of the base model's cosine matrix per task (``fig2-<task>.png``).
 
 A config has ``[study]`` (``title``, ``tasks``: task names, ``name:label1,label2`` picks a label
-subset; ``epsilon``: the DP column; ``ratios``), ``[privytune]`` (any setting of
-:class:`~fedcompress.methods.privytune.PrivyTuneConfig` for the classification cells) and an
-optional ``[attack]`` (settings for the audit cells, plus ``epsilons``: 0 means no DP).
+subset; ``epsilon``: the DP column; ``ratios``; ``compare_ratio``: Table 1's),
+``[privytune]`` (any setting of :class:`~fedcompress.methods.privytune.PrivyTuneConfig` for the
+classification cells) and an optional ``[attack]`` (settings for the audit cells, plus
+``epsilons``: 0 means no DP).
 
 Every cell is stored in ``OUT/cells/<id>.json`` as soon as it finishes (its id is a digest of
 its full settings); a rerun skips finished cells and retries failed ones; a failing cell is
@@ -43,7 +45,7 @@ from fedcompress.report import RunReport, atomic_write, markdown_table
 
 logger = logging.getLogger(__name__)
 
-STUDY_KEYS = ("title", "tasks", "epsilon", "ratios")
+STUDY_KEYS = ("title", "tasks", "epsilon", "ratios", "compare_ratio")
 
 
 class StudyConfigError(ValueError):
@@ -75,6 +77,11 @@ class Study:
     base: dict[str, Any]
     attack: dict[str, Any] | None
     epsilons: list[float] = field(default_factory=list)
+    compare_ratio: float | None = None
+
+    @property
+    def table1_ratio(self) -> float:
+        return min(self.ratios) if self.compare_ratio is None else self.compare_ratio
 
     def classify_cell(self, task: tuple[str, str], measure: str, mode: str, private: bool,
                       ratio: float) -> Cell:
@@ -88,7 +95,7 @@ class Study:
 
     def cells(self) -> list[Cell]:
         out: dict[str, Cell] = {}
-        first = min(self.ratios)
+        first = self.table1_ratio
         for task in self.tasks:
             for measure in ("adjacent", "pairwise"):
                 for mode in ("full", "lora"):
@@ -126,8 +133,10 @@ def load_study(path: str | Path) -> Study:
     attack = dict(raw["attack"]) if "attack" in raw else None
     epsilons = [float(e) for e in (attack or {}).pop("epsilons", [])]
     ratios = [float(r) for r in meta.get("ratios", [0.1, 0.2, 0.3])]
+    compare = meta.get("compare_ratio")
     study = Study(str(meta.get("title", "PrunePrivyTune")), tasks,
-                  float(meta.get("epsilon", 1.0)), ratios, base, attack, epsilons)
+                  float(meta.get("epsilon", 1.0)), ratios, base, attack, epsilons,
+                  None if compare is None else float(compare))
     try:  # every cell's settings valid before anything runs
         for cell in study.cells():
             cell.config()
@@ -217,19 +226,27 @@ def _task_label(task: tuple[str, str]) -> str:
 def study_tables(study: Study, results: Mapping[str, dict]) -> list[tuple[str, str]]:
     """The paper's tables (accuracy in %), from the finished cells."""
     tasks = [_task_label(t) for t in study.tasks]
-    first = min(study.ratios)
+    first = study.table1_ratio
     eps = f"eps={study.epsilon:g}"
 
     def acc(task, measure, mode, private, ratio) -> str:
         cell = study.classify_cell(task, measure, mode, private, ratio)
         return _value(results.get(cell.id), "accuracy")
 
+    def acc_layers(task, measure, mode, private, ratio) -> str:
+        record = results.get(study.classify_cell(task, measure, mode, private, ratio).id)
+        value = _value(record, "accuracy")
+        if record is None or record.get("status") != "ok":
+            return value
+        return f"{value} (-{','.join(f'L{i}' for i in record['removed_layers'])})"
+
     sections = []
     rows = [[measure, {"full": "Train", "lora": "LoRA"}[mode], eps if private else "-",
-             *[acc(t, measure, mode, private, first) for t in study.tasks]]
+             *[acc_layers(t, measure, mode, private, first) for t in study.tasks]]
             for private in (False, True) for mode in ("full", "lora")
             for measure in ("adjacent", "pairwise")]
-    sections.append((f"Table 1: Cosine (adjacent) vs Pairwise-Cosine, ratio {first:g}",
+    sections.append((f"Table 1: Cosine (adjacent) vs Pairwise-Cosine, ratio {first:g} "
+                     "(accuracy %, removed layers)",
                      markdown_table(["redundancy", "training", "DP", *tasks], rows)))
     for number, mode in ((2, "full"), (3, "lora")):
         rows = [[f"{ratio:g}", eps if private else "-",

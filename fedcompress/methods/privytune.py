@@ -162,6 +162,9 @@ class PrivyTuneConfig(Settings):
     local_epochs: float = setting(1.0, "Epochs over a site's data per round.", gt=0.0)
     batch_size: int = setting(16, "Examples per step (under DP: the expected Poisson batch).",
                               ge=1)
+    physical_batch: int = setting(32, "Most examples per forward/backward pass; a larger batch "
+                                  "is processed in chunks for one step (bounds the memory of "
+                                  "DP's per-example gradients; 0: the whole batch).", ge=0)
     lr: float = setting(1e-3, "AdamW learning rate of LoRA (and of the new head).", gt=0.0)
     full_lr: float = setting(5e-5, "AdamW learning rate of full fine-tuning (mode full): every "
                              "pretrained weight moves, so a smaller rate.", gt=0.0)
@@ -215,7 +218,8 @@ class PrivyTuneConfig(Settings):
                               lora_r=self.lora_r, lora_alpha=self.lora_alpha,
                               epsilon=self.epsilon if self.private else None,
                               delta=self.dp_delta, max_grad_norm=self.max_grad_norm,
-                              accountant=self.accountant, seed=seed)
+                              accountant=self.accountant, seed=seed,
+                              physical_batch_size=self.physical_batch)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,12 @@ class FinetuneConfig:
         max_grad_norm: Per-example clipping norm ``C`` (DP only).
         accountant: ``"rdp"`` or ``"prv"``.
         seed: Seeds everything random (module docstring).
+        physical_batch_size: Most examples per forward/backward pass (0: the whole batch). A
+            larger (logical) batch is processed in chunks and takes ONE optimiser step: under DP
+            each chunk's per-example gradients are clipped and summed (opacus'
+            ``signal_skip_step``, as its ``BatchMemoryManager`` does) and the noise is added
+            once; without DP the chunks' gradients are accumulated. Memory then grows with this
+            size, not the batch: DP per-example gradients cost ``trainable x chunk x 4`` bytes.
     """
 
     mode: str = "lora"
@@ -117,6 +123,7 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     accountant: str = "rdp"
     seed: int = 0
+    physical_batch_size: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -127,6 +134,10 @@ class FinetuneConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: expected an int >= 1")
+        physical = self.physical_batch_size
+        if isinstance(physical, bool) or not isinstance(physical, int) or physical < 0:
+            raise ValueError(f"physical_batch_size={physical!r} is invalid: expected an int "
+                             ">= 0 (0: the whole batch)")
         if not _positive(self.lr):
             raise ValueError(f"lr={self.lr!r} is invalid: expected a number > 0")
         if not (isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1):
@@ -299,7 +310,8 @@ def train_prepared(model: nn.Module, train: Encoded, config: FinetuneConfig, pad
                     _batches(n, config, steps, generator), total=steps, unit="step",
                     desc=f"fine-tune ({config.mode}{', DP' if config.private else ''})",
                     disable=not progress)):
-                loss = _step(runner, optimizer, train, batch, pad, device)
+                loss = _step(runner, optimizer, train, batch, pad, device,
+                             config.physical_batch_size)
                 if not math.isfinite(loss) and batch:
                     raise NonFiniteLossError(f"training loss is {loss} at step {step}: "
                                              "lower lr")
@@ -354,15 +366,17 @@ def _unwrap(runner: nn.Module) -> None:
 
 
 def _step(runner: nn.Module, optimizer: torch.optim.Optimizer, train: Encoded, batch: list[int],
-          pad: int, device: torch.device) -> float:
+          pad: int, device: torch.device, physical: int = 0) -> float:
     with warnings.catch_warnings():
         # opacus' hooks on modules whose inputs need no gradient (frozen layers below LoRA)
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        return _step_inner(runner, optimizer, train, batch, pad, device)
+        return _step_inner(runner, optimizer, train, batch, pad, device, physical)
 
 
 def _step_inner(runner: nn.Module, optimizer: torch.optim.Optimizer, train: Encoded,
-                batch: list[int], pad: int, device: torch.device) -> float:
+                batch: list[int], pad: int, device: torch.device, physical: int = 0) -> float:
+    """One optimiser step on ``batch``, in chunks of at most ``physical`` examples (0: one
+    chunk); returns the batch's mean loss."""
     optimizer.zero_grad(set_to_none=True)
     if not batch:  # an empty Poisson sample: the step is noise alone
         for group in optimizer.param_groups:
@@ -371,13 +385,30 @@ def _step_inner(runner: nn.Module, optimizer: torch.optim.Optimizer, train: Enco
                     p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
         optimizer.step()
         return float("nan")
-    input_ids, attention = pad_batch([train.ids[i] for i in batch], pad)
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    if train.language_modelling:
-        loss = lm_loss(runner, input_ids, attention).mean()
-    else:
-        labels = torch.tensor([train.labels[i] for i in batch], device=device)
-        loss = F.cross_entropy(logits_of(runner, input_ids, attention), labels)
-    loss.backward()
-    optimizer.step()
-    return float(loss.detach())
+    size = physical or len(batch)
+    chunks = [batch[i:i + size] for i in range(0, len(batch), size)]
+    private = hasattr(optimizer, "signal_skip_step")
+    total = 0.0
+    for k, chunk in enumerate(chunks):
+        last = k == len(chunks) - 1
+        input_ids, attention = pad_batch([train.ids[i] for i in chunk], pad)
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        if train.language_modelling:
+            loss = lm_loss(runner, input_ids, attention).mean()
+        else:
+            labels = torch.tensor([train.labels[i] for i in chunk], device=device)
+            loss = F.cross_entropy(logits_of(runner, input_ids, attention), labels)
+        total += float(loss.detach()) * len(chunk)
+        if private:
+            # per-example gradients: opacus undoes the chunk's mean; each chunk is clipped and
+            # summed, the noise and the update come with the last one
+            loss.backward()
+            optimizer.signal_skip_step(do_skip=not last)  # type: ignore[attr-defined]
+            optimizer.step()
+            if not last:
+                optimizer.zero_grad(set_to_none=True)  # keeps the summed clipped gradients
+        else:
+            (loss * (len(chunk) / len(batch))).backward()
+    if not private:
+        optimizer.step()
+    return total / len(batch)
