@@ -58,7 +58,8 @@ def one_run(loaded, train, mode: str, private: bool, opts) -> tuple[float, int]:
     else:
         model = copy.deepcopy(loaded.model).float()
     config = FinetuneConfig(mode=mode, epochs=1.0, batch_size=opts.batch_size, lr=1e-4,
-                            epsilon=8.0 if private else None, delta=1e-5, seed=opts.seed)
+                            epsilon=8.0 if private else None, delta=1e-5, seed=opts.seed,
+                            physical_batch_size=opts.physical_batch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(opts.seed)
         model, _ = prepare_trainable(model, config)
@@ -73,7 +74,12 @@ def one_run(loaded, train, mode: str, private: bool, opts) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "minilm-l6"])
+    parser.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"],
+                        help="what is trained (full DP on a 0.5B model needs ~16 GB of "
+                             "per-example gradients at batch 8: lower --physical-batch)")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--physical-batch", type=int, default=0,
+                        help="most examples per forward/backward (0: the whole batch)")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8, help="steps per run (incl. warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -89,14 +95,15 @@ def main() -> None:
             loaded = load_model(spec, device="cpu")
             # steps x batch examples: under DP the Poisson sample has the same expected size
             train = data_for(loaded, opts, opts.steps * opts.batch_size)
-            times: dict[tuple[str, bool], list[float]] = {v: [] for v in VARIANTS}
+            variants = [v for v in VARIANTS if v[0] in opts.modes]
+            times: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
             trainable: dict[str, int] = {}
             for _ in range(opts.repeats):
-                for mode, private in VARIANTS:
+                for mode, private in variants:
                     with report.phase(f"{spec}/{mode}{'-dp' if private else ''}"):
                         seconds, trainable[mode] = one_run(loaded, train, mode, private, opts)
                     times[(mode, private)].append(seconds)
-            for mode in ("lora", "full"):
+            for mode in opts.modes:
                 plain, dp = times[(mode, False)], times[(mode, True)]
                 record = {"name": f"{spec}/{mode}", "model": spec, "mode": mode,
                           "trainable": trainable[mode],
@@ -110,7 +117,8 @@ def main() -> None:
             del loaded
         report.sections.append(("DP-SGD step cost", markdown_table(
             ["model", "mode", "trainable", "step (s)", "DP step (s)", "DP / no-DP"], rows)
-            + f"\n\nBatch {opts.batch_size} x {opts.max_length} tokens, {opts.threads} threads, "
+            + f"\n\nBatch {opts.batch_size} x {opts.max_length} tokens (chunks of "
+              f"{opts.physical_batch or opts.batch_size}), {opts.threads} threads, "
               f"median of {opts.repeats} interleaved repeats of {opts.steps - opts.warmup} "
               "timed steps each. Target: DP-LoRA <= 2x LoRA on the embedded decoder."))
     print(report.markdown())

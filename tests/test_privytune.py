@@ -172,6 +172,12 @@ epsilons = [8.0, 0.0]
     assert table1.count("\n") == 1 + 8 and "failed" not in table1
     assert "ratio 0.67" in titles[0] and table1.count("(-L") == 8  # 2 of 3 layers removed
     assert (out / f"fig2-{tiny_task.replace(':', '-')}.png").exists()
+    by_id = {r["name"].split("-", 1)[1]: r for r in report.results}
+    for record in report.results:  # a reused cell carries its twin's result
+        if "same_plan_as" in record:
+            twin = by_id[record["same_plan_as"]]
+            assert record["removed_layers"] == twin["removed_layers"]
+            assert record.get("accuracy") == twin.get("accuracy")
     again = run_study(config, out)  # resumed: every cell found again, none re-run
     assert again.timings["study"] < 5 and again.status == "ok"
 
@@ -309,3 +315,17 @@ def test_central_dp_run_reports_the_site_level_epsilon_per_round(tiny_dir, tiny_
     fed = report["results"][0]
     assert fed["central_epsilon"] == central["rounds"][1]["epsilon"]
     assert 0 < fed["epsilon_spent_max"] <= 8.0 + 1e-6
+
+
+def test_study_cells_with_the_same_plan_share_one_result():
+    """Two cells that remove the same layers with every other setting equal (e.g. both
+    redundancy measures picking the same layers) train the same model: one run serves both."""
+    from fedcompress.bench.privytune_study import Cell, StudyRunner
+
+    adjacent = Cell("classify", {"task": "t", "measure": "adjacent", "ratio": 0.1, "mode": "lora"})
+    pairwise = Cell("classify", {"task": "t", "measure": "pairwise", "ratio": 0.2, "mode": "lora"})
+    full = Cell("classify", {"task": "t", "measure": "pairwise", "ratio": 0.1, "mode": "full"})
+    key = StudyRunner.plan_key
+    assert key(adjacent, (1, 2)) == key(pairwise, (1, 2))
+    assert key(adjacent, (1, 2)) != key(pairwise, (1, 3))
+    assert key(pairwise, (1, 2)) != key(full, (1, 2))

@@ -20,7 +20,10 @@ classification cells) and an optional ``[attack]`` (settings for the audit cells
 ``epsilons``: 0 means no DP).
 
 Every cell is stored in ``OUT/cells/<id>.json`` as soon as it finishes (its id is a digest of
-its full settings); a rerun skips finished cells and retries failed ones; a failing cell is
+its full settings); a cell whose removal plan equals a finished cell's (same layers removed,
+every other setting equal: e.g. both measures picking the same layers) takes that cell's result,
+marked ``same_plan_as``, instead of training the same model again; a rerun skips finished cells
+and retries failed ones; a failing cell is
 recorded with its error and the study goes on. Wall times per cell are in the tables' report.
 """
 
@@ -182,6 +185,23 @@ class StudyRunner:
                                title=f"{config.model} on {name}: pairwise cosine (Fig. 2)")
         return self._matrices[key]
 
+    @staticmethod
+    def plan_key(cell: Cell, removed: tuple[int, ...]) -> str:
+        """What a cell's result depends on: its settings except how the removal was chosen, and
+        the layers removed (two measures or ratios that remove the same layers train the same
+        model on the same data with the same seed)."""
+        settings = {k: v for k, v in cell.settings.items() if k not in ("measure", "ratio")}
+        return json.dumps({"table": cell.table, **settings, "removed": list(removed)},
+                          sort_keys=True)
+
+    def _same_plan(self, key: str) -> dict | None:
+        for record in self.results.values():
+            if record.get("status") == "ok" and "same_plan_as" not in record and self.plan_key(
+                    Cell(record["table"], record["settings"]),
+                    tuple(record["removed_layers"])) == key:
+                return record
+        return None
+
     def run_cell(self, cell: Cell) -> dict:
         start = time.perf_counter()
         config = cell.config()
@@ -190,9 +210,18 @@ class StudyRunner:
             union = ppt.site_data(config, -1)
             matrix = self._matrix(config, loaded, union)
             plan = lowest_score_plan(matrix.importance(config.measure), config.ratio)
-            row = ppt.central_run(config, loaded.model, loaded.path, loaded.tokenizer, plan,
-                                  union)
-            row.pop("model")
+            twin = self._same_plan(self.plan_key(cell, plan.removed))
+            if twin is not None:  # the same model, data and seed: its result, not a re-run
+                logger.info("cell %s removes the same layers %s as a finished cell: reused",
+                            cell.id, list(plan.removed))
+                row = {k: v for k, v in twin.items()
+                       if k not in ("status", "table", "settings", "removed_layers",
+                                    "wall_seconds")}
+                row["same_plan_as"] = Cell(twin["table"], twin["settings"]).id
+            else:
+                row = ppt.central_run(config, loaded.model, loaded.path, loaded.tokenizer,
+                                      plan, union)
+                row.pop("model")
             record = {"status": "ok", "table": cell.table, "settings": cell.settings,
                       "removed_layers": list(plan.removed), **row,
                       "wall_seconds": time.perf_counter() - start}
@@ -272,7 +301,8 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[tuple[str, s
     times = [[_task_label((r["settings"].get("task", ""), r["settings"].get("labels", "")))
               if r["table"] == "classify" else "attack", r["settings"].get("measure", "-"),
               r["settings"].get("mode", "-"), f"{r['settings'].get('ratio', 0):g}",
-              f"{r['settings'].get('epsilon', 0):g}", r["status"],
+              f"{r['settings'].get('epsilon', 0):g}",
+              "reused (same plan)" if "same_plan_as" in r else r["status"],
               f"{r['wall_seconds']:.1f}"] for r in results.values()]
     sections.append(("Wall time per cell (s)", markdown_table(
         ["task", "measure", "mode", "ratio", "epsilon", "status", "seconds"], times)))
@@ -292,9 +322,9 @@ def run_study(config_path: str | Path, out: str | Path, dry_run: bool = False) -
 
     def update() -> None:
         cells = study.cells()
-        report.results = [{"name": f"{runner.results[c.id]['table']}-{c.id}",
-                           **{k: v for k, v in runner.results[c.id].items()
-                              if k != "traceback"}}
+        report.results = [{**{k: v for k, v in runner.results[c.id].items()
+                              if k != "traceback"},
+                           "name": f"{runner.results[c.id]['table']}-{c.id}"}
                           for c in cells if c.id in runner.results]
         report.sections = study_tables(study, runner.results)
         report.extra["plan"] = {"cells": len(cells), "pending": len(runner.pending())}
