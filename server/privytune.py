@@ -119,6 +119,11 @@ def _run(grid: Grid, config: ppt.PrivyTuneConfig, server: ppt.RunSettings,
         report.extra["central_dp"] = {"wrapper": config.central_dp,
                                       "noise_multiplier": config.central_noise,
                                       "clipping_norm": config.central_clip,
+                                      "noise": "secret (fresh OS entropy, not recorded)"
+                                      if config.central_noise_seed < 0 else
+                                      f"reproducible from central_noise_seed="
+                                      f"{config.central_noise_seed}: the epsilon below does "
+                                      "NOT hold against anyone who reads this report",
                                       "rounds": central}
     row = {"name": "federated", **_metric_row(metrics), "layers": num_layers(base) -
            len(plan.removed), "removed": len(plan.removed),

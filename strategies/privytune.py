@@ -22,7 +22,8 @@ to the average, and Flower's RDP accountant (no sampling amplification: every si
 every round) reports the site-level (epsilon, delta) after every round. The wrapped FedAvg keeps
 Flower's own ``aggregate_train`` (the accountant requires it) with equal site weights
 (``site-weight``); replies are validated before the wrapper sees them, and a run under central
-DP needs every site's valid reply in every round.
+DP needs every site's valid reply in every round. The noise is secret (fresh OS entropy) unless
+``central_noise_seed >= 0`` asks for reproducible noise, which voids the reported epsilon.
 """
 
 from __future__ import annotations
@@ -194,7 +195,10 @@ class PrivyTuneFedAvg(RecordsReplies, DPLoRAMessages):
 
 
 def central_noise_seed(seed: int, server_round: int) -> int:
-    """The seed of round ``server_round``'s central DP noise."""
+    """The seed of round ``server_round``'s central DP noise for a reproducible run
+    (``central_noise_seed >= 0``); -1 draws a fresh secret seed from the OS's entropy."""
+    if seed < 0:
+        return int(np.random.SeedSequence().generate_state(1)[0])
     return (seed * 1_000_003 + 7919 * server_round) % 2**32
 
 
@@ -221,11 +225,12 @@ class _ValidatedCentralDP:
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         # every site required (the config's min_clients = clients under central DP)
         valid = self.validator.valid_train_replies(server_round, replies)
-        # Flower draws the noise from NumPy's global generator: seeded per round from the
-        # run's seed (reproducible; keep the seed secret from whom the noise protects against),
-        # and the caller's generator state restored.
+        # Flower draws the noise from NumPy's global generator: seeded per round from fresh OS
+        # entropy (never recorded) or, for a reproducible research run, from the configured
+        # central_noise_seed; the caller's generator state is restored.
         state = np.random.get_state()
-        np.random.seed(central_noise_seed(self.validator.config.seed, server_round))
+        np.random.seed(central_noise_seed(self.validator.config.central_noise_seed,
+                                          server_round))
         try:
             result = super().aggregate_train(server_round, valid)  # type: ignore[misc]
         finally:

@@ -201,7 +201,8 @@ def _central_setup(central_dp: str, sites: int = 3, noise: float = 0.5, clip: fl
 
     config = ppt.PrivyTuneConfig.from_dict({"clients": sites, "epsilon": 1.0,
                                             "central_dp": central_dp, "central_noise": noise,
-                                            "central_clip": clip, "seed": 3})
+                                            "central_clip": clip, "seed": 3,
+                                            "central_noise_seed": 3})
     shapes = {"a": (2, 3), "b": (4,)}
     strategy = PrivyTuneFedAvg(config, shapes, [])
     rng = np.random.default_rng(1)
@@ -311,6 +312,7 @@ def test_central_dp_run_reports_the_site_level_epsilon_per_round(tiny_dir, tiny_
     assert report["status"] == "ok"
     central = report["central_dp"]
     assert central["wrapper"] == "client" and [r["round"] for r in central["rounds"]] == [1, 2]
+    assert central["noise"].startswith("secret")  # no seed a reader could replay
     assert 0 < central["rounds"][0]["epsilon"] < central["rounds"][1]["epsilon"]
     fed = report["results"][0]
     assert fed["central_epsilon"] == central["rounds"][1]["epsilon"]
@@ -329,3 +331,23 @@ def test_study_cells_with_the_same_plan_share_one_result():
     assert key(adjacent, (1, 2)) == key(pairwise, (1, 2))
     assert key(adjacent, (1, 2)) != key(pairwise, (1, 3))
     assert key(pairwise, (1, 2)) != key(full, (1, 2))
+
+
+def test_central_dp_noise_is_secret_by_default():
+    """Without central_noise_seed the noise comes from fresh OS entropy: two aggregations of the
+    same replies differ (a seed in the report would let its readers remove the noise), and the
+    report says which kind of noise the run had."""
+    from strategies.privytune import central_noise_seed
+
+    outs = []
+    for _ in range(2):
+        config, strategy, dp, current, sites = _central_setup("server")
+        dp.validator.config = config.replace(central_noise_seed=-1)
+        arrays = ArrayRecord({k: Array(v) for k, v in current.items()})
+        list(dp.configure_train(1, arrays, ConfigRecord({}), _Grid([1, 2, 3])))
+        replies = [_reply(sites[i], {"num-examples": 10, "site-weight": 1,
+                                     "epsilon_spent": 0.5}, i + 1) for i in range(3)]
+        outs.append(dp.aggregate_train(1, replies)[0]["a"].numpy())
+    assert not np.array_equal(outs[0], outs[1])
+    assert central_noise_seed(-1, 1) != central_noise_seed(-1, 1)
+    assert central_noise_seed(3, 1) == central_noise_seed(3, 1)

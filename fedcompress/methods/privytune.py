@@ -180,6 +180,11 @@ class PrivyTuneConfig(Settings):
     central_noise: float = setting(0.0, "Noise multiplier z of central DP: Gaussian noise of "
                                    "std z * central_clip / sites added to the average (> 0 "
                                    "when central_dp is on).", ge=0.0)
+    central_noise_seed: int = setting(-1, "Seed of the central DP noise: -1 (default) draws "
+                                      "it from the OS's entropy and never records it, as the "
+                                      "guarantee needs; >= 0 makes the noise reproducible by "
+                                      "anyone who reads the report (research only: the "
+                                      "reported epsilon then does not hold).", ge=-1)
     central_clip: float = setting(1.0, "Clipping norm of a site's update (its trainable "
                                   "weights minus the global ones, L2 over all of them) under "
                                   "central DP.", gt=0.0)
