@@ -81,6 +81,8 @@ def _run(grid: Grid, config: ppt.PrivyTuneConfig, server: ppt.RunSettings,
     with report.phase("removal"):
         plan, greedy = ppt.plan_removal(config, matrix, base, path, tokenizer, union.label_names)
     report.extra["redundancy"] = {"source": config.similarity_source, **matrix.to_dict()}
+    if config.private:
+        report.extra["dp_noise"] = config.noise_note()
     report.extra["removal"] = {"plan": plan.to_dict(), "greedy": greedy or None}
 
     model = ppt.initial_model(config, base, path, tokenizer, union.label_names, plan.removed)

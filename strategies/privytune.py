@@ -50,6 +50,7 @@ from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from fedcompress.layers.redundancy import CosineMatrix
 from fedcompress.methods.privytune import PrivyTuneConfig, removed_text
+from fedcompress.privacy.accounting import noise_seed
 from strategies.common import (
     RecordsReplies,
     StrategyOutcome,
@@ -197,9 +198,7 @@ class PrivyTuneFedAvg(RecordsReplies, DPLoRAMessages):
 def central_noise_seed(seed: int, server_round: int) -> int:
     """The seed of round ``server_round``'s central DP noise for a reproducible run
     (``central_noise_seed >= 0``); -1 draws a fresh secret seed from the OS's entropy."""
-    if seed < 0:
-        return int(np.random.SeedSequence().generate_state(1)[0])
-    return (seed * 1_000_003 + 7919 * server_round) % 2**32
+    return noise_seed(None if seed < 0 else seed, server_round) % 2**32
 
 
 class _AccountedFedAvg(DPLoRAMessages):

@@ -263,11 +263,12 @@ def build_tiny_task(root) -> str:
 
 
 def privytune_tiny_settings(model_dir, task_dir, out, clients: int = 2, **extra) -> dict:
-    """Small PrunePrivyTune settings on the tiny model and task (2 rounds, DP at epsilon 8)."""
+    """Small PrunePrivyTune settings on the tiny model and task (2 rounds, DP at epsilon 8, the
+    DP noise seeded so that two runtimes can be compared)."""
     return {"model": str(model_dir), "task": str(task_dir), "clients": clients, "rounds": 2,
             "batch_size": 8, "lr": 1e-2, "similarity_texts": 8, "max_length": 32,
             "attack_samples": 2, "ratio": 0.34, "similarity_source": "sites", "out": str(out),
-            "device": "cpu", **extra}
+            "device": "cpu", "dp_noise_seed": 0, **extra}
 
 
 def privytune_in_process(settings: dict) -> dict:

@@ -12,6 +12,7 @@ from fedcompress.privacy.accounting import (
     BudgetError,
     epsilon_spent,
     noise_multiplier,
+    noise_seed,
 )
 from fedcompress.privacy.classifier import (
     LabelTokenClassifier,
@@ -120,15 +121,40 @@ def test_dp_finetuning_lowers_the_loss(tiny_model, tiny_tokenizer, kind, mode):
     assert result.budget.sigma > 0 and math.isfinite(result.budget.spent)
 
 
-def test_same_seed_same_weights(tiny_model, tiny_tokenizer):
+def _dp_runs(tiny_model, tiny_tokenizer, noise_seed):
     runs = []
     for _ in range(2):
-        config = FinetuneConfig(epochs=1, batch_size=8, epsilon=5.0, delta=1e-3, seed=3)
+        config = FinetuneConfig(epochs=1, batch_size=8, epsilon=5.0, delta=1e-3, seed=3,
+                                noise_seed=noise_seed)
         result = finetune(decoder_classifier(tiny_model, tiny_tokenizer), data(tiny_tokenizer),
                           config, pad_id(tiny_tokenizer), progress=False)
-        runs.append((result.losses, [p.detach().clone() for p in result.model.parameters()]))
+        runs.append((result.losses, [p.detach().clone() for p in result.model.parameters()],
+                     result.notes))
+    return runs
+
+
+def test_same_seed_same_weights(tiny_model, tiny_tokenizer):
+    """With a noise seed (research), the same config gives the same losses and weights, and the
+    result says that the epsilon does not hold against whoever knows the seed."""
+    runs = _dp_runs(tiny_model, tiny_tokenizer, noise_seed=11)
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert any("noise_seed=11" in n and "does NOT hold" in n for n in runs[0][2])
+
+
+def test_dp_noise_is_secret_by_default(tiny_model, tiny_tokenizer):
+    """Without a noise seed the DP noise comes from fresh OS entropy: the same config (same
+    batches, same initialisation, so the same first loss) ends with different weights, and no
+    seed is reported (a reader who could replay the noise could subtract it)."""
+    runs = _dp_runs(tiny_model, tiny_tokenizer, noise_seed=None)
+    assert runs[0][0][0] == runs[1][0][0]
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert not any("noise_seed" in n for n in runs[0][2])
+    assert noise_seed(None) != noise_seed(None)
+    assert noise_seed(4, 1) == noise_seed(4, 1) != noise_seed(4, 2)
+    assert 0 <= noise_seed(None) < 2**63
+    with pytest.raises(ValueError, match="noise seed=-2 is invalid"):
+        FinetuneConfig(noise_seed=-2)
 
 
 def test_empty_split_and_bad_labels_are_named(tiny_tokenizer):
@@ -180,7 +206,8 @@ def test_physical_batches_take_the_same_step_as_the_whole_batch(tiny_model, tiny
     runs = []
     for physical in (0, 3):
         config = FinetuneConfig(mode="full", epochs=2, batch_size=8, epsilon=epsilon,
-                                delta=1e-3, seed=3, lr=1e-2, physical_batch_size=physical)
+                                delta=1e-3, seed=3, lr=1e-2, physical_batch_size=physical,
+                                noise_seed=5)
         result = finetune(decoder_classifier(tiny_model, tiny_tokenizer),
                           data(tiny_tokenizer, copies=4), config, pad_id(tiny_tokenizer),
                           progress=False)

@@ -97,6 +97,7 @@ def test_two_site_flower_simulation_end_to_end(tiny_dir, tiny_task, tmp_path):
     first = [m["epsilon_spent"] for m in sites if m["round"] == 1]
     assert all(b > a for a, b in zip(first, last)) and max(last) == fed["epsilon_spent_max"]
     assert [r["round"] for r in report["rounds"]] == [0, 1, 2]
+    assert report["dp_noise"].startswith("reproducible from dp_noise_seed=0")
     assert len(report["redundancy"]["matrix"]) == 4
     assert len(report["attack_sites"]) == 2 and 0 <= fed["auc"] <= 1
     assert (out / "cosine_matrix.png").exists()
@@ -308,8 +309,9 @@ def test_central_dp_run_reports_the_site_level_epsilon_per_round(tiny_dir, tiny_
 
     report = privytune_in_process(privytune_tiny_settings(
         tiny_dir, tiny_task, tmp_path / "run", attack_samples=0, baselines="",
-        central_dp="client", central_noise=2.0, central_clip=0.5))
+        central_dp="client", central_noise=2.0, central_clip=0.5, dp_noise_seed=-1))
     assert report["status"] == "ok"
+    assert report["dp_noise"].startswith("secret")  # the sites' DP-SGD noise: the default
     central = report["central_dp"]
     assert central["wrapper"] == "client" and [r["round"] for r in central["rounds"]] == [1, 2]
     assert central["noise"].startswith("secret")  # no seed a reader could replay

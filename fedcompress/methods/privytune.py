@@ -158,6 +158,11 @@ class PrivyTuneConfig(Settings):
     dp_delta: float = setting(1e-5, "DP-SGD target delta, in (0, 1).", gt=0.0, lt=1.0)
     max_grad_norm: float = setting(1.0, "Per-example clipping norm C.", gt=0.0)
     accountant: str = setting("rdp", "Privacy accountant.", choices=ACCOUNTANTS)
+    dp_noise_seed: int = setting(-1, "Seed of the sites' DP-SGD noise: -1 (default) a fresh "
+                                 "secret seed per run (OS entropy, never recorded or sent); "
+                                 ">= 0 reproducible noise, mixed with each site's and round's "
+                                 "seed (research only: the epsilon then does not hold against "
+                                 "anyone who knows it).", ge=-1)
     rounds: int = setting(3, "Federated rounds.", ge=1)
     local_epochs: float = setting(1.0, "Epochs over a site's data per round.", gt=0.0)
     batch_size: int = setting(16, "Examples per step (under DP: the expected Poisson batch).",
@@ -224,7 +229,17 @@ class PrivyTuneConfig(Settings):
                               epsilon=self.epsilon if self.private else None,
                               delta=self.dp_delta, max_grad_norm=self.max_grad_norm,
                               accountant=self.accountant, seed=seed,
-                              physical_batch_size=self.physical_batch)
+                              physical_batch_size=self.physical_batch,
+                              noise_seed=None if self.dp_noise_seed < 0 else self.dp_noise_seed)
+
+    def noise_note(self) -> str | None:
+        """What the report says about the sites' DP-SGD noise (None without DP)."""
+        if not self.private:
+            return None
+        if self.dp_noise_seed < 0:
+            return "secret (fresh OS entropy per run, never recorded or sent)"
+        return (f"reproducible from dp_noise_seed={self.dp_noise_seed}: the epsilon does NOT "
+                "hold against anyone who knows it (research only)")
 
 
 @dataclass(frozen=True)

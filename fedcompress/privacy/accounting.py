@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "ACCOUNTANTS",
     "RDP_ALPHAS",
@@ -27,6 +29,7 @@ __all__ = [
     "check_budget",
     "epsilon_spent",
     "noise_multiplier",
+    "noise_seed",
 ]
 
 #: Accountants of opacus that fedcompress offers.
@@ -148,3 +151,20 @@ class Budget:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
+
+
+def noise_seed(seed: int | None, *salt: int) -> int:
+    """The seed of a DP mechanism's noise, in ``[0, 2**63)``.
+
+    ``None`` (the default everywhere) draws a fresh secret seed from the OS's entropy and returns
+    it to the caller only: DP's guarantee assumes nobody knows the noise, and a seed written in a
+    report or sent by a server would let its reader replay the noise and subtract it. An int
+    gives reproducible noise for research, mixed with ``salt`` (round, site, ...) so that every
+    draw differs; the epsilon then holds only against someone who does not know that seed.
+    """
+    if seed is None:
+        return int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1))
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"noise seed={seed!r} is invalid: expected None (secret) or an int >= 0")
+    state = np.random.SeedSequence([seed, *salt]).generate_state(1, np.uint64)[0]
+    return int(state >> np.uint64(1))

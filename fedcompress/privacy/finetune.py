@@ -30,9 +30,13 @@ runs see the same expected number of examples.
 **Optimiser.** AdamW (``lr``, no weight decay on the LoRA factors by default) on the trainable
 parameters, constant learning rate. Loss: cross-entropy of the class logits in ``CALC_DTYPE``.
 
-**Seeds.** LoRA initialisation, the encoder head, dropout, the batches (permutations or Poisson
-masks) and the DP noise all derive from ``seed``; the caller's RNG state is restored afterwards.
-Same inputs and config: the same losses and weights on the CPU.
+**Seeds.** LoRA initialisation, the encoder head, dropout and the batches (permutations or Poisson
+masks) derive from ``seed``; the caller's RNG state is restored afterwards. The DP noise does NOT:
+by default it is drawn from a fresh secret seed (OS entropy, never recorded), because anyone who
+knows the noise can subtract it and the guarantee is gone; ``noise_seed`` makes it reproducible
+for research (:func:`fedcompress.privacy.accounting.noise_seed`), and the result's notes then say
+that the epsilon does not hold against whoever knows that seed. With ``noise_seed`` set (or
+without DP), same inputs and config give the same losses and weights on the CPU.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from fedcompress.privacy.accounting import (
     check_budget,
     epsilon_spent,
     noise_multiplier,
+    noise_seed,
 )
 from fedcompress.privacy.classifier import (
     Encoded,
@@ -109,6 +114,9 @@ class FinetuneConfig:
             ``signal_skip_step``, as its ``BatchMemoryManager`` does) and the noise is added
             once; without DP the chunks' gradients are accumulated. Memory then grows with this
             size, not the batch: DP per-example gradients cost ``trainable x chunk x 4`` bytes.
+        noise_seed: Seed of the DP noise: None (default) a fresh secret one; an int >= 0
+            reproducible noise, mixed with ``seed`` (so a federated site's rounds differ;
+            research only: the epsilon does not hold against whoever knows it).
     """
 
     mode: str = "lora"
@@ -124,6 +132,7 @@ class FinetuneConfig:
     accountant: str = "rdp"
     seed: int = 0
     physical_batch_size: int = 0
+    noise_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -147,6 +156,8 @@ class FinetuneConfig:
             if not _positive(self.max_grad_norm):
                 raise ValueError(f"max_grad_norm={self.max_grad_norm!r} is invalid: expected a "
                                  "number > 0")
+        if self.noise_seed is not None:
+            noise_seed(self.noise_seed)  # validates
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant={self.accountant!r} is invalid: expected one of "
                              f"{ACCOUNTANTS}")
@@ -299,7 +310,8 @@ def train_prepared(model: nn.Module, train: Encoded, config: FinetuneConfig, pad
             if sigma is None:
                 sigma = noise_multiplier(config.epsilon, config.delta, sample_rate, steps,
                                          config.accountant)
-            noise = torch.Generator(device=device).manual_seed(config.seed + 1)
+            noise = torch.Generator(device=device).manual_seed(
+                noise_seed(config.noise_seed, config.seed))
             runner, optimizer = _make_private(model, optimizer, sigma, config, noise)
         generator = torch.Generator().manual_seed(config.seed)
         losses: list[float] = []
@@ -335,7 +347,11 @@ def train_prepared(model: nn.Module, train: Encoded, config: FinetuneConfig, pad
                 config.mode, ", DP" if config.private else "", trainable, steps, seconds,
                 finite[0] if finite else float("nan"), finite[-1] if finite else float("nan"),
                 f", epsilon spent {budget.spent:.3f}" if budget else "")
-    return FinetuneResult(model, losses, steps, trainable, seconds, budget, [])
+    notes = []
+    if config.private and config.noise_seed is not None:
+        notes.append(f"DP noise reproducible from noise_seed={config.noise_seed}: the epsilon "
+                     "does NOT hold against anyone who knows that seed (research only)")
+    return FinetuneResult(model, losses, steps, trainable, seconds, budget, notes)
 
 
 def _make_private(model: nn.Module, optimizer: torch.optim.Optimizer, sigma: float,
