@@ -203,7 +203,7 @@ def ppcgpt_tiny_settings(model_dir, synth_url: str, out, clients: int = 2) -> di
                 eval_per_client=4, prune_ratio=0.34, server_steps=1, client_steps=1,
                 batch_size=2, grad_accum=1, max_length=64, min_synthetic=1,
                 synth_batch_size=4, synth_url=synth_url, synth_model="stub", synth_workers=1,
-                out=str(out), device="cpu", baselines="dense")
+                out=str(out), device="cpu", baselines="dense", noise_seed=0)
 
 
 def ppcgpt_in_process(settings: dict) -> dict:

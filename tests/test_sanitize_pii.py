@@ -204,3 +204,23 @@ def test_ppcgpt_site_sends_no_word_outside_the_candidates():
     assert np.isfinite(budget["eps_per_example_max"])
     notes = ppcgpt.privacy_notes(config, [budget])
     assert "replaced by a uniformly drawn candidate" in notes
+
+
+@needs_glove
+def test_ppcgpt_site_draws_are_secret_by_default():
+    """The server knows the run seed, so the site's perturbation draws must not derive from it:
+    by default two runs of one config send different text (fresh OS entropy), and the report
+    says so; ``noise_seed`` makes them reproducible and the report says eps then does not
+    hold."""
+    from fedcompress.methods import ppcgpt
+
+    records = [{"question": q, "choices": ["yes", "no"], "label": 0} for q in PII]
+    data = ppcgpt.ClientData(0, records, [])
+    secret = ppcgpt.PPCGPTConfig(eps=1.0)
+    first, second = (ppcgpt.client_text(secret, data)[0] for _ in range(2))
+    assert [e["question"] for e in first] != [e["question"] for e in second]
+    assert "fresh secret seed" in ppcgpt.privacy_notes(secret, [])
+    seeded = secret.replace(noise_seed=3)
+    first, second = (ppcgpt.client_text(seeded, data)[0] for _ in range(2))
+    assert first == second
+    assert "noise_seed=3" in ppcgpt.privacy_notes(seeded, [])

@@ -147,6 +147,11 @@ class PPCGPTConfig(Settings):
     alpha: float = setting(1.0, "Dirichlet concentration.", gt=0.0)
     seed: int = setting(0, "Seed of every random choice.", ge=0)
     eps: float = setting(3.0, "DP budget per perturbed word (exponential mechanism).", gt=0.0)
+    noise_seed: int = setting(-1, "Seed of the clients' perturbation draws: -1 (default) a "
+                              "fresh secret seed per client and run (OS entropy, never "
+                              "recorded or sent); >= 0 reproducible draws, mixed with the "
+                              "client's partition (research only: the eps then does not hold "
+                              "against anyone who knows it).", ge=-1)
     mechanism: str = setting("custext", "santext or custext.", choices=MECHANISMS)
     top_k: int = setting(20, "CusText group size.", ge=2)
     keep_stopwords: bool = setting(False, "Release English stop words in the clear "
@@ -288,11 +293,15 @@ def sanitizer_for(mechanism: str, top_k: int, keep_stopwords: bool) -> Any:
 def client_text(config: PPCGPTConfig, data: ClientData) -> tuple[list[dict[str, Any]],
                                                                   dict[str, Any]]:
     """Round 1 on a client: its training questions (and open choices) perturbed at
-    ``config.eps`` per word, ids ``client<partition>-<i>``, seeded by the run seed and the
-    partition; and the privacy budget spent (:func:`perturb_records`)."""
+    ``config.eps`` per word, ids ``client<partition>-<i>``; and the privacy budget spent
+    (:func:`perturb_records`). The draws come from a fresh secret seed unless
+    ``config.noise_seed >= 0`` (then mixed with the partition): the run seed is known to the
+    server, and whoever knows the draws can narrow down the words that produced the output."""
+    from fedcompress.privacy.accounting import noise_seed
+
     sanitizer = sanitizer_for(config.mechanism, config.top_k, config.keep_stopwords)
-    return perturb_records(data.train, sanitizer, config.eps,
-                           seed=config.seed * 1_000_003 + data.partition,
+    seed = noise_seed(None if config.noise_seed < 0 else config.noise_seed, data.partition)
+    return perturb_records(data.train, sanitizer, config.eps, seed=seed,
                            prefix=f"client{data.partition}")
 
 
@@ -306,7 +315,11 @@ def privacy_notes(config: PPCGPTConfig, budgets: Sequence[Mapping[str, Any]]) ->
 
     sanitizer = SanitizerConfig(mechanism=config.mechanism, top_k=config.top_k,
                                 keep_stopwords=config.keep_stopwords, oov=OOVPolicy.RANDOM)
-    return release_notes(
+    draws = ("The perturbation draws come from a fresh secret seed at each client (never "
+             "recorded or sent)." if config.noise_seed < 0 else
+             f"The perturbation draws are reproducible from noise_seed={config.noise_seed} "
+             "(research only): eps does NOT hold against anyone who knows it.")
+    return draws + "\n\n" + release_notes(
         sanitizer, eps=config.eps, words=total("words"), perturbed=total("perturbed"),
         kept=total("kept"), oov=total("oov"), unit="example (question and choices)",
         eps_document_max=max((float(b.get("eps_per_example_max", 0.0)) for b in budgets),
