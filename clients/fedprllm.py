@@ -5,7 +5,9 @@ declares (``fedcompress.methods.fedprllm.METHOD.actions``):
 
 * ``train.masks`` (one-shot): every layer's masks in one reply;
 * ``train.layer_mask`` (iterative): one layer per round; this node keeps its activations in its
-  Flower context state and first applies the server's global mask of the previous layer.
+  Flower context state and first applies the server's global mask of the previous layer;
+* ``query.outliers`` (``sparsity_profile=owl``, before the pruning rounds): OWL's outlier ratio of
+  every decoder layer on this node's windows (L numbers, nothing else).
 
 The dense model is loaded once per process (cached) and never mutated across calls.
 """
@@ -30,7 +32,7 @@ from fedcompress.methods.fedprllm.federated import (
     iterative_client_step,
     masks_by_layer,
 )
-from fedcompress.pruning.local import local_masks
+from fedcompress.pruning.local import local_masks, outlier_ratios
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,19 @@ def warmup(message: Message, context: Context) -> Message:
         {"seconds": time.perf_counter() - start})}), reply_to=message)
 
 
+def outliers(message: Message, context: Context) -> Message:
+    """OWL's per-layer outlier ratios of this node's Wanda scores (one dense pass)."""
+    config, partition, model, windows = _setup(message, context)
+    start = time.perf_counter()
+    ratios = outlier_ratios(model, windows, config.owl_m, config.batch_size)
+    return Message(RecordDict({
+        "outliers": ArrayRecord({"ratios": Array(torch.tensor(ratios, dtype=torch.float64)
+                                                 .numpy())}),
+        "metrics": MetricRecord({"seconds": time.perf_counter() - start,
+                                 "windows": len(windows), "partition": partition})}),
+        reply_to=message)
+
+
 def oneshot_masks(message: Message, context: Context) -> Message:
     """All local masks from one sequential pass over this node's windows."""
     config, partition, model, windows = _setup(message, context)
@@ -106,7 +121,7 @@ def iterative_layer_mask(message: Message, context: Context) -> Message:
         prev_hidden = torch.from_numpy(context.state["fedprllm"]["hidden"].numpy())
         payload = {key: arr.numpy() for key, arr in message.content["global"].items()}
         decoded = decode_masks(payload, expected_shapes(model, [layer - 1]),
-                               config.prune.target_sparsity, config.mask_tolerance)
+                               config.prune.plan, config.mask_tolerance)
         prev_global = masks_by_layer(decoded)[layer - 1]
     cache_key = (config.model, config.dtype, config.seqlen)
     masks, hidden, kwargs = iterative_client_step(

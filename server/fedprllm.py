@@ -26,8 +26,10 @@ from fedcompress.methods.fedprllm.experiment import prepare_experiment
 from fedcompress.methods.fedprllm.federated import (
     ServerConfig,
     expected_shapes,
+    owl_plan_from_sites,
     public_reference_wire,
 )
+from fedcompress.pruning.local import check_global_ratio
 from fedcompress.report import RunReport
 from server.common import make_server_app, run_with_report
 from strategies.fedprllm import make_strategy
@@ -72,11 +74,24 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         with report.phase("eval"):
             report.add_result(exp.evaluate("dense", exp.model))
 
+    if config.layer_sparsity:
+        check_global_ratio(config.prune.plan, exp.model)
     with report.phase("wire_reference"):
         reference = public_reference_wire(exp.model, exp.tokenizer, config)
     strategy = make_strategy(config, exp.model, reference)
     with report.phase("engine_startup"):
         startup = strategy.warmup(grid, timeout=server.timeout)
+    if config.sparsity_profile == "owl" and not config.layer_sparsity:
+        with report.phase("owl_outliers"):
+            sites = strategy.collect_outliers(grid, timeout=server.timeout)
+            plan = owl_plan_from_sites(sites, config, exp.model)
+            strategy.set_plan(plan.to_text())
+        report.extra["sparsity_profile"] = {"rule": "owl", "m": config.owl_m,
+                                            "lambda": config.owl_lambda,
+                                            "sites_outlier_ratios": sites,
+                                            "plan": plan.to_dict()}
+    elif config.layer_sparsity:
+        report.extra["sparsity_profile"] = {"rule": "given", "plan": config.prune.plan.to_dict()}
     start = time.perf_counter()
     with report.phase("federated_pruning"):
         strategy.start(grid, ArrayRecord(), num_rounds=strategy.num_rounds,
@@ -124,6 +139,8 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         with report.phase("eval"):
             report.add_result(exp.evaluate("local-only", model, prune_seconds=seconds,
                                            client=0))
+    if exp.plans:
+        report.extra.setdefault("sparsity_profile", {})["baselines"] = exp.plans
 
 
 def make_app(settings: dict | None = None) -> ServerApp:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from flwr.app import Message
+from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,22 @@ class RecordsReplies:
               validate: Callable[[Message], Any], what: str) -> list:
         return self.outcome.keep(replies, validate, stage=stage, server_round=server_round,
                                  what=what, required=self.config.required_clients)
+
+
+def settings_record(settings: Any, **extra: Any) -> ConfigRecord:
+    """A method's settings (``Settings.to_dict()``) as the ``config`` record of a message, plus
+    ``extra`` values. An empty string is left out when it is the setting's default (Flower
+    1.41's ``ConfigRecord.count_bytes`` refuses empty strings; the receiver's ``from_dict``
+    restores the default); any other empty value is an error naming it."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(settings)}
+    values = {**settings.to_dict(), **extra}
+    for key, value in values.items():
+        if value == "" and defaults.get(key) != "":
+            raise ValueError(f"{key}='' cannot travel in a Flower message (its default is "
+                             f"{defaults.get(key)!r}): expected a non-empty value")
+    return ConfigRecord({k: v for k, v in values.items() if v != ""})
 
 
 def rejection(stage: str, server_round: int, node: int, reason: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Iterable
 
+import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -36,6 +37,7 @@ from strategies.common import (
     collect_valid_replies,
     reply_metrics,
     require_valid,
+    settings_record,
     wait_for_nodes,
 )
 
@@ -82,7 +84,7 @@ class FedPrLLM(Strategy):
         """Ask every client to load its model and data before the timed rounds (the engine's
         and the sites' one-off start-up); returns its wall time in seconds."""
         start = time.monotonic()
-        content = RecordDict({"config": ConfigRecord(self.config.to_dict())})
+        content = RecordDict({"config": settings_record(self.config)})
         replies = grid.send_and_receive(
             [Message(content, node, "query.warmup") for node in self._nodes(grid)],
             timeout=timeout)
@@ -97,8 +99,38 @@ class FedPrLLM(Strategy):
         self.outcome.startup_seconds += [seconds for _, seconds in valid]
         return time.monotonic() - start
 
+    def collect_outliers(self, grid: Grid, timeout: float) -> list[list[float]]:
+        """OWL's round 0: every client's per-layer outlier ratios (validated: one finite share
+        in [0, 1] per decoder layer); fewer valid replies than ``required_clients`` end the
+        run (:class:`NotEnoughClientsError`)."""
+        layers = len(ModelAdapter(self.model))
+        content = RecordDict({"config": settings_record(self.config)})
+        nodes = self._nodes(grid)
+        self.outcome.bytes_down += len(nodes) * sum(r.count_bytes() for r in content.values())
+        replies = grid.send_and_receive(
+            [Message(content, node, "query.outliers") for node in nodes], timeout=timeout)
+
+        def validate(reply: Message) -> list[float]:
+            ratios = reply.content["outliers"]["ratios"].numpy()
+            if ratios.shape != (layers,):
+                raise ValueError(f"outlier ratios of shape {ratios.shape}: expected ({layers},)")
+            if not np.isfinite(ratios).all() or (ratios < 0).any() or (ratios > 1).any():
+                raise ValueError("outlier ratios outside [0, 1]")
+            return [float(x) for x in ratios]
+
+        valid, rejected = collect_valid_replies(replies, validate, stage="outliers",
+                                                server_round=0, what="outlier ratios")
+        self.outcome.rejected += rejected
+        require_valid(len(valid), self.config.required_clients, "outlier ratios", 0,
+                      [r["reason"] for r in rejected])
+        return [ratios for _, ratios in valid]
+
+    def set_plan(self, layer_sparsity: str) -> None:
+        """Prune every later round with this per-layer plan (it travels in the config)."""
+        self.config = self.config.replace(layer_sparsity=layer_sparsity)
+
     def _content(self, server_round: int, layers: list[int] | None = None) -> RecordDict:
-        content = RecordDict({"config": ConfigRecord(self.config.to_dict())})
+        content = RecordDict({"config": settings_record(self.config)})
         if self.reference_wire:
             keys = [k for k in self.reference_wire
                     if layers is None or int(k.split(".")[1]) in layers]
@@ -156,7 +188,7 @@ class FedPrLLM(Strategy):
         server variant: one-shot masks serve every variant); returns each linear layer's
         pruned fraction."""
         return self.aggregator.prune(model, server or self.config.server,
-                                     self.config.prune.target_sparsity,
+                                     self.config.prune.plan,
                                      self.config.prune.nm_pattern)
 
 
@@ -194,7 +226,7 @@ class IterativeFedPrLLM(FedPrLLM):
         aggregator = self._new_aggregator([layer])
         self._collect(server_round, replies, aggregator)
         self.layer_aggregators[layer] = aggregator
-        flat = aggregator.global_masks(self.config.server, self.config.prune.target_sparsity,
+        flat = aggregator.global_masks(self.config.server, self.config.prune.plan,
                                        self.config.prune.nm_pattern)
         self.global_masks[layer] = masks_by_layer(flat)[layer]
         return None, MetricRecord({"layer": layer, "valid_clients": aggregator.clients})
@@ -206,7 +238,7 @@ class IterativeFedPrLLM(FedPrLLM):
         pruned = {}
         for aggregator in self.layer_aggregators.values():
             pruned.update(aggregator.prune(model, self.config.server,
-                                          self.config.prune.target_sparsity,
+                                          self.config.prune.plan,
                                           self.config.prune.nm_pattern))
         return pruned
 

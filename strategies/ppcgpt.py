@@ -27,6 +27,7 @@ from strategies.common import (
     NotEnoughClientsError,
     RecordsReplies,
     StrategyOutcome,
+    settings_record,
 )
 
 __all__ = ["PPCGPT", "NotEnoughClientsError"]
@@ -48,7 +49,7 @@ class PPCGPT(RecordsReplies, Strategy):
     def _config(self) -> ConfigRecord:
         # Empty strings are left out (they are the defaults): Flower's ConfigRecord.count_bytes
         # rejects a zero-length value.
-        return ConfigRecord({k: v for k, v in self.config.to_dict().items() if v != ""})
+        return settings_record(self.config)
 
     # -- Round 1 ---------------------------------------------------------------------------------
     def collect_text(self, grid: Grid, timeout: float) -> list[dict]:

@@ -54,6 +54,7 @@ from fedcompress.privacy.accounting import noise_seed
 from strategies.common import (
     RecordsReplies,
     StrategyOutcome,
+    settings_record,
 )
 
 __all__ = ["PrivyTuneFedAvg", "central_noise_seed", "training_strategy"]
@@ -95,10 +96,8 @@ class PrivyTuneFedAvg(RecordsReplies, DPLoRAMessages):
         self.outcome = StrategyOutcome()
 
     def site_config(self) -> ConfigRecord:
-        """The settings every message carries (empty strings left out: Flower rejects them)
-        and the removal plan."""
-        settings = {k: v for k, v in self.config.to_dict().items() if v != ""}
-        return ConfigRecord({**settings, "removed": removed_text(self.removed)})
+        """The settings every message carries and the removal plan."""
+        return settings_record(self.config, removed=removed_text(self.removed))
 
     # -- round 0 ---------------------------------------------------------------------------------
     def collect_cosines(self, grid: Grid, timeout: float, size: int) -> list[CosineMatrix]:

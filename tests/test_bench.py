@@ -151,3 +151,36 @@ def test_records_from_before_a_setting_existed_keep_their_cells(tiny_dir, tmp_pa
     found = load_results(path)
     assert set(found) == {c.id for c in study.cells}
     assert all(r["id"] in found for r in found.values())
+
+
+def test_bench_sweeps_the_sparsity_profile(tiny_dir, tmp_path):
+    """sparsity_profile is a sweep axis: the owl cells prune each layer at the plan the sites'
+    outlier ratios decide (stored with the cached masks, reused on resume), the overall
+    sparsity stays the target; the centralized baseline allocates from the union (centralized
+    OWL); the uniform cells are untouched."""
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig, with_site_plan
+    from fedcompress.methods.fedprllm.experiment import EvalConfig, prepare_experiment
+
+    config = _config(tiny_dir, sparsity=0.6, group="layer", sparsity_profile=["uniform", "owl"],
+                     owl_m=2.0, owl_lambda=0.1, baselines=["centralized"])
+    out = tmp_path / "out"
+    report = run_bench(_write(tmp_path, config), out, progress=False)
+    assert report.status == "ok"
+    rows = {(r["kind"], r["sparsity_profile"]): r
+            for r in json.loads((out / "report.json").read_text())["results"]}
+    settings = FedPrLLMConfig(model=tiny_dir, seqlen=16, batch_size=2, clients=2,
+                              samples_per_client=1, sparsity=0.6, owl_m=2.0, owl_lambda=0.1,
+                              sparsity_profile="owl")
+    exp = prepare_experiment(settings, EvalConfig(eval_seqlen=16, eval_windows=2))
+    planned, sites = with_site_plan(settings, exp.model, exp.windows)
+    assert len(sites) == 2
+    layers = list(planned.prune.plan.layers)
+    assert len(set(layers)) > 1
+    owl, uniform = rows[("fedprllm", "owl")], rows[("fedprllm", "uniform")]
+    assert owl["sparsity_per_layer"] == pytest.approx(layers, abs=0.02)
+    assert owl["sparsity_measured"] == pytest.approx(0.6, abs=0.01)
+    assert uniform["sparsity_per_layer"] == pytest.approx([0.6] * 3, abs=0.01)
+    central = rows[("centralized", "owl")]
+    assert central["sparsity_per_layer"] != pytest.approx([0.6] * 3, abs=0.01)
+    # rows of the tiny model hold 32-64 weights: flooring k per row costs up to 1/32 a layer
+    assert central["sparsity_measured"] == pytest.approx(0.6, abs=0.03)

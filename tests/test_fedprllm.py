@@ -331,3 +331,58 @@ def test_federation_windows_over_several_corpora(tiny):
     assert again_sources == sources and all(torch.equal(a, b) for a, b in zip(again, windows))
     with pytest.raises(ValueError, match="twice"):
         federation_windows(tiny.tokenizer, FedPrLLMConfig(model="x", calib_text="wiki+wiki"))
+
+
+@pytest.mark.parametrize("mode", ["oneshot", "iterative"])
+def test_federated_owl_plan_comes_from_the_sites_outlier_ratios(tiny_dir, tiny, tmp_path, mode):
+    """sparsity_profile=owl: each site sends its layers' outlier ratios (round 0), the server prunes
+    every layer at OWL's ratio of their mean; the global sparsity stays the target; the
+    centralized baseline allocates from the union's ratios (centralized OWL)."""
+    from fedcompress.pruning.local import outlier_ratios, owl_plan
+    from server.fedprllm import run
+
+    out = tmp_path / mode
+    settings = dict(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16, batch_size=2,
+                    eval_seqlen=16, eval_windows=2, out=str(out), device="cpu", mode=mode,
+                    baselines="centralized", sparsity_profile="owl", owl_lambda=0.1, owl_m=2.0)
+    run(Federation(4), settings)
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok", report.get("error")
+    allocation = report["sparsity_profile"]
+    config = config_for(tiny_dir, owl_m=2.0)
+    site_windows = windows_for(tiny, config)
+    sites = [outlier_ratios(tiny.model, w, 2.0, 2) for w in site_windows]
+    assert allocation["sites_outlier_ratios"] == sites  # what each site computed, in order
+    mean = [float(np.mean(column)) for column in zip(*sites)]
+    plan = owl_plan(mean, 0.5, 0.1, tiny.model)
+    assert allocation["plan"]["layers"] == pytest.approx(list(plan.layers), abs=1e-12)
+    assert len(set(plan.layers)) > 1  # the tiny model's layers differ in outliers
+    fed, central = report["results"]
+    assert fed["sparsity_per_layer"] == pytest.approx(list(plan.layers), abs=0.02)
+    assert fed["sparsity"] == pytest.approx(0.5, abs=0.01)
+    union = owl_plan(outlier_ratios(tiny.model, torch.cat(site_windows), 2.0, 2), 0.5, 0.1,
+                     tiny.model)
+    assert allocation["baselines"]["centralized"]["plan"]["layers"] == \
+        pytest.approx(list(union.layers), abs=1e-12)
+    assert central["sparsity_per_layer"] == pytest.approx(list(union.layers), abs=0.02)
+
+
+def test_owl_outliers_of_a_bad_site_are_left_out(tiny_dir, tiny):
+    """A site whose outlier ratios are not one share per layer is named and left out; the
+    others' mean decides."""
+    config = config_for(tiny_dir, sparsity_profile="owl", min_clients=3)
+
+    class Liar(Federation):
+        def send_and_receive(self, messages, timeout=None):
+            replies = super().send_and_receive(messages, timeout)
+            bad = replies[1].content
+            bad["outliers"] = ArrayRecord({"ratios": Array(np.array([0.1, 2.0, 0.1]))})
+            return replies
+
+    strategy = FedPrLLM(config, tiny.model)
+    sites = strategy.collect_outliers(Liar(4), timeout=60)
+    assert len(sites) == 3
+    assert "outlier ratios outside [0, 1]" in strategy.outcome.rejected[0]["reason"]
+    with pytest.raises(NotEnoughClientsError):
+        FedPrLLM(config_for(tiny_dir, sparsity_profile="owl"), tiny.model).collect_outliers(
+            Liar(4), timeout=60)

@@ -50,6 +50,7 @@ from fedcompress.methods.fedprllm.federated import (
     encode_masks,
     iterative_vote,
     payload_nbytes,
+    with_site_plan,
 )
 
 logger = logging.getLogger(__name__)
@@ -406,6 +407,9 @@ class BenchRunner:
         if meta is not None:
             logger.info("client masks %s: %d clients from the cache", client_id, meta["clients"])
             return aggregator, meta
+        start = time.perf_counter()
+        config, sites = with_site_plan(config, exp.model, exp.windows)  # federated OWL
+        owl_seconds = time.perf_counter() - start
         seconds = []
         for i, windows in enumerate(_progress(exp.windows, self.progress,
                                               f"client masks ({config.method} "
@@ -422,7 +426,9 @@ class BenchRunner:
         meta = {"clients": config.clients, "client_seconds": seconds,
                 "client_seconds_mean": float(np.mean(seconds)) if seconds else None,
                 "bytes_up_per_client": payload_nbytes(aggregator.shapes),
-                "settings": config.to_dict()}
+                "settings": config.to_dict(), "layer_sparsity": config.layer_sparsity}
+        if sites is not None:
+            meta.update({"sites_outlier_ratios": sites, "owl_seconds": owl_seconds})
         self.cache.finish(client_id, meta)
         return aggregator, meta
 
@@ -450,9 +456,11 @@ class BenchRunner:
     def _oneshot(self, exp: Experiment, cell: Cell, aggregator: MaskAggregator,
                  meta: dict) -> dict:
         config = cell.config()
+        if meta.get("layer_sparsity"):  # the plan the sites' masks were made with (OWL)
+            config = config.replace(layer_sparsity=meta["layer_sparsity"])
         model = exp.fresh_copy()
         start = time.perf_counter()
-        aggregator.prune(model, config.server, config.prune.target_sparsity,
+        aggregator.prune(model, config.server, config.prune.plan,
                          config.prune.nm_pattern)
         aggregate = time.perf_counter() - start
         name = f"fedprllm-oneshot-{config.server.label}"
@@ -469,7 +477,7 @@ class BenchRunner:
         vote_seconds = time.perf_counter() - start
         model = exp.fresh_copy()
         for aggregator in aggregators.values():
-            aggregator.prune(model, config.server, config.prune.target_sparsity,
+            aggregator.prune(model, config.server, config.prune.plan,
                              config.prune.nm_pattern)
         up = sum(payload_nbytes(a.shapes) for a in aggregators.values())
         # Each round but the first carries the previous layer's global mask down.
@@ -507,7 +515,8 @@ def _progress(items, enabled: bool, description: str):
 
 # Settings added to FedPrLLM after results were first recorded, with the value every earlier
 # record was made with: a record without the key is the cell at that value.
-ADDED_LATER = {"wire": "packed", "wire_reference": "wiki"}
+ADDED_LATER = {"wire": "packed", "wire_reference": "wiki", "sparsity_profile": "uniform",
+               "owl_lambda": 0.08, "owl_m": 5.0, "layer_sparsity": ""}
 
 
 def record_cell(record: dict) -> Cell:

@@ -7,11 +7,13 @@ per-layer function the calibration walker calls; :func:`local_masks` runs the wh
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
 
 from fedcompress.models import CALC_DTYPE, ModelAdapter, weight_matrix
+from fedcompress.pruning.allocation import SparsityPlan, outlier_ratio
 from fedcompress.pruning.scores import magnitude_scores, sparsegpt_prune, wanda_scores
 from fedcompress.pruning.select import check_group, check_sparsity, parse_nm, select_prune_mask
 from fedcompress.pruning.walker import LayerStats, WalkResult, walk
@@ -24,13 +26,16 @@ class PruneConfig:
     """A local pruning recipe.
 
     ``group`` is the *local* comparison group (``layer``/``row``/``column``); ``nm`` an N:M
-    pattern like ``"2:4"`` (then ``sparsity`` is implied: N/M).
+    pattern like ``"2:4"`` (then ``sparsity`` is implied: N/M). ``layer_sparsity`` is a
+    per-layer / per-linear plan (:meth:`~fedcompress.pruning.allocation.SparsityPlan.to_text`;
+    empty: ``sparsity`` everywhere); N:M fixes the ratio of every layer, so it takes no plan.
     """
 
     method: str = "wanda"
     sparsity: float = 0.5
     group: str = "row"
     nm: str | None = None
+    layer_sparsity: str = ""
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -39,6 +44,15 @@ class PruneConfig:
         check_group(self.group)
         if self.nm_pattern is None:
             check_sparsity(self.sparsity)
+        elif self.layer_sparsity:
+            raise ValueError(f"a per-layer sparsity plan with N:M {self.nm}: N:M fixes every "
+                             "layer's ratio at N/M; expected one or the other")
+        self.plan  # noqa: B018 - validates the plan
+
+    @cached_property
+    def plan(self) -> SparsityPlan:
+        """The target ratio of every linear layer (uniform unless ``layer_sparsity``)."""
+        return SparsityPlan.from_text(self.layer_sparsity, self.target_sparsity)
 
     @property
     def nm_pattern(self) -> tuple[int, int] | None:
@@ -60,19 +74,21 @@ class PruneConfig:
 def layer_prune_fn(config: PruneConfig):
     """The walker's per-layer function for a recipe: masks (+ SparseGPT's updated weights)."""
     nm = config.nm_pattern
+    plan = config.plan
 
-    def prune(_index: int, layer: nn.Module, stats: dict[str, LayerStats]):
+    def prune(index: int, layer: nn.Module, stats: dict[str, LayerStats]):
         masks: dict[str, torch.Tensor] = {}
         weights: dict[str, torch.Tensor] = {}
         for name, module in ModelAdapter.linear_layers(layer).items():
             w = weight_matrix(module)
+            ratio = plan.at(index, name)
             if config.method == "sparsegpt":
                 masks[name], weights[name] = sparsegpt_prune(
-                    w, stats[name].hessian, config.sparsity, config.group, nm, name=name)
+                    w, stats[name].hessian, ratio, config.group, nm, name=name)
                 continue
             scores = (magnitude_scores(w) if config.method == "magnitude"
                       else wanda_scores(w, stats[name].sq_norm))
-            masks[name] = select_prune_mask(scores, config.sparsity, config.group, nm)
+            masks[name] = select_prune_mask(scores, ratio, config.group, nm)
         return masks, (weights or None)
 
     return prune
@@ -82,6 +98,7 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
                 batch_size: int = 8, keep_weights: bool = False,
                 progress: bool = False) -> WalkResult:
     """Prune masks of every linear layer of every decoder layer, from one sequential pass."""
+    config.plan.check_layers(len(ModelAdapter(model)))
     if config.method == "magnitude":
         # Magnitude scores need no activations: skip the calibration pass entirely.
         adapter = ModelAdapter(model)
@@ -94,6 +111,59 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
         return result
     return walk(model, windows, layer_prune_fn(config), hessian=config.needs_hessian,
                 batch_size=batch_size, keep_weights=keep_weights, progress=progress)
+
+
+def outlier_ratios(model: nn.Module, windows: torch.Tensor, m: float, batch_size: int = 8,
+                   progress: bool = False) -> list[float]:
+    """OWL's outlier ratio of every decoder layer (:func:`~fedcompress.pruning.allocation.
+    outlier_ratio` of its linear layers' Wanda scores, float32) from one pass of the
+    calibration walker over ``windows`` through the DENSE model, as OWL measures them (the
+    ratios decide the pruning, so they are taken before any)."""
+    ratios: list[float] = []
+
+    def record(_index, layer, stats):
+        scores = [wanda_scores(weight_matrix(module), stats[name].sq_norm)
+                  for name, module in ModelAdapter.linear_layers(layer).items()]
+        ratios.append(outlier_ratio(scores, m))
+        return {}, None
+
+    walk(model, windows, record, batch_size=batch_size, progress=progress)
+    return ratios
+
+
+def layer_sizes(model: nn.Module) -> dict[str, int]:
+    """Prunable weights of every linear layer, keyed ``"<layer>.<linear name>"``."""
+    return {f"{i}.{name}": weight_matrix(module).numel()
+            for i, layer in enumerate(ModelAdapter(model).layers)
+            for name, module in ModelAdapter.linear_layers(layer).items()}
+
+
+def check_global_ratio(plan: SparsityPlan, model: nn.Module, tolerance: float = 1e-6) -> float:
+    """The plan's mean ratio over ``model``'s prunable weights, which must equal its default
+    (the global sparsity) within ``tolerance``; else an error naming both."""
+    plan.check_layers(len(ModelAdapter(model)))
+    ratio = plan.global_ratio(layer_sizes(model))
+    if abs(ratio - plan.default) > tolerance:
+        raise ValueError(f"the per-layer sparsity plan prunes {ratio:.6f} of the weights, the "
+                         f"global sparsity is {plan.default}: expected plans whose weighted "
+                         "mean is the global sparsity")
+    return ratio
+
+
+def owl_plan(outliers: list[float], sparsity: float, lam: float, model: nn.Module
+             ) -> SparsityPlan:
+    """OWL's per-layer plan for ``model`` from its layers' outlier ratios (averaged over sites
+    in a federated run), renormalized over the layers' sizes to ``sparsity``."""
+    from fedcompress.pruning.allocation import owl_ratios
+
+    sizes = layer_sizes(model)
+    per_layer = [0] * len(ModelAdapter(model))
+    for key, n in sizes.items():
+        per_layer[int(key.split(".", 1)[0])] += n
+    if len(outliers) != len(per_layer):
+        raise ValueError(f"{len(outliers)} outlier ratios for a model of {len(per_layer)} "
+                         "decoder layers")
+    return SparsityPlan(sparsity, tuple(owl_ratios(outliers, sparsity, lam, per_layer)))
 
 
 def column_norms(model: nn.Module, windows: torch.Tensor, prune: PruneConfig | None = None,

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from fedcompress.config import ServerSettings, Settings, setting
 from fedcompress.masks.aggregate import TIE_BREAKS
+from fedcompress.pruning.allocation import PROFILES
 from fedcompress.pruning.local import METHODS
 from fedcompress.pruning.select import GROUPS, check_group
 
@@ -63,6 +64,20 @@ class FedPrLLMConfig(Settings):
                               "[0, 1).", ge=0.0, lt=1.0)
     nm: str = setting("none", "N:M semi-structured pattern, e.g. 2:4 (overrides --sparsity), "
                       "or none.")
+    sparsity_profile: str = setting(
+        "uniform", "Per-layer sparsity: uniform, or owl (outlier-weighted layerwise sparsity: "
+        "each site sends the per-layer outlier ratios of its Wanda scores, the server averages "
+        "them and sets each layer's ratio; the global ratio stays --sparsity).",
+        choices=PROFILES)
+    owl_lambda: float = setting(0.08, "OWL's lambda: layer ratios lie within sparsity +- lambda.",
+                                ge=0.0, lt=0.5)
+    owl_m: float = setting(5.0, "OWL's M: a score is an outlier above M times its layer's "
+                           "mean score.", gt=0.0)
+    layer_sparsity: str = setting("", "Per-layer sparsity plan: comma-separated ratios, one per "
+                                  "decoder layer, or JSON {\"layers\": [...], \"linears\": "
+                                  "{\"3.mlp.up_proj\": 0.4}}; its mean over the prunable "
+                                  "weights must be --sparsity (empty: uniform, or set by the "
+                                  "server under --sparsity-profile owl).")
     local_group: str = setting("row", "Clients' comparison group: layer, row, column.",
                                choices=GROUPS)
     group: str = setting("layer", "Server's comparison group for the vote: layer, row, "
@@ -92,10 +107,15 @@ class FedPrLLMConfig(Settings):
                                   "split) of the reference norms, or none.")
 
     def validate(self) -> None:
+        if self.nm not in ("", "none") and (self.sparsity_profile != "uniform"
+                                            or self.layer_sparsity):
+            raise self.invalid("nm", "none with a per-layer sparsity profile or plan (N:M fixes "
+                               "every layer's ratio)")
         try:
-            self.prune  # noqa: B018 - validates the N:M pattern against method and group
+            self.prune  # noqa: B018 - validates the N:M pattern and the plan
         except ValueError as err:
-            raise self.invalid("nm", f"none or N:M with 0 < N < M ({err})") from None
+            key = "layer_sparsity" if self.layer_sparsity else "nm"
+            raise self.invalid(key, f"a valid value ({err})") from None
         if self.min_clients > self.clients:
             raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
 
@@ -103,7 +123,8 @@ class FedPrLLMConfig(Settings):
     def prune(self):
         from fedcompress.pruning.local import PruneConfig
 
-        return PruneConfig(self.method, self.sparsity, self.local_group, self.nm)
+        return PruneConfig(self.method, self.sparsity, self.local_group, self.nm,
+                           self.layer_sparsity)
 
     @property
     def server(self) -> ServerConfig:

@@ -18,7 +18,14 @@ from fedcompress.eval.perplexity import perplexity
 from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig
 from fedcompress.methods.fedprllm.federated import federation_windows
 from fedcompress.models import LoadedModel, load_model
-from fedcompress.pruning.local import apply_masks, local_masks, sparsity_report
+from fedcompress.pruning.local import (
+    PruneConfig,
+    apply_masks,
+    local_masks,
+    outlier_ratios,
+    owl_plan,
+    sparsity_report,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +40,8 @@ class Experiment:
     windows: list[torch.Tensor]
     eval_text: str
     timings: dict[str, float] = field(default_factory=dict)
+    #: Per-layer plans the baselines chose (OWL), for the report.
+    plans: dict[str, dict] = field(default_factory=dict)
 
     @property
     def model(self) -> nn.Module:
@@ -61,20 +70,40 @@ class Experiment:
                     sparsity["overall"])
         return record
 
+    def prune_config(self, windows: torch.Tensor) -> tuple[PruneConfig, list[float] | None]:
+        """The recipe of a pass on ``windows``: the configured one, or under
+        ``sparsity_profile=owl`` (and no fixed plan) OWL's plan from these windows' outlier ratios
+        (returned too)."""
+        config = self.config
+        if config.sparsity_profile != "owl" or config.layer_sparsity:
+            return config.prune, None
+        ratios = outlier_ratios(self.model, windows, config.owl_m, config.batch_size)
+        plan = owl_plan(ratios, config.sparsity, config.owl_lambda, self.model)
+        return config.replace(layer_sparsity=plan.to_text()).prune, ratios
+
     def centralized(self) -> tuple[nn.Module, float]:
         """One pruning pass on the union of every client's windows (with SparseGPT's weight
-        update, as the method prunes centrally). Returns the pruned copy and its seconds."""
+        update, as the method prunes centrally; under OWL its plan from the union's outlier
+        ratios: centralized OWL). Returns the pruned copy and its seconds."""
         union = torch.cat(self.windows)
         start = time.perf_counter()
-        result = local_masks(self.model, union, self.config.prune,
+        prune, ratios = self.prune_config(union)
+        if ratios is not None:
+            self.plans["centralized"] = {"outlier_ratios": ratios, "plan": prune.plan.to_dict()}
+        result = local_masks(self.model, union, prune,
                              batch_size=self.config.batch_size, keep_weights=True)
         seconds = time.perf_counter() - start
         return apply_masks(self.fresh_copy(), result.masks, result.weights), seconds
 
     def local_only(self, client: int = 0) -> tuple[nn.Module, float]:
-        """Client ``client`` prunes alone on its own windows (local-only baseline)."""
+        """Client ``client`` prunes alone on its own windows (local-only baseline; under OWL
+        with its own outlier ratios)."""
         start = time.perf_counter()
-        result = local_masks(self.model, self.windows[client], self.config.prune,
+        prune, ratios = self.prune_config(self.windows[client])
+        if ratios is not None:
+            self.plans[f"local-only-{client}"] = {"outlier_ratios": ratios,
+                                                  "plan": prune.plan.to_dict()}
+        result = local_masks(self.model, self.windows[client], prune,
                              batch_size=self.config.batch_size, keep_weights=True)
         seconds = time.perf_counter() - start
         return apply_masks(self.fresh_copy(), result.masks, result.weights), seconds

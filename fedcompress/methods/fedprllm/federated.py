@@ -37,6 +37,7 @@ from fedcompress.masks.codec import (
 from fedcompress.masks.stats import flatten_masks
 from fedcompress.methods.fedprllm.config import PARTITIONS, FedPrLLMConfig, ServerConfig
 from fedcompress.models import ModelAdapter, weight_matrix
+from fedcompress.pruning.allocation import SparsityPlan
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +160,19 @@ def encode_masks(masks: list[dict[str, torch.Tensor]], first_layer: int = 0
     return {key: encode_mask(mask) for key, mask in flatten_masks(masks, first_layer).items()}
 
 
+def _ratio_at(sparsity: float | SparsityPlan, key: str) -> float:
+    """The target ratio of wire key ``key``: a float for every layer, or a plan's."""
+    return sparsity.at_key(key) if isinstance(sparsity, SparsityPlan) else sparsity
+
+
 def check_payload(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
-                  target_sparsity: float, tolerance: float = 0.05) -> dict[str, np.ndarray]:
+                  target_sparsity: float | SparsityPlan, tolerance: float = 0.05
+                  ) -> dict[str, np.ndarray]:
     """Validate one client's bit-packed payload against the expected keys and shapes, without
     unpacking it: every mask must be present, bit-packed for its shape, and have a sparsity
-    within ``tolerance`` of ``target_sparsity``; otherwise :class:`InvalidMaskError` says why.
-    Returns the payload restricted to ``shapes``' keys, in their order."""
+    within ``tolerance`` of its target (``target_sparsity``: one ratio, or a per-layer plan);
+    otherwise :class:`InvalidMaskError` says why. Returns the payload restricted to ``shapes``'
+    keys, in their order."""
     mismatch = key_mismatch(shapes, payload)
     if mismatch:
         raise InvalidMaskError(mismatch)
@@ -174,14 +182,16 @@ def check_payload(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
         except MaskDecodeError as err:
             raise InvalidMaskError(str(err)) from err
         sparsity = pruned / max(int(np.prod(shape)), 1)
-        if abs(sparsity - target_sparsity) > tolerance:
+        target = _ratio_at(target_sparsity, key)
+        if abs(sparsity - target) > tolerance:
             raise InvalidMaskError(f"{key}: sparsity {sparsity:.3f}, requested "
-                                   f"{target_sparsity:.3f} (tolerance {tolerance})")
+                                   f"{target:.3f} (tolerance {tolerance})")
     return {key: payload[key] for key in shapes}
 
 
 def decode_masks(payload: dict[str, np.ndarray], shapes: dict[str, tuple],
-                 target_sparsity: float, tolerance: float = 0.05) -> dict[str, torch.Tensor]:
+                 target_sparsity: float | SparsityPlan, tolerance: float = 0.05
+                 ) -> dict[str, torch.Tensor]:
     """:func:`check_payload`, then unpack every mask to a bool tensor."""
     checked = check_payload(payload, shapes, target_sparsity, tolerance)
     return {key: decode_mask(checked[key], shapes[key], key) for key in shapes}
@@ -251,7 +261,7 @@ def decode_wire(payload: dict[str, np.ndarray], shapes: dict[str, tuple], model:
         except MaskDecodeError as err:
             raise InvalidMaskError(str(err)) from err
         payload = {key: encode_mask(mask) for key, mask in masks.items()}
-    return check_payload(payload, shapes, config.prune.target_sparsity, config.mask_tolerance)
+    return check_payload(payload, shapes, config.prune.plan, config.mask_tolerance)
 
 
 def payload_nbytes(shapes: dict[str, tuple]) -> int:
@@ -340,11 +350,13 @@ class MaskAggregator:
         adapter = ModelAdapter(model if model is not None else self.model)
         return weight_matrix(ModelAdapter.linear_layers(adapter.layers[int(layer)])[name])
 
-    def global_mask(self, key: str, server: ServerConfig, sparsity: float,
+    def global_mask(self, key: str, server: ServerConfig, sparsity: float | SparsityPlan,
                     nm: tuple[int, int] | None = None,
                     counts: torch.Tensor | None = None) -> torch.Tensor:
+        """The global mask of linear layer ``key``: the highest counts in each group, at the
+        layer's ratio (``sparsity``: one ratio, or a per-layer plan)."""
         counts = self.layer_counts(key) if counts is None else counts
-        return global_mask(counts, sparsity, server.group, server.tie_break,
+        return global_mask(counts, _ratio_at(sparsity, key), server.group, server.tie_break,
                            self._weight(key).detach().cpu(), server.seed, nm)
 
     def _map(self, fn, keys):
@@ -354,14 +366,14 @@ class MaskAggregator:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return list(pool.map(fn, keys))
 
-    def global_masks(self, server: ServerConfig, sparsity: float,
+    def global_masks(self, server: ServerConfig, sparsity: float | SparsityPlan,
                      nm: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
         keys = list(self.shapes)
         return dict(zip(keys, self._map(lambda k: self.global_mask(k, server, sparsity, nm),
                                         keys)))
 
     @torch.no_grad()
-    def prune(self, model: nn.Module, server: ServerConfig, sparsity: float,
+    def prune(self, model: nn.Module, server: ServerConfig, sparsity: float | SparsityPlan,
               nm: tuple[int, int] | None = None) -> dict[str, float]:
         """Prune ``model`` (a copy of the global model) in place, one linear layer at a time
         per worker (no mask or count of another layer is kept); return each layer's pruned
@@ -384,6 +396,41 @@ def masks_by_layer(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.T
         _, layer, name = key.split(".", 2)
         out.setdefault(int(layer), {})[name] = mask
     return out
+
+
+# ------------------------------------------------------------------------------------------
+# Federated OWL: per-layer sparsity from the sites' outlier ratios
+# ------------------------------------------------------------------------------------------
+
+def owl_plan_from_sites(sites: list[list[float]], config: FedPrLLMConfig, model: nn.Module
+                        ) -> SparsityPlan:
+    """The server's OWL plan: the mean over sites of each layer's outlier ratio (every site
+    counts once; the mean of the sites' shares, not the share on the union of their windows,
+    which no site's data reveals), then OWL's rule at ``config.sparsity`` and
+    ``config.owl_lambda`` (:func:`~fedcompress.pruning.local.owl_plan`)."""
+    from fedcompress.pruning.local import owl_plan
+
+    if not sites:
+        raise ValueError("no site sent outlier ratios")
+    if len({len(s) for s in sites}) != 1:
+        raise ValueError(f"sites sent {sorted({len(s) for s in sites})} outlier ratios: "
+                         "expected one per decoder layer from every site")
+    mean = [float(np.mean(np.asarray(column, dtype=np.float64))) for column in zip(*sites)]
+    return owl_plan(mean, config.sparsity, config.owl_lambda, model)
+
+
+def with_site_plan(config: FedPrLLMConfig, model: nn.Module, windows: list[torch.Tensor]
+                   ) -> tuple[FedPrLLMConfig, list[list[float]] | None]:
+    """In one process (benchmarks), what a run's round 0 decides: under
+    ``sparsity_profile=owl`` (no fixed plan) every site's outlier ratios on its windows and the
+    config carrying the server's plan (:func:`owl_plan_from_sites`); else ``config``."""
+    from fedcompress.pruning.local import outlier_ratios
+
+    if config.sparsity_profile != "owl" or config.layer_sparsity:
+        return config, None
+    sites = [outlier_ratios(model, w, config.owl_m, config.batch_size) for w in windows]
+    plan = owl_plan_from_sites(sites, config, model)
+    return config.replace(layer_sparsity=plan.to_text()), sites
 
 
 # ------------------------------------------------------------------------------------------
@@ -437,6 +484,7 @@ def iterative_vote(model: nn.Module, windows: list[torch.Tensor], config: FedPrL
     """Iterative FedPrLLM in one process (benchmarks): the same client steps and per-layer
     votes as the Flower strategy, clients run one after another. Returns each decoder layer's
     aggregator; ``aggregator.prune(model, config.server, ...)`` applies its global mask."""
+    config, _ = with_site_plan(config, model, windows)
     prune = config.prune
     state: list[tuple[torch.Tensor | None, list[dict] | None]] = [(None, None)] * len(windows)
     aggregators: dict[int, MaskAggregator] = {}
@@ -450,7 +498,7 @@ def iterative_vote(model: nn.Module, windows: list[torch.Tensor], config: FedPrL
                 batch_size or config.batch_size)
             state[c] = (hidden, kwargs)
             aggregator.add({mask_key(layer, name): m for name, m in masks.items()})
-        flat = aggregator.global_masks(config.server, prune.target_sparsity, prune.nm_pattern)
+        flat = aggregator.global_masks(config.server, prune.plan, prune.nm_pattern)
         previous = masks_by_layer(flat)[layer]
         aggregators[layer] = aggregator
     return aggregators
