@@ -39,6 +39,7 @@ from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
     DifferentialPrivacyServerSideFixedClipping,
     FedAvg,
+    FedAvgM,
     Strategy,
 )
 from flwr.supercore.privacy_accounting import (
@@ -65,9 +66,9 @@ logger = logging.getLogger(__name__)
 EPSILON_SLACK = 1e-6
 
 
-class DPLoRAMessages(FedAvg):
-    """FedAvg whose training messages are ``train.dplora`` (the one ClientApp serves several
-    methods) and whose bytes sent are counted in ``self.outcome``."""
+class _DPLoRAMessagesMixin:
+    """FedAvg's training messages sent as ``train.dplora`` (the one ClientApp serves several
+    methods), their bytes counted in ``self.outcome``."""
 
     outcome: StrategyOutcome
 
@@ -75,20 +76,34 @@ class DPLoRAMessages(FedAvg):
                         grid: Grid) -> Iterable[Message]:
         messages = [Message(m.content, m.metadata.dst_node_id, "train.dplora",
                             group_id=m.metadata.group_id)
-                    for m in super().configure_train(server_round, arrays, config, grid)]
+                    for m in super().configure_train(  # type: ignore[misc]
+                        server_round, arrays, config, grid)]
         self.outcome.bytes_down += sum(sum(r.count_bytes() for r in m.content.values())
                                        for m in messages)
         return messages
 
 
-class PrivyTuneFedAvg(RecordsReplies, DPLoRAMessages):
-    """FedAvg over the sites' trainable weights (LoRA factors and head, or every weight)."""
+class DPLoRAMessages(_DPLoRAMessagesMixin, FedAvg):
+    """Flower's plain FedAvg with PrunePrivyTune's messages (the one inside a central-DP
+    wrapper: Flower's accountant accepts nothing else)."""
+
+
+class PrivyTuneFedAvg(RecordsReplies, _DPLoRAMessagesMixin, FedAvgM):
+    """FedAvg over the sites' trainable weights (LoRA factors and head, or every weight).
+
+    Flower's :class:`~flwr.serverapp.strategy.FedAvgM` with ``server_lr`` 1 and no momentum
+    (the defaults) is exactly FedAvg (it leaves FedAvg's average untouched); ``server_lr``
+    ``eta`` moves the global weights by ``eta`` times the average update (``server_momentum``:
+    with heavy-ball momentum), which is post-processing of the sites' DP outputs.
+    """
 
     def __init__(self, config: PrivyTuneConfig, shapes: dict[str, tuple[int, ...]],
                  removed: list[int], node_wait: float = 120.0):
         required = config.required_clients
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=required,
-                         min_evaluate_nodes=0, min_available_nodes=required)
+                         min_evaluate_nodes=0, min_available_nodes=required,
+                         server_learning_rate=config.server_lr,
+                         server_momentum=config.server_momentum)
         self.config = config
         self.shapes = dict(shapes)
         self.removed = list(removed)

@@ -158,8 +158,8 @@ def test_bench_sweeps_the_sparsity_profile(tiny_dir, tmp_path):
     outlier ratios decide (stored with the cached masks, reused on resume), the overall
     sparsity stays the target; the centralized baseline allocates from the union (centralized
     OWL); the uniform cells are untouched."""
-    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig, with_site_plan
     from fedcompress.methods.fedprllm.experiment import EvalConfig, prepare_experiment
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig, with_site_plan
 
     config = _config(tiny_dir, sparsity=0.6, group="layer", sparsity_profile=["uniform", "owl"],
                      owl_m=2.0, owl_lambda=0.1, baselines=["centralized"])

@@ -72,6 +72,35 @@ def test_fedavg_over_adapters_is_the_weighted_mean_and_garbage_is_left_out():
         strategy.aggregate_train(2, over)
 
 
+def test_server_learning_rate_scales_the_average_update():
+    """server_lr (Flower's FedAvgM, no momentum) moves the global weights by eta times the
+    average update: eta = 2 doubles FedAvg's step from the global weights the round sent;
+    central DP refuses it (Flower's wrapper takes plain FedAvg)."""
+    from strategies.privytune import PrivyTuneFedAvg
+
+    shapes = {"a": (2, 3)}
+    rng = np.random.default_rng(1)
+    start = {"a": rng.standard_normal((2, 3)).astype(np.float32)}
+    sites = [{"a": rng.standard_normal((2, 3)).astype(np.float32)} for _ in range(2)]
+    results = {}
+    for eta in (1.0, 2.0):
+        config = ppt.PrivyTuneConfig.from_dict({"clients": 2, "epsilon": 1.0, "server_lr": eta})
+        strategy = PrivyTuneFedAvg(config, shapes, [])
+        strategy.configure_train(1, ArrayRecord({"a": Array(start["a"])}), ConfigRecord(),
+                                 _Grid([1, 2]))
+        arrays, _ = strategy.aggregate_train(1, [
+            _reply(sites[i], {"num-examples": 10, "epsilon_spent": 0.5}, i + 1)
+            for i in range(2)])
+        results[eta] = arrays["a"].numpy()
+    mean = (sites[0]["a"] + sites[1]["a"]) / 2
+    np.testing.assert_allclose(results[1.0], mean, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(results[2.0], start["a"] + 2 * (mean - start["a"]), rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="server_lr=4.0 is invalid: expected 1"):
+        ppt.PrivyTuneConfig.from_dict({"server_lr": 4.0, "central_dp": "server",
+                                       "central_noise": 1.0})
+
+
 def test_two_site_flower_simulation_end_to_end(tiny_dir, tiny_task, tmp_path):
     """The whole method on the Simulation Engine: sites' cosines, DP-LoRA rounds with FedAvg,
     per-site epsilon, the audit, the central baseline, the saved model reloads."""

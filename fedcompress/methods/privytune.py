@@ -165,6 +165,12 @@ class PrivyTuneConfig(Settings):
                                  "anyone who knows it).", ge=-1)
     rounds: int = setting(3, "Federated rounds.", ge=1)
     local_epochs: float = setting(1.0, "Epochs over a site's data per round.", gt=0.0)
+    server_lr: float = setting(1.0, "Server learning rate on the sites' average update "
+                               "(Flower's FedAvgM): 1 is FedAvg; the number of sites adds "
+                               "their updates, as many sequential passes as a centralized "
+                               "epoch makes (post-processing: no privacy cost).", gt=0.0)
+    server_momentum: float = setting(0.0, "Server momentum of FedAvgM (0: none).", ge=0.0,
+                                     lt=1.0)
     batch_size: int = setting(16, "Examples per step (under DP: the expected Poisson batch).",
                               ge=1)
     physical_batch: int = setting(32, "Most examples per forward/backward pass; a larger batch "
@@ -205,6 +211,10 @@ class PrivyTuneConfig(Settings):
                 raise self.invalid("min_clients", f"0 or clients={self.clients} with "
                                    f"central_dp={self.central_dp!r}: the central accountant "
                                    "counts every site in every round")
+            if self.server_lr != 1.0 or self.server_momentum != 0.0:
+                raise self.invalid("server_lr", f"1 (and server_momentum 0) with central_dp="
+                                   f"{self.central_dp!r}: Flower's central-DP wrapper and its "
+                                   "accountant take plain FedAvg only")
 
     @property
     def central(self) -> bool:
