@@ -40,6 +40,7 @@ __all__ = [
     "owl_ratios",
     "outlier_ratio",
     "renormalize",
+    "rescale",
 ]
 
 #: Sparsity profiles: how per-layer ratios are chosen (one ratio everywhere, or OWL's rule).
@@ -179,6 +180,32 @@ def renormalize(ratios: Sequence[float], sizes: Sequence[int], target: float) ->
             raise ValueError(f"layer {i}: ratio {value:.4f} after renormalizing to {target} is "
                              "outside [0, 1); lower the spread (OWL's lambda) or the sparsity")
     return [float(x) for x in shifted]
+
+
+def rescale(ratios: Sequence[float], sizes: Sequence[int], target: float) -> list[float]:
+    """``ratios`` multiplied by one constant so that their mean weighted by ``sizes`` is
+    ``target`` (float64): the proportions between ratios are kept (Eq. 4 of the personalized
+    pruning paper). All-zero ratios cannot reach a positive target; a scaled ratio >= 1 is an
+    error naming it."""
+    check_sparsity(target)
+    if len(ratios) != len(sizes) or not ratios:
+        raise ValueError(f"{len(ratios)} ratios for {len(sizes)} layer sizes")
+    r = np.asarray(ratios, dtype=np.float64)
+    n = np.asarray(sizes, dtype=np.float64)
+    if (n <= 0).any() or (r < 0).any() or not np.isfinite(r).all():
+        raise ValueError("layer sizes must be positive and ratios finite and >= 0")
+    mean = float(np.dot(r, n) / n.sum())
+    if mean == 0:
+        if target == 0:
+            return [0.0] * len(r)
+        raise ValueError(f"every ratio is 0: no scaling reaches the sparsity {target}")
+    scaled = r * (target / mean)
+    for i, value in enumerate(scaled):
+        if value >= 1.0:
+            raise ValueError(f"ratio {i}: {value:.4f} after scaling to the sparsity {target} is "
+                             "not below 1: this plan cannot reach it (lower the sparsity or "
+                             "the spread of the factors)")
+    return [float(x) for x in scaled]
 
 
 def outlier_ratio(scores: Sequence[torch.Tensor], m: float) -> float:

@@ -1,0 +1,167 @@
+"""Seed 004: personalized / generic units (Alg. 1) and Eq. 4's per-linear ratios."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from fedcompress.layers.personalized import (
+    ClassifyConfig,
+    classify_units,
+    mean_lm_loss,
+    personalized_plan,
+    switched_off,
+    units_of,
+)
+from fedcompress.pruning.allocation import rescale
+from fedcompress.pruning.local import PruneConfig, layer_sizes, local_masks
+
+PLANTED = "1.mlp"
+
+
+def _pattern(n: int, tokens: list[int], seqlen: int = 16) -> torch.Tensor:
+    row = (tokens * seqlen)[:seqlen]
+    return torch.tensor([row] * n)
+
+
+@pytest.fixture(scope="module")
+def planted():
+    """A tiny llama whose MLP of block 1 alone was trained on client A's text (a repeating
+    pattern): switching it off raises A's loss; client B's text is another pattern."""
+    from conftest import build_tiny_model
+
+    model = build_tiny_model("llama", 3)
+    a = _pattern(4, [5, 6, 7, 8])
+    params = [p for n, p in model.named_parameters() if n.startswith("model.layers.1.mlp.")]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(60):
+        opt.zero_grad()
+        model(input_ids=a, labels=a).loss.backward()
+        opt.step()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    return model, a, _pattern(4, [40, 31, 22, 13, 9])
+
+
+def test_units_by_granularity(tiny_model):
+    model = tiny_model("llama", 2)
+    sub = units_of(model)
+    assert list(sub) == ["0.self_attn", "0.mlp", "1.self_attn", "1.mlp"]
+    assert sub["0.mlp"] == ["0.mlp.gate_proj", "0.mlp.up_proj", "0.mlp.down_proj"]
+    assert len(units_of(model, "linear")) == 14 and list(units_of(model, "layer")) == ["0", "1"]
+    with pytest.raises(ValueError, match="granularity 'head' is unknown"):
+        units_of(model, "head")
+
+
+@pytest.mark.parametrize("zero", ["weights", "skip"])
+def test_switching_off_restores_the_model_exactly(tiny_model, zero):
+    model = tiny_model("llama", 2)
+    before = copy.deepcopy(model.state_dict())
+    windows = _pattern(2, [5, 6, 7])
+    base = mean_lm_loss(model, windows)
+    with switched_off(model, units_of(model)["1.mlp"], zero):
+        off = mean_lm_loss(model, windows)
+    assert off != base
+    assert mean_lm_loss(model, windows) == base
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(RuntimeError, match="boom"), switched_off(model, ["0.mlp.up_proj"], zero):
+        raise RuntimeError("boom")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_bias_free_sublayer_weights_and_skip_agree(tiny_model):
+    """LLaMA's MLP has no bias: zeroing its weights and skipping its linears both remove it."""
+    model = tiny_model("llama", 2)
+    windows = _pattern(2, [5, 6, 7])
+    losses = []
+    for zero in ("weights", "skip"):
+        with switched_off(model, units_of(model)["0.mlp"], zero):
+            losses.append(mean_lm_loss(model, windows))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_planted_personalized_unit_is_found_on_its_clients_data_only(planted):
+    model, a, b = planted
+    config = ClassifyConfig(k=1, max_iter=40, seed=0)
+    on_a = classify_units(model, a, config)
+    on_b = classify_units(model, b, config)
+    assert on_a.classes[PLANTED] == "personalized"
+    assert on_b.classes[PLANTED] != "personalized"
+    with switched_off(model, on_a.units[PLANTED]):
+        assert mean_lm_loss(model, a) > on_a.threshold
+    again = classify_units(model, a, config)  # seeded: the same draws and classes
+    assert again.to_dict() == on_a.to_dict()
+    assert sum(on_a.counts().values()) == len(on_a.units)
+
+
+def test_alg1_rules_on_scripted_losses(tiny_model, monkeypatch):
+    """Above the threshold: the subset is personalized; below: generic unless already
+    personalized (personalized wins); units never drawn are others."""
+    import fedcompress.layers.personalized as pl
+
+    model = tiny_model("llama", 2)
+    names = list(units_of(model))
+    losses = iter([1.0, 2.0, 0.5, 0.5])  # threshold, then one loss per draw
+    monkeypatch.setattr(pl, "mean_lm_loss", lambda *a, **k: next(losses))
+    draws = iter([[0, 1], [1, 2], [0, 1]])
+
+    class Rng:
+        def choice(self, n, k, replace):
+            return next(draws)
+
+    monkeypatch.setattr(pl.np.random, "default_rng", lambda seed: Rng())
+    result = classify_units(model, _pattern(1, [5, 6]), ClassifyConfig(k=2, max_iter=3))
+    assert result.classes == {names[0]: "personalized", names[1]: "personalized",
+                              names[2]: "generic", names[3]: "others"}
+
+
+def test_k_larger_than_the_units_is_named(tiny_model):
+    with pytest.raises(ValueError, match="k=5 units per draw, but the model has only 4"):
+        classify_units(tiny_model("llama", 2), _pattern(1, [5, 6]), ClassifyConfig(k=5))
+    with pytest.raises(ValueError, match="k=0 is invalid"):
+        ClassifyConfig(k=0)
+    with pytest.raises(ValueError, match="zero='drop' is invalid"):
+        ClassifyConfig(zero="drop")
+
+
+def test_eq4_plan_keeps_the_proportions_and_the_global_ratio(tiny_model):
+    model = tiny_model("llama", 2)
+    sizes = layer_sizes(model)
+    units = units_of(model)
+    unit_class = {"0.self_attn": "personalized", "0.mlp": "generic", "1.self_attn": "others",
+                  "1.mlp": "generic"}
+    classes = {lin: unit_class[u] for u, lins in units.items() for lin in lins}
+    plan = personalized_plan(classes, sizes, 0.5)
+    mean = math.fsum(plan.at(int(k.split(".", 1)[0]), k.split(".", 1)[1]) * n
+                     for k, n in sizes.items()) / sum(sizes.values())
+    assert mean == pytest.approx(0.5, abs=1e-12)
+    g = plan.linears["0.mlp.up_proj"]
+    assert plan.linears["0.self_attn.q_proj"] == pytest.approx(g / 2)
+    assert plan.linears["1.self_attn.o_proj"] == pytest.approx(3 * g / 4)
+    masks = local_masks(model, _pattern(2, [5, 6, 7]), PruneConfig(
+        "wanda", 0.5, "row", layer_sparsity=plan.to_text()), batch_size=2).masks
+    for name, mask in masks[0].items():
+        assert float(mask.float().mean()) == pytest.approx(plan.at(0, name),
+                                                           abs=1 / mask.shape[1])
+    with pytest.raises(ValueError, match="cannot reach"):
+        personalized_plan(classes, sizes, 0.9)  # generic layers would need a ratio >= 1
+    with pytest.raises(ValueError, match="no class for linear layers"):
+        personalized_plan({}, sizes, 0.5)
+
+
+def test_rescale_is_exact_and_refuses_the_impossible():
+    assert rescale([0.1, 0.2], [1, 1], 0.3) == pytest.approx([0.2, 0.4])
+    assert rescale([0.0, 0.0], [1, 1], 0.0) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="every ratio is 0"):
+        rescale([0.0, 0.0], [1, 1], 0.5)
+    with pytest.raises(ValueError, match="sparsity 1.2 is outside"):
+        rescale([0.1], [1], 1.2)
