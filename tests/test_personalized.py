@@ -165,3 +165,75 @@ def test_rescale_is_exact_and_refuses_the_impossible():
         rescale([0.0, 0.0], [1, 1], 0.5)
     with pytest.raises(ValueError, match="sparsity 1.2 is outside"):
         rescale([0.1], [1], 1.2)
+
+
+# -- federated personalization (fedcompress.methods.personalize) -----------------------------
+def test_global_classes_count_sites_and_break_ties_towards_keeping_weights():
+    from fedcompress.methods.personalize import global_classes
+
+    sites = [{"0.a": "generic", "0.b": "personalized", "1.a": "others"},
+             {"0.a": "generic", "0.b": "generic", "1.a": "generic"},
+             {"0.a": "personalized", "0.b": "others", "1.a": "others"}]
+    result = global_classes(sites)
+    assert result.counts["0.a"] == {"personalized": 1, "generic": 2, "others": 0}
+    # 0.b: one vote each -> personalized; 1.a: others 2 vs generic 1
+    assert result.classes == {"0.a": "generic", "0.b": "personalized", "1.a": "others"}
+    with pytest.raises(ValueError, match="differently"):
+        global_classes([sites[0], {"0.a": "generic"}])
+    with pytest.raises(ValueError, match="unknown classes"):
+        global_classes([{"0.a": "maybe"}])
+
+
+def test_site_masks_use_the_vote_outside_the_sites_personalized_layers(tiny_model):
+    from fedcompress.masks.aggregate import global_mask
+    from fedcompress.methods.fedprllm.federated import MaskAggregator, mask_key
+    from fedcompress.methods.personalize import SparsityPlan, site_masks
+
+    model = tiny_model("llama", 2)
+    windows = [_pattern(2, [5, 6, 7]), _pattern(2, [9, 10, 11, 12])]
+    plan = SparsityPlan(0.5)
+    # counts=None: every layer local, exactly the local pass at the plan
+    alone = site_masks(model, windows[0], plan, set(), None, batch_size=2)
+    reference = local_masks(model, windows[0], PruneConfig("wanda", 0.5, "row"), 2).masks
+    assert all(torch.equal(alone[i][n], reference[i][n]) for i in range(2) for n in alone[i])
+    vote = MaskAggregator(model, 2)
+    for w in windows:
+        vote.add({mask_key(i, n): m for i, layer in enumerate(
+            local_masks(model, w, PruneConfig("wanda", 0.5, "row"), 2).masks)
+            for n, m in layer.items()})
+    counts = vote.counts()
+    personal = {"1.mlp.up_proj"}
+    mixed = site_masks(model, windows[0], plan, personal, counts, "layer", batch_size=2)
+    from fedcompress.models import ModelAdapter, weight_matrix
+
+    layers = ModelAdapter(model).layers
+    for i in range(2):
+        for name, mask in mixed[i].items():
+            if f"{i}.{name}" in personal:
+                continue
+            w = weight_matrix(ModelAdapter.linear_layers(layers[i])[name]).detach()
+            assert torch.equal(mask, global_mask(counts[mask_key(i, name)], 0.5, "layer",
+                                                 "magnitude", w))
+    assert float(mixed[1]["mlp.up_proj"].float().mean()) == pytest.approx(0.5, abs=1 / 32)
+
+
+def test_personalized_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("personalized_bench",
+                                                  "simulations/personalized.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "out"
+    bench.main(["--model", tiny_dir, "--clients", "2", "--windows", "2", "--seqlen", "16",
+                "--sparsities", "0.5", "--k", "2", "--max-iter", "4", "--batch-size", "2",
+                "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    data = results["sparsities"]["0.5"]
+    assert set(data["perplexity"]) == {"local-only", "fedprllm", "seed004-local",
+                                       "personalized"}
+    for name, values in data["sparsity"].items():
+        assert all(v == pytest.approx(0.5, abs=0.04) for v in values), name
+    assert len(results["dense"]) == 2 and (out / "report.md").exists()
+    assert (out / "unit-classes.png").exists()
