@@ -125,20 +125,19 @@ def main(argv: list[str] | None = None) -> None:
                 "wanda", p, "row", layer_sparsity=plan.to_text()),
                 batch_size=args.batch_size).masks))
         uniform_counts, voted_counts = uniform.counts(), voted.counts()
-        uniform_masks = pz.site_masks(model, calib[0], pz.SparsityPlan(p), set(),
-                                      uniform_counts, args.group)
+        uniform_masks = pz.masks_by_layer_list(
+            pz.shared_masks(uniform_counts, pz.SparsityPlan(p), set(), model, args.group), model)
         for s in sites:
             c = classifications[s]
-            personal = {lin for u, lins in units.items() if c.classes[u] == "personalized"
-                        for lin in lins}
+            personal = pz.personal_linears(c)
             own = pz.site_classes_plan(units, c.classes, model, p)
             fed = pz.site_classes_plan(units, pz.site_view(c, counts), model, p)
+            shared = pz.shared_masks(voted_counts, fed, personal, model, args.group)
             for name, masks in (
                     ("local-only", local[s]), ("fedprllm", uniform_masks),
-                    ("seed004-local", pz.site_masks(model, calib[s], own, set(), None,
+                    ("seed004-local", pz.site_masks(model, calib[s], own, None,
                                                     batch_size=args.batch_size)),
-                    ("personalized", pz.site_masks(model, calib[s], fed, personal,
-                                                   voted_counts, args.group,
+                    ("personalized", pz.site_masks(model, calib[s], fed, shared,
                                                    batch_size=args.batch_size))):
                 ppl, achieved = _score(model, masks, held[s], args.batch_size)
                 row[name].append(ppl)

@@ -187,13 +187,13 @@ def test_global_classes_count_sites_and_break_ties_towards_keeping_weights():
 def test_site_masks_use_the_vote_outside_the_sites_personalized_layers(tiny_model):
     from fedcompress.masks.aggregate import global_mask
     from fedcompress.methods.fedprllm.federated import MaskAggregator, mask_key
-    from fedcompress.methods.personalize import SparsityPlan, site_masks
+    from fedcompress.methods.personalize import SparsityPlan, shared_masks, site_masks
 
     model = tiny_model("llama", 2)
     windows = [_pattern(2, [5, 6, 7]), _pattern(2, [9, 10, 11, 12])]
     plan = SparsityPlan(0.5)
     # counts=None: every layer local, exactly the local pass at the plan
-    alone = site_masks(model, windows[0], plan, set(), None, batch_size=2)
+    alone = site_masks(model, windows[0], plan, None, batch_size=2)
     reference = local_masks(model, windows[0], PruneConfig("wanda", 0.5, "row"), 2).masks
     assert all(torch.equal(alone[i][n], reference[i][n]) for i in range(2) for n in alone[i])
     vote = MaskAggregator(model, 2)
@@ -203,7 +203,9 @@ def test_site_masks_use_the_vote_outside_the_sites_personalized_layers(tiny_mode
             for n, m in layer.items()})
     counts = vote.counts()
     personal = {"1.mlp.up_proj"}
-    mixed = site_masks(model, windows[0], plan, personal, counts, "layer", batch_size=2)
+    shared = shared_masks(counts, plan, personal, model, "layer")
+    assert mask_key(1, "mlp.up_proj") not in shared and len(shared) == 13
+    mixed = site_masks(model, windows[0], plan, shared, batch_size=2)
     from fedcompress.models import ModelAdapter, weight_matrix
 
     layers = ModelAdapter(model).layers

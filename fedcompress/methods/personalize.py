@@ -60,6 +60,9 @@ __all__ = [
     "UnitCounts",
     "global_classes",
     "site_classes_plan",
+    "masks_by_layer_list",
+    "personal_linears",
+    "shared_masks",
     "site_masks",
     "site_view",
     "windows_perplexity",
@@ -119,30 +122,63 @@ def site_view(site: Classification, global_: UnitCounts) -> dict[str, str]:
             for u in site.units}
 
 
+def shared_masks(counts: Mapping[str, torch.Tensor], plan: SparsityPlan, personal: set[str],
+                 model: nn.Module, group: str = "layer", tie_break: str = "magnitude"
+                 ) -> dict[str, torch.Tensor]:
+    """The global masks a site receives: for every linear layer outside its ``personal`` set,
+    the top ``counts`` (the shared vote, wire keys ``"layers.<layer>.<name>"``) at the site's
+    ratio of that layer, in the server's ``group`` with its ``tie_break``."""
+    out = {}
+    for i, layer in enumerate(ModelAdapter(model).layers):
+        for name, module in ModelAdapter.linear_layers(layer).items():
+            if f"{i}.{name}" in personal:
+                continue
+            key = f"layers.{i}.{name}"
+            out[key] = global_mask(counts[key], plan.at(i, name), group, tie_break,
+                                   weight_matrix(module).detach().cpu())
+    return out
+
+
 def site_masks(model: nn.Module, windows: torch.Tensor, plan: SparsityPlan,
-               personal: set[str], counts: Mapping[str, torch.Tensor] | None,
-               group: str = "layer", local_group: str = "row", tie_break: str = "magnitude",
+               shared: Mapping[str, torch.Tensor] | None, local_group: str = "row",
                batch_size: int = 4) -> list[dict[str, torch.Tensor]]:
-    """A site's masks in one sequential walker pass: linear layers in ``personal`` (keys
-    ``"<layer>.<name>"``) get a local Wanda mask at the plan's ratio (``local_group``); the
-    others the top ``counts`` (the shared vote, keyed ``"layers.<layer>.<name>"``) at the plan's
-    ratio in the server's ``group``. ``counts=None``: every layer local (local-only)."""
+    """A site's masks in one sequential walker pass: a linear layer with a ``shared`` (global)
+    mask (wire key ``"layers.<layer>.<name>"``) keeps it; every other one gets a local Wanda
+    mask at the plan's ratio (``local_group``), computed on the inputs the already-pruned
+    layers below produce. ``shared=None``: every layer local."""
     plan.check_layers(len(ModelAdapter(model)))
+    shared = shared or {}
 
     def prune(index: int, layer: nn.Module, stats):
         masks = {}
         for name, module in ModelAdapter.linear_layers(layer).items():
-            w = weight_matrix(module)
-            ratio = plan.at(index, name)
-            if counts is None or f"{index}.{name}" in personal:
-                masks[name] = select_prune_mask(wanda_scores(w, stats[name].sq_norm), ratio,
-                                                local_group)
+            key = f"layers.{index}.{name}"
+            if key in shared:
+                masks[name] = shared[key]
             else:
-                masks[name] = global_mask(counts[f"layers.{index}.{name}"], ratio, group,
-                                          tie_break, w.detach().cpu())
+                masks[name] = select_prune_mask(
+                    wanda_scores(weight_matrix(module), stats[name].sq_norm),
+                    plan.at(index, name), local_group)
         return masks, None
 
     return walk(model, windows, prune, batch_size=batch_size).masks
+
+
+def masks_by_layer_list(flat: Mapping[str, torch.Tensor], model: nn.Module
+                        ) -> list[dict[str, torch.Tensor]]:
+    """Wire-keyed masks covering every linear layer -> one dict per decoder layer (the form of
+    :func:`~fedcompress.pruning.local.apply_masks`)."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(len(ModelAdapter(model)))]
+    for key, mask in flat.items():
+        _, layer, name = key.split(".", 2)
+        out[int(layer)][name] = mask
+    return out
+
+
+def personal_linears(site: Classification) -> set[str]:
+    """The linear layers (``"<layer>.<name>"``) of the units a site found personalized."""
+    return {lin for unit, lins in site.units.items() if site.classes[unit] == "personalized"
+            for lin in lins}
 
 
 def windows_perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
