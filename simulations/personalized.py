@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     results["seconds"] = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     _report(results, out)
-    _plot(counts, out / "unit-classes.png")
+    pz.plot_unit_classes(counts, out / "unit-classes.png")
 
 
 def _report(results: dict, out: Path) -> None:
@@ -180,25 +180,6 @@ def _report(results: dict, out: Path) -> None:
         lines.append(f"| {unit} | {c['personalized']} | {c['generic']} | {c['others']} | "
                      f"{results['classes']['classes'][unit]} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
-
-
-def _plot(counts: pz.UnitCounts, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    units = list(counts.counts)
-    data = np.array([[counts.counts[u][c] for u in units] for c in pz.CLASSES], dtype=float)
-    fig, ax = plt.subplots(figsize=(max(6, len(units) * 0.25), 2.6))
-    im = ax.imshow(data, aspect="auto", cmap="viridis")
-    ax.set_yticks(range(len(pz.CLASSES)), pz.CLASSES)
-    ax.set_xticks(range(len(units)), units, rotation=90, fontsize=6)
-    ax.set_title("Sites per class, per unit")
-    fig.colorbar(im, ax=ax, label="sites")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -239,3 +239,105 @@ def test_personalized_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
         assert all(v == pytest.approx(0.5, abs=0.04) for v in values), name
     assert len(results["dense"]) == 2 and (out / "report.md").exists()
     assert (out / "unit-classes.png").exists()
+
+
+# -- the method on Flower (in process, and on the Simulation Engine) ---------------------------
+def _settings(tiny_dir, out, **extra) -> dict:
+    return {"model": tiny_dir, "clients": 3, "samples_per_client": 2, "seqlen": 16,
+            "batch_size": 2, "k": 2, "max_iter": 6, "partition": "iid", "sparsity": 0.5,
+            "out": str(out), "device": "cpu", **extra}
+
+
+def _in_process(settings: dict) -> dict:
+    import json
+    from pathlib import Path
+
+    from conftest import InProcessFederation
+
+    from server.personalize import run
+
+    class Federation(InProcessFederation):
+        app = "clients.app"
+
+    run(Federation(settings["clients"]), settings)
+    return json.loads((Path(settings["out"]) / "report.json").read_text())
+
+
+def test_method_in_process_equals_the_library_steps(tiny_dir, tmp_path):
+    """The ClientApp and server pipeline give every site the model the library steps build: the
+    same classes, plan, shared masks and personalized masks (so the same perplexity), and only
+    classes and scores leave a site."""
+    from fedcompress.layers.personalized import classify_units
+    from fedcompress.methods import personalize as pz
+    from fedcompress.methods.fedprllm.federated import MaskAggregator, mask_key
+    from fedcompress.models import load_model
+    from fedcompress.pruning.local import apply_masks
+
+    report = _in_process(_settings(tiny_dir, tmp_path / "run"))
+    assert report["status"] == "ok", report.get("error")
+    rows = report["results"]
+    assert [r["site"] for r in rows] == [0, 1, 2]
+    config = pz.PersonalizeConfig(model=tiny_dir, clients=3, samples_per_client=2, seqlen=16,
+                                  batch_size=2, k=2, max_iter=6, partition="iid")
+    loaded = load_model(tiny_dir, device="cpu")
+    model = loaded.model
+    calib, held = pz.site_windows(config, loaded.tokenizer)
+    sites = [classify_units(model, calib[s], config.classify_config(s)) for s in range(3)]
+    assert report["classes"]["sites"] == {str(100 + s): sites[s].classes for s in range(3)}
+    counts = pz.global_classes([c.classes for c in sites])
+    units = sites[0].units
+    plan = pz.site_classes_plan(units, counts.classes, model, 0.5, config.factors)
+    assert report["global_plan"] == plan.to_dict()
+    voted = MaskAggregator(model, 3)
+    for s in range(3):
+        masks = local_masks(model, calib[s], PruneConfig("wanda", 0.5, "row",
+                                                         layer_sparsity=plan.to_text()), 2)
+        voted.add({mask_key(i, n): m for i, layer in enumerate(masks.masks)
+                   for n, m in layer.items()})
+    for s in range(3):
+        mine = pz.site_classes_plan(units, pz.site_view(sites[s], counts), model, 0.5,
+                                    config.factors)
+        shared = pz.shared_masks(voted.counts(), mine, pz.personal_linears(sites[s]), model)
+        masks = pz.site_masks(model, calib[s], mine, shared, batch_size=2)
+        ppl = pz.windows_perplexity(apply_masks(copy.deepcopy(model), masks), held[s], 2)
+        assert rows[s]["personalized"] == pytest.approx(ppl, rel=1e-6)
+        assert rows[s]["sparsity_personalized"] == pytest.approx(0.5, abs=0.04)
+        assert {"fedprllm", "local-only", "dense"} <= set(rows[s])
+    assert report["rejected"] == []
+
+
+def test_a_site_sending_bad_classes_is_left_out(tiny_dir, tmp_path, monkeypatch):
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
+
+    import clients.personalize as cp
+
+    original = cp.classify
+
+    def liar(message, context):
+        reply = original(message, context)
+        if int(context.node_config["partition-id"]) == 1:
+            reply.content["classes"] = ArrayRecord({"classes": Array(np.array([7], np.uint8))})
+        return reply
+
+    monkeypatch.setattr(cp, "classify", liar)
+    report = _in_process(_settings(tiny_dir, tmp_path / "run", min_clients=2,
+                                   baselines="fedprllm"))
+    assert report["status"] == "ok"
+    assert [r["site"] for r in report["results"]] == [0, 2]
+    assert "class codes of shape (1,)" in report["rejected"][0]["reason"]
+
+
+def test_flower_simulation_runs_the_method(tiny_dir, tmp_path):
+    import json
+
+    from server.simulation import simulate_method
+
+    out = tmp_path / "sim"
+    simulate_method("personalize", _settings(tiny_dir, out, clients=2))
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok" and len(report["results"]) == 2
+    reference = _in_process(_settings(tiny_dir, tmp_path / "ref", clients=2))
+    for got, want in zip(report["results"], reference["results"], strict=True):
+        assert got["personalized"] == pytest.approx(want["personalized"], rel=1e-5)
+    assert (out / "unit-classes.png").exists()

@@ -1,6 +1,7 @@
 """Federated personalized layer pruning (seed 004 made federated; the paper has no federated
-design): the steps as plain functions, used in-process by the benchmark
-(``simulations/personalized.py``).
+design): the settings, the steps as plain functions (used in-process by the benchmark
+``simulations/personalized.py``) and the method's registry entry (its Flower files:
+``clients/personalize.py``, ``strategies/personalize.py``, ``server/personalize.py``).
 
 1. **Classify** (each site, on its private calibration windows): Alg. 1
    (:func:`fedcompress.layers.personalized.classify_units`); the site sends only the class of
@@ -34,27 +35,35 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from fedcompress.config import ServerSettings, Settings, setting
 from fedcompress.layers.personalized import (
     CLASSES,
+    GRANULARITIES,
+    ZERO_MODES,
     Classification,
     ClassifyConfig,
     mean_lm_loss,
     personalized_plan,
 )
-from fedcompress.masks.aggregate import global_mask
+from fedcompress.masks.aggregate import TIE_BREAKS, global_mask
+from fedcompress.methods.base import Method
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan
 from fedcompress.pruning.local import layer_sizes
 from fedcompress.pruning.scores import wanda_scores
-from fedcompress.pruning.select import select_prune_mask
+from fedcompress.pruning.select import GROUPS, select_prune_mask
 from fedcompress.pruning.walker import walk
 
 __all__ = [
     "CLASSES",
+    "METHOD",
+    "PersonalizeConfig",
+    "RunSettings",
     "SparsityPlan",
     "TIE_ORDER",
     "UnitCounts",
@@ -62,6 +71,7 @@ __all__ = [
     "site_classes_plan",
     "masks_by_layer_list",
     "personal_linears",
+    "plot_unit_classes",
     "shared_masks",
     "site_masks",
     "site_view",
@@ -72,6 +82,103 @@ logger = logging.getLogger(__name__)
 
 #: Among equally frequent classes the global class keeps the most weights.
 TIE_ORDER = ("personalized", "others", "generic")
+PARTITIONS = ("iid", "dirichlet")
+#: What each site evaluates next to its personalized model.
+BASELINES = ("dense", "fedprllm", "local-only")
+
+
+@dataclass(frozen=True)
+class PersonalizeConfig(Settings):
+    """One federated personalized-pruning run as the sites see it. Defaults: the embedded
+    SmolLM2, 8 sites with label-skewed text (Dirichlet 0.1 over the given corpora), 4
+    calibration windows of 256 tokens each, 50% sparsity, Alg. 1 with k = 4 units per draw."""
+
+    label: ClassVar[str] = "Personalized pruning"
+
+    model: str = setting("smollm2-135m", "Model spec: embedded name, local directory, .gguf "
+                         "file or hub id.")
+    dtype: str = setting("float32", "Model dtype.", choices=("float32", "bfloat16", "float16"))
+    clients: int = setting(8, "Number of sites.", ge=1)
+    min_clients: int = setting(0, "Fewest valid sites to go on with (0: all).", ge=0)
+    samples_per_client: int = setting(4, "Calibration windows per site (classification and "
+                                      "masks); as many held-out windows of the test split, "
+                                      "of the same source mixture, score its models.", ge=1)
+    seqlen: int = setting(256, "Tokens per window.", ge=2)
+    calib_text: str = setting("wiki", "Corpora of the sites' text ('+' joins several, e.g. "
+                              "wiki+shakespeare+code: label skew over sources).")
+    partition: str = setting("dirichlet", "iid or dirichlet.", choices=PARTITIONS)
+    alpha: float = setting(0.1, "Dirichlet concentration.", gt=0.0)
+    seed: int = setting(0, "Seed of every random choice.", ge=0)
+    sparsity: float = setting(0.5, "Overall sparsity p of every site's model, in [0, 1).",
+                              ge=0.0, lt=1.0)
+    k: int = setting(4, "Units switched off per draw (the paper's Random Number).", ge=1)
+    max_iter: int = setting(32, "Draws of Alg. 1 per site.", ge=1)
+    granularity: str = setting("sublayer", "Unit: sublayer (attention / MLP of a block), "
+                               "linear or layer.", choices=GRANULARITIES)
+    zero: str = setting("weights", "Switch a unit off by zeroing its weights or skipping its "
+                        "outputs.", choices=ZERO_MODES)
+    personalized_factor: float = setting(0.5, "Eq. 4: ratio of a personalized unit as a "
+                                         "fraction of p (before rescaling to p).", ge=0.0)
+    others_factor: float = setting(0.75, "Eq. 4: ratio of an undecided unit as a fraction of "
+                                   "p (generic: 1).", ge=0.0)
+    group: str = setting("layer", "Server's comparison group for the vote.", choices=GROUPS)
+    tie_break: str = setting("magnitude", "Among equal vote counts prune first.",
+                             choices=TIE_BREAKS)
+    batch_size: int = setting(4, "Windows per forward.", ge=1)
+
+    def validate(self) -> None:
+        if self.min_clients > self.clients:
+            raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
+
+    @property
+    def required_clients(self) -> int:
+        return self.min_clients or self.clients
+
+    @property
+    def factors(self) -> dict[str, float]:
+        return {"generic": 1.0, "personalized": self.personalized_factor,
+                "others": self.others_factor}
+
+    def classify_config(self, partition: int) -> ClassifyConfig:
+        return classify_config(self.k, self.max_iter, self.granularity, self.zero, self.seed,
+                               partition, self.batch_size)
+
+    def windows_config(self, split: str):
+        """The FedPrLLM settings whose windows are this run's (``split``: train = calibration,
+        test = held-out; the same per-site source mixture)."""
+        from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+
+        return FedPrLLMConfig(model=self.model, clients=self.clients,
+                              samples_per_client=self.samples_per_client, seqlen=self.seqlen,
+                              partition=self.partition, alpha=self.alpha, seed=self.seed,
+                              calib_text=self.calib_text, calib_split=split)
+
+
+@dataclass(frozen=True)
+class RunSettings(ServerSettings):
+    """How the personalized-pruning ServerApp drives a run (server only)."""
+
+    label: ClassVar[str] = "Personalized pruning server"
+    baseline_names: ClassVar[tuple[str, ...]] = BASELINES
+    baselines: str = setting("dense,fedprllm,local-only", "Comma-separated, evaluated by every "
+                             "site on its held-out windows: dense, fedprllm (uniform FedPrLLM at "
+                             "p), local-only (the site's own Wanda masks at p).")
+    timeout: float = setting(7200.0, "Seconds to wait for the sites' replies of a round.",
+                             gt=0.0)
+
+
+def site_windows(config: PersonalizeConfig, tokenizer, data_path: str | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every site's calibration and held-out windows (``data_path`` overrides the corpora)."""
+    from fedcompress.methods.fedprllm.federated import federation_windows
+
+    calib, sources = federation_windows(tokenizer, config.windows_config("train"), data_path)
+    held, held_sources = federation_windows(tokenizer, config.windows_config("test"),
+                                            data_path)
+    if sources != held_sources:
+        raise ValueError("the held-out windows do not follow the calibration windows' source "
+                         "mixture")
+    return calib, held
 
 
 @dataclass(frozen=True)
@@ -191,3 +298,58 @@ def classify_config(k: int, max_iter: int, granularity: str, zero: str, seed: in
     """A site's Alg. 1 settings: its draws seeded by the run seed and its partition."""
     return ClassifyConfig(k=k, max_iter=max_iter, granularity=granularity, zero=zero,
                           seed=seed * 1_000_003 + partition, batch_size=batch_size)
+
+
+def plot_unit_classes(counts: UnitCounts, path) -> None:
+    """A heat map of how many sites put each unit in each class (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    units = list(counts.counts)
+    data = np.array([[counts.counts[u][c] for u in units] for c in CLASSES], dtype=float)
+    fig, ax = plt.subplots(figsize=(max(6, len(units) * 0.25), 2.6))
+    im = ax.imshow(data, aspect="auto", cmap="viridis")
+    ax.set_yticks(range(len(CLASSES)), CLASSES)
+    ax.set_xticks(range(len(units)), units, rotation=90, fontsize=6)
+    ax.set_title("Sites per class, per unit")
+    fig.colorbar(im, ax=ax, label="sites")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+    """The CLI's table: each site's held-out perplexity per model."""
+    rows = report.get("results", [])
+    names = [k for k in ("personalized", "fedprllm", "local-only", "dense")
+             if any(k in r for r in rows)]
+    table = [[str(r["site"])] + [f"{r[n]:.2f}" if n in r else "-" for n in names]
+             for r in rows]
+    notes = []
+    if "wins" in report:
+        notes.append(f"personalized beats uniform FedPrLLM on {report['wins']} of "
+                     f"{len(rows)} sites")
+    return "fedcompress personalize", ["site", *names], table, notes
+
+
+METHOD = Method(
+    name="personalize",
+    command="personalize",
+    help="Federated personalized layer pruning on Flower's Simulation Engine: sites classify "
+         "the model's units on their private text (seed 004, Alg. 1) and send only the "
+         "classes; the server votes FedPrLLM masks at the global plan; each site keeps local "
+         "masks on its personalized layers; per-site held-out perplexity against uniform "
+         "FedPrLLM and local-only pruning; a report.",
+    settings=(PersonalizeConfig, RunSettings),
+    actions={"query.classify": "classify", "train.plan_masks": "plan_masks",
+             "query.personalize": "personalize"},
+    message_keys={"config": "config", "classes": "classes", "plan": "plan", "masks": "masks",
+                  "uniform": "uniform", "shared": "shared", "metrics": "metrics",
+                  "state": "personalize"},
+    client_module="clients.personalize",
+    server_module="server.personalize",
+    summary=summary,
+)
