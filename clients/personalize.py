@@ -24,6 +24,7 @@ import copy
 import functools
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -128,7 +129,16 @@ def personalize(message: Message, context: Context) -> Message:
     if set(shared) != expected:
         raise ValueError(f"shared masks for {len(shared)} layers, expected every layer outside "
                          f"this site's {len(personal)} personalized ones ({len(expected)})")
-    metrics: dict = {"partition": partition, "personal_linears": len(personal)}
+    data_path = context.node_config.get("data-path")
+    # a single file serves every split (fedcompress.data.corpora): its "held-out" windows are
+    # cut from the training text; a directory with train and test files keeps them apart
+    separate = data_path is None or Path(str(data_path)).is_dir()
+    if not separate:
+        logger.warning("data-path %s is one file: the held-out windows come from the same "
+                       "text as the calibration windows (give a directory with train.jsonl "
+                       "and test.jsonl)", data_path)
+    metrics: dict = {"partition": partition, "personal_linears": len(personal),
+                     "heldout_separate": int(separate)}
     models = {"personalized": pz.site_masks(model, calib, plan, shared, "row",
                                             config.batch_size)}
     if "uniform" in message.content:

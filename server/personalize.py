@@ -63,6 +63,12 @@ def _run(grid: Grid, config: pz.PersonalizeConfig, server: pz.RunSettings,
         row = {"name": f"site-{int(m['partition'])}", "site": int(m["partition"]),
                **{k: v for k, v in m.items() if k not in ("stage", "round", "partition")}}
         report.add_result(row)
+    shared_text = sorted(int(m["partition"]) for m in scores if not m.get("heldout_separate", 1))
+    if shared_text:
+        report.sections.append(("Held-out text", (
+            f"Sites {shared_text} gave one file as data-path: their held-out windows come from "
+            "the same text as their calibration windows, so their perplexities are not on "
+            "unseen text. Give each site a directory with train.jsonl and test.jsonl.")))
     if "fedprllm" in baselines:
         report.extra["wins"] = sum(1 for m in scores if m["personalized"] < m["fedprllm"])
     report.extra["sites"] = strategy.outcome.client_metrics

@@ -316,3 +316,43 @@ def load_tool(name: str):
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def personalize_tiny_settings(model_dir, out, clients: int = 3, **extra) -> dict:
+    """Small personalized-pruning settings on the tiny model (iid sites, 6 draws of 2 units)."""
+    return {"model": str(model_dir), "clients": clients, "samples_per_client": 2, "seqlen": 16,
+            "batch_size": 2, "k": 2, "max_iter": 6, "partition": "iid", "sparsity": 0.5,
+            "out": str(out), "device": "cpu", **extra}
+
+
+def personalize_in_process(settings: dict, node_configs: list[dict] | None = None) -> dict:
+    """The personalized-pruning ServerApp's pipeline with the one ClientApp's handlers called in
+    this process (no Flower runtime): the reference a Flower run must equal. ``node_configs``:
+    each site's node config (a deployed site's ``data-path``)."""
+    import json
+    from pathlib import Path
+
+    from server.personalize import run
+
+    class Federation(InProcessFederation):
+        app = "clients.app"
+
+        def __init__(self, n: int):
+            super().__init__(n)
+            for context, node_config in zip(self.contexts.values(), node_configs or []):
+                context.node_config.update(node_config)
+
+    run(Federation(settings["clients"]), settings)
+    return json.loads((Path(settings["out"]) / "report.json").read_text())
+
+
+def same_personalize_result(report: dict, reference: dict) -> None:
+    """Two personalized-pruning reports agree on what a run decides: the class counts, the
+    global plan, every site's perplexities."""
+    assert report["status"] == reference["status"] == "ok"
+    assert report["classes"]["counts"] == reference["classes"]["counts"]
+    assert report["global_plan"] == reference["global_plan"]
+    keys = ("site", "personalized", "fedprllm", "local-only", "dense")
+    for got, want in zip(report["results"], reference["results"], strict=True):
+        assert {k: got.get(k) for k in keys} == pytest.approx({k: want.get(k) for k in keys},
+                                                              rel=1e-5)

@@ -434,6 +434,29 @@ def test_deployed_privytune_equals_in_process(deployments, tiny_model_dir, tmp_p
     same_privytune_result(report, reference)
 
 
+def test_deployed_personalize_equals_in_process(deployments, tiny_model_dir, tmp_path):
+    """Personalized pruning on the same deployment: each site's classes, masks at the global
+    plan and its personalized model's scores; equal to the in-process pipeline."""
+    from conftest import (
+        personalize_in_process,
+        personalize_tiny_settings,
+        same_personalize_result,
+    )
+
+    dep = deployments["full"]
+    dep.result.result()  # one run at a time on this SuperLink
+    settings = personalize_tiny_settings(tiny_model_dir, dep.root / "personalize",
+                                         clients=CLIENTS)
+    run, log = dep.run(settings, method="personalize")
+    assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"
+    report = json.loads((dep.root / "personalize" / "report.json").read_text())
+    assert report["rejected"] == [], report["rejected"]
+    assert sorted(int(n) for n in report["classes"]["sites"]) == sorted(dep.node_ids)
+    reference = personalize_in_process({**settings, "out": str(dep.root / "personalize-ref")},
+                                       [dep.node_config(i) for i in range(CLIENTS)])
+    same_personalize_result(report, reference)
+
+
 def test_tls_and_registered_nodes(deployments):
     """TLS with our CA (the SuperLink certificate's names) and the 3 registered nodes online."""
     from cryptography import x509

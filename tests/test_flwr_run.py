@@ -241,6 +241,32 @@ def test_flwr_run_privytune_equals_in_process(tiny_model_dir, flwr_env, tmp_path
 
 
 @pytest.mark.simulation
+def test_flwr_run_personalize_equals_in_process(tiny_model_dir, flwr_env, tmp_path):
+    from conftest import (
+        personalize_in_process,
+        personalize_tiny_settings,
+        same_personalize_result,
+    )
+
+    reference = personalize_in_process(personalize_tiny_settings(
+        tiny_model_dir, tmp_path / "reference", clients=2))
+    settings = personalize_tiny_settings(tiny_model_dir, tmp_path / "out", clients=2)
+    run_config = 'method="personalize" ' + " ".join(
+        f"personalize.{k.replace('_', '-')}={json.dumps(v)}" for k, v in settings.items())
+    flwr = str(Path(sys.executable).parent / "flwr")
+    proc = subprocess.run(
+        [flwr, "run", ".", "--federation-config",
+         "num-supernodes=2 client-resources-num-cpus=1", "--run-config", run_config,
+         "--stream"], cwd=REPO, env=flwr_env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert _only_run_status(flwr, flwr_env, log) == "finished:completed"
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["rejected"] == []
+    same_personalize_result(report, reference)
+
+
+@pytest.mark.simulation
 def test_flwr_run_refuses_another_methods_setting(tiny_model_dir, flwr_env, tmp_path):
     flwr = str(Path(sys.executable).parent / "flwr")
     proc = subprocess.run(

@@ -243,24 +243,15 @@ def test_personalized_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
 
 # -- the method on Flower (in process, and on the Simulation Engine) ---------------------------
 def _settings(tiny_dir, out, **extra) -> dict:
-    return {"model": tiny_dir, "clients": 3, "samples_per_client": 2, "seqlen": 16,
-            "batch_size": 2, "k": 2, "max_iter": 6, "partition": "iid", "sparsity": 0.5,
-            "out": str(out), "device": "cpu", **extra}
+    from conftest import personalize_tiny_settings
+
+    return personalize_tiny_settings(tiny_dir, out, **extra)
 
 
 def _in_process(settings: dict) -> dict:
-    import json
-    from pathlib import Path
+    from conftest import personalize_in_process
 
-    from conftest import InProcessFederation
-
-    from server.personalize import run
-
-    class Federation(InProcessFederation):
-        app = "clients.app"
-
-    run(Federation(settings["clients"]), settings)
-    return json.loads((Path(settings["out"]) / "report.json").read_text())
+    return personalize_in_process(settings)
 
 
 def test_method_in_process_equals_the_library_steps(tiny_dir, tmp_path):
@@ -337,7 +328,8 @@ def test_flower_simulation_runs_the_method(tiny_dir, tmp_path):
     simulate_method("personalize", _settings(tiny_dir, out, clients=2))
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "ok" and len(report["results"]) == 2
-    reference = _in_process(_settings(tiny_dir, tmp_path / "ref", clients=2))
-    for got, want in zip(report["results"], reference["results"], strict=True):
-        assert got["personalized"] == pytest.approx(want["personalized"], rel=1e-5)
+    from conftest import same_personalize_result
+
+    same_personalize_result(report, _in_process(_settings(tiny_dir, tmp_path / "ref",
+                                                           clients=2)))
     assert (out / "unit-classes.png").exists()
