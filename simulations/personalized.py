@@ -26,6 +26,7 @@ import argparse
 import copy
 import json
 import logging
+import math
 import shlex
 import sys
 import time
@@ -73,7 +74,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="simulations/results/personalized")
+    parser.add_argument("--render", action="store_true",
+                        help="only write report.md and the plot from OUT/results.json")
     args = parser.parse_args(argv)
+    if args.render:
+        stored = json.loads((Path(args.out) / "results.json").read_text())
+        _report(stored, Path(args.out))
+        pz.plot_unit_classes(pz.UnitCounts(stored["classes"]["counts"],
+                                           stored["classes"]["classes"]),
+                             Path(args.out) / "unit-classes.png")
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     results["classes"] = {"sites": [c.to_dict() for c in classifications],
                           **counts.to_dict()}
 
+    errors: list[dict] = []
+    results["errors"] = errors
     for p in args.sparsities:
         logger.info("sparsity %.2f", p)
         row: dict = {m: [] for m in ("local-only", "fedprllm", "seed004-local",
@@ -130,19 +142,33 @@ def main(argv: list[str] | None = None) -> None:
         for s in sites:
             c = classifications[s]
             personal = pz.personal_linears(c)
-            own = pz.site_classes_plan(units, c.classes, model, p)
-            fed = pz.site_classes_plan(units, pz.site_view(c, counts), model, p)
-            shared = pz.shared_masks(voted_counts, fed, personal, model, args.group)
-            for name, masks in (
-                    ("local-only", local[s]), ("fedprllm", uniform_masks),
-                    ("seed004-local", pz.site_masks(model, calib[s], own, None,
-                                                    batch_size=args.batch_size)),
-                    ("personalized", pz.site_masks(model, calib[s], fed, shared,
-                                                   batch_size=args.batch_size))):
-                ppl, achieved = _score(model, masks, held[s], args.batch_size)
+            plans = {}
+            for name, classes in (("seed004-local", c.classes),
+                                  ("personalized", pz.site_view(c, counts))):
+                try:
+                    plans[name] = pz.site_classes_plan(units, classes, model, p)
+                except ValueError as err:  # Eq. 4 cannot reach p for this site: recorded
+                    errors.append({"sparsity": p, "site": s, "method": name,
+                                   "error": str(err)})
+            candidates = {"local-only": local[s], "fedprllm": uniform_masks}
+            if "seed004-local" in plans:
+                candidates["seed004-local"] = pz.site_masks(
+                    model, calib[s], plans["seed004-local"], None, batch_size=args.batch_size)
+            if "personalized" in plans:
+                candidates["personalized"] = pz.site_masks(
+                    model, calib[s], plans["personalized"],
+                    pz.shared_masks(voted_counts, plans["personalized"], personal, model,
+                                    args.group), batch_size=args.batch_size)
+            for name in row:
+                if name not in candidates:
+                    row[name].append(float("nan"))
+                    sparsity[name].append(float("nan"))
+                    continue
+                ppl, achieved = _score(model, candidates[name], held[s], args.batch_size)
                 row[name].append(ppl)
                 sparsity[name].append(achieved)
-        wins = sum(a < b for a, b in zip(row["personalized"], row["fedprllm"]))
+        wins = sum(a < b for a, b in zip(row["personalized"], row["fedprllm"])
+                   if not math.isnan(a))
         results["sparsities"][str(p)] = {"perplexity": row, "sparsity": sparsity,
                                          "global_plan": plan.to_dict(),
                                          "personalized_beats_fedprllm": wins}
@@ -154,8 +180,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _report(results: dict, out: Path) -> None:
+    total = (f"{results['seconds'] / 60:.1f} min; " if "seconds" in results
+             else "did not finish: the sparsities below are those it completed; ")
     lines = ["# Federated personalized layer pruning, per site", "",
-             f"Command: `{results['command']}` ({results['seconds'] / 60:.1f} min; "
+             f"Command: `{results['command']}` ({total}"
              f"classification {results['classify_seconds']:.0f} s).", "",
              "Perplexity of each site's own held-out windows (lower is better).", ""]
     for p, data in results["sparsities"].items():
@@ -167,12 +195,17 @@ def _report(results: dict, out: Path) -> None:
         for s, dense in enumerate(results["dense"]):
             src = ", ".join(f"{k} {v}" for k, v in results["sources"][s].items())
             lines.append(f"| {s} | {src} | {dense:.2f} | "
-                         + " | ".join(f"{ppl[n][s]:.2f}" for n in names) + " |")
+                         + " | ".join(f"{ppl[n][s]:.2f}" if ppl[n][s] == ppl[n][s] else "-"
+                                      for n in names) + " |")
         lines += ["", "Achieved sparsity (mean over sites): "
-                  + ", ".join(f"{n} {np.mean(sp[n]):.4f}" for n in names) + ".",
+                  + ", ".join(f"{n} {np.nanmean(sp[n]):.4f}" for n in names) + ".",
                   f"Personalized beats uniform FedPrLLM on "
                   f"{data['personalized_beats_fedprllm']} of {len(results['dense'])} sites.",
                   ""]
+    for error in results.get("errors", []):
+        lines.append(f"- sparsity {error['sparsity']}, site {error['site']}, "
+                     f"{error['method']}: {error['error']}")
+    lines.append("")
     counts = results["classes"]["counts"]
     lines += ["## Global classes", "", "| unit | personalized | generic | others | global |",
               "|---|---|---|---|---|"]
