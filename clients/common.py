@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import transformers
 
@@ -17,3 +19,26 @@ def cached_model(spec: str, dtype: str):
     """``(model, tokenizer)`` of ``spec``, loaded once per process; callers never mutate it."""
     loaded = load_model(spec, device=None, dtype=dtype)
     return loaded.model, loaded.tokenizer
+
+
+T = TypeVar("T")
+
+
+def site_partition(context: Any, clients: int) -> int:
+    """This node's ``partition-id`` (its SuperNode ``--node-config``), checked against the
+    run's number of sites."""
+    partition = int(context.node_config.get("partition-id", -1))
+    if not 0 <= partition < clients:
+        raise ValueError(f"node partition-id {partition} is outside [0, {clients})")
+    return partition
+
+
+def with_data_path(context: Any, load: Callable[[str | None], T]) -> T:
+    """``load(data_path)`` with this node's ``data-path`` (None: the run's corpora); a path
+    that cannot be used is an error naming it."""
+    data_path = context.node_config.get("data-path")
+    try:
+        return load(data_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"this site's data-path {data_path!r} (SuperNode --node-config) "
+                         f"cannot be used: {err}") from err

@@ -21,7 +21,7 @@ import time
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
-from clients.common import cached_model
+from clients.common import cached_model, site_partition, with_data_path
 from fedcompress.masks.stats import flatten_masks
 from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig,
@@ -49,16 +49,9 @@ _KWARGS: dict[tuple, list[dict]] = {}
 
 def _setup(message: Message, context: Context):
     config = FedPrLLMConfig.from_dict(dict(message.content["config"]))
-    partition = int(context.node_config.get("partition-id", -1))
-    if not 0 <= partition < config.clients:
-        raise ValueError(f"node partition-id {partition} is outside [0, {config.clients})")
+    partition = site_partition(context, config.clients)
     model, _ = cached_model(config.model, config.dtype)
-    data_path = context.node_config.get("data-path")
-    try:
-        windows = _windows(config, data_path)[partition]
-    except (OSError, ValueError) as err:
-        raise ValueError(f"this site's data-path {data_path!r} (SuperNode --node-config) "
-                         f"cannot be used: {err}") from err
+    windows = with_data_path(context, lambda path: _windows(config, path))[partition]
     return config, partition, model, windows
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
-from clients.common import cached_model
+from clients.common import cached_model, site_partition, with_data_path
 from fedcompress.layers.personalized import CLASSES, classify_units, units_of
 from fedcompress.methods import personalize as pz
 from fedcompress.methods.fedprllm.federated import decode_masks, encode_masks, expected_shapes
@@ -56,16 +56,9 @@ def _windows(config: pz.PersonalizeConfig, data_path: str | None):
 
 def _setup(message: Message, context: Context):
     config = pz.PersonalizeConfig.from_dict(dict(message.content["config"]))
-    partition = int(context.node_config.get("partition-id", -1))
-    if not 0 <= partition < config.clients:
-        raise ValueError(f"node partition-id {partition} is outside [0, {config.clients})")
+    partition = site_partition(context, config.clients)
     model, _ = cached_model(config.model, config.dtype)
-    data_path = context.node_config.get("data-path")
-    try:
-        calib, held = _windows(config, data_path)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"this site's data-path {data_path!r} (SuperNode --node-config) "
-                         f"cannot be used: {err}") from err
+    calib, held = with_data_path(context, lambda path: _windows(config, path))
     return config, partition, model, calib[partition], held[partition]
 
 
