@@ -8,8 +8,8 @@ declares (``fedcompress.methods.personalize.METHOD.actions``):
   leaves (``classes``: one uint8 code per unit, in model order); the site keeps them in its
   Flower context state for the last round.
 * ``train.plan_masks``: the global plan (``plan``); the site's local Wanda masks at it
-  (bit-packed, ``masks``) and, for the uniform FedPrLLM baseline, at the uniform ratio
-  (``uniform``).
+  (bit-packed, ``masks``) and, only when a baseline needs them, at the uniform ratio: sent for
+  the uniform FedPrLLM vote (``uniform``), kept in the context state as the local-only model.
 * ``query.personalize``: this site's plan and the global masks of every layer outside its
   personalized units (``shared``), and the uniform vote's masks (``uniform``); the site prunes
   its personalized layers with local masks in one walker pass, scores every model on its
@@ -46,6 +46,7 @@ from fedcompress.pruning.local import (
 logger = logging.getLogger(__name__)
 
 STATE = "personalize"
+LOCAL = "personalize-local"  # this site's own masks at the uniform ratio (local-only)
 
 
 @functools.lru_cache(maxsize=4)
@@ -78,16 +79,25 @@ def classify(message: Message, context: Context) -> Message:
 
 
 def plan_masks(message: Message, context: Context) -> Message:
-    """This site's local Wanda masks at the global plan (and at the uniform ratio)."""
+    """This site's local Wanda masks at the global plan and, when a baseline needs them, at the
+    uniform ratio (sent for the uniform FedPrLLM vote; kept in the context state as the
+    local-only model: one pass serves both)."""
     config, partition, model, calib, _ = _setup(message, context)
     start = time.perf_counter()
-    plan = str(message.content["plan"]["layer_sparsity"])
+    plan = message.content["plan"]
     content = RecordDict()
-    for key, layer_sparsity in (("masks", plan), ("uniform", "")):
+    wanted = [("masks", str(plan["layer_sparsity"]))]
+    if plan.get("uniform", False) or plan.get("local-only", False):
+        wanted.append(("uniform", ""))
+    for key, layer_sparsity in wanted:
         result = local_masks(model, calib, PruneConfig("wanda", config.sparsity, "row",
                                                        layer_sparsity=layer_sparsity),
                              batch_size=config.batch_size)
-        content[key] = ArrayRecord({k: Array(v) for k, v in encode_masks(result.masks).items()})
+        record = ArrayRecord({k: Array(v) for k, v in encode_masks(result.masks).items()})
+        if key == "masks" or plan.get("uniform", False):
+            content[key] = record
+        if key == "uniform" and plan.get("local-only", False):
+            context.state[LOCAL] = record
     content["metrics"] = MetricRecord({"seconds": time.perf_counter() - start,
                                        "partition": partition})
     return Message(content, reply_to=message)
@@ -138,9 +148,11 @@ def personalize(message: Message, context: Context) -> Message:
         uniform = _unpack(message.content["uniform"], model, SparsityPlan(config.sparsity))
         models["fedprllm"] = pz.masks_by_layer_list(uniform, model)
     if message.content["plan"].get("local-only", False):
-        models["local-only"] = local_masks(model, calib, PruneConfig("wanda", config.sparsity,
-                                                                     "row"),
-                                           batch_size=config.batch_size).masks
+        if LOCAL not in context.state:
+            raise RuntimeError("local-only asked, but this site kept no masks at the uniform "
+                               "ratio: did it miss the masks round?")
+        own = _unpack(context.state[LOCAL], model, SparsityPlan(config.sparsity))
+        models["local-only"] = pz.masks_by_layer_list(own, model)
     for name, masks in models.items():
         pruned = apply_masks(copy.deepcopy(model), masks)
         metrics[name] = pz.windows_perplexity(pruned, held, config.batch_size)

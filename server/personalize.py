@@ -54,11 +54,11 @@ def _run(grid: Grid, config: pz.PersonalizeConfig, server: pz.RunSettings,
     report.extra["global_plan"] = plan.to_dict()
     report.write()
     with report.phase("masks"):
-        voted, uniform = strategy.collect_masks(grid, list(sites), plan, server.timeout)
+        voted, uniform = strategy.collect_masks(grid, list(sites), plan, baselines,
+                                                server.timeout)
     with report.phase("personalize"):
-        scores = strategy.personalize(grid, sites, counts, voted,
-                                      uniform if "fedprllm" in baselines else None,
-                                      baselines, server.timeout)
+        scores = strategy.personalize(grid, sites, counts, voted, uniform, baselines,
+                                      server.timeout)
     for m in sorted(scores, key=lambda m: m["partition"]):
         row = {"name": f"site-{int(m['partition'])}", "site": int(m["partition"]),
                **{k: v for k, v in m.items() if k not in ("stage", "round", "partition")}}

@@ -21,13 +21,12 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedcompress.layers.personalized import CLASSES, Classification, units_of
+from fedcompress.masks.codec import encode_mask
 from fedcompress.methods import personalize as pz
 from fedcompress.methods.fedprllm.federated import (
     MaskAggregator,
     check_payload,
-    encode_masks,
     expected_shapes,
-    masks_by_layer,
 )
 from fedcompress.pruning.allocation import SparsityPlan
 from strategies.common import RecordsReplies, StrategyOutcome, settings_record
@@ -79,26 +78,33 @@ class PersonalizeServer(RecordsReplies):
         valid = self._keep("classify", 1, replies, validate, what="classes")
         return {reply.metadata.src_node_id: c for reply, c in valid}
 
-    def collect_masks(self, grid: Grid, nodes: list[int], plan: SparsityPlan, timeout: float
-                      ) -> tuple[MaskAggregator, MaskAggregator]:
-        """Round 2: the sites' masks at the global plan and at the uniform ratio, summed."""
+    def collect_masks(self, grid: Grid, nodes: list[int], plan: SparsityPlan,
+                      baselines: list[str], timeout: float
+                      ) -> tuple[MaskAggregator, MaskAggregator | None]:
+        """Round 2: the sites' masks at the global plan, summed; and at the uniform ratio
+        (the uniform FedPrLLM vote) when that baseline is asked for, else None. A site keeps
+        its uniform masks as its local-only model when that baseline is asked for."""
+        uniform_wanted = "fedprllm" in baselines
         content = RecordDict({"config": settings_record(self.config),
-                              "plan": ConfigRecord({"layer_sparsity": plan.to_text()})})
+                              "plan": ConfigRecord({"layer_sparsity": plan.to_text(),
+                                                    "uniform": uniform_wanted,
+                                                    "local-only": "local-only" in baselines})})
         replies = self._send(grid, {n: content for n in nodes}, "train.plan_masks", timeout)
-        uniform = SparsityPlan(self.config.sparsity)
+        targets = [("masks", plan)]
+        if uniform_wanted:
+            targets.append(("uniform", SparsityPlan(self.config.sparsity)))
 
-        def validate(reply: Message) -> tuple[dict, dict]:
-            return tuple(check_payload({k: a.numpy() for k, a in reply.content[key].items()},
-                                       self.shapes, target, tolerance=0.02)
-                         for key, target in (("masks", plan), ("uniform", uniform)))
+        def validate(reply: Message) -> list[dict]:
+            return [check_payload({k: a.numpy() for k, a in reply.content[key].items()},
+                                  self.shapes, target, tolerance=0.02)
+                    for key, target in targets]
 
         valid = self._keep("masks", 2, replies, validate, what="masks")
-        voted = MaskAggregator(self.model, len(valid))
-        flat = MaskAggregator(self.model, len(valid))
-        for _, (masks, uniform_masks) in valid:
-            voted.add_packed(masks)
-            flat.add_packed(uniform_masks)
-        return voted, flat
+        votes = [MaskAggregator(self.model, len(valid)) for _ in targets]
+        for _, payloads in valid:
+            for aggregator, payload in zip(votes, payloads):
+                aggregator.add_packed(payload)
+        return votes[0], (votes[1] if uniform_wanted else None)
 
     def personalize(self, grid: Grid, sites: dict[int, Classification], counts: pz.UnitCounts,
                     voted: MaskAggregator, uniform: MaskAggregator | None, baselines: list[str],
@@ -144,8 +150,5 @@ class PersonalizeServer(RecordsReplies):
 
 
 def _record(masks) -> ArrayRecord:
-    by_layer = masks_by_layer(dict(masks))
-    packed = {}
-    for layer, named in sorted(by_layer.items()):
-        packed.update(encode_masks([named], first_layer=layer))
-    return ArrayRecord({k: Array(v) for k, v in packed.items()})
+    """Wire-keyed bool masks, bit-packed, as a message record."""
+    return ArrayRecord({k: Array(encode_mask(m)) for k, m in masks.items()})

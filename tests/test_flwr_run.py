@@ -212,6 +212,24 @@ def test_flwr_run_ppcgpt_equals_in_process(tiny_model_dir, flwr_env, tmp_path, o
     same_ppcgpt_result(report, reference)
 
 
+def _flwr_run_method(method: str, settings: dict, flwr_env, out) -> dict:
+    """``flwr run .`` of ``method`` with ``settings`` on 2 simulated SuperNodes; its report
+    (the run completed, no site rejected)."""
+    run_config = f'method="{method}" ' + " ".join(
+        f"{method}.{k.replace('_', '-')}={json.dumps(v)}" for k, v in settings.items())
+    flwr = str(Path(sys.executable).parent / "flwr")
+    proc = subprocess.run(
+        [flwr, "run", ".", "--federation-config",
+         "num-supernodes=2 client-resources-num-cpus=1", "--run-config", run_config,
+         "--stream"], cwd=REPO, env=flwr_env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert _only_run_status(flwr, flwr_env, log) == "finished:completed"
+    report = json.loads((out / "report.json").read_text())
+    assert report["rejected"] == []
+    return report
+
+
 @pytest.mark.simulation
 def test_flwr_run_privytune_equals_in_process(tiny_model_dir, flwr_env, tmp_path):
     from conftest import (
@@ -225,18 +243,7 @@ def test_flwr_run_privytune_equals_in_process(tiny_model_dir, flwr_env, tmp_path
     reference = privytune_in_process(privytune_tiny_settings(tiny_model_dir, task,
                                                              tmp_path / "reference"))
     settings = privytune_tiny_settings(tiny_model_dir, task, tmp_path / "out")
-    run_config = 'method="privytune" ' + " ".join(
-        f"privytune.{k.replace('_', '-')}={json.dumps(v)}" for k, v in settings.items())
-    flwr = str(Path(sys.executable).parent / "flwr")
-    proc = subprocess.run(
-        [flwr, "run", ".", "--federation-config",
-         "num-supernodes=2 client-resources-num-cpus=1", "--run-config", run_config,
-         "--stream"], cwd=REPO, env=flwr_env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    assert _only_run_status(flwr, flwr_env, log) == "finished:completed"
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["rejected"] == []
+    report = _flwr_run_method("privytune", settings, flwr_env, tmp_path / "out")
     same_privytune_result(report, reference)
 
 
@@ -251,18 +258,7 @@ def test_flwr_run_personalize_equals_in_process(tiny_model_dir, flwr_env, tmp_pa
     reference = personalize_in_process(personalize_tiny_settings(
         tiny_model_dir, tmp_path / "reference", clients=2))
     settings = personalize_tiny_settings(tiny_model_dir, tmp_path / "out", clients=2)
-    run_config = 'method="personalize" ' + " ".join(
-        f"personalize.{k.replace('_', '-')}={json.dumps(v)}" for k, v in settings.items())
-    flwr = str(Path(sys.executable).parent / "flwr")
-    proc = subprocess.run(
-        [flwr, "run", ".", "--federation-config",
-         "num-supernodes=2 client-resources-num-cpus=1", "--run-config", run_config,
-         "--stream"], cwd=REPO, env=flwr_env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    assert _only_run_status(flwr, flwr_env, log) == "finished:completed"
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["rejected"] == []
+    report = _flwr_run_method("personalize", settings, flwr_env, tmp_path / "out")
     same_personalize_result(report, reference)
 
 

@@ -294,7 +294,30 @@ def test_method_in_process_equals_the_library_steps(tiny_dir, tmp_path):
         assert rows[s]["personalized"] == pytest.approx(ppl, rel=1e-6)
         assert rows[s]["sparsity_personalized"] == pytest.approx(0.5, abs=0.04)
         assert {"fedprllm", "local-only", "dense"} <= set(rows[s])
+        own = local_masks(model, calib[s], PruneConfig("wanda", 0.5, "row"), 2).masks
+        assert rows[s]["local-only"] == pytest.approx(pz.windows_perplexity(
+            apply_masks(copy.deepcopy(model), own), held[s], 2), rel=1e-6)
     assert report["rejected"] == []
+
+
+def test_only_the_asked_baselines_are_computed(tiny_dir, tmp_path, monkeypatch):
+    """Without the fedprllm and local-only baselines a site makes one pass at the global plan
+    (no masks at the uniform ratio) and reports only what was asked."""
+    import clients.personalize as cp
+
+    passes = []
+    original = cp.local_masks
+
+    def counting(model, windows, config, **kwargs):
+        passes.append(config.layer_sparsity != "")
+        return original(model, windows, config, **kwargs)
+
+    monkeypatch.setattr(cp, "local_masks", counting)
+    report = _in_process(_settings(tiny_dir, tmp_path / "run", baselines="dense"))
+    assert report["status"] == "ok"
+    assert passes == [True] * 3  # one pass per site, at the global plan
+    for row in report["results"]:
+        assert "dense" in row and "fedprllm" not in row and "local-only" not in row
 
 
 def test_a_site_sending_bad_classes_is_left_out(tiny_dir, tmp_path, monkeypatch):

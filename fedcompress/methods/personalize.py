@@ -52,6 +52,7 @@ from fedcompress.layers.personalized import (
 )
 from fedcompress.masks.aggregate import TIE_BREAKS, global_mask
 from fedcompress.methods.base import Method
+from fedcompress.methods.fedprllm.config import PARTITIONS
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan
 from fedcompress.pruning.local import layer_sizes
@@ -82,7 +83,6 @@ logger = logging.getLogger(__name__)
 
 #: Among equally frequent classes the global class keeps the most weights.
 TIE_ORDER = ("personalized", "others", "generic")
-PARTITIONS = ("iid", "dirichlet")
 #: What each site evaluates next to its personalized model.
 BASELINES = ("dense", "fedprllm", "local-only")
 
@@ -273,13 +273,12 @@ def site_masks(model: nn.Module, windows: torch.Tensor, plan: SparsityPlan,
 
 def masks_by_layer_list(flat: Mapping[str, torch.Tensor], model: nn.Module
                         ) -> list[dict[str, torch.Tensor]]:
-    """Wire-keyed masks covering every linear layer -> one dict per decoder layer (the form of
+    """Wire-keyed masks -> one dict per decoder layer of ``model`` (the form of
     :func:`~fedcompress.pruning.local.apply_masks`)."""
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(len(ModelAdapter(model)))]
-    for key, mask in flat.items():
-        _, layer, name = key.split(".", 2)
-        out[int(layer)][name] = mask
-    return out
+    from fedcompress.methods.fedprllm.federated import masks_by_layer
+
+    by_layer = masks_by_layer(dict(flat))
+    return [by_layer.get(i, {}) for i in range(len(ModelAdapter(model)))]
 
 
 def personal_linears(site: Classification) -> set[str]:
