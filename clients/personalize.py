@@ -36,7 +36,6 @@ from fedcompress.methods import personalize as pz
 from fedcompress.methods.fedprllm.federated import decode_masks, encode_masks, expected_shapes
 from fedcompress.pruning.allocation import SparsityPlan
 from fedcompress.pruning.local import (
-    PruneConfig,
     apply_masks,
     layer_sizes,
     local_masks,
@@ -90,8 +89,7 @@ def plan_masks(message: Message, context: Context) -> Message:
     if plan.get("uniform", False) or plan.get("local-only", False):
         wanted.append(("uniform", ""))
     for key, layer_sparsity in wanted:
-        result = local_masks(model, calib, PruneConfig("wanda", config.sparsity, "row",
-                                                       layer_sparsity=layer_sparsity),
+        result = local_masks(model, calib, config.prune_config(layer_sparsity),
                              batch_size=config.batch_size)
         record = ArrayRecord({k: Array(v) for k, v in encode_masks(result.masks).items()})
         if key == "masks" or plan.get("uniform", False):
@@ -143,7 +141,7 @@ def personalize(message: Message, context: Context) -> Message:
     metrics: dict = {"partition": partition, "personal_linears": len(personal),
                      "heldout_separate": int(separate)}
     models = {"personalized": pz.site_masks(model, calib, plan, shared, "row",
-                                            config.batch_size)}
+                                            config.batch_size, config.importance)}
     if "uniform" in message.content:
         uniform = _unpack(message.content["uniform"], model, SparsityPlan(config.sparsity))
         models["fedprllm"] = pz.masks_by_layer_list(uniform, model)

@@ -35,14 +35,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcompress.layers.personalized import classify_units, units_of
+from fedcompress.layers.personalized import Classification, classify_units, units_of
 from fedcompress.methods import personalize as pz
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from fedcompress.methods.fedprllm.federated import MaskAggregator, federation_windows, mask_key
 from fedcompress.models import load_model
-from fedcompress.pruning.local import PruneConfig, apply_masks, local_masks, sparsity_report
+from fedcompress.pruning.local import apply_masks, local_masks, sparsity_report
 
 logger = logging.getLogger("personalized")
+
+#: The models a site can score at each sparsity (module docstring).
+METHODS = ("local-only", "fedprllm", "seed004-local", "personalized")
 
 
 def _flat(masks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -71,6 +74,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--granularity", default="sublayer")
     parser.add_argument("--zero", default="weights")
     parser.add_argument("--group", default="layer", help="server comparison group")
+    parser.add_argument("--importance", default="wanda", choices=pz.IMPORTANCES,
+                        help="weight importance of every mask (Table V: weight vs gradient)")
+    parser.add_argument("--personalized-factor", type=float, default=0.5,
+                        help="Eq. 4 factor of personalized units (0: never pruned, Table VI)")
+    parser.add_argument("--others-factor", type=float, default=0.75)
+    parser.add_argument("--adapt-steps", type=int, default=0,
+                        help="LoRA steps on a site's windows before Alg. 1 (0: none)")
+    parser.add_argument("--adapt-lr", type=float, default=1e-3)
+    parser.add_argument("--methods", default="local-only,fedprllm,seed004-local,personalized",
+                        help="comma-separated models scored at each sparsity")
+    parser.add_argument("--classes-from", default=None, metavar="RESULTS_JSON",
+                        help="reuse the sites' classes of a finished run with the same data and "
+                             "Alg. 1 settings (checked) instead of classifying again")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep OUT/results.json's finished sparsities and classes; compute "
+                             "the missing sparsities")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="simulations/results/personalized")
@@ -105,60 +124,104 @@ def main(argv: list[str] | None = None) -> None:
                      "args": vars(args), "sources": mixture, "dense": [], "sparsities": {}}
     results["dense"] = [pz.windows_perplexity(model, held[s], args.batch_size) for s in sites]
 
-    t = time.perf_counter()
-    classifications = [classify_units(model, calib[s], pz.classify_config(
-        args.k, args.max_iter, args.granularity, args.zero, args.seed, s, args.batch_size))
-        for s in sites]
-    results["classify_seconds"] = time.perf_counter() - t
+    source = Path(args.classes_from) if args.classes_from else (
+        out / "results.json" if args.resume and (out / "results.json").exists() else None)
+    previous = json.loads(source.read_text()) if source else None
+    classify_args = ("model", "corpora", "clients", "alpha", "windows", "seqlen", "k",
+                     "max_iter", "granularity", "zero", "seed", "adapt_steps", "adapt_lr")
+    if previous is not None:
+        stored = previous["args"]
+        differ = [a for a in classify_args
+                  if stored.get(a, parser.get_default(a)) != getattr(args, a)]
+        if differ:
+            raise SystemExit(f"{source}: its classes come from other settings "
+                             f"({', '.join(f'{a}={stored.get(a)!r}' for a in differ)}): "
+                             "expected the same data and Alg. 1 settings")
+        classifications = [Classification(c["classes"], units_of(model, args.granularity),
+                                          c["threshold"], c["draws"], c.get("adapt_losses", []))
+                           for c in previous["classes"]["sites"]]
+        results["classify_seconds"] = previous["classify_seconds"]
+        results["classes_from"] = str(source)
+        if args.resume and source == out / "results.json":
+            results["sparsities"] = previous["sparsities"]
+            results["errors_before"] = previous.get("errors", [])
+        logger.info("classes of %d sites from %s", len(classifications), source)
+    else:
+        t = time.perf_counter()
+        classifications = [classify_units(model, calib[s], pz.classify_config(
+            args.k, args.max_iter, args.granularity, args.zero, args.seed, s, args.batch_size,
+            args.adapt_steps, args.adapt_lr)) for s in sites]
+        results["classify_seconds"] = time.perf_counter() - t
     counts = pz.global_classes([c.classes for c in classifications])
     units = units_of(model, args.granularity)
     results["classes"] = {"sites": [c.to_dict() for c in classifications],
                           **counts.to_dict()}
+    factors = {"generic": 1.0, "personalized": args.personalized_factor,
+               "others": args.others_factor}
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"--methods {unknown}: expected some of {', '.join(METHODS)}")
 
     errors: list[dict] = []
     results["errors"] = errors
     for p in args.sparsities:
+        if str(p) in results["sparsities"]:
+            logger.info("sparsity %.2f: finished in %s", p, source)
+            continue
         logger.info("sparsity %.2f", p)
-        row: dict = {m: [] for m in ("local-only", "fedprllm", "seed004-local",
-                                     "personalized")}
+        row: dict = {m: [] for m in methods}
         sparsity: dict = {m: [] for m in row}
-        # uniform FedPrLLM and local-only: the sites' masks at p
-        uniform = MaskAggregator(model, args.clients)
-        local = []
-        for s in sites:
-            masks = local_masks(model, calib[s], PruneConfig("wanda", p, "row"),
-                                batch_size=args.batch_size).masks
-            local.append(masks)
-            uniform.add(_flat(masks))
-        plan = pz.site_classes_plan(units, counts.classes, model, p)
-        voted = MaskAggregator(model, args.clients)
-        for s in sites:
-            voted.add(_flat(local_masks(model, calib[s], PruneConfig(
-                "wanda", p, "row", layer_sparsity=plan.to_text()),
-                batch_size=args.batch_size).masks))
-        uniform_counts, voted_counts = uniform.counts(), voted.counts()
-        uniform_masks = pz.masks_by_layer_list(
-            pz.shared_masks(uniform_counts, pz.SparsityPlan(p), set(), model, args.group), model)
+        prune = pz.PersonalizeConfig(sparsity=p, importance=args.importance)
+        local: list = []
+        uniform_masks = None
+        if {"local-only", "fedprllm"} & set(methods):
+            # uniform FedPrLLM and local-only: the sites' masks at p
+            uniform = MaskAggregator(model, args.clients)
+            for s in sites:
+                masks = local_masks(model, calib[s], prune.prune_config(),
+                                    batch_size=args.batch_size).masks
+                local.append(masks)
+                uniform.add(_flat(masks))
+            uniform_masks = pz.masks_by_layer_list(pz.shared_masks(
+                uniform.counts(), pz.SparsityPlan(p), set(), model, args.group), model)
+        plan = pz.site_classes_plan(units, counts.classes, model, p, factors)
+        voted_counts = None
+        if "personalized" in methods:
+            voted = MaskAggregator(model, args.clients)
+            for s in sites:
+                voted.add(_flat(local_masks(model, calib[s], prune.prune_config(plan.to_text()),
+                                            batch_size=args.batch_size).masks))
+            voted_counts = voted.counts()
         for s in sites:
             c = classifications[s]
             personal = pz.personal_linears(c)
             plans = {}
             for name, classes in (("seed004-local", c.classes),
                                   ("personalized", pz.site_view(c, counts))):
+                if name not in methods:
+                    continue
                 try:
-                    plans[name] = pz.site_classes_plan(units, classes, model, p)
+                    plans[name] = pz.site_classes_plan(units, classes, model, p, factors)
                 except ValueError as err:  # Eq. 4 cannot reach p for this site: recorded
                     errors.append({"sparsity": p, "site": s, "method": name,
                                    "error": str(err)})
-            candidates = {"local-only": local[s], "fedprllm": uniform_masks}
+            candidates = {}
+            if "local-only" in methods:
+                candidates["local-only"] = local[s]
+            if uniform_masks is not None and "fedprllm" in methods:
+                candidates["fedprllm"] = uniform_masks
             if "seed004-local" in plans:
                 candidates["seed004-local"] = pz.site_masks(
-                    model, calib[s], plans["seed004-local"], None, batch_size=args.batch_size)
+                    model, calib[s], plans["seed004-local"], None, batch_size=args.batch_size,
+                    importance=args.importance)
             if "personalized" in plans:
+                assert voted_counts is not None
                 candidates["personalized"] = pz.site_masks(
                     model, calib[s], plans["personalized"],
                     pz.shared_masks(voted_counts, plans["personalized"], personal, model,
-                                    args.group), batch_size=args.batch_size)
+                                    args.group), batch_size=args.batch_size,
+                    importance=args.importance)
             for name in row:
                 if name not in candidates:
                     row[name].append(float("nan"))
@@ -167,8 +230,9 @@ def main(argv: list[str] | None = None) -> None:
                 ppl, achieved = _score(model, candidates[name], held[s], args.batch_size)
                 row[name].append(ppl)
                 sparsity[name].append(achieved)
-        wins = sum(a < b for a, b in zip(row["personalized"], row["fedprllm"])
-                   if not math.isnan(a))
+        wins = (sum(a < b for a, b in zip(row["personalized"], row["fedprllm"])
+                    if not math.isnan(a))
+                if {"personalized", "fedprllm"} <= set(row) else None)
         results["sparsities"][str(p)] = {"perplexity": row, "sparsity": sparsity,
                                          "global_plan": plan.to_dict(),
                                          "personalized_beats_fedprllm": wins}
@@ -199,10 +263,11 @@ def _report(results: dict, out: Path) -> None:
                                       for n in names) + " |")
         lines += ["", "Achieved sparsity (mean over sites): "
                   + ", ".join(f"{n} {np.nanmean(sp[n]):.4f}" for n in names) + ".",
-                  f"Personalized beats uniform FedPrLLM on "
-                  f"{data['personalized_beats_fedprllm']} of {len(results['dense'])} sites.",
+                  (f"Personalized beats uniform FedPrLLM on "
+                   f"{data['personalized_beats_fedprllm']} of {len(results['dense'])} sites."
+                   if data.get("personalized_beats_fedprllm") is not None else ""),
                   ""]
-    for error in results.get("errors", []):
+    for error in results.get("errors_before", []) + results.get("errors", []):
         lines.append(f"- sparsity {error['sparsity']}, site {error['site']}, "
                      f"{error['method']}: {error['error']}")
     lines.append("")

@@ -356,3 +356,119 @@ def test_flower_simulation_runs_the_method(tiny_dir, tmp_path):
     same_personalize_result(report, _in_process(_settings(tiny_dir, tmp_path / "ref",
                                                            clients=2)))
     assert (out / "unit-classes.png").exists()
+
+
+# -- importance (Table V), unpruned personalized units (Table VI), adaptation (Alg. 1 line 2) --
+def test_taylor_scores_are_weight_times_gradient():
+    from fedcompress.pruning.scores import taylor_scores
+
+    w = torch.tensor([[1.0, -2.0], [0.5, 3.0]])
+    g = torch.tensor([[-4.0, 1.0], [2.0, 0.0]])
+    assert torch.equal(taylor_scores(w, g), torch.tensor([[4.0, 2.0], [1.0, 0.0]]))
+    with pytest.raises(ValueError, match=r"gradient of shape \(2,\) for a weight"):
+        taylor_scores(w, torch.zeros(2))
+
+
+def test_weight_gradients_equal_autograd_of_the_mean_token_loss(tiny_model):
+    from fedcompress.models import ModelAdapter
+    from fedcompress.pruning.local import weight_gradients
+
+    model = tiny_model("llama", 2)
+    windows = torch.cat([_pattern(3, [5, 6, 7]), _pattern(2, [9, 10, 11, 12])])
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    grads = weight_gradients(model, windows, batch_size=2)  # 3 batches, summed
+    reference = copy.deepcopy(model)
+    reference.zero_grad()
+    reference(input_ids=windows, labels=windows).loss.backward()
+    layers = ModelAdapter(reference).layers
+    for i, layer in enumerate(grads):
+        assert set(layer) == set(ModelAdapter.linear_layers(layers[i]))
+        for name, g in layer.items():
+            expected = ModelAdapter.linear_layers(layers[i])[name].weight.grad
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, expected, rtol=1e-4, atol=1e-6)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_gradient_masks_follow_the_plan_and_differ_from_wanda(tiny_model):
+    model = tiny_model("llama", 3)
+    windows = _pattern(4, [5, 6, 7, 8])
+    plan = "0.3,0.5,0.7"
+    grad = local_masks(model, windows, PruneConfig("gradient", 0.5, "row", layer_sparsity=plan),
+                       batch_size=2).masks
+    wanda = local_masks(model, windows, PruneConfig("wanda", 0.5, "row", layer_sparsity=plan),
+                        batch_size=2).masks
+    for i, ratio in enumerate((0.3, 0.5, 0.7)):
+        for mask in grad[i].values():
+            assert float(mask.float().mean()) == pytest.approx(ratio, abs=1 / mask.shape[1])
+    assert any(not torch.equal(grad[i][n], wanda[i][n]) for i in range(3) for n in grad[i])
+
+
+def test_gradient_method_is_refused_where_it_cannot_run():
+    from fedcompress.config import SettingsError
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+    from fedcompress.pruning.local import layer_prune_fn
+
+    with pytest.raises(SettingsError, match="method='gradient' is invalid.*iterative mode"):
+        FedPrLLMConfig(method="gradient", mode="iterative")
+    with pytest.raises(SettingsError, match="wire_reference='wiki' is invalid"):
+        FedPrLLMConfig(method="gradient", wire="compressed")
+    FedPrLLMConfig(method="gradient", wire="compressed", wire_reference="none")
+    with pytest.raises(ValueError, match="expected the gradients"):
+        layer_prune_fn(PruneConfig("gradient", 0.5))
+
+
+@pytest.mark.parametrize("importance", ["magnitude", "gradient"])
+def test_site_masks_take_the_importance_of_the_local_pass(tiny_model, importance):
+    from fedcompress.methods.personalize import SparsityPlan, site_masks
+
+    model = tiny_model("llama", 2)
+    windows = _pattern(2, [5, 6, 7])
+    alone = site_masks(model, windows, SparsityPlan(0.5), None, batch_size=2,
+                       importance=importance)
+    reference = local_masks(model, windows, PruneConfig(importance, 0.5, "row"), 2).masks
+    assert all(torch.equal(alone[i][n], reference[i][n]) for i in range(2) for n in alone[i])
+    with pytest.raises(ValueError, match="importance='sparsegpt' is invalid"):
+        site_masks(model, windows, SparsityPlan(0.5), None, importance="sparsegpt")
+
+
+def test_unpruned_personalized_units_keep_every_weight_and_the_global_ratio(tiny_model):
+    """Table VI: personalized factor 0 leaves the personalized units dense; the others carry
+    the whole sparsity p."""
+    from fedcompress.methods.personalize import site_classes_plan, site_masks
+    from fedcompress.pruning.local import check_global_ratio
+
+    model = tiny_model("llama", 2)
+    units = units_of(model)
+    classes = {u: "personalized" if u == "1.mlp" else "generic" for u in units}
+    plan = site_classes_plan(units, classes, model, 0.5,
+                             {"generic": 1.0, "personalized": 0.0, "others": 0.75})
+    check_global_ratio(plan, model)
+    masks = site_masks(model, _pattern(2, [5, 6, 7]), plan, None, batch_size=2)
+    for name, mask in masks[1].items():
+        if name.startswith("mlp."):
+            assert not mask.any(), name
+        else:
+            assert float(mask.float().mean()) > 0.5
+
+
+def test_adaptation_runs_on_a_copy_and_is_recorded(planted):
+    model, _, b = planted
+    before = copy.deepcopy(model.state_dict())
+    config = ClassifyConfig(k=1, max_iter=3, seed=0, batch_size=2, adapt_steps=6,
+                            adapt_lr=1e-2)
+    first = classify_units(model, b, config)
+    assert len(first.adapt_losses) == 6 and first.to_dict()["adapt_losses"]
+    assert first.threshold < mean_lm_loss(model, b, 2) - 0.1  # the adapted copy fits B better
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    again = classify_units(model, b, config)
+    assert again.to_dict() == first.to_dict()  # seeded
+
+
+@pytest.mark.parametrize("bad", [{"adapt_steps": -1}, {"adapt_steps": 1.5}, {"adapt_lr": 0},
+                                 {"adapt_lr": float("nan")}])
+def test_bad_adaptation_settings_are_named(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=f"{name}=.* is invalid"):
+        ClassifyConfig(**bad)

@@ -6,7 +6,10 @@ attention and the MLP of each decoder block, i.e. its linear layers grouped by t
 component, ``self_attn`` / ``mlp`` for LLaMA-like models), ``"linear"`` (every linear layer on
 its own, the paper's "linear layer group" at its finest) or ``"layer"`` (a whole block).
 
-**Alg. 1.** The threshold is the client's loss with the model untouched. ``max_iter`` times: a
+**Alg. 1.** Line 2 ("learn the model on the dataset") is optional here (``adapt_steps``): a
+few LoRA steps on the client's windows, merged into a COPY that serves the classification only
+(the pruned model stays the shared one, so the sites' models share their global part). The
+threshold is the client's loss with the model untouched. ``max_iter`` times: a
 seeded random subset of ``k`` units (the paper's "Random Number") is switched off, the loss on
 the client's data is measured, the model is restored; if the loss is ABOVE the threshold every
 unit of the subset is *personalized*, if it is BELOW the threshold every unit of the subset not
@@ -46,11 +49,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fedcompress.models import CALC_DTYPE, ModelAdapter, weight_matrix
+from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan, rescale
+from fedcompress.pruning.local import token_nll
 
 __all__ = [
     "CLASSES",
@@ -144,13 +147,9 @@ def mean_lm_loss(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -
     total, count = 0.0, 0
     try:
         for start in range(0, windows.shape[0], batch_size):
-            ids = windows[start:start + batch_size].to(device)
-            logits = model(input_ids=ids).logits[:, :-1].to(CALC_DTYPE)
-            target = ids[:, 1:]
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                   reduction="sum")
+            loss, n = token_nll(model, windows[start:start + batch_size].to(device))
             total += float(loss)
-            count += target.numel()
+            count += n
     finally:
         model.train(was_training)
     return total / count
@@ -165,8 +164,12 @@ class ClassifyConfig:
         max_iter: Draws.
         granularity: ``"sublayer"``, ``"linear"`` or ``"layer"``.
         zero: ``"weights"`` or ``"skip"``.
-        seed: Seeds the draws.
+        seed: Seeds the draws (and the adaptation).
         batch_size: Windows per forward pass.
+        adapt_steps: Alg. 1 line 2 ("learn the model on the dataset"): LoRA steps (r 8, AdamW,
+            ``batch_size`` windows per step) on the client's windows before the draws; the
+            threshold and the draws use the adapted model; 0: the model as given.
+        adapt_lr: That adaptation's learning rate.
     """
 
     k: int = 4
@@ -175,6 +178,8 @@ class ClassifyConfig:
     zero: str = "weights"
     seed: int = 0
     batch_size: int = 4
+    adapt_steps: int = 0
+    adapt_lr: float = 1e-3
 
     def __post_init__(self) -> None:
         for name in ("k", "max_iter", "batch_size"):
@@ -189,6 +194,12 @@ class ClassifyConfig:
                              f"{', '.join(ZERO_MODES)}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} is invalid: expected an int >= 0")
+        steps = self.adapt_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"adapt_steps={steps!r} is invalid: expected an int >= 0")
+        lr = self.adapt_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+            raise ValueError(f"adapt_lr={lr!r} is invalid: expected a number > 0")
 
 
 @dataclass
@@ -201,6 +212,7 @@ class Classification:
     units: dict[str, list[str]]
     threshold: float
     draws: list[dict] = field(default_factory=list)
+    adapt_losses: list[float] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         return {c: sum(1 for v in self.classes.values() if v == c) for c in CLASSES}
@@ -212,13 +224,41 @@ class Classification:
 
     def to_dict(self) -> dict:
         return {"threshold": self.threshold, "classes": dict(self.classes),
-                "counts": self.counts(), "draws": list(self.draws)}
+                "counts": self.counts(), "draws": list(self.draws),
+                "adapt_losses": list(self.adapt_losses)}
+
+
+def adapted_copy(model: nn.Module, windows: torch.Tensor, steps: int, lr: float, seed: int,
+                 batch_size: int = 4) -> tuple[nn.Module, list[float]]:
+    """A copy of ``model`` after ``steps`` LoRA steps (r 8, alpha 16, AdamW at ``lr``, seeded)
+    of the causal LM loss on ``windows``, the adapters merged into the weights; and the
+    training losses. ``model`` is unchanged."""
+    import copy
+
+    from fedcompress.privacy.classifier import Encoded
+    from fedcompress.privacy.finetune import FinetuneConfig, finetune
+
+    n = windows.shape[0]
+    size = min(batch_size, n)
+    train = Encoded(tuple(tuple(int(t) for t in row) for row in windows.tolist()), (), 0)
+    config = FinetuneConfig(mode="lora", epochs=steps * size / n, batch_size=size, lr=lr,
+                            seed=seed)
+    result = finetune(copy.deepcopy(model), train, config, pad=0, progress=False)
+    merged = result.model.merge_and_unload()
+    merged.eval()
+    return merged, list(result.losses)
 
 
 def classify_units(model: nn.Module, windows: torch.Tensor, config: ClassifyConfig,
                    progress: bool = False) -> Classification:
     """Alg. 1 on ``model`` and one client's ``windows`` (module docstring); ``model`` is left
-    exactly as it was."""
+    exactly as it was (with ``adapt_steps``, the draws run on an adapted copy)."""
+    adapt_losses: list[float] = []
+    if config.adapt_steps:
+        model, adapt_losses = adapted_copy(model, windows, config.adapt_steps, config.adapt_lr,
+                                           config.seed, config.batch_size)
+        logger.info("adapted by %d LoRA steps: loss %.4f -> %.4f", config.adapt_steps,
+                    adapt_losses[0], adapt_losses[-1])
     units = units_of(model, config.granularity)
     names = list(units)
     if config.k > len(names):
@@ -246,7 +286,7 @@ def classify_units(model: nn.Module, windows: torch.Tensor, config: ClassifyConf
         draws.append({"units": subset, "loss": loss})
     classes = {u: "personalized" if u in personalized else
                "generic" if u in generic else "others" for u in names}
-    result = Classification(classes, units, threshold, draws)
+    result = Classification(classes, units, threshold, draws, adapt_losses)
     logger.info("classified %d units: %s (threshold loss %.4f)", len(names), result.counts(),
                 threshold)
     return result

@@ -56,8 +56,7 @@ from fedcompress.methods.fedprllm.config import PARTITIONS
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan
 from fedcompress.pruning.local import layer_sizes
-from fedcompress.pruning.scores import wanda_scores
-from fedcompress.pruning.select import GROUPS, select_prune_mask
+from fedcompress.pruning.select import GROUPS
 from fedcompress.pruning.walker import walk
 
 __all__ = [
@@ -83,6 +82,8 @@ logger = logging.getLogger(__name__)
 
 #: Among equally frequent classes the global class keeps the most weights.
 TIE_ORDER = ("personalized", "others", "generic")
+#: Weight importances of the masks (seed 004's Table V: weight vs gradient pruning).
+IMPORTANCES = ("wanda", "magnitude", "gradient")
 #: What each site evaluates next to its personalized model.
 BASELINES = ("dense", "fedprllm", "local-only")
 
@@ -121,6 +122,15 @@ class PersonalizeConfig(Settings):
                                          "fraction of p (before rescaling to p).", ge=0.0)
     others_factor: float = setting(0.75, "Eq. 4: ratio of an undecided unit as a fraction of "
                                    "p (generic: 1).", ge=0.0)
+    importance: str = setting("wanda", "Weight importance of every mask (vote and local): "
+                              "wanda, magnitude or gradient (first-order Taylor |W * dL/dW|; "
+                              "the paper's Table V 'weight' vs 'gradient').",
+                              choices=IMPORTANCES)
+    adapt_steps: int = setting(0, "Alg. 1 line 2: LoRA steps on the site's calibration windows "
+                               "before classification (0: classify the shared model as is); "
+                               "the adapted copy serves the classification only.", ge=0)
+    adapt_lr: float = setting(1e-3, "Learning rate of that adaptation (AdamW, LoRA r 8).",
+                              gt=0.0)
     group: str = setting("layer", "Server's comparison group for the vote.", choices=GROUPS)
     tie_break: str = setting("magnitude", "Among equal vote counts prune first.",
                              choices=TIE_BREAKS)
@@ -141,7 +151,14 @@ class PersonalizeConfig(Settings):
 
     def classify_config(self, partition: int) -> ClassifyConfig:
         return classify_config(self.k, self.max_iter, self.granularity, self.zero, self.seed,
-                               partition, self.batch_size)
+                               partition, self.batch_size, self.adapt_steps, self.adapt_lr)
+
+    def prune_config(self, layer_sparsity: str = ""):
+        """The local recipe of a site's masks (its importance, row-wise comparison as Wanda's
+        own) at ``layer_sparsity`` (empty: uniform ``sparsity``)."""
+        from fedcompress.pruning.local import PruneConfig
+
+        return PruneConfig(self.importance, self.sparsity, "row", layer_sparsity=layer_sparsity)
 
     def windows_config(self, split: str):
         """The FedPrLLM settings whose windows are this run's (``split``: train = calibration,
@@ -248,24 +265,29 @@ def shared_masks(counts: Mapping[str, torch.Tensor], plan: SparsityPlan, persona
 
 def site_masks(model: nn.Module, windows: torch.Tensor, plan: SparsityPlan,
                shared: Mapping[str, torch.Tensor] | None, local_group: str = "row",
-               batch_size: int = 4) -> list[dict[str, torch.Tensor]]:
+               batch_size: int = 4, importance: str = "wanda") -> list[dict[str, torch.Tensor]]:
     """A site's masks in one sequential walker pass: a linear layer with a ``shared`` (global)
-    mask (wire key ``"layers.<layer>.<name>"``) keeps it; every other one gets a local Wanda
-    mask at the plan's ratio (``local_group``), computed on the inputs the already-pruned
-    layers below produce. ``shared=None``: every layer local."""
+    mask (wire key ``"layers.<layer>.<name>"``) keeps it; every other one gets a local mask of
+    the ``importance`` (:data:`IMPORTANCES`) at the plan's ratio (``local_group``), computed on
+    the inputs the already-pruned layers below produce (gradient: of the dense model's loss).
+    ``shared=None``: every layer local."""
+    from fedcompress.pruning.local import PruneConfig, layer_prune_fn, weight_gradients
+
+    if importance not in IMPORTANCES:
+        raise ValueError(f"importance={importance!r} is invalid: expected one of {IMPORTANCES}")
     plan.check_layers(len(ModelAdapter(model)))
     shared = shared or {}
+    grads = (weight_gradients(model, windows, batch_size) if importance == "gradient"
+             else None)
+    local = layer_prune_fn(PruneConfig(importance, plan.default, local_group,
+                                       layer_sparsity=plan.to_text()), grads)
 
     def prune(index: int, layer: nn.Module, stats):
-        masks = {}
-        for name, module in ModelAdapter.linear_layers(layer).items():
+        masks, _ = local(index, layer, stats)
+        for name in masks:
             key = f"layers.{index}.{name}"
             if key in shared:
                 masks[name] = shared[key]
-            else:
-                masks[name] = select_prune_mask(
-                    wanda_scores(weight_matrix(module), stats[name].sq_norm),
-                    plan.at(index, name), local_group)
         return masks, None
 
     return walk(model, windows, prune, batch_size=batch_size).masks
@@ -293,10 +315,12 @@ def windows_perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int 
 
 
 def classify_config(k: int, max_iter: int, granularity: str, zero: str, seed: int,
-                    partition: int, batch_size: int) -> ClassifyConfig:
+                    partition: int, batch_size: int, adapt_steps: int = 0,
+                    adapt_lr: float = 1e-3) -> ClassifyConfig:
     """A site's Alg. 1 settings: its draws seeded by the run seed and its partition."""
     return ClassifyConfig(k=k, max_iter=max_iter, granularity=granularity, zero=zero,
-                          seed=seed * 1_000_003 + partition, batch_size=batch_size)
+                          seed=seed * 1_000_003 + partition, batch_size=batch_size,
+                          adapt_steps=adapt_steps, adapt_lr=adapt_lr)
 
 
 def plot_unit_classes(counts: UnitCounts, path) -> None:

@@ -14,17 +14,28 @@ from torch import nn
 
 from fedcompress.models import CALC_DTYPE, ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan, outlier_ratio
-from fedcompress.pruning.scores import magnitude_scores, sparsegpt_prune, wanda_scores
+from fedcompress.pruning.scores import (
+    magnitude_scores,
+    sparsegpt_prune,
+    taylor_scores,
+    wanda_scores,
+)
 from fedcompress.pruning.select import check_group, check_sparsity, parse_nm, select_prune_mask
 from fedcompress.pruning.walker import LayerStats, WalkResult, walk
 
-METHODS = ("magnitude", "wanda", "sparsegpt")
+METHODS = ("magnitude", "wanda", "sparsegpt", "gradient")
+#: Methods whose scores come from the whole model at once (no calibration walk of the layers):
+#: magnitude needs no data; gradient one backward pass of the dense model over the windows.
+WHOLE_MODEL_METHODS = ("magnitude", "gradient")
 
 
 @dataclass(frozen=True)
 class PruneConfig:
     """A local pruning recipe.
 
+    ``method``: ``magnitude`` (|W|), ``wanda`` (|W| * ||X_j||), ``sparsegpt`` (OBS with weight
+    update) or ``gradient`` (first-order Taylor |W * dL/dW|, the gradient of the mean token loss
+    of the windows through the DENSE model, :func:`weight_gradients`).
     ``group`` is the *local* comparison group (``layer``/``row``/``column``); ``nm`` an N:M
     pattern like ``"2:4"`` (then ``sparsity`` is implied: N/M). ``layer_sparsity`` is a
     per-layer / per-linear plan (:meth:`~fedcompress.pruning.allocation.SparsityPlan.to_text`;
@@ -71,10 +82,16 @@ class PruneConfig:
         return asdict(self)
 
 
-def layer_prune_fn(config: PruneConfig):
-    """The walker's per-layer function for a recipe: masks (+ SparseGPT's updated weights)."""
+def layer_prune_fn(config: PruneConfig,
+                   gradients: list[dict[str, torch.Tensor]] | None = None):
+    """The walker's per-layer function for a recipe: masks (+ SparseGPT's updated weights).
+    ``gradients`` (one dict per decoder layer, :func:`weight_gradients`): required by the
+    ``gradient`` method, ignored by the others."""
     nm = config.nm_pattern
     plan = config.plan
+    if config.method == "gradient" and gradients is None:
+        raise ValueError("the gradient method scores weights by |W * dL/dW|: expected the "
+                         "gradients of the calibration loss (weight_gradients)")
 
     def prune(index: int, layer: nn.Module, stats: dict[str, LayerStats]):
         masks: dict[str, torch.Tensor] = {}
@@ -86,8 +103,13 @@ def layer_prune_fn(config: PruneConfig):
                 masks[name], weights[name] = sparsegpt_prune(
                     w, stats[name].hessian, ratio, config.group, nm, name=name)
                 continue
-            scores = (magnitude_scores(w) if config.method == "magnitude"
-                      else wanda_scores(w, stats[name].sq_norm))
+            if config.method == "magnitude":
+                scores = magnitude_scores(w)
+            elif config.method == "gradient":
+                assert gradients is not None
+                scores = taylor_scores(w, gradients[index][name])
+            else:
+                scores = wanda_scores(w, stats[name].sq_norm)
             masks[name] = select_prune_mask(scores, ratio, config.group, nm)
         return masks, (weights or None)
 
@@ -99,10 +121,12 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
                 progress: bool = False) -> WalkResult:
     """Prune masks of every linear layer of every decoder layer, from one sequential pass."""
     config.plan.check_layers(len(ModelAdapter(model)))
-    if config.method == "magnitude":
-        # Magnitude scores need no activations: skip the calibration pass entirely.
+    if config.method in WHOLE_MODEL_METHODS:
+        # No layer-by-layer activations: magnitude needs none, gradient one backward pass.
         adapter = ModelAdapter(model)
-        fn = layer_prune_fn(config)
+        grads = (weight_gradients(model, windows, batch_size) if config.method == "gradient"
+                 else None)
+        fn = layer_prune_fn(config, grads)
         result = WalkResult()
         for index, layer in enumerate(adapter.layers):
             masks, _ = fn(index, layer, {})
@@ -111,6 +135,60 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
         return result
     return walk(model, windows, layer_prune_fn(config), hessian=config.needs_hessian,
                 batch_size=batch_size, keep_weights=keep_weights, progress=progress)
+
+
+def token_nll(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The summed next-token cross-entropy (float32, differentiable) of windows ``ids``
+    ``[n, seqlen]`` under the causal LM ``model``, and the number of predicted tokens."""
+    logits = model(input_ids=ids).logits[:, :-1].to(CALC_DTYPE)
+    target = ids[:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             target.reshape(-1), reduction="sum")
+    return loss, target.numel()
+
+
+def weight_gradients(model: nn.Module, windows: torch.Tensor, batch_size: int = 8
+                     ) -> list[dict[str, torch.Tensor]]:
+    """The gradient of the mean token loss over ``windows`` with respect to every prunable
+    weight (one dict per decoder layer, keyed like the masks), summed in float32 over batches
+    (each batch's gradient is in the model's dtype). Only those weights require gradients during
+    the pass (the embeddings and head do not; flags restored after); the model is unchanged and
+    runs in eval mode (no dropout)."""
+    if windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:
+        raise ValueError(f"windows of shape {tuple(windows.shape)}: expected [n >= 1, "
+                         "seqlen >= 2] token ids")
+    adapter = ModelAdapter(model)
+    targets = [{name: module.weight for name, module in ModelAdapter.linear_layers(layer).items()}
+               for layer in adapter.layers]
+    flags = {p: p.requires_grad for p in model.parameters()}
+    sums = [{name: torch.zeros(w.shape, dtype=CALC_DTYPE) for name, w in layer.items()}
+            for layer in targets]
+    tokens = windows.shape[0] * (windows.shape[1] - 1)
+    device = next(model.parameters()).device
+    was_training = model.training
+    try:
+        model.eval()
+        for p in flags:
+            p.requires_grad_(False)
+        for layer in targets:
+            for w in layer.values():
+                w.requires_grad_(True)
+                w.grad = None
+        with torch.enable_grad():
+            for start in range(0, windows.shape[0], batch_size):
+                loss, _ = token_nll(model, windows[start:start + batch_size].to(device))
+                (loss / tokens).backward()
+                for layer, acc in zip(targets, sums):
+                    for name, w in layer.items():
+                        assert w.grad is not None
+                        acc[name] += w.grad.detach().to(CALC_DTYPE).cpu()
+                        w.grad = None
+    finally:
+        model.train(was_training)
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+            p.grad = None
+    return sums
 
 
 def outlier_ratios(model: nn.Module, windows: torch.Tensor, m: float, batch_size: int = 8,

@@ -1,4 +1,5 @@
-"""Stateless pruning math: importance scores (magnitude, Wanda) and SparseGPT's OBS update.
+"""Stateless pruning math: importance scores (magnitude, Wanda, first-order Taylor) and
+SparseGPT's OBS update.
 
 All arithmetic runs in :data:`fedcompress.models.CALC_DTYPE` (float32) whatever the model dtype.
 """
@@ -33,6 +34,16 @@ def wanda_scores(weight: torch.Tensor, sq_norm: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"input statistics of length {tuple(sq_norm.shape)} do not match a "
                          f"weight with {weight.shape[1]} input features")
     return weight.detach().to(CALC_DTYPE).abs() * sq_norm.to(CALC_DTYPE).sqrt().unsqueeze(0)
+
+
+def taylor_scores(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """First-order Taylor importance ``|W_ij * dL/dW_ij|`` (the loss change to first order when
+    the weight is removed; LLM-Pruner's element-wise first-order score; the "gradient" pruning
+    of seed 004's Table V). ``grad`` is the gradient of the calibration loss, float32."""
+    if grad.shape != weight.shape:
+        raise ValueError(f"gradient of shape {tuple(grad.shape)} for a weight of shape "
+                         f"{tuple(weight.shape)}")
+    return (weight.detach().to(CALC_DTYPE) * grad.to(CALC_DTYPE)).abs()
 
 
 class CholeskyError(RuntimeError):

@@ -58,7 +58,8 @@ class FedPrLLMConfig(Settings):
     model: str = setting("smollm2-135m", "Model spec: embedded name, local directory, .gguf "
                          "file or hub id.")
     dtype: str = setting("float32", "Model dtype.", choices=DTYPES)
-    method: str = setting("wanda", "Local pruning: magnitude, wanda, sparsegpt.",
+    method: str = setting("wanda", "Local pruning: magnitude, wanda, sparsegpt, gradient "
+                          "(first-order Taylor |W * dL/dW|, one backward pass; one-shot only).",
                           choices=METHODS)
     sparsity: float = setting(0.5, "Fraction of weights pruned in each linear layer, in "
                               "[0, 1).", ge=0.0, lt=1.0)
@@ -118,6 +119,14 @@ class FedPrLLMConfig(Settings):
             raise self.invalid(key, f"a valid value ({err})") from None
         if self.min_clients > self.clients:
             raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
+        if self.method == "gradient" and self.mode == "iterative":
+            raise self.invalid("method", "magnitude, wanda or sparsegpt in iterative mode (the "
+                               "gradient scores need the whole model's backward pass, not one "
+                               "layer's inputs)")
+        if (self.method == "gradient" and self.wire == "compressed"
+                and self.wire_reference != "none"):
+            raise self.invalid("wire_reference", "none with the gradient method (the reference "
+                               "column norms walk layers pruned by the local method)")
 
     @property
     def prune(self):
