@@ -185,9 +185,13 @@ def main(argv: list[str] | None = None) -> None:
                 uniform.add(_flat(masks))
             uniform_masks = pz.masks_by_layer_list(pz.shared_masks(
                 uniform.counts(), pz.SparsityPlan(p), set(), model, args.group), model)
-        plan = pz.site_classes_plan(units, counts.classes, model, p, factors)
-        voted_counts = None
-        if "personalized" in methods:
+        voted_counts, plan = None, None
+        try:
+            plan = pz.site_classes_plan(units, counts.classes, model, p, factors)
+        except ValueError as err:  # Eq. 4 cannot reach p on the global classes: recorded
+            errors.append({"sparsity": p, "site": "all", "method": "global plan",
+                           "error": str(err)})
+        if "personalized" in methods and plan is not None:
             voted = MaskAggregator(model, args.clients)
             for s in sites:
                 voted.add(_flat(local_masks(model, calib[s], prune.prune_config(plan.to_text()),
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             plans = {}
             for name, classes in (("seed004-local", c.classes),
                                   ("personalized", pz.site_view(c, counts))):
-                if name not in methods:
+                if name not in methods or (name == "personalized" and voted_counts is None):
                     continue
                 try:
                     plans[name] = pz.site_classes_plan(units, classes, model, p, factors)
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
                     if not math.isnan(a))
                 if {"personalized", "fedprllm"} <= set(row) else None)
         results["sparsities"][str(p)] = {"perplexity": row, "sparsity": sparsity,
-                                         "global_plan": plan.to_dict(),
+                                         "global_plan": plan.to_dict() if plan else None,
                                          "personalized_beats_fedprllm": wins}
         (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     results["seconds"] = time.perf_counter() - start

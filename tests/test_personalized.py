@@ -219,14 +219,19 @@ def test_site_masks_use_the_vote_outside_the_sites_personalized_layers(tiny_mode
     assert float(mixed[1]["mlp.up_proj"].float().mean()) == pytest.approx(0.5, abs=1 / 32)
 
 
-def test_personalized_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
+def _script(name: str):
     import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, f"simulations/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_personalized_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
     import json
 
-    spec = importlib.util.spec_from_file_location("personalized_bench",
-                                                  "simulations/personalized.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _script("personalized")
     out = tmp_path / "out"
     bench.main(["--model", tiny_dir, "--clients", "2", "--windows", "2", "--seqlen", "16",
                 "--sparsities", "0.5", "--k", "2", "--max-iter", "4", "--batch-size", "2",
@@ -239,6 +244,46 @@ def test_personalized_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
         assert all(v == pytest.approx(0.5, abs=0.04) for v in values), name
     assert len(results["dense"]) == 2 and (out / "report.md").exists()
     assert (out / "unit-classes.png").exists()
+    # resume: the finished sparsity and the classes are kept, only the new one is computed
+    bench.main(["--model", tiny_dir, "--clients", "2", "--windows", "2", "--seqlen", "16",
+                "--sparsities", "0.5", "0.6", "--k", "2", "--max-iter", "4", "--batch-size",
+                "2", "--resume", "--out", str(out)])
+    resumed = json.loads((out / "results.json").read_text())
+    assert resumed["sparsities"]["0.5"] == data and "0.6" in resumed["sparsities"]
+    assert resumed["classes"] == results["classes"]
+    with pytest.raises(SystemExit, match="k=2.*expected the same data"):
+        bench.main(["--model", tiny_dir, "--clients", "2", "--windows", "2", "--seqlen", "16",
+                    "--sparsities", "0.7", "--k", "1", "--max-iter", "4", "--batch-size", "2",
+                    "--classes-from", str(out / "results.json"), "--out", str(tmp_path / "x")])
+
+
+def test_ablations_run_every_table_on_a_tiny_model(tiny_dir, tmp_path, monkeypatch):
+    import json
+
+    bench = _script("personalized")
+    main = tmp_path / "main"
+    bench.main(["--model", tiny_dir, "--clients", "2", "--windows", "2", "--seqlen", "16",
+                "--sparsities", "0.5", "0.6", "--k", "2", "--max-iter", "4", "--batch-size",
+                "2", "--out", str(main)])
+    ablations = _script("personalized_ablations")
+    # the tiny model has 6 sublayer units: k 8 is refused, so the table uses k 3
+    variants = [v if v[1] != "k=8" else ("IV", "k=3", 0.6, ["--k", "3", "--methods",
+                                                              ablations.OURS], False)
+                for v in ablations.VARIANTS]
+    small = ["--seqlen", "16", "--max-iter", "4", "--batch-size", "2"]
+    monkeypatch.setattr(ablations, "VARIANTS", [
+        (t, v, p, [*extra, *small] + (["--k", "2"] if "--k" not in extra else []), reuse)
+        for t, v, p, extra, reuse in variants])
+    out = tmp_path / "abl"
+    ablations.main(["--main", str(main), "--out", str(out)])
+    report = json.loads((out / "ablations.json").read_text())
+    assert set(report["tables"]) == {"II", "IV", "V", "VI", "adapt"}
+    rows = {r["variant"]: r for rows in report["tables"].values() for r in rows}
+    assert "personalized" in rows["gradient"] and "fedprllm" in rows["gradient"]
+    assert rows["k=3"]["wins"] is not None  # against the main run's FedPrLLM at 0.6
+    assert "classes" not in rows["p=0.7"]  # the main run has no 0.7: shown as not run
+    text = (out / "report.md").read_text()
+    assert "Table VI shape" in text and "not run" in text
 
 
 # -- the method on Flower (in process, and on the Simulation Engine) ---------------------------
