@@ -23,6 +23,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 
 from clients.common import cached_model, site_partition, with_data_path
 from fedcompress.masks.stats import flatten_masks
+from fedcompress.methods.fedprllm.attacks import attack_masks, is_attacker
 from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig,
     decode_masks,
@@ -47,11 +48,14 @@ def _windows(config: FedPrLLMConfig, data_path: str | None) -> list[torch.Tensor
 _KWARGS: dict[tuple, list[dict]] = {}
 
 
-def _setup(message: Message, context: Context):
+def _setup(message: Message, context: Context, partition_of: int | None = None):
+    """The run's settings, this node's partition, the model and the windows of this node (or,
+    simulating collusion, of partition ``partition_of``)."""
     config = FedPrLLMConfig.from_dict(dict(message.content["config"]))
     partition = site_partition(context, config.clients)
     model, _ = cached_model(config.model, config.dtype)
-    windows = with_data_path(context, lambda path: _windows(config, path))[partition]
+    which = partition if partition_of is None else partition_of
+    windows = with_data_path(context, lambda path: _windows(config, path))[which]
     return config, partition, model, windows
 
 
@@ -94,8 +98,15 @@ def oneshot_masks(message: Message, context: Context) -> Message:
     """All local masks from one sequential pass over this node's windows."""
     config, partition, model, windows = _setup(message, context)
     start = time.perf_counter()
-    result = local_masks(model, windows, config.prune, batch_size=config.batch_size)
-    return _reply(message, encode_wire(flatten_masks(result.masks), model, config,
+    if is_attacker(partition, config.attackers):  # a simulated Byzantine site
+        first = (_setup(message, context, partition_of=0)[3] if config.attack == "collude"
+                 else None)
+        masks = attack_masks(config.attack, model, windows, config.prune, config.seed,
+                             partition, config.batch_size, first)
+        logger.warning("partition %d attacks (%s)", partition, config.attack)
+    else:
+        masks = local_masks(model, windows, config.prune, batch_size=config.batch_size).masks
+    return _reply(message, encode_wire(flatten_masks(masks), model, config,
                                        _reference(message)),
                   {"seconds": time.perf_counter() - start, "windows": len(windows),
                    "partition": partition})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 # transformers at module level, before the library imports it: see server/app.py.
@@ -54,7 +55,7 @@ def server_variants(config: FedPrLLMConfig, which: str) -> list[ServerConfig]:
         return [config.server]
     if which != "all":
         raise ValueError(f"variants {which!r}: expected 'configured' or 'all'")
-    return [ServerConfig(group, scale, config.tie_break, config.seed)
+    return [replace(config.server, group=group, scale=scale)
             for group in ("layer", "row", "column") for scale in (False, True)]
 
 
@@ -127,6 +128,8 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
                 model.save_pretrained(out / "model")
                 exp.tokenizer.save_pretrained(out / "model")
         del model
+    if strategy.defence:
+        report.extra["defence_outcome"] = strategy.defence
 
     if "centralized" in baselines:
         with report.phase("centralized"):

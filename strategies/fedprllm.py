@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -60,6 +60,10 @@ class FedPrLLM(Strategy):
         self.model = model
         self.outcome = StrategyOutcome()
         self.failed_nodes: set[int] = set()  # failed at start-up: not asked again
+        #: per round, the node of each site in the order its masks were added
+        self.site_nodes: dict[int, list[int]] = {}
+        #: the robust-voting decisions, per server variant label (and per layer if iterative)
+        self.defence: dict[str, Any] = {}
         self.aggregator = self._new_aggregator()
         self.shapes = self.aggregator.shapes
 
@@ -157,6 +161,7 @@ class FedPrLLM(Strategy):
         self.outcome.rejected += rejected
         for reply, packed in valid:
             aggregator.add_packed(packed)
+            self.site_nodes.setdefault(server_round, []).append(reply.metadata.src_node_id)
             self.outcome.client_metrics.append({"round": server_round,
                                                 "node": reply.metadata.src_node_id,
                                                 **reply_metrics(reply)})
@@ -187,9 +192,25 @@ class FedPrLLM(Strategy):
         """Prune a copy of the global model with the vote (``server`` overrides the config's
         server variant: one-shot masks serve every variant); returns each linear layer's
         pruned fraction."""
-        return self.aggregator.prune(model, server or self.config.server,
-                                     self.config.prune.plan,
-                                     self.config.prune.nm_pattern)
+        server = server or self.config.server
+        pruned = self.aggregator.prune(model, server, self.config.prune.plan,
+                                       self.config.prune.nm_pattern)
+        self._record_defence(server, self.aggregator, self.site_nodes.get(1, []))
+        return pruned
+
+    def _record_defence(self, server, aggregator: MaskAggregator, nodes: list[int],
+                        layer: int | None = None) -> None:
+        """Keep the Hamming defence's decision with the nodes it concerns (the report's)."""
+        rejection = aggregator.rejection
+        if rejection is None:
+            return
+        record = {**rejection.to_dict(), "nodes": list(nodes),
+                  "rejected_nodes": [nodes[i] for i in rejection.rejected if i < len(nodes)]}
+        entry = self.defence.setdefault(server.label, {})
+        if layer is None:
+            entry.update(record)
+        else:
+            entry[str(layer)] = record
 
 
 class IterativeFedPrLLM(FedPrLLM):
@@ -236,10 +257,12 @@ class IterativeFedPrLLM(FedPrLLM):
             raise ValueError("iterative masks depend on the server variant used in the rounds; "
                              f"this run used {self.config.server}")
         pruned = {}
-        for aggregator in self.layer_aggregators.values():
+        for layer, aggregator in self.layer_aggregators.items():
             pruned.update(aggregator.prune(model, self.config.server,
                                           self.config.prune.plan,
                                           self.config.prune.nm_pattern))
+            self._record_defence(self.config.server, aggregator,
+                                 self.site_nodes.get(layer + 1, []), layer)
         return pruned
 
 

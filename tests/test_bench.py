@@ -136,7 +136,7 @@ def test_table_with_a_server_setting_as_columns(tiny_dir):
 def test_records_from_before_a_setting_existed_keep_their_cells(tiny_dir, tmp_path):
     """A stored record without a later-added setting (wire, wire_reference) is the cell at the
     value it was made with: a rerun finds it instead of recomputing it."""
-    from fedcompress.bench.sweep import ADDED_LATER, load_results, record_cell
+    from fedcompress.bench.sweep import ADDED_LATER, SERVER_ADDED_LATER, load_results, record_cell
 
     (study,) = plan(_config(tiny_dir))[:1]
     path = tmp_path / "results.jsonl"
@@ -145,7 +145,8 @@ def test_records_from_before_a_setting_existed_keep_their_cells(tiny_dir, tmp_pa
             record = {"id": cell.id, "kind": cell.kind, **cell.settings(),
                       "eval": dict(cell.evals), "status": "ok"}
             assert record_cell(record).id == cell.id  # today's records map to themselves
-            old = {k: v for k, v in record.items() if k not in ADDED_LATER}
+            old = {k: v for k, v in record.items()
+                   if k not in ADDED_LATER and k not in SERVER_ADDED_LATER}
             old["id"] = "made-before-wire"
             fh.write(json.dumps(old) + "\n")
     found = load_results(path)
@@ -184,3 +185,31 @@ def test_bench_sweeps_the_sparsity_profile(tiny_dir, tmp_path):
     assert central["sparsity_per_layer"] != pytest.approx([0.6] * 3, abs=0.01)
     # rows of the tiny model hold 32-64 weights: flooring k per row costs up to 1/32 a layer
     assert central["sparsity_measured"] == pytest.approx(0.6, abs=0.03)
+
+
+def test_bench_sweeps_attackers_and_defences(tiny_dir, tmp_path):
+    """Attackers replace their honest (cached) masks after the cache; the defence is a server
+    variant of the same masks; a keep-everything attacker is refused by the payload check."""
+    config = _config(tiny_dir, sparsity=0.5, group="layer", baselines=["centralized"],
+                     clients=6, attack=["none", "inverted"],
+                     defence=["none", "hamming"])
+    config["study"]["main"]["attackers"] = 1
+    config["study"]["main"]["attack"] = ["inverted", "keep"]
+    config["study"]["honest"] = {"sparsity": 0.5, "group": "layer", "clients": 6,
+                                 "defence": ["none", "hamming"]}
+    out = tmp_path / "out"
+    report = run_bench(_write(tmp_path, config), out, progress=False)
+    assert report.status == "ok"
+    rows = json.loads((out / "report.json").read_text())["results"]
+    fed = {(r["attack"], r["defence"]): r for r in rows if r["kind"] == "fedprllm"}
+    inverted = fed[("inverted", "hamming")]
+    assert inverted["defence_outcome"]["rejected"] == [0]
+    assert fed[("inverted", "none")]["attack_outcome"]["refused_by_check"] == []
+    assert "defence_outcome" not in fed[("inverted", "none")]
+    keep = fed[("keep", "none")]
+    assert [r["site"] for r in keep["attack_outcome"]["refused_by_check"]] == [0]
+    honest = fed[("none", "hamming")]
+    assert honest["defence_outcome"]["rejected"] == []
+    # the defence removed the attacker: the same masks as the five honest sites alone would give
+    assert inverted["perplexity"] != fed[("inverted", "none")]["perplexity"]
+    assert len([r for r in rows if r["kind"] == "centralized"]) == 1

@@ -46,6 +46,7 @@ import numpy as np
 from fedcompress.methods.fedprllm.experiment import EvalConfig, Experiment, prepare_experiment
 from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig,
+    InvalidMaskError,
     MaskAggregator,
     encode_masks,
     iterative_vote,
@@ -55,7 +56,10 @@ from fedcompress.methods.fedprllm.federated import (
 
 logger = logging.getLogger(__name__)
 
-SERVER_KEYS = ("group", "scale", "tie_break")
+SERVER_KEYS = ("group", "scale", "tie_break", "defence", "trim", "reject_z")
+#: Client settings that do not change an honest site's masks (a simulated attack replaces the
+#: attackers' masks after the cache): left out of the mask cache's key.
+ATTACK_KEYS = ("attack", "attackers")
 EVAL_KEYS = tuple(EvalConfig.names())
 CLIENT_KEYS = tuple(k for k in FedPrLLMConfig.names() if k not in SERVER_KEYS)
 STUDY_KEYS = ("title", "baselines", "total_windows", "columns")
@@ -89,9 +93,16 @@ class Cell:
     @property
     def client_id(self) -> str:
         """What the cached client masks depend on (the server variant too, when iterative)."""
-        client = dict(self.client)
+        client = {k: v for k, v in self.client if k not in ATTACK_KEYS}
         extra = dict(self.server) if client.get("mode") == "iterative" else {}
         return _digest({"client": client, "server": extra})
+
+    @property
+    def vote_id(self) -> str:
+        """What the vote depends on: the cached honest masks and the simulated attackers (the
+        cells of one vote differ only in the server variant)."""
+        attack = {k: v for k, v in self.client if k in ATTACK_KEYS}
+        return self.client_id + (f"-{_digest(attack)}" if attack.get("attackers") else "")
 
     def config(self) -> FedPrLLMConfig:
         return FedPrLLMConfig.from_dict({**dict(self.client), **dict(self.server)})
@@ -209,9 +220,15 @@ def _cells(study: str, point: dict, baselines: list[str]) -> Iterator[Cell]:
         else:
             # Baselines do not depend on the federation's server side or mode; centralized
             # pruning sees the union of the windows, the same for every partition.
-            drop = ("mode", "min_clients") + (("partition", "alpha") if baseline ==
-                                              "centralized" else ())
+            drop = _baseline_drop(baseline)
             yield Cell(baseline, tuple((k, v) for k, v in client if k not in drop), (), ev)
+
+
+def _baseline_drop(kind: str) -> tuple[str, ...]:
+    """The client settings a baseline does not depend on (no federation, no attackers;
+    centralized pruning sees the union of the windows, the same for every partition)."""
+    return ("mode", "min_clients", *ATTACK_KEYS) + (
+        ("partition", "alpha") if kind == "centralized" else ())
 
 
 # ------------------------------------------------------------------------------------------
@@ -348,12 +365,12 @@ class BenchRunner:
         fed: dict[str, list[Cell]] = {}
         for cell in cells:
             if cell.kind == "fedprllm":
-                fed.setdefault(cell.client_id, []).append(cell)
+                fed.setdefault(cell.vote_id, []).append(cell)
         for cell in cells:
             if cell.kind == "dense":
                 self._run_cell(cell, lambda: exp.evaluate("dense", exp.model))
-        for client_id, variants in fed.items():
-            self._run_federated(exp, client_id, variants)
+        for vote_id, variants in fed.items():
+            self._run_federated(exp, vote_id, variants)
         for cell in cells:
             if cell.kind == "centralized":
                 self._run_cell(cell, lambda cell=cell: self._centralized(exp, cell))
@@ -375,8 +392,9 @@ class BenchRunner:
         model, seconds = view.local_only(0)
         return view.evaluate("local-only", model, prune_seconds=seconds, client=0)
 
-    def _run_federated(self, exp: Experiment, client_id: str, variants: list[Cell]) -> None:
+    def _run_federated(self, exp: Experiment, vote_id: str, variants: list[Cell]) -> None:
         config = variants[0].config()
+        client_id = variants[0].client_id
         view = self._experiment_for(exp, variants[0])
         if config.mode == "iterative":
             for cell in variants:
@@ -391,7 +409,7 @@ class BenchRunner:
         start = time.perf_counter()
         aggregator.counts()  # cached for every variant; timed apart as the counting cost
         meta = {**meta, "count_seconds": time.perf_counter() - start}
-        self._mask_stats(client_id, aggregator)
+        self._mask_stats(vote_id, aggregator)
         for cell in variants:
             self._run_cell(cell, lambda cell=cell, agg=aggregator: self._oneshot(view, cell, agg,
                                                                                  meta))
@@ -406,7 +424,7 @@ class BenchRunner:
         meta = self.cache.load(client_id, aggregator)
         if meta is not None:
             logger.info("client masks %s: %d clients from the cache", client_id, meta["clients"])
-            return aggregator, meta
+            return self._attacked(exp, aggregator, meta)
         start = time.perf_counter()
         config, sites = with_site_plan(config, exp.model, exp.windows)  # federated OWL
         owl_seconds = time.perf_counter() - start
@@ -430,7 +448,40 @@ class BenchRunner:
         if sites is not None:
             meta.update({"sites_outlier_ratios": sites, "owl_seconds": owl_seconds})
         self.cache.finish(client_id, meta)
-        return aggregator, meta
+        return self._attacked(exp, aggregator, meta)
+
+    def _attacked(self, exp: Experiment, aggregator: MaskAggregator, meta: dict
+                  ) -> tuple[MaskAggregator, dict]:
+        """The honest sites' aggregator with the simulated attackers' masks in place of
+        theirs (:mod:`fedcompress.methods.fedprllm.attacks`); an attacker's payload goes through
+        the server's payload check like any reply, and is left out when it fails it."""
+        from fedcompress.methods.fedprllm.attacks import attack_masks
+        from fedcompress.methods.fedprllm.federated import check_payload
+
+        config = exp.config
+        if not config.attackers:
+            return aggregator, meta
+        if meta.get("layer_sparsity"):
+            config = config.replace(layer_sparsity=meta["layer_sparsity"])
+        replaced, refused = {}, []
+        for i in range(config.attackers):
+            masks = attack_masks(config.attack, exp.model, exp.windows[i], config.prune,
+                                 config.seed, i, config.batch_size, exp.windows[0])
+            payload = encode_masks(masks)
+            try:
+                replaced[i] = check_payload(payload, aggregator.shapes, config.prune.plan,
+                                            config.mask_tolerance)
+            except InvalidMaskError as err:
+                refused.append({"site": i, "reason": str(err)})
+        attacked = aggregator.with_sites(replaced)
+        if refused:
+            refused_sites = {r["site"] for r in refused}
+            attacked = attacked.subset([i for i in range(attacked.clients)
+                                        if i not in refused_sites])
+        logger.info("%d attackers (%s): %d masks refused by the payload check",
+                    config.attackers, config.attack, len(refused))
+        return attacked, {**meta, "attack": {"kind": config.attack, "sites": config.attackers,
+                                             "refused_by_check": refused}}
 
     def _mask_stats(self, client_id: str, aggregator: MaskAggregator) -> None:
         from fedcompress.masks.stats import mean_pairwise_hamming, unanimity, vote_histogram
@@ -468,7 +519,10 @@ class BenchRunner:
                             count_seconds=meta["count_seconds"], rounds=1,
                             client_seconds_mean=meta.get("client_seconds_mean"),
                             bytes_up_per_client=meta["bytes_up_per_client"],
-                            bytes_up_total=meta["bytes_up_per_client"] * config.clients)
+                            bytes_up_total=meta["bytes_up_per_client"] * config.clients,
+                            **({"attack_outcome": meta["attack"]} if "attack" in meta else {}),
+                            **({"defence_outcome": aggregator.rejection.to_dict()}
+                               if aggregator.rejection is not None else {}))
 
     def _iterative(self, exp: Experiment, cell: Cell) -> dict:
         config = cell.config()
@@ -516,17 +570,26 @@ def _progress(items, enabled: bool, description: str):
 # Settings added to FedPrLLM after results were first recorded, with the value every earlier
 # record was made with: a record without the key is the cell at that value.
 ADDED_LATER = {"wire": "packed", "wire_reference": "wiki", "sparsity_profile": "uniform",
-               "owl_lambda": 0.08, "owl_m": 5.0, "layer_sparsity": ""}
+               "owl_lambda": 0.08, "owl_m": 5.0, "layer_sparsity": "", "attack": "none",
+               "attackers": 0}
+#: Server settings added after results were stored, with the value those results had.
+SERVER_ADDED_LATER = {"defence": "none", "trim": 0, "reject_z": 3.5}
 
 
 def record_cell(record: dict) -> Cell:
     """The cell a stored record belongs to, under today's settings (keys it lacks from
     :data:`ADDED_LATER` take the value it was made with)."""
     client = {k: record[k] for k in CLIENT_KEYS if k in record}
-    if record["kind"] != "dense":
+    server = {k: record[k] for k in SERVER_KEYS if k in record}
+    kind = record["kind"]
+    if kind != "dense":
         client.update({k: v for k, v in ADDED_LATER.items() if k not in client})
-    return Cell(record["kind"], tuple((k, client[k]) for k in CLIENT_KEYS if k in client),
-                tuple((k, record[k]) for k in SERVER_KEYS if k in record),
+    if kind == "fedprllm":
+        server.update({k: v for k, v in SERVER_ADDED_LATER.items() if k not in server})
+    elif kind != "dense":
+        client = {k: v for k, v in client.items() if k not in _baseline_drop(kind)}
+    return Cell(kind, tuple((k, client[k]) for k in CLIENT_KEYS if k in client),
+                tuple((k, server[k]) for k in SERVER_KEYS if k in server),
                 tuple(sorted(record.get("eval", {}).items())))
 
 

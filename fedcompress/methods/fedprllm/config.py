@@ -7,11 +7,12 @@ ServerApp's settings and the ``[tool.flwr.app.config.fedprllm]`` table are deriv
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
 from fedcompress.config import ServerSettings, Settings, setting
 from fedcompress.masks.aggregate import TIE_BREAKS
+from fedcompress.masks.robust import DEFAULT_Z, DEFENCES, check_defence
 from fedcompress.pruning.allocation import PROFILES
 from fedcompress.pruning.local import METHODS
 from fedcompress.pruning.select import GROUPS, check_group
@@ -22,6 +23,8 @@ PARTITIONS = ("iid", "dirichlet")
 DTYPES = ("float32", "bfloat16", "float16")
 BASELINES = ("dense", "centralized", "local-only")
 VARIANTS = ("configured", "all")
+#: Byzantine site models of the simulation (:mod:`fedcompress.methods.fedprllm.attacks`).
+ATTACKS = ("none", "random", "inverted", "keep", "collude", "sparsity")
 
 
 @dataclass(frozen=True)
@@ -32,16 +35,42 @@ class ServerConfig:
     scale: bool = False
     tie_break: str = "magnitude"
     seed: int = 0
+    defence: str = "none"
+    trim: int = 0
+    reject_z: float = DEFAULT_Z
 
     def __post_init__(self):
         check_group(self.group)
         if self.tie_break not in TIE_BREAKS:
             raise ValueError(f"unknown tie-break {self.tie_break!r}: expected one of "
                              f"{', '.join(TIE_BREAKS)}")
+        check_defence(self.defence)
+        trims = self.defence in ("trim", "both")
+        if isinstance(self.trim, bool) or not isinstance(self.trim, int) or self.trim < 0 \
+                or (trims and self.trim == 0):
+            raise ValueError(f"trim={self.trim!r} is invalid: expected an int >= 1 with "
+                             f"defence {self.defence!r}" if trims else
+                             f"trim={self.trim!r} is invalid: expected an int >= 0")
+        if not (isinstance(self.reject_z, (int, float)) and 0 < self.reject_z < float("inf")):
+            raise ValueError(f"reject_z={self.reject_z!r} is invalid: expected a number > 0")
+
+    def replace_defence(self, defence: str) -> ServerConfig:
+        return replace(self, defence=defence)
+
+    @property
+    def trims(self) -> int:
+        """Votes trimmed per side of every weight (0 unless the defence trims)."""
+        return self.trim if self.defence in ("trim", "both") else 0
+
+    @property
+    def rejects(self) -> bool:
+        return self.defence in ("hamming", "both")
 
     @property
     def label(self) -> str:
-        return f"{self.group}{'+scale' if self.scale else ''}"
+        robust = {"none": "", "trim": f"+trim{self.trim}", "hamming": "+hamming",
+                  "both": f"+hamming+trim{self.trim}"}[self.defence]
+        return f"{self.group}{'+scale' if self.scale else ''}{robust}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,6 +115,13 @@ class FedPrLLMConfig(Settings):
     scale: bool = setting(False, "Scale kept weights by (m - votes)/m.")
     tie_break: str = setting("magnitude", "Among equal vote counts prune first: magnitude "
                              "(smaller |W|), random (seeded), index.", choices=TIE_BREAKS)
+    defence: str = setting(
+        "none", "Robust voting against Byzantine sites: none, trim (drop the trim highest and "
+        "lowest votes of every weight), hamming (reject sites far from the majority mask), "
+        "both.", choices=DEFENCES)
+    trim: int = setting(0, "Votes trimmed per side of every weight (defence trim/both).", ge=0)
+    reject_z: float = setting(DEFAULT_Z, "Hamming defence: reject a site farther than median "
+                              "+ z robust deviations from the majority mask.", gt=0.0)
     mode: str = setting("oneshot", "oneshot (one round) or iterative (one round per layer).",
                         choices=MODES)
     clients: int = setting(16, "Number of clients.", ge=1)
@@ -106,6 +142,12 @@ class FedPrLLMConfig(Settings):
                         choices=WIRES)
     wire_reference: str = setting("wiki", "Compressed wire: public corpus (its validation "
                                   "split) of the reference norms, or none.")
+    attack: str = setting("none", "Simulation: Byzantine sites' mask (random, inverted: prune "
+                          "the highest scores, keep: prune nothing, collude: one inverted "
+                          "mask from every attacker, sparsity: lie about the sparsity).",
+                          choices=ATTACKS)
+    attackers: int = setting(0, "Simulation: how many sites attack (partitions 0 .. n-1).",
+                             ge=0)
 
     def validate(self) -> None:
         if self.nm not in ("", "none") and (self.sparsity_profile != "uniform"
@@ -119,6 +161,19 @@ class FedPrLLMConfig(Settings):
             raise self.invalid(key, f"a valid value ({err})") from None
         if self.min_clients > self.clients:
             raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
+        if self.attackers > self.clients:
+            raise self.invalid("attackers", f"at most clients={self.clients}")
+        if (self.attack == "none") != (self.attackers == 0):
+            raise self.invalid("attackers", "0 with attack none, and >= 1 with an attack")
+        if self.attack != "none" and self.mode == "iterative":
+            raise self.invalid("attack", "none in iterative mode (attacks are simulated on the "
+                               "one-shot masks)")
+        if self.defence in ("trim", "both") and not 1 <= self.trim < self.clients / 2:
+            raise self.invalid("trim", f"between 1 and fewer than half of clients="
+                               f"{self.clients} with defence {self.defence!r}")
+        if self.defence in ("none", "hamming") and self.trim:
+            raise self.invalid("trim", f"0 with defence {self.defence!r} (only trim and both "
+                               "trim votes)")
         if self.method == "gradient" and self.mode == "iterative":
             raise self.invalid("method", "magnitude, wanda or sparsegpt in iterative mode (the "
                                "gradient scores need the whole model's backward pass, not one "
@@ -137,7 +192,8 @@ class FedPrLLMConfig(Settings):
 
     @property
     def server(self) -> ServerConfig:
-        return ServerConfig(self.group, self.scale, self.tie_break, self.seed)
+        return ServerConfig(self.group, self.scale, self.tie_break, self.seed, self.defence,
+                            self.trim, self.reject_z)
 
     @property
     def required_clients(self) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +33,12 @@ from fedcompress.masks.codec import (
     key_mismatch,
     mask_key,
     packed_nbytes,
+)
+from fedcompress.masks.robust import (
+    Rejection,
+    hamming_to_majority,
+    reject_outliers,
+    trimmed_counts,
 )
 from fedcompress.masks.stats import flatten_masks
 from fedcompress.methods.fedprllm.config import PARTITIONS, FedPrLLMConfig, ServerConfig
@@ -302,6 +308,8 @@ class MaskAggregator:
         self.payloads: dict[str, list[np.ndarray]] = {k: [] for k in self.shapes}
         self._counts: dict[str, torch.Tensor] = {}
         self.clients = 0
+        #: The Hamming defence's last decision (None: no defence applied).
+        self.rejection: Rejection | None = None
 
     def add_packed(self, payload: dict[str, np.ndarray]) -> None:
         """One client's payload, already validated by :func:`check_payload`."""
@@ -345,6 +353,51 @@ class MaskAggregator:
     def counts(self) -> dict[str, torch.Tensor]:
         return {k: self.layer_counts(k) for k in self.shapes}
 
+    def _with_payloads(self, payloads: dict[str, list[np.ndarray]]) -> MaskAggregator:
+        other = MaskAggregator(self.model, self.max_clients, self.layers, self.cache_counts,
+                               self.workers)
+        other.payloads = payloads
+        other.clients = len(next(iter(payloads.values()))) if payloads else 0
+        return other
+
+    def subset(self, keep: Sequence[int]) -> MaskAggregator:
+        """An aggregator of the sites ``keep`` (indices in the order they were added), sharing
+        their payload views (no copy)."""
+        keep = list(keep)
+        if not keep or any(not 0 <= i < self.clients for i in keep):
+            raise ValueError(f"sites {keep[:4]}: expected some of 0..{self.clients - 1}")
+        return self._with_payloads({k: [v[i] for i in keep] for k, v in self.payloads.items()})
+
+    def with_sites(self, replaced: Mapping[int, dict[str, np.ndarray]]) -> MaskAggregator:
+        """An aggregator where site ``i``'s payload is ``replaced[i]`` (checked bit-packed
+        payloads, e.g. a simulated attacker's), the others shared."""
+        payloads = {k: list(v) for k, v in self.payloads.items()}
+        for i, payload in replaced.items():
+            if not 0 <= i < self.clients or set(payload) != set(self.shapes):
+                raise InvalidMaskError(f"site {i}: expected a payload for every layer of one "
+                                       f"of sites 0..{self.clients - 1}")
+            for key, packed in payload.items():
+                payloads[key][i] = payload_words(packed, self._nbytes[key])
+        return self._with_payloads(payloads)
+
+    def defended(self, server: ServerConfig) -> tuple[MaskAggregator, Rejection | None]:
+        """Under the Hamming defence (:mod:`fedcompress.masks.robust`), the aggregator of the
+        sites it keeps and its decision (every site's distance to the majority mask of THESE
+        layers); else this aggregator and None."""
+        if not server.rejects:
+            return self, None
+        distances = hamming_to_majority(self.payloads, self.counts(), self.clients)
+        rejection = reject_outliers(distances, server.reject_z)
+        if rejection.rejected:
+            logger.warning("hamming defence: rejected sites %s (distances %s, threshold %.4f)",
+                           list(rejection.rejected),
+                           [round(rejection.distances[i], 4) for i in rejection.rejected],
+                           rejection.threshold)
+        if not rejection.rejected:
+            return self, rejection
+        keep = [i for i in range(self.clients) if i not in set(rejection.rejected)]
+        return self.subset(keep), rejection
+
     def _weight(self, key: str, model: nn.Module | None = None) -> torch.Tensor:
         _, layer, name = key.split(".", 2)
         adapter = ModelAdapter(model if model is not None else self.model)
@@ -356,6 +409,8 @@ class MaskAggregator:
         """The global mask of linear layer ``key``: the highest counts in each group, at the
         layer's ratio (``sparsity``: one ratio, or a per-layer plan)."""
         counts = self.layer_counts(key) if counts is None else counts
+        if server.trims:
+            counts = trimmed_counts(counts, self.clients, server.trims)
         return global_mask(counts, _ratio_at(sparsity, key), server.group, server.tie_break,
                            self._weight(key).detach().cpu(), server.seed, nm)
 
@@ -368,16 +423,24 @@ class MaskAggregator:
 
     def global_masks(self, server: ServerConfig, sparsity: float | SparsityPlan,
                      nm: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
-        keys = list(self.shapes)
-        return dict(zip(keys, self._map(lambda k: self.global_mask(k, server, sparsity, nm),
-                                        keys)))
+        """Every layer's global mask (after the server's defence, :meth:`defended`)."""
+        agg, self.rejection = self.defended(server)
+        keys = list(agg.shapes)
+        return dict(zip(keys, agg._map(lambda k: agg.global_mask(k, server, sparsity, nm),
+                                       keys)))
 
     @torch.no_grad()
     def prune(self, model: nn.Module, server: ServerConfig, sparsity: float | SparsityPlan,
               nm: tuple[int, int] | None = None) -> dict[str, float]:
         """Prune ``model`` (a copy of the global model) in place, one linear layer at a time
         per worker (no mask or count of another layer is kept); return each layer's pruned
-        fraction."""
+        fraction. The server's defence first decides which sites count (:meth:`defended`; the
+        decision is kept in ``rejection``)."""
+        agg, self.rejection = self.defended(server)
+        if agg is not self:
+            return agg.prune(model, server.replace_defence("trim" if server.trims else "none"),
+                             sparsity, nm)
+
         def one(key: str) -> float:
             counts = self.layer_counts(key)
             mask = self.global_mask(key, server, sparsity, nm, counts)
