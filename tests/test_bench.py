@@ -213,3 +213,19 @@ def test_bench_sweeps_attackers_and_defences(tiny_dir, tmp_path):
     # the defence removed the attacker: the same masks as the five honest sites alone would give
     assert inverted["perplexity"] != fed[("inverted", "none")]["perplexity"]
     assert len([r for r in rows if r["kind"] == "centralized"]) == 1
+
+
+def test_curve_axis_follows_the_numeric_columns(tiny_dir):
+    from fedcompress.bench.plots import curve_axis
+
+    config = _config(tiny_dir, sparsity=0.5, group="layer", baselines=[], clients=6,
+                     attack="inverted", attackers=[1, 2], defence=["none", "hamming"],
+                     columns="attackers")
+    (study,) = plan(config)
+    assert curve_axis(study) == "attackers"
+    (swept,) = plan(_config(tiny_dir))
+    assert curve_axis(swept) == "sparsity"
+    (flat,) = plan(_config(tiny_dir, sparsity=0.5, group="layer"))
+    assert curve_axis(flat) is None
+    rows = study_table(study, {})[1]
+    assert any("Hamming defence" in cell for row in rows for cell in row)

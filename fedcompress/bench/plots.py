@@ -1,4 +1,5 @@
-"""PNG plots of a bench sweep (matplotlib, Agg backend): perplexity vs sparsity per strategy,
+"""PNG plots of a bench sweep (matplotlib, Agg backend): perplexity vs sparsity (or another
+numeric swept setting, e.g. the number of attackers) per strategy,
 the histogram of vote counts, and the per-layer agreement between client masks."""
 
 from __future__ import annotations
@@ -33,9 +34,24 @@ def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
     return path
 
 
-def perplexity_vs_sparsity(study: Study, results: dict[str, dict], path: Path) -> Path | None:
-    """One line per strategy (and other swept setting); ``None`` unless sparsity is swept."""
-    if "sparsity" not in study.swept:
+#: Swept settings a curve can take as its x axis (numbers), in order of preference.
+CURVE_AXES = ("sparsity", "attackers", "owl_lambda", "clients", "samples_per_client", "alpha")
+
+
+def curve_axis(study: Study) -> str | None:
+    """The x axis of a study's curve: its columns when they are a numeric swept setting, else
+    the first swept of :data:`CURVE_AXES`; None when nothing numeric is swept."""
+    if study.columns in CURVE_AXES and study.columns in study.swept:
+        return study.columns
+    return next((k for k in CURVE_AXES if k in study.swept), None)
+
+
+def perplexity_curve(study: Study, results: dict[str, dict], path: Path) -> Path | None:
+    """Perplexity against the study's numeric axis (:func:`curve_axis`: sparsity, the number of
+    attackers, ...), one line per strategy and other swept setting; ``None`` when nothing
+    numeric is swept."""
+    axis = curve_axis(study)
+    if axis is None:
         return None
     lines: dict[str, list[tuple[float, float]]] = {}
     for cell in study.cells:
@@ -43,10 +59,12 @@ def perplexity_vs_sparsity(study: Study, results: dict[str, dict], path: Path) -
         if not record or record.get("status") != "ok" or cell.kind == "dense":
             continue
         settings = cell.settings()
+        if axis not in settings:
+            continue
         others = [f"{k}={settings[k]}" for k in study.swept
-                  if k not in ("sparsity", "group", "scale", "tie_break") and k in settings]
+                  if k not in (axis, "group", "scale", "tie_break") and k in settings]
         label = ", ".join([strategy_label(settings), *others])
-        lines.setdefault(label, []).append((settings["sparsity"], record["perplexity"]))
+        lines.setdefault(label, []).append((settings[axis], record["perplexity"]))
     if not lines:
         return None
     plt = _pyplot()
@@ -59,7 +77,7 @@ def perplexity_vs_sparsity(study: Study, results: dict[str, dict], path: Path) -
     if dense:
         ax.axhline(dense[0], color="grey", linestyle=":", label="Dense")
     ax.set_yscale("log")
-    return _save(fig, ax, path, study.title, "sparsity", "perplexity (log scale)")
+    return _save(fig, ax, path, study.title, axis, "perplexity (log scale)")
 
 
 def vote_histograms(stats: dict[str, dict], labels: dict[str, str], path: Path) -> Path | None:

@@ -131,20 +131,22 @@ def server_cost(records: list[dict]) -> str:
 def make_plots(out: Path, runner: BenchRunner, studies: list[Study]) -> list[Path]:
     pngs = []
     for study in studies:
-        path = plots.perplexity_vs_sparsity(study, runner.results, out / f"ppl-{study.name}.png")
+        path = plots.perplexity_curve(study, runner.results, out / f"ppl-{study.name}.png")
         if path:
             pngs.append(path)
     labels = {}
     for study in studies:
         for cell in study.cells:
-            if cell.kind == "fedprllm" and cell.client_id in runner.stats:
+            if cell.kind == "fedprllm" and cell.vote_id in runner.stats:
                 s = cell.settings()
-                labels[cell.client_id] = (f"{s['method']} {s['sparsity']}, local {s['local_group']}"
+                attack = (f", {s['attackers']} {s['attack']} attackers" if s.get("attackers")
+                          else "")
+                labels[cell.vote_id] = (f"{s['method']} {s['sparsity']}, local {s['local_group']}"
                                           f", {s['clients']}x{s['samples_per_client']} "
                                           f"{s['partition']}"
                                           + (f"({s['alpha']})" if s['partition'] != "iid" else "")
                                           + (f" {s['calib_text']}" if s['calib_text'] != "wiki"
-                                             else ""))
+                                             else "") + attack)
     for fn, name in ((plots.vote_histograms, "vote-histogram.png"),
                      (plots.layer_agreement, "layer-agreement.png")):
         path = fn(runner.stats, labels, out / name)

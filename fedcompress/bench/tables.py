@@ -29,6 +29,11 @@ def strategy_label(settings: dict, omit: tuple[str, ...] = ()) -> str:
         parts.append("scaling")
     if settings.get("tie_break", "magnitude") != "magnitude" and "tie_break" not in omit:
         parts.append(f"ties {settings['tie_break']}")
+    defence = settings.get("defence", "none")
+    if defence != "none" and "defence" not in omit:
+        trim = f"trim {settings.get('trim')}"
+        parts.append({"trim": trim, "hamming": "Hamming defence",
+                      "both": f"Hamming defence + {trim}"}[defence])
     return ", ".join(parts)
 
 
