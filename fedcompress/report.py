@@ -51,6 +51,43 @@ def versions() -> dict[str, str]:
     return found
 
 
+#: CPU instruction-set extensions whose presence changes which float kernels run.
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni",
+             "avx512_fp16", "amx_tile", "amx_bf16", "neon", "asimd", "sve")
+
+
+def machine() -> dict[str, Any]:
+    """What explains float differences between machines for the same config: the CPU model,
+    its instruction-set extensions (:data:`ISA_FLAGS`), the kernel level torch dispatches to
+    (``cpu_capability``), torch's intra- and inter-op threads in this process (a Ray actor
+    runs one), and whether MKL / oneDNN are in use."""
+    import torch
+
+    found: dict[str, Any] = {"machine": platform.machine(), "cpu_count": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and "cpu_model" not in found:
+            found["cpu_model"] = value.strip()
+        elif key in ("flags", "Features") and "isa" not in found:
+            flags = set(value.split())
+            found["isa"] = [f for f in ISA_FLAGS if f in flags]
+    found.setdefault("cpu_model", platform.processor() or "unknown")
+    try:
+        found["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except AttributeError:
+        pass
+    found.update({"torch_threads": torch.get_num_threads(),
+                  "torch_interop_threads": torch.get_num_interop_threads(),
+                  "mkl": torch.backends.mkl.is_available(),
+                  "mkldnn": torch.backends.mkldnn.is_available()})
+    return found
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no inf/nan
@@ -129,6 +166,7 @@ class RunReport:
         self.status = "running"
         self.exit_status = "ok"  # what `with report:` finishes with when its block succeeds
         self.versions = versions()
+        self.machine = machine()
         atomic_write(self.out_dir / "config.toml",
                       tomli_w.dumps({k: v for k, v in _jsonable(config).items() if v is not None}))
         self.write()
@@ -187,6 +225,7 @@ class RunReport:
             "config": self.config,
             "seeds": self.seeds,
             "versions": self.versions,
+            "machine": self.machine,
             "timings": self.timings,
             "results": self.results,
             **self.extra,
