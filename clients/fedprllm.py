@@ -18,8 +18,9 @@ import functools
 import logging
 import time
 
+import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from clients.common import cached_model, site_partition, with_data_path
 from fedcompress.masks.stats import flatten_masks
@@ -32,6 +33,13 @@ from fedcompress.methods.fedprllm.federated import (
     federation_windows,
     iterative_client_step,
     masks_by_layer,
+)
+from fedcompress.privacy.secagg import (
+    SecAggSite,
+    pack_blobs,
+    pack_ints,
+    unpack_blobs,
+    unpack_ints,
 )
 from fedcompress.pruning.local import local_masks, outlier_ratios
 
@@ -94,22 +102,114 @@ def outliers(message: Message, context: Context) -> Message:
         reply_to=message)
 
 
+def _site_masks(message: Message, context: Context, config, partition: int, model, windows):
+    """This node's one-shot masks: its local pass, or a simulated attacker's masks."""
+    if is_attacker(partition, config.attackers):  # a simulated Byzantine site
+        first = (_setup(message, context, partition_of=0)[3] if config.attack == "collude"
+                 else None)
+        logger.warning("partition %d attacks (%s)", partition, config.attack)
+        return attack_masks(config.attack, model, windows, config.prune, config.seed,
+                            partition, config.batch_size, first)
+    return local_masks(model, windows, config.prune, batch_size=config.batch_size).masks
+
+
 def oneshot_masks(message: Message, context: Context) -> Message:
     """All local masks from one sequential pass over this node's windows."""
     config, partition, model, windows = _setup(message, context)
     start = time.perf_counter()
-    if is_attacker(partition, config.attackers):  # a simulated Byzantine site
-        first = (_setup(message, context, partition_of=0)[3] if config.attack == "collude"
-                 else None)
-        masks = attack_masks(config.attack, model, windows, config.prune, config.seed,
-                             partition, config.batch_size, first)
-        logger.warning("partition %d attacks (%s)", partition, config.attack)
-    else:
-        masks = local_masks(model, windows, config.prune, batch_size=config.batch_size).masks
+    masks = _site_masks(message, context, config, partition, model, windows)
     return _reply(message, encode_wire(flatten_masks(masks), model, config,
                                        _reference(message)),
                   {"seconds": time.perf_counter() - start, "windows": len(windows),
                    "partition": partition})
+
+
+# -- secure aggregation (SecAgg+, fedcompress.privacy.secagg): four messages per vote --------
+SECAGG_STATE = "fedprllm_secagg"
+_STATE_LISTS = ("nodes", "public_nodes", "received_nodes", "public_c", "public_s",
+                "received_seed", "received_key")
+
+
+def _secagg_site(context: Context):
+    """This site's SecAgg state of the current vote (its lists stored as bytes)."""
+    if SECAGG_STATE not in context.state:
+        raise RuntimeError("no SecAgg state at this site: did it miss the key round?")
+    state = dict(context.state[SECAGG_STATE])
+    for key in _STATE_LISTS:
+        state[key] = (unpack_ints(state[key]) if key.endswith("nodes")
+                      else unpack_blobs(state[key]))
+    return SecAggSite.from_state(state)
+
+
+def _keep_secagg(context: Context, site) -> None:
+    state = site.to_state()
+    for key in _STATE_LISTS:
+        state[key] = (pack_ints(state[key]) if key.endswith("nodes")  # type: ignore[arg-type]
+                      else pack_blobs(state[key]))  # type: ignore[arg-type]
+    context.state[SECAGG_STATE] = ConfigRecord(state)
+
+
+def secagg_keys(message: Message, context: Context) -> Message:
+    """Stage 1: fresh key pairs and self-mask seed for this vote; the public keys go out. The
+    server names the sites by their index in this vote (0..n-1)."""
+    from fedcompress.privacy.secagg import SecAggConfig
+
+    agg = message.content["secagg"]
+    config = SecAggConfig(tuple(range(int(agg["sites"]))), int(agg["threshold"]),
+                          int(agg["numel"]), int(agg["bits"]))
+    site = SecAggSite(int(agg["index"]), config)
+    _keep_secagg(context, site)
+    c, s = site.advertise()
+    return Message(RecordDict({"secagg": ConfigRecord({"c": c, "s": s})}), reply_to=message)
+
+
+def secagg_share(message: Message, context: Context) -> Message:
+    """Stage 2: this site's encrypted shares for every other site (the server relays them)."""
+    site = _secagg_site(context)
+    agg = message.content["secagg"]
+    public = {n: (c, s) for n, c, s in zip(unpack_ints(agg["nodes"]), unpack_blobs(agg["c"]),
+                                           unpack_blobs(agg["s"]), strict=True)}
+    out = site.share(public)
+    _keep_secagg(context, site)
+    nodes = sorted(out)
+    return Message(RecordDict({"secagg": ConfigRecord(
+        {"dst": pack_ints(nodes), "blob": pack_blobs([out[n] for n in nodes])})}),
+        reply_to=message)
+
+
+def secagg_masks(message: Message, context: Context) -> Message:
+    """Stage 3: this site's masks (or, simulated, its attack), as 0/1 votes in the order of the
+    sorted wire keys, masked."""
+    config, partition, model, windows = _setup(message, context)
+    site = _secagg_site(context)
+    start = time.perf_counter()
+    masks = _site_masks(message, context, config, partition, model, windows)
+    flat = flatten_masks(masks)
+    keys = sorted(expected_shapes(model))
+    if sorted(flat) != keys:
+        raise RuntimeError("this site's masks do not name the model's layers")
+    votes = np.concatenate([flat[k].reshape(-1).numpy().astype(np.uint8) for k in keys])
+    agg = message.content["secagg"]
+    inbox = dict(zip(unpack_ints(agg["src"]), unpack_blobs(agg["blob"]), strict=True))
+    masked = site.masked(votes, inbox)
+    _keep_secagg(context, site)
+    return Message(RecordDict({
+        "masked": ArrayRecord({"words": Array(masked)}),
+        "metrics": MetricRecord({"seconds": time.perf_counter() - start,
+                                 "windows": len(windows), "partition": partition,
+                                 "bytes_up": int(masked.nbytes)})}), reply_to=message)
+
+
+def secagg_unmask(message: Message, context: Context) -> Message:
+    """Stage 4: shares of the survivors' seeds and of the dropped sites' mask keys."""
+    site = _secagg_site(context)
+    agg = message.content["secagg"]
+    out = site.unmask(unpack_ints(agg["survivors"]), unpack_ints(agg["dropped"]))
+    del context.state[SECAGG_STATE]  # this vote's secrets are no longer needed
+    nodes = sorted(out)
+    return Message(RecordDict({"secagg": ConfigRecord(
+        {"of": pack_ints(nodes), "share": pack_blobs([out[n] for n in nodes])})}),
+        reply_to=message)
 
 
 def iterative_layer_mask(message: Message, context: Context) -> Message:

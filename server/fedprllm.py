@@ -111,6 +111,17 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
             "bytes_down_per_client": outcome.bytes_down // max(config.clients, 1),
             "federated_seconds": fed_seconds, "startup_seconds": startup,
             "client_seconds_mean": sum(client_seconds) / max(len(client_seconds), 1)}
+    secagg = getattr(strategy, "secagg", None)
+    if secagg:  # every stage's bytes, not only the masked votes
+        stages = [secagg[k] for k in ("keys", "share", "masked", "unmask") if k in secagg]
+        sites = max(int(secagg["sum"]["sites"]), 1)
+        comm["bytes_up_per_client"] = sum(int(st["bytes_up"]) for st in stages) // sites
+        comm["bytes_down_per_client"] = sum(int(st["bytes_down"]) for st in stages) // sites
+        comm["bits_per_weight_up"] = 8 * comm["bytes_up_per_client"] / max(sum(
+            math.prod(shape) for shape in expected_shapes(exp.model).values()), 1)
+        comm["rounds"] = len(stages)
+        comm["valid_clients"] = sites
+        report.extra["secagg"] = secagg
     report.extra["rejected"] = outcome.rejected
     report.extra["client_startup_seconds"] = outcome.startup_seconds
     report.extra["clients"] = outcome.client_metrics

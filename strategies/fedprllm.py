@@ -41,7 +41,8 @@ from strategies.common import (
     wait_for_nodes,
 )
 
-__all__ = ["FedPrLLM", "IterativeFedPrLLM", "NotEnoughClientsError", "make_strategy"]
+__all__ = ["FedPrLLM", "IterativeFedPrLLM", "NotEnoughClientsError", "SecureFedPrLLM",
+           "make_strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +267,139 @@ class IterativeFedPrLLM(FedPrLLM):
         return pruned
 
 
+class SecureFedPrLLM(FedPrLLM):
+    """One-shot FedPrLLM whose vote is summed by SecAgg+ (:mod:`fedcompress.privacy.secagg`):
+    four exchanges (keys, shares, masked votes, unmasking); the server ends with the vote counts
+    and no site's mask. A site lost before its masked votes is left out of the sum (its
+    pairwise masks undone from the others' shares); one lost later still counts; fewer than
+    ``max(threshold, required clients)`` end the run clearly."""
+
+    STAGES = ("keys", "share", "masked", "unmask")
+
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
+                 reference_wire: dict | None = None):
+        super().__init__(config, model, node_wait, reference_wire)
+        #: per stage: seconds, bytes sent down and up, valid replies
+        self.secagg: dict[str, dict[str, float]] = {}
+
+    def _exchange(self, grid: Grid, stage: str, action: str, contents: dict[int, RecordDict],
+                  timeout: float, validate) -> dict[int, Any]:
+        start = time.monotonic()
+        down = sum(sum(r.count_bytes() for r in c.values()) for c in contents.values())
+        replies = list(grid.send_and_receive(
+            [Message(c, node, action, group_id="1") for node, c in contents.items()],
+            timeout=timeout))
+        valid, rejected = collect_valid_replies(replies, validate, stage=f"secagg-{stage}",
+                                                server_round=1, what=f"SecAgg {stage} reply")
+        self.outcome.rejected += rejected
+        up = sum(sum(r.count_bytes() for r in reply.content.values()) for reply, _ in valid)
+        self.outcome.bytes_down += down
+        self.secagg[stage] = {"seconds": time.monotonic() - start, "bytes_down": down,
+                              "bytes_up": up, "valid": len(valid)}
+        for reply, _ in valid:
+            if "metrics" in reply.content:
+                self.outcome.client_metrics.append({"round": 1, "stage": stage,
+                                                    "node": reply.metadata.src_node_id,
+                                                    **reply_metrics(reply)})
+        return {reply.metadata.src_node_id: value for reply, value in valid}
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 1,
+              timeout: float = 3600, **_ignored) -> None:
+        from fedcompress.privacy.secagg import (
+            SecAggConfig,
+            SecAggError,
+            SecAggServer,
+            pack_blobs,
+            pack_ints,
+            unpack_blobs,
+            unpack_ints,
+        )
+
+        nodes = sorted(self._nodes(grid))
+        index = {node: i for i, node in enumerate(nodes)}
+        keys = sorted(self.shapes)
+        numel = sum(int(np.prod(self.shapes[k])) for k in keys)
+        threshold = self.config.threshold_for(len(nodes))
+        agg_config = SecAggConfig(tuple(range(len(nodes))), threshold, numel)
+        server = SecAggServer(agg_config)
+        need = max(threshold, self.config.required_clients)
+
+        def enough(stage: str, got: int) -> None:
+            require_valid(got, need, f"SecAgg {stage}", 1, self.outcome.reasons(
+                f"secagg-{stage}"))
+
+        base = {"sites": len(nodes), "threshold": threshold, "numel": numel,
+                "bits": agg_config.bits}
+        public = self._exchange(grid, "keys", "query.secagg_keys", {
+            n: RecordDict({"secagg": ConfigRecord({**base, "index": index[n]})}) for n in nodes},
+            timeout, lambda r: (bytes(r.content["secagg"]["c"]), bytes(r.content["secagg"]["s"])))
+        enough("keys", len(public))
+        server.public = {index[n]: pk for n, pk in public.items()}
+        listed = sorted(server.public)
+        advert = ConfigRecord({"nodes": pack_ints(listed),
+                               "c": pack_blobs([server.public[i][0] for i in listed]),
+                               "s": pack_blobs([server.public[i][1] for i in listed])})
+
+        def shares_of(reply: Message) -> dict[int, bytes]:
+            record = reply.content["secagg"]
+            return dict(zip(unpack_ints(record["dst"]), unpack_blobs(record["blob"]),
+                            strict=True))
+
+        shares = self._exchange(grid, "share", "query.secagg_share",
+                                {n: RecordDict({"secagg": advert}) for n in public},
+                                timeout, shares_of)
+        enough("share", len(shares))
+        inbox = server.relay({index[n]: s for n, s in shares.items()})
+        content = self._content(1)
+
+        def masked_of(reply: Message) -> np.ndarray:
+            words = reply.content["masked"]["words"].numpy()
+            if words.dtype != np.uint64 or words.shape != (agg_config.n_words,):
+                raise ValueError(f"masked votes of {words.dtype} {words.shape}: expected "
+                                 f"({agg_config.n_words},) uint64")
+            return words
+
+        masked = self._exchange(grid, "masked", "train.secagg_masks", {
+            n: RecordDict({**content, "secagg": ConfigRecord({
+                "src": pack_ints(sorted(inbox.get(index[n], {}))),
+                "blob": pack_blobs([inbox[index[n]][s]
+                                    for s in sorted(inbox.get(index[n], {}))])})})
+            for n in shares}, timeout, masked_of)
+        enough("masked", len(masked))
+        survivors = sorted(index[n] for n in masked)
+        dropped = [i for i in listed if i not in set(survivors)]
+        request = ConfigRecord({"survivors": pack_ints(survivors), "dropped": pack_ints(dropped)})
+
+        def unmask_of(reply: Message) -> dict[int, bytes]:
+            record = reply.content["secagg"]
+            return dict(zip(unpack_ints(record["of"]), unpack_blobs(record["share"]),
+                            strict=True))
+
+        unmask = self._exchange(grid, "unmask", "query.secagg_unmask",
+                                {n: RecordDict({"secagg": request}) for n in masked},
+                                timeout, unmask_of)
+        start = time.monotonic()
+        try:
+            total = server.aggregate({index[n]: w for n, w in masked.items()},
+                                     {index[n]: s for n, s in unmask.items()})
+        except SecAggError as err:
+            raise NotEnoughClientsError(f"SecAgg unmasking failed: {err}") from err
+        counts, offset = {}, 0
+        for key in keys:
+            size = int(np.prod(self.shapes[key]))
+            counts[key] = torch.from_numpy(total[offset:offset + size].reshape(self.shapes[key]))
+            offset += size
+        self.aggregator = MaskAggregator.from_counts(self.model, counts, len(masked))
+        self.secagg["sum"] = {"seconds": time.monotonic() - start, "sites": len(masked),
+                              "dropped": len(dropped), "threshold": threshold,
+                              "bits_per_weight_up": 64 / (64 // agg_config.bits),
+                              "bytes_up_per_site": agg_config.upload_bytes}
+        self.site_nodes[1] = sorted(masked)
+
+
 def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module,
                   reference_wire: dict | None = None) -> FedPrLLM:
+    if config.secagg:
+        return SecureFedPrLLM(config, model, reference_wire=reference_wire)
     cls = IterativeFedPrLLM if config.mode == "iterative" else FedPrLLM
     return cls(config, model, reference_wire=reference_wire)

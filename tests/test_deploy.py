@@ -457,6 +457,30 @@ def test_deployed_personalize_equals_in_process(deployments, tiny_model_dir, tmp
     same_personalize_result(report, reference)
 
 
+def test_deployed_secure_vote_equals_in_process_vote(deployments, tiny_model_dir):
+    """SecAgg+ on the deployment: every stage of a site may run in a new ClientApp process
+    (its keys and shares kept in the SuperNode's state between them); the model pruned from
+    the secure sum equals the in-process plain vote."""
+    from fedcompress.models import load_model
+
+    dep = deployments["full"]
+    dep.result.result()  # one run at a time on this SuperLink
+    out = dep.root / "secagg"
+    settings = {**RUN, "model": str(tiny_model_dir), "out": str(out), "secagg": True}
+    run, log = dep.run(settings)
+    assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"
+    report = json.loads((out / "report.json").read_text())
+    assert report["rejected"] == [], report["rejected"]
+    fed = report["results"][0]
+    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 4
+    assert report["secagg"]["sum"]["dropped"] == 0
+    reference = _reference_model(tiny_model_dir, {**settings, "secagg": False},
+                                 [dep.node_config(i) for i in range(CLIENTS)])
+    saved = load_model(str(out / "model"), device="cpu").model
+    for (key, a), (_, b) in zip(reference.state_dict().items(), saved.state_dict().items()):
+        assert torch.equal(a, b), key
+
+
 def test_tls_and_registered_nodes(deployments):
     """TLS with our CA (the SuperLink certificate's names) and the 3 registered nodes online."""
     from cryptography import x509

@@ -157,12 +157,13 @@ def _only_run_status(flwr: str, env: dict, log: str) -> str:
 
 
 @pytest.mark.simulation
-def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path):
+@pytest.mark.parametrize("secagg", [False, True])
+def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path, secagg):
     out = tmp_path / "out"
     run_config = " ".join(f"fedprllm.{item}" for item in (
         f'model="{tiny_model_dir}"', f"clients={CLIENTS}", "samples-per-client=2", "seqlen=16",
         "batch-size=2", "eval-seqlen=16", "eval-windows=4", f'out="{out}"', 'device="cpu"',
-        'baselines="dense"'))
+        'baselines="dense"', f"secagg={str(secagg).lower()}"))
     flwr = str(Path(sys.executable).parent / "flwr")
     proc = subprocess.run(
         [flwr, "run", ".", "--federation-config",
@@ -178,9 +179,12 @@ def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path):
     assert report["status"] == "ok" and report["rejected"] == []
     assert [r["name"] for r in report["results"]] == ["dense", "fedprllm-oneshot-layer"]
     fed = report["results"][1]
-    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 1
+    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == (4 if secagg else 1)
     assert abs(fed["sparsity"] - 0.5) < 1e-3
     assert (out / "model" / "config.json").exists()
+    if secagg:  # 3 sites: 2-bit lanes (32 weights per word) plus the keys and shares
+        assert report["secagg"]["sum"]["bits_per_weight_up"] == 2
+        assert fed["bits_per_weight_up"] > 2
 
 
 @pytest.mark.simulation

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from fedcompress.privacy.secagg import (
     SecAggConfig,
@@ -142,3 +143,124 @@ def test_secure_counts_equal_the_plain_vote_bit_for_bit(tiny_dir):
     expected = torch.cat([plain.counts()[k].reshape(-1) for k in sorted(plain.shapes)])
     assert np.array_equal(counts, expected.numpy().astype(np.int64))
     assert config.upload_bytes == 8 * -(-flat[0].size // (64 // 3))
+
+
+def test_a_site_resumes_from_its_stored_state():
+    """A deployed site may run each stage in a new process: its state round-trips."""
+    config = SecAggConfig((1, 2, 3), 2, 50)
+    sites = {n: SecAggSite(n, config) for n in (1, 2, 3)}
+    server = SecAggServer(config, {n: s.advertise() for n, s in sites.items()})
+    inbox = server.relay({n: s.share(server.public) for n, s in sites.items()})
+    sites = {n: SecAggSite.from_state(s.to_state()) for n, s in sites.items()}
+    votes = {n: np.arange(50) % 2 for n in sites}
+    masked = {n: s.masked(votes[n], inbox[n]) for n, s in sites.items()}
+    sites = {n: SecAggSite.from_state(s.to_state()) for n, s in sites.items()}
+    counts = server.aggregate(masked, {n: s.unmask([1, 2, 3], []) for n, s in sites.items()})
+    assert np.array_equal(counts, 3 * (np.arange(50) % 2))
+    with pytest.raises(SecAggError, match="stored SecAgg state unusable"):
+        SecAggSite.from_state({"node": 1})
+
+
+# -- through the ClientApp and the strategy (in process; and the Simulation Engine) ------------
+def _flower(tiny_dir, drop: dict | None = None, **kw):
+    """The secure and the plain strategy over the same in-process federation; ``drop`` maps an
+    action to the partitions whose reply to it is lost."""
+    from conftest import InProcessFederation
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
+    from fedcompress.models import load_model
+    from strategies.fedprllm import FedPrLLM, SecureFedPrLLM, make_strategy
+
+    class Federation(InProcessFederation):
+        app = "clients.app"
+
+        def send_and_receive(self, messages, timeout=None):
+            lost = {100 + p for p in (drop or {}).get(messages[0].metadata.message_type, ())}
+            return super().send_and_receive(
+                [m for m in messages if m.metadata.dst_node_id not in lost], timeout)
+
+    config = FedPrLLMConfig(model=tiny_dir, clients=5, samples_per_client=2, seqlen=16,
+                            batch_size=2, secagg=True, **kw)
+    model = load_model(tiny_dir, device="cpu").model
+    secure = make_strategy(config, model)
+    assert isinstance(secure, SecureFedPrLLM)
+    grid = Federation(5)
+    secure.start(grid, ArrayRecord())
+    plain = FedPrLLM(config.replace(secagg=False, min_clients=2), model)
+    kept = {100 + p for p in (drop or {}).get("train.secagg_masks", ())}
+    replies = [r for r in grid.send_and_receive(plain.configure_train(
+        1, ArrayRecord(), ConfigRecord(), grid)) if r.metadata.src_node_id not in kept]
+    plain.aggregate_train(1, replies)
+    return secure, plain
+
+
+def test_secure_vote_through_flower_equals_the_plain_vote(tiny_dir):
+    secure, plain = _flower(tiny_dir)
+    for key, counts in plain.aggregator.counts().items():
+        assert torch.equal(secure.aggregator.counts()[key], counts)
+    assert secure.aggregator.clients == 5 and not secure.aggregator.payloads[key]
+    stats = secure.secagg
+    assert set(stats) == {"keys", "share", "masked", "unmask", "sum"}
+    assert stats["sum"]["threshold"] == 4 and stats["sum"]["dropped"] == 0
+    # 5 sites: 3-bit lanes, 21 weights per word
+    assert stats["sum"]["bits_per_weight_up"] == pytest.approx(64 / 21)
+
+
+def test_secure_vote_survives_dropouts_within_the_threshold(tiny_dir):
+    # lost before its masked votes: left out of the sum; its pairwise masks undone
+    secure, plain = _flower(tiny_dir, {"train.secagg_masks": [3]}, min_clients=3)
+    assert secure.aggregator.clients == 4 and secure.secagg["sum"]["dropped"] == 1
+    for key, counts in plain.aggregator.counts().items():
+        assert torch.equal(secure.aggregator.counts()[key], counts)
+    # silent at the last stage: its votes still count (its seed rebuilt from 4 shares)
+    secure, plain = _flower(tiny_dir, {"query.secagg_unmask": [1]}, min_clients=3)
+    assert secure.aggregator.clients == 5
+    for key, counts in plain.aggregator.counts().items():
+        assert torch.equal(secure.aggregator.counts()[key], counts)
+
+
+def test_secure_vote_below_the_threshold_fails_clearly(tiny_dir):
+    from strategies.fedprllm import NotEnoughClientsError
+
+    with pytest.raises(NotEnoughClientsError, match="SecAgg masked"):
+        _flower(tiny_dir, {"train.secagg_masks": [0, 1]}, min_clients=2)
+    with pytest.raises(NotEnoughClientsError, match="SecAgg unmasking failed"):
+        _flower(tiny_dir, {"query.secagg_unmask": [0, 1]}, min_clients=2)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(mode="iterative"), "mode='iterative' is invalid: expected oneshot with secagg"),
+    (dict(defence="hamming"), "defence='hamming' is invalid: expected none or trim"),
+    (dict(wire="compressed"), "wire='compressed' is invalid"),
+    (dict(secagg_threshold=1), "secagg_threshold=1 is invalid"),
+    (dict(secagg_threshold=9), "secagg_threshold=9 is invalid"),
+])
+def test_secagg_settings_are_checked(tiny_dir, kw, message):
+    from fedcompress.config import SettingsError
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
+
+    with pytest.raises((SettingsError, ValueError), match=message):
+        FedPrLLMConfig(model=tiny_dir, clients=4, secagg=True, **kw)
+
+
+def test_the_primitives_are_flowers():
+    """The library imports no Flower but builds the same primitives: its ECDH key is Flower's
+    shared key, and its Shamir shares combine with Flower's combine_shares (and back)."""
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from flwr.common.secure_aggregation.crypto import shamir
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+
+    from fedcompress.privacy.secagg import CURVE, agree, combine_shares, create_shares
+
+    a, b = ec.generate_private_key(CURVE), ec.generate_private_key(CURVE)
+    assert base64.urlsafe_b64encode(agree(a, b.public_key())) == generate_shared_key(
+        a, b.public_key())
+    secret = bytes(range(70))
+    ours = create_shares(secret, 3, 5)
+    assert shamir.combine_shares(ours[1:4]) == secret
+    assert combine_shares(shamir.create_shares(secret, 3, 5)[:3]) == secret
+    with pytest.raises(SecAggError, match="two shares with one index"):
+        combine_shares([ours[0], ours[0], ours[1]])

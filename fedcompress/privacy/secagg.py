@@ -16,11 +16,9 @@ scheme can send, since a masked value must be uniform over a group that holds th
 1. *advertise keys*: each site makes two P-384 key pairs, ``c`` (channel) and ``s`` (masks), and
    sends both public keys; the server broadcasts them all.
 2. *share keys*: each site draws a 32-byte self-mask seed ``b_i``, splits ``b_i`` and its ``s``
-   private key into ``n`` Shamir shares of threshold ``t`` (Flower's
-   :func:`~flwr.common.secure_aggregation.crypto.shamir.create_shares`), and sends site ``j``'s
-   pair of shares encrypted under the ECDH key of ``c_i`` and ``c_j``
-   (:func:`~flwr.common.secure_aggregation.crypto.symmetric_encryption.generate_shared_key`,
-   Fernet); the server forwards them (it cannot read them).
+   private key into ``n`` Shamir shares of threshold ``t`` (:func:`create_shares`), and sends
+   site ``j``'s pair of shares encrypted under the ECDH key of ``c_i`` and ``c_j``
+   (:func:`agree`, Fernet); the server forwards them (it cannot read them).
 3. *masked input*: ``y_i = x_i + PRG(b_i) + sum_{j > i} PRG(s_ij) - sum_{j < i} PRG(s_ij)``
    mod 2^64 per word, with ``s_ij`` the ECDH key of ``s_i`` and ``s_j``.
 4. *unmask*: the server names the sites whose ``y`` arrived (survivors, at least ``t``) and the
@@ -29,9 +27,14 @@ scheme can send, since a masked value must be uniform over a group that holds th
    shares the server rebuilds the seeds, removes ``PRG(b_j)`` of the survivors and the dropped
    sites' pairwise masks, and has the sum of the survivors' vectors.
 
-**PRG.** AES-256 in counter mode keyed by the 32-byte seed or derived key (``cryptography``),
-not Flower's ``pseudo_rand_gen``, whose numpy generator is seeded with 32 bits folded from the
-key (2^32 candidate masks: searchable by the server).
+**Primitives.** The same constructions as Flower's secure-aggregation primitives
+(``flwr.common.secure_aggregation``), called on the libraries those wrap, since the library
+imports no Flower (tests check the interoperability: keys, shares): ECDH on P-384 then
+HKDF-SHA256 to 32 bytes; Fernet for the channel; Shamir's scheme over GF(2^128) on 16-byte chunks
+of the padded secret (``pycryptodome``), a share being its 4-byte index and the chunks' shares.
+**PRG**: AES-256 in counter mode keyed by the 32-byte seed or derived key, NOT Flower's
+``pseudo_rand_gen``, whose numpy generator is seeded with 32 bits folded from the key (2^32
+candidate masks: searchable by the server).
 
 **Protects against** an honest-but-curious server, and up to ``t - 1`` colluding sites with
 it: no coalition below the threshold learns a site's vector beyond what the sum reveals. **Does
@@ -104,6 +107,49 @@ def words_for(numel: int, bits: int) -> int:
     return -(-numel // (64 // bits))
 
 
+# -- wire: lists as bytes (a record of scalars and bytes only) ---------------------------------
+#: First byte of a packed list: never an empty value (Flower's record size count refuses empty
+#: bytes and empty lists).
+_LIST_TAG = b"L"
+
+
+def _untag(data: bytes, what: str) -> bytes:
+    data = bytes(data)
+    if data[:1] != _LIST_TAG:
+        raise SecAggError(f"{what}: not a packed list")
+    return data[1:]
+
+
+def pack_ints(values: Sequence[int]) -> bytes:
+    """Non-negative ints as little-endian uint64 bytes (tagged)."""
+    return _LIST_TAG + np.asarray(list(values), dtype="<u8").tobytes()
+
+
+def unpack_ints(data: bytes, what: str = "ints") -> list[int]:
+    body = _untag(data, what)
+    if len(body) % 8:
+        raise SecAggError(f"{what}: {len(body)} bytes, expected a multiple of 8")
+    return [int(x) for x in np.frombuffer(body, dtype="<u8")]
+
+
+def pack_blobs(blobs: Sequence[bytes]) -> bytes:
+    """Byte strings, each prefixed by its uint32 length (tagged)."""
+    return _LIST_TAG + b"".join(len(b).to_bytes(4, "little") + bytes(b) for b in blobs)
+
+
+def unpack_blobs(data: bytes, what: str = "blobs") -> list[bytes]:
+    body, out, i = _untag(data, what), [], 0
+    while i < len(body):
+        if i + 4 > len(body):
+            raise SecAggError(f"{what}: truncated length at byte {i}")
+        n = int.from_bytes(body[i:i + 4], "little")
+        if i + 4 + n > len(body):
+            raise SecAggError(f"{what}: an item of {n} bytes runs past the end")
+        out.append(body[i + 4:i + 4 + n])
+        i += 4 + n
+    return out
+
+
 # -- primitives -----------------------------------------------------------------------------------
 def prg(seed: bytes, n_words: int) -> np.ndarray:
     """``n_words`` pseudo-random uint64 from a 32-byte seed: AES-256-CTR of zeros."""
@@ -140,25 +186,72 @@ def _load_private(data: bytes, what: str) -> ec.EllipticCurvePrivateKey:
     return key
 
 
-def _agree(private: ec.EllipticCurvePrivateKey, public: ec.EllipticCurvePublicKey) -> bytes:
-    """32-byte key of an ECDH exchange (Flower's HKDF-SHA256 derivation)."""
+def agree(private: ec.EllipticCurvePrivateKey, public: ec.EllipticCurvePublicKey) -> bytes:
+    """32 bytes from an ECDH exchange: HKDF-SHA256 (no salt, no info) of the shared secret."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                info=None).derive(private.exchange(ec.ECDH(), public))
+
+
+def _fernet(private: ec.EllipticCurvePrivateKey, public: ec.EllipticCurvePublicKey):
     import base64
 
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+    from cryptography.fernet import Fernet
 
-    return base64.urlsafe_b64decode(generate_shared_key(private, public))
+    return Fernet(base64.urlsafe_b64encode(agree(private, public)))
 
 
-def _channel(private: ec.EllipticCurvePrivateKey, public: ec.EllipticCurvePublicKey) -> bytes:
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+def create_shares(secret: bytes, threshold: int, num: int) -> list[bytes]:
+    """``num`` Shamir shares of ``secret``, any ``threshold`` of which rebuild it: the secret
+    padded to 16-byte chunks (PKCS#7), each chunk split over GF(2^128); share ``k`` is its index
+    ``k`` (4 bytes, from 1) followed by its share of every chunk."""
+    from Crypto.Protocol.SecretSharing import Shamir
+    from Crypto.Util.Padding import pad
 
-    return generate_shared_key(private, public)  # url-safe base64, Fernet's key format
+    padded = pad(secret, 16)
+    shares = [bytearray(k.to_bytes(4, "little")) for k in range(1, num + 1)]
+    for start in range(0, len(padded), 16):
+        for index, part in Shamir.split(threshold, num, padded[start:start + 16], False):
+            shares[index - 1] += part
+    return [bytes(s) for s in shares]
+
+
+def combine_shares(shares: Sequence[bytes]) -> bytes:
+    """The secret of :func:`create_shares` from at least its threshold of shares."""
+    from Crypto.Protocol.SecretSharing import Shamir
+    from Crypto.Util.Padding import unpad
+
+    if not shares or len({len(s) for s in shares}) != 1 or (len(shares[0]) - 4) % 16:
+        raise SecAggError("shares of different or invalid lengths")
+    indices = [int.from_bytes(s[:4], "little") for s in shares]
+    if len(set(indices)) != len(indices):
+        raise SecAggError("two shares with one index")
+    out = bytearray()
+    for start in range(4, len(shares[0]), 16):
+        out += Shamir.combine([(i, s[start:start + 16]) for i, s in zip(indices, shares)], False)
+    try:
+        return unpad(bytes(out), 16)
+    except ValueError as err:
+        raise SecAggError(f"shares do not combine to a padded secret: {err}") from None
 
 
 def _pack_shares(src: int, dst: int, seed_share: bytes, key_share: bytes) -> bytes:
-    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_concat
+    """The plaintext of a pair of shares: source and destination (8 bytes each), the seed
+    share's length (4 bytes), the seed share, the key share."""
+    return (src.to_bytes(8, "little") + dst.to_bytes(8, "little")
+            + len(seed_share).to_bytes(4, "little") + seed_share + key_share)
 
-    return share_keys_plaintext_concat(src, dst, seed_share, key_share)
+
+def _unpack_shares(plain: bytes) -> tuple[int, int, bytes, bytes]:
+    if len(plain) < 20:
+        raise SecAggError("a share plaintext of fewer than 20 bytes")
+    n = int.from_bytes(plain[16:20], "little")
+    if 20 + n > len(plain):
+        raise SecAggError("a share plaintext shorter than its seed share")
+    return (int.from_bytes(plain[:8], "little"), int.from_bytes(plain[8:16], "little"),
+            plain[20:20 + n], plain[20 + n:])
 
 
 # -- the parties ------------------------------------------------------------------------------
@@ -218,15 +311,49 @@ class SecAggSite:
         self._s = ec.generate_private_key(CURVE)
         self._seed = secrets.token_bytes(SEED_BYTES)
 
+    def to_state(self) -> dict[str, bytes | int | bool | list[int] | list[bytes]]:
+        """Everything this site holds between stages (its private keys included), as a flat
+        record of bytes and ints: kept in the site's own state store between messages (a
+        deployed site may run each message in a new process); never sent."""
+        nodes = sorted(self._public)
+        received = sorted(self._received)
+        return {"node": self.node, "nodes": list(self.config.nodes),
+                "threshold": self.config.threshold, "numel": self.config.numel,
+                "bits": self.config.bits, "c": _private_bytes(self._c),
+                "s": _private_bytes(self._s), "seed": self._seed,
+                "public_nodes": nodes, "public_c": [self._public[n][0] for n in nodes],
+                "public_s": [self._public[n][1] for n in nodes], "received_nodes": received,
+                "received_seed": [self._received[n][0] for n in received],
+                "received_key": [self._received[n][1] for n in received],
+                "sent_masked": self._sent_masked}
+
+    @classmethod
+    def from_state(cls, state: Mapping) -> SecAggSite:
+        """Inverse of :meth:`to_state`."""
+        try:
+            config = SecAggConfig(tuple(int(n) for n in state["nodes"]), int(state["threshold"]),
+                                  int(state["numel"]), int(state["bits"]))
+            site = cls.__new__(cls)
+            site.node, site.config = int(state["node"]), config
+            site._c = _load_private(bytes(state["c"]), "stored channel key")
+            site._s = _load_private(bytes(state["s"]), "stored mask key")
+            site._seed = bytes(state["seed"])
+            site._public = {int(n): (bytes(c), bytes(s)) for n, c, s in zip(
+                state["public_nodes"], state["public_c"], state["public_s"], strict=True)}
+            site._received = {int(n): (bytes(a), bytes(b)) for n, a, b in zip(
+                state["received_nodes"], state["received_seed"], state["received_key"],
+                strict=True)}
+            site._sent_masked = bool(state["sent_masked"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise SecAggError(f"stored SecAgg state unusable: {err}") from None
+        return site
+
     def advertise(self) -> tuple[bytes, bytes]:
         """Stage 1: the channel and mask public keys."""
         return _public_bytes(self._c), _public_bytes(self._s)
 
     def share(self, public: Mapping[int, tuple[bytes, bytes]]) -> dict[int, bytes]:
         """Stage 2: every other site's encrypted pair of shares (of ``b_i`` and of ``s_i``)."""
-        from flwr.common.secure_aggregation.crypto.shamir import create_shares
-        from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt
-
         if set(public) - set(self.config.nodes) or self.node not in public:
             raise SecAggError(f"public keys of nodes {sorted(public)[:5]}: expected this site "
                               "and only the aggregation's sites")
@@ -248,25 +375,22 @@ class SecAggSite:
             if node == self.node:
                 self._received[node] = (seed_shares[k], key_shares[k])
                 continue
-            key = _channel(self._c, _load_public(self._public[node][0], f"node {node}"))
-            out[node] = encrypt(key, plain)
+            out[node] = _fernet(self._c, _load_public(self._public[node][0],
+                                                      f"node {node}")).encrypt(plain)
         return out
 
     def masked(self, values: np.ndarray, ciphertexts: Mapping[int, bytes]) -> np.ndarray:
         """Stage 3: decrypt the shares addressed to this site, then the masked vector."""
         from cryptography.fernet import InvalidToken
-        from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
-        from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
 
         if not self._public:
             raise SecAggError("masked input before the key shares (stage 2)")
         for src, blob in ciphertexts.items():
             if src not in self._public or src == self.node:
                 raise SecAggError(f"shares from node {src}, which shared no keys")
-            key = _channel(self._c, _load_public(self._public[src][0], f"node {src}"))
+            channel = _fernet(self._c, _load_public(self._public[src][0], f"node {src}"))
             try:
-                s, d, seed_share, key_share = share_keys_plaintext_separate(
-                    decrypt(key, bytes(blob)))
+                s, d, seed_share, key_share = _unpack_shares(channel.decrypt(bytes(blob)))
             except (InvalidToken, ValueError, TypeError) as err:
                 raise SecAggError(f"shares from node {src} do not decrypt: {err!r}") from None
             if (s, d) != (src, self.node):
@@ -281,7 +405,7 @@ class SecAggSite:
             for node, (_, s_pub) in self._public.items():
                 if node == self.node:
                     continue
-                mask = prg(_agree(self._s, _load_public(s_pub, f"node {node}")), words.size)
+                mask = prg(agree(self._s, _load_public(s_pub, f"node {node}")), words.size)
                 words = words + mask if self.node < node else words - mask
         self._sent_masked = True
         return words
@@ -330,8 +454,6 @@ class SecAggServer:
                   ) -> np.ndarray:
         """Stage 4: the sum of the survivors' vectors (int64, ``numel``) from their masked
         vectors (``masked[node]``) and the survivors' shares (``shares[holder][node]``)."""
-        from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-
         cfg = self.config
         survivors = sorted(masked)
         keyed = sorted(self.public)
@@ -359,7 +481,7 @@ class SecAggServer:
                                       f"threshold {cfg.threshold}")
                 try:
                     secret = combine_shares(list(got[:cfg.threshold]))
-                except (ValueError, TypeError) as err:
+                except (ValueError, TypeError) as err:  # SecAggError is a ValueError
                     raise SecAggError(f"node {node}'s shares do not combine: {err}") from None
                 if node in masked:
                     total -= prg(secret, cfg.n_words)
@@ -368,7 +490,7 @@ class SecAggServer:
                 if _public_bytes(key) != self.public[node][1]:
                     raise SecAggError(f"node {node}'s rebuilt key does not match its public key")
                 for other in survivors:  # undo the dropped site's pairwise masks
-                    mask = prg(_agree(key, _load_public(self.public[other][1], f"node {other}")),
+                    mask = prg(agree(key, _load_public(self.public[other][1], f"node {other}")),
                                cfg.n_words)
                     total = total + mask if node < other else total - mask
         return unpack_lanes(total, cfg.bits, cfg.numel)

@@ -142,6 +142,11 @@ class FedPrLLMConfig(Settings):
                         choices=WIRES)
     wire_reference: str = setting("wiki", "Compressed wire: public corpus (its validation "
                                   "split) of the reference norms, or none.")
+    secagg: bool = setting(False, "Secure aggregation (SecAgg+) of the vote counts: the server "
+                           "learns only their sum (one-shot, bit-packed wire; no Hamming "
+                           "defence: no site's mask is visible).")
+    secagg_threshold: int = setting(0, "SecAgg+ Shamir threshold: sites needed to unmask the "
+                                    "sum (0: ceil(2n/3), at least 2).", ge=0)
     attack: str = setting("none", "Simulation: Byzantine sites' mask (random, inverted: prune "
                           "the highest scores, keep: prune nothing, collude: one inverted "
                           "mask from every attacker, sparsity: lie about the sparsity).",
@@ -174,6 +179,19 @@ class FedPrLLMConfig(Settings):
         if self.defence in ("none", "hamming") and self.trim:
             raise self.invalid("trim", f"0 with defence {self.defence!r} (only trim and both "
                                "trim votes)")
+        if self.secagg:
+            if self.mode != "oneshot":
+                raise self.invalid("mode", "oneshot with secagg (iterative secure rounds are "
+                                   "not built yet)")
+            if self.defence in ("hamming", "both"):
+                raise self.invalid("defence", "none or trim with secagg (the server sees only "
+                                   "the sum: no site's distance to the majority)")
+            if self.wire != "packed":
+                raise self.invalid("wire", "packed with secagg (the sites send masked lanes)")
+            if self.clients < 2:
+                raise self.invalid("clients", "at least 2 with secagg")
+            if not 0 <= self.secagg_threshold <= self.clients or self.secagg_threshold == 1:
+                raise self.invalid("secagg_threshold", f"0 or 2..clients={self.clients}")
         if self.method == "gradient" and self.mode == "iterative":
             raise self.invalid("method", "magnitude, wanda or sparsegpt in iterative mode (the "
                                "gradient scores need the whole model's backward pass, not one "
@@ -182,6 +200,12 @@ class FedPrLLMConfig(Settings):
                 and self.wire_reference != "none"):
             raise self.invalid("wire_reference", "none with the gradient method (the reference "
                                "column norms walk layers pruned by the local method)")
+
+    def threshold_for(self, sites: int) -> int:
+        """The SecAgg+ threshold of an aggregation over ``sites`` sites."""
+        if self.secagg_threshold:
+            return min(self.secagg_threshold, sites)
+        return max(2, -(-2 * sites // 3))
 
     @property
     def prune(self):

@@ -353,6 +353,29 @@ class MaskAggregator:
     def counts(self) -> dict[str, torch.Tensor]:
         return {k: self.layer_counts(k) for k in self.shapes}
 
+    @classmethod
+    def from_counts(cls, model: nn.Module, counts: Mapping[str, torch.Tensor], clients: int,
+                    layers: list[int] | None = None) -> MaskAggregator:
+        """An aggregator that holds only the vote counts of ``clients`` sites (secure
+        aggregation: no site's mask exists at the server); each layer's counts in
+        :func:`~fedcompress.masks.aggregate.count_dtype` of ``clients``, checked against the
+        layer's shape and range."""
+        from fedcompress.masks.aggregate import count_dtype
+
+        agg = cls(model, max(clients, 1), layers, cache_counts=True)
+        if set(counts) != set(agg.shapes):
+            raise InvalidMaskError("vote counts do not name the aggregated layers")
+        for key, c in counts.items():
+            c = torch.as_tensor(c)
+            if tuple(c.shape) != tuple(agg.shapes[key]):
+                raise InvalidMaskError(f"{key}: counts of shape {tuple(c.shape)}, expected "
+                                       f"{tuple(agg.shapes[key])}")
+            if c.numel() and (int(c.min()) < 0 or int(c.max()) > clients):
+                raise InvalidMaskError(f"{key}: counts outside [0, {clients}]")
+            agg._counts[key] = c.to(count_dtype(clients))
+        agg.clients = clients
+        return agg
+
     def _with_payloads(self, payloads: dict[str, list[np.ndarray]]) -> MaskAggregator:
         other = MaskAggregator(self.model, self.max_clients, self.layers, self.cache_counts,
                                self.workers)
