@@ -264,3 +264,18 @@ def test_the_primitives_are_flowers():
     assert combine_shares(shamir.create_shares(secret, 3, 5)[:3]) == secret
     with pytest.raises(SecAggError, match="two shares with one index"):
         combine_shares([ours[0], ours[0], ours[1]])
+
+
+def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("secagg_cost", "simulations/secagg_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--model", tiny_dir, "--clients", "4", "--windows", "2", "--seqlen", "16",
+                 "--drop", "1", "--batch-size", "2", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert all(r["identical_to_plain"] for r in report["secure"].values())
+    assert report["secure"]["secagg, 1 dropped"]["survivors"] == 3
+    assert "x packed" in (tmp_path / "report.md").read_text()
