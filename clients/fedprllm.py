@@ -33,6 +33,7 @@ from fedcompress.methods.fedprllm.federated import (
     federation_windows,
     iterative_client_step,
     masks_by_layer,
+    resync_inputs,
 )
 from fedcompress.privacy.secagg import (
     SecAggSite,
@@ -218,16 +219,25 @@ def iterative_layer_mask(message: Message, context: Context) -> Message:
     layer = int(message.content["round"]["layer"])
     start = time.perf_counter()
     prev_hidden = prev_global = None
+    cache_key = (config.model, config.dtype, config.seqlen)
     if layer > 0:
-        if "fedprllm" not in context.state:
-            raise RuntimeError(f"round for layer {layer}: this node holds no activations of "
-                               f"layer {layer - 1} (did it miss the previous round?)")
-        prev_hidden = torch.from_numpy(context.state["fedprllm"]["hidden"].numpy())
         payload = {key: arr.numpy() for key, arr in message.content["global"].items()}
         decoded = decode_masks(payload, expected_shapes(model, [layer - 1]),
                                config.prune.plan, config.mask_tolerance)
         prev_global = masks_by_layer(decoded)[layer - 1]
-    cache_key = (config.model, config.dtype, config.seqlen)
+        if "resync" in message.content:  # this site missed rounds, or the server resumed
+            earlier = list(range(layer - 1))
+            packed = {key: arr.numpy() for key, arr in message.content["resync"].items()}
+            globals_ = masks_by_layer(decode_masks(
+                packed, expected_shapes(model, earlier), config.prune.plan,
+                config.mask_tolerance)) if earlier else {}
+            prev_hidden, _KWARGS[cache_key] = resync_inputs(model, windows, layer, globals_,
+                                                            config.batch_size)
+        elif "fedprllm" in context.state:
+            prev_hidden = torch.from_numpy(context.state["fedprllm"]["hidden"].numpy())
+        else:
+            raise RuntimeError(f"round for layer {layer}: this node holds no activations of "
+                               f"layer {layer - 1} (did it miss the previous round?)")
     masks, hidden, kwargs = iterative_client_step(
         model, windows, layer, prev_hidden, prev_global, config.prune,
         _KWARGS.get(cache_key), config.batch_size)

@@ -47,6 +47,9 @@ def check_settings(settings: dict) -> None:
     """Every setting valid, before any model is loaded or any engine started."""
     config, _, server = split_settings(settings)
     server_variants(config, server.variants)
+    if server.resume and config.mode != "iterative":
+        raise ValueError("resume=True is invalid: expected mode iterative (a one-shot run has "
+                         "one round: run it again)")
 
 
 def server_variants(config: FedPrLLMConfig, which: str) -> list[ServerConfig]:
@@ -79,7 +82,11 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         check_global_ratio(config.prune.plan, exp.model)
     with report.phase("wire_reference"):
         reference = public_reference_wire(exp.model, exp.tokenizer, config)
-    strategy = make_strategy(config, exp.model, reference)
+    checkpoint = out / "checkpoint" if config.mode == "iterative" else None
+    strategy = make_strategy(config, exp.model, reference, checkpoint)
+    if server.resume and checkpoint is None:
+        raise ValueError("resume=True is invalid: expected mode iterative (a one-shot run has "
+                         "one round: run it again)")
     with report.phase("engine_startup"):
         startup = strategy.warmup(grid, timeout=server.timeout)
     if config.sparsity_profile == "owl" and not config.layer_sparsity:
@@ -93,6 +100,8 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
                                             "plan": plan.to_dict()}
     elif config.layer_sparsity:
         report.extra["sparsity_profile"] = {"rule": "given", "plan": config.prune.plan.to_dict()}
+    if server.resume:  # after the OWL plan, which the checkpoint's settings carry
+        report.extra["resumed_layers"] = strategy.resume(checkpoint)  # type: ignore
     start = time.perf_counter()
     with report.phase("federated_pruning"):
         strategy.start(grid, ArrayRecord(), num_rounds=strategy.num_rounds,
@@ -122,6 +131,8 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         comm["rounds"] = len(stages)
         comm["valid_clients"] = sites
         report.extra["secagg"] = secagg
+    if getattr(strategy, "resynced", None):
+        report.extra["resynced"] = {str(k): v for k, v in strategy.resynced.items()}
     report.extra["rejected"] = outcome.rejected
     report.extra["client_startup_seconds"] = outcome.startup_seconds
     report.extra["clients"] = outcome.client_metrics

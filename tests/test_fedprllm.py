@@ -386,3 +386,62 @@ def test_owl_outliers_of_a_bad_site_are_left_out(tiny_dir, tiny):
     with pytest.raises(NotEnoughClientsError):
         FedPrLLM(config_for(tiny_dir, sparsity_profile="owl"), tiny.model).collect_outliers(
             Liar(4), timeout=60)
+
+
+# -- iterative: resync of a site that missed a round, resume of an interrupted run ------------
+def test_iterative_resume_equals_an_uninterrupted_run(tiny_dir, tiny, tmp_path):
+    """The server is 'killed' after two of three layers: a new strategy resumes from the
+    checkpoint with fresh sites (no state: every site resyncs) and prunes the same model."""
+    config = config_for(tiny_dir, mode="iterative")
+    full = IterativeFedPrLLM(config, tiny.model)
+    run_rounds(full, Federation(4))
+    reference = load_model(tiny_dir, device="cpu").model
+    full.prune(reference)
+
+    first = IterativeFedPrLLM(config, tiny.model, checkpoint=tmp_path / "ckpt")
+    grid = Federation(4)
+    for rnd in (1, 2):
+        replies = grid.send_and_receive(first.configure_train(rnd, ArrayRecord(),
+                                                              ConfigRecord(), grid))
+        first.aggregate_train(rnd, replies)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "checkpoint.json", "layer-000.npz", "layer-001.npz"]
+    resumed = IterativeFedPrLLM(config, tiny.model, checkpoint=tmp_path / "ckpt")
+    assert resumed.resume(tmp_path / "ckpt") == 2 and resumed.num_rounds == 1
+    run_rounds(resumed, Federation(4))
+    assert resumed.resynced == {2: [100, 101, 102, 103]} and not resumed.outcome.rejected
+    model = load_model(tiny_dir, device="cpu").model
+    resumed.prune(model)
+    for (k, a), (_, b) in zip(reference.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), k
+    other = IterativeFedPrLLM(config.replace(sparsity=0.6), tiny.model)
+    with pytest.raises(ValueError, match="other settings \\(sparsity\\)"):
+        other.resume(tmp_path / "ckpt")
+
+
+def test_a_site_that_missed_a_round_is_resynced(tiny_dir, tiny):
+    config = config_for(tiny_dir, mode="iterative", min_clients=3)
+    strategy = IterativeFedPrLLM(config, tiny.model)
+
+    class Flaky(Federation):
+        def send_and_receive(self, messages, timeout=None):
+            layer = int(messages[0].content["round"]["layer"])
+            keep = [m for m in messages if not (layer == 1 and m.metadata.dst_node_id == 101)]
+            return super().send_and_receive(keep, timeout)
+
+    run_rounds(strategy, Flaky(4))
+    assert strategy.resynced == {2: [101]} and not strategy.outcome.rejected
+    assert [strategy.layer_aggregators[i].clients for i in range(3)] == [4, 3, 4]
+    # its masks at layer 2 are those of a site that never left (same global masks so far)
+    reference = IterativeFedPrLLM(config, tiny.model)
+    reference.global_masks = dict(strategy.global_masks)
+    reference.layer_nodes = {1: {100, 101, 102, 103}}
+    grid = Federation(4)
+    for rnd in (1, 2):  # rebuild every site's state with the flaky run's global masks
+        grid.send_and_receive(reference.configure_train(rnd, ArrayRecord(), ConfigRecord(),
+                                                        grid))
+    replies = grid.send_and_receive(reference.configure_train(3, ArrayRecord(), ConfigRecord(),
+                                                              grid))
+    reference.aggregate_train(3, replies)
+    for key, counts in reference.layer_aggregators[2].counts().items():
+        assert torch.equal(counts, strategy.layer_aggregators[2].counts()[key])

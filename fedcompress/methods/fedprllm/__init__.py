@@ -41,7 +41,7 @@ METHOD = Method(
     message_keys={"config": "config", "masks": "masks", "metrics": "metrics",
                   "reference": "reference", "round": "round", "global": "global",
                   "state": "fedprllm", "outliers": "outliers", "secagg": "secagg",
-                  "masked": "masked"},
+                  "masked": "masked", "resync": "resync"},
     client_module="clients.fedprllm",
     server_module="server.fedprllm",
     summary=summary,

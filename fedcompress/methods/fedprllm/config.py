@@ -248,3 +248,5 @@ class RunSettings(ServerSettings):
                              "centralized, local-only (or none).")
     variants: str = setting("configured", "Server variants evaluated from the same one-shot "
                             "masks: configured or all (3 groups x scaling).", choices=VARIANTS)
+    resume: bool = setting(False, "Iterative mode: continue an interrupted run from OUT/"
+                           "checkpoint (every aggregated layer is saved there as it completes).")

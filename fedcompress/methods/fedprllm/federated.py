@@ -565,6 +565,30 @@ def iterative_client_step(model: nn.Module, windows: torch.Tensor, layer: int,
     return masks, inputs.hidden, layer_kwargs
 
 
+def resync_inputs(model: nn.Module, windows: torch.Tensor, layer: int,
+                  global_masks: Mapping[int, dict[str, torch.Tensor]], batch_size: int = 8
+                  ) -> tuple[torch.Tensor | None, list[dict]]:
+    """What a site that missed rounds (or whose state was lost) needs for the round of decoder
+    layer ``layer``: the inputs of layer ``layer - 1`` (None for layer 0), recomputed from its
+    windows through layers ``0 .. layer - 2`` pruned with their global masks, and the layers'
+    keyword arguments: the same operations, in the same order, as the rounds it missed, so its
+    next masks are those it would have computed."""
+    from fedcompress.pruning.walker import capture_layer_inputs, forward_layer, masked_layer_copy
+
+    missing = [i for i in range(max(layer - 1, 0)) if i not in global_masks]
+    if missing:
+        raise ValueError(f"resync for layer {layer}: no global masks of layers {missing[:4]}")
+    captured = capture_layer_inputs(model, windows, batch_size)
+    if layer == 0:
+        return None, captured.layer_kwargs
+    layers = ModelAdapter(model).layers
+    inputs = captured
+    for i in range(layer - 1):
+        inputs = forward_layer(masked_layer_copy(layers[i], global_masks[i]), inputs,
+                               batch_size)
+    return inputs.hidden, captured.layer_kwargs
+
+
 def iterative_vote(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMConfig,
                    batch_size: int | None = None) -> dict[int, MaskAggregator]:
     """Iterative FedPrLLM in one process (benchmarks): the same client steps and per-layer
