@@ -75,7 +75,24 @@ def _reference(message: Message) -> dict | None:
     return {key: arr.numpy() for key, arr in message.content["reference"].items()}
 
 
+def _inject_fault(config: FedPrLLMConfig, partition: int, payload: dict) -> dict:
+    """A simulated fault at the last ``faulty`` partitions (``fault``): an error, a truncated
+    payload (what a broken transfer delivers), or a late reply."""
+    if not config.faulty or partition < config.clients - config.faulty:
+        return payload
+    logger.warning("partition %d: injected fault %s", partition, config.fault)
+    if config.fault == "error":
+        raise RuntimeError(f"injected fault: partition {partition} fails")
+    if config.fault == "slow":
+        time.sleep(config.fault_seconds)
+        return payload
+    first = sorted(payload)[0]
+    return {**payload, first: payload[first][:-1]}
+
+
 def _reply(message: Message, payload: dict, metrics: dict) -> Message:
+    config = FedPrLLMConfig.from_dict(dict(message.content["config"]))
+    payload = _inject_fault(config, int(metrics["partition"]), payload)
     arrays = ArrayRecord({key: Array(value) for key, value in payload.items()})
     metrics["bytes_up"] = sum(int(v.nbytes) for v in payload.values())
     return Message(RecordDict({"masks": arrays, "metrics": MetricRecord(metrics)}),
@@ -194,8 +211,9 @@ def secagg_masks(message: Message, context: Context) -> Message:
     inbox = dict(zip(unpack_ints(agg["src"]), unpack_blobs(agg["blob"]), strict=True))
     masked = site.masked(votes, inbox)
     _keep_secagg(context, site)
+    words = _inject_fault(config, partition, {"words": masked})["words"]
     return Message(RecordDict({
-        "masked": ArrayRecord({"words": Array(masked)}),
+        "masked": ArrayRecord({"words": Array(words)}),
         "metrics": MetricRecord({"seconds": time.perf_counter() - start,
                                  "windows": len(windows), "partition": partition,
                                  "bytes_up": int(masked.nbytes)})}), reply_to=message)

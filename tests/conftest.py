@@ -189,11 +189,26 @@ class InProcessFederation:
     def get_node_ids(self):
         return list(self.contexts)
 
+    #: True: an exception in the ClientApp becomes an error reply, as Flower's runtimes do
+    #: (default False: it propagates, so a test sees the traceback)
+    errors_as_replies = False
+
     def send_and_receive(self, messages, timeout=None):
         import importlib
 
+        from flwr.app import Error, Message
+
         app = importlib.import_module(self.app).app
-        return [app(msg, self.contexts[msg.metadata.dst_node_id]) for msg in messages]
+        replies = []
+        for msg in messages:
+            try:
+                replies.append(app(msg, self.contexts[msg.metadata.dst_node_id]))
+            except Exception as err:
+                if not self.errors_as_replies:
+                    raise
+                replies.append(Message(Error(code=2, reason=f"{type(err).__name__}: {err}"),
+                                       reply_to=msg))
+        return replies
 
 
 def ppcgpt_tiny_settings(model_dir, synth_url: str, out, clients: int = 2) -> dict:

@@ -445,3 +445,23 @@ def test_a_site_that_missed_a_round_is_resynced(tiny_dir, tiny):
     reference.aggregate_train(3, replies)
     for key, counts in reference.layer_aggregators[2].counts().items():
         assert torch.equal(counts, strategy.layer_aggregators[2].counts()[key])
+
+
+@pytest.mark.parametrize("fault, reason", [("error", "client error"),
+                                           ("corrupt", "invalid masks"), ("slow", None)])
+def test_injected_faults_are_left_out_and_the_run_goes_on(tiny_dir, tiny, fault, reason):
+    config = config_for(tiny_dir, min_clients=3, fault=fault, faulty=1, fault_seconds=0.2)
+    strategy = FedPrLLM(config, tiny.model)
+    grid = Federation(4)
+    grid.errors_as_replies = True
+    replies = grid.send_and_receive(strategy.configure_train(1, ArrayRecord(), ConfigRecord(),
+                                                             grid))
+    strategy.aggregate_train(1, replies)
+    rejected = strategy.outcome.rejected
+    if reason is None:  # late but within the (in-process: absent) round timeout
+        assert strategy.aggregator.clients == 4 and not rejected
+    else:
+        assert strategy.aggregator.clients == 3
+        assert [r["node"] for r in rejected] == [103] and reason in rejected[0]["reason"]
+    with pytest.raises(ValueError, match="faulty=0 is invalid"):
+        config_for(tiny_dir, fault="error")

@@ -174,6 +174,7 @@ def _flower(tiny_dir, drop: dict | None = None, **kw):
 
     class Federation(InProcessFederation):
         app = "clients.app"
+        errors_as_replies = True
 
         def send_and_receive(self, messages, timeout=None):
             lost = {100 + p for p in (drop or {}).get(messages[0].metadata.message_type, ())}
@@ -279,3 +280,13 @@ def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):
     assert all(r["identical_to_plain"] for r in report["secure"].values())
     assert report["secure"]["secagg, 1 dropped"]["survivors"] == 3
     assert "x packed" in (tmp_path / "report.md").read_text()
+
+
+def test_a_site_failing_at_its_masked_votes_is_a_dropout(tiny_dir):
+    """An injected error at the masked stage (the last partition): the sum is the others'."""
+    secure, plain = _flower(tiny_dir, {"train.secagg_masks": [4]}, min_clients=3)
+    failed, _ = _flower(tiny_dir, None, min_clients=3, fault="error", faulty=1)
+    assert failed.aggregator.clients == 4
+    assert [r["stage"] for r in failed.outcome.rejected] == ["secagg-masked"]
+    for key, counts in secure.aggregator.counts().items():
+        assert torch.equal(failed.aggregator.counts()[key], counts)

@@ -25,6 +25,8 @@ BASELINES = ("dense", "centralized", "local-only")
 VARIANTS = ("configured", "all")
 #: Byzantine site models of the simulation (:mod:`fedcompress.methods.fedprllm.attacks`).
 ATTACKS = ("none", "random", "inverted", "keep", "collude", "sparsity")
+#: Faults a simulation can inject at sites (``clients/fedprllm.py``).
+FAULTS = ("none", "error", "corrupt", "slow")
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,12 @@ class FedPrLLMConfig(Settings):
                           choices=ATTACKS)
     attackers: int = setting(0, "Simulation: how many sites attack (partitions 0 .. n-1).",
                              ge=0)
+    fault: str = setting("none", "Simulation: injected fault of the faulty sites: error (the "
+                         "ClientApp raises), corrupt (a truncated payload), slow (replies after "
+                         "fault-seconds: past the round timeout, its reply is lost).",
+                         choices=FAULTS)
+    faulty: int = setting(0, "Simulation: how many sites fail (the last partitions).", ge=0)
+    fault_seconds: float = setting(30.0, "Simulation: delay of a slow site.", ge=0.0)
 
     def validate(self) -> None:
         if self.nm not in ("", "none") and (self.sparsity_profile != "uniform"
@@ -170,6 +178,10 @@ class FedPrLLMConfig(Settings):
             raise self.invalid("attackers", f"at most clients={self.clients}")
         if (self.attack == "none") != (self.attackers == 0):
             raise self.invalid("attackers", "0 with attack none, and >= 1 with an attack")
+        if self.faulty > self.clients:
+            raise self.invalid("faulty", f"at most clients={self.clients}")
+        if (self.fault == "none") != (self.faulty == 0):
+            raise self.invalid("faulty", "0 with fault none, and >= 1 with a fault")
         if self.attack != "none" and self.mode == "iterative":
             raise self.invalid("attack", "none in iterative mode (attacks are simulated on the "
                                "one-shot masks)")
