@@ -196,14 +196,18 @@ def secagg_share(message: Message, context: Context) -> Message:
 
 
 def secagg_masks(message: Message, context: Context) -> Message:
-    """Stage 3: this site's masks (or, simulated, its attack), as 0/1 votes in the order of the
-    sorted wire keys, masked."""
+    """Stage 3: this site's masks (or, simulated, its attack; iterative: the round's layer), as
+    0/1 votes in the order of the sorted wire keys, masked."""
     config, partition, model, windows = _setup(message, context)
     site = _secagg_site(context)
     start = time.perf_counter()
-    masks = _site_masks(message, context, config, partition, model, windows)
-    flat = flatten_masks(masks)
-    keys = sorted(expected_shapes(model))
+    if "round" in message.content:  # iterative: this round's layer only
+        layer_masks, layer = _layer_masks(message, context, config, model, windows)
+        flat = flatten_masks([layer_masks], layer)
+        keys = sorted(expected_shapes(model, [layer]))
+    else:
+        flat = flatten_masks(_site_masks(message, context, config, partition, model, windows))
+        keys = sorted(expected_shapes(model))
     if sorted(flat) != keys:
         raise RuntimeError("this site's masks do not name the model's layers")
     votes = np.concatenate([flat[k].reshape(-1).numpy().astype(np.uint8) for k in keys])
@@ -231,11 +235,12 @@ def secagg_unmask(message: Message, context: Context) -> Message:
         reply_to=message)
 
 
-def iterative_layer_mask(message: Message, context: Context) -> Message:
-    """Masks of one decoder layer, after applying the global mask of the previous one."""
-    config, partition, model, windows = _setup(message, context)
+def _layer_masks(message: Message, context: Context, config: FedPrLLMConfig, model, windows
+                 ) -> tuple[dict, int]:
+    """Iterative mode: this node's masks of the round's layer, after the previous layer's global
+    mask (from its kept activations, or recomputed when the server sends a resync); the new
+    activations are kept in the context state."""
     layer = int(message.content["round"]["layer"])
-    start = time.perf_counter()
     prev_hidden = prev_global = None
     cache_key = (config.model, config.dtype, config.seqlen)
     if layer > 0:
@@ -261,6 +266,14 @@ def iterative_layer_mask(message: Message, context: Context) -> Message:
         _KWARGS.get(cache_key), config.batch_size)
     _KWARGS[cache_key] = kwargs
     context.state["fedprllm"] = ArrayRecord({"hidden": Array(hidden.contiguous().numpy())})
+    return masks, layer
+
+
+def iterative_layer_mask(message: Message, context: Context) -> Message:
+    """Masks of one decoder layer, after applying the global mask of the previous one."""
+    config, partition, model, windows = _setup(message, context)
+    start = time.perf_counter()
+    masks, layer = _layer_masks(message, context, config, model, windows)
     return _reply(message, encode_wire(flatten_masks([masks], layer), model, config,
                                        _reference(message)),
                   {"seconds": time.perf_counter() - start, "layer": layer,

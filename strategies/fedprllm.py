@@ -45,7 +45,7 @@ from strategies.common import (
 )
 
 __all__ = ["FedPrLLM", "IterativeFedPrLLM", "NotEnoughClientsError", "SecureFedPrLLM",
-           "make_strategy"]
+           "SecureIterativeFedPrLLM", "make_strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -259,25 +259,29 @@ class IterativeFedPrLLM(FedPrLLM):
             content["global"] = ArrayRecord({k: Array(v) for k, v in packed.items()})
         return content
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def _layer_contents(self, server_round: int, nodes: list[int]) -> dict[int, RecordDict]:
+        """Each node's request for this round's layer: with every earlier global mask for the
+        nodes whose masks did not count in the previous round (resync)."""
         layer = self._layer(server_round)
         content = self._content(server_round)
-        nodes = self._nodes(grid)
         behind = ([n for n in nodes if n not in self.layer_nodes.get(layer - 1, set())]
                   if layer > 0 else [])
+        if not behind:
+            return {node: content for node in nodes}
+        earlier = [self.global_masks[i] for i in range(layer - 1)]
+        packed = encode_masks(earlier, first_layer=0) if earlier else {}
+        resync = RecordDict({**content, "resync": ArrayRecord(
+            {k: Array(v) for k, v in packed.items()})})
+        self.resynced[layer] = list(behind)
+        logger.info("layer %d: resync for %d node(s) that missed the previous round", layer,
+                    len(behind))
+        return {node: resync if node in behind else content for node in nodes}
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        contents = self._layer_contents(server_round, self._nodes(grid))
         messages = []
-        resync = None
-        if behind:
-            earlier = [self.global_masks[i] for i in range(layer - 1)]
-            packed = encode_masks(earlier, first_layer=0) if earlier else {}
-            resync = RecordDict({**content, "resync": ArrayRecord(
-                {k: Array(v) for k, v in packed.items()})})
-            self.resynced[layer] = list(behind)
-            logger.info("layer %d: resync for %d node(s) that missed the previous round",
-                        layer, len(behind))
-        for node in nodes:
-            body = resync if node in behind and resync is not None else content
+        for node, body in contents.items():
             self.outcome.bytes_down += sum(r.count_bytes() for r in body.values())
             messages.append(Message(body, node, self.action, group_id=str(server_round)))
         return messages
@@ -287,6 +291,12 @@ class IterativeFedPrLLM(FedPrLLM):
         layer = self._layer(server_round)
         aggregator = self._new_aggregator([layer])
         self._collect(layer + 1, replies, aggregator)
+        self._finish_layer(layer, aggregator)
+        return None, MetricRecord({"layer": layer, "valid_clients": aggregator.clients})
+
+    def _finish_layer(self, layer: int, aggregator: MaskAggregator) -> None:
+        """The layer's vote is in: its global mask (sent with the next request), who counted,
+        and its checkpoint."""
         self.layer_aggregators[layer] = aggregator
         self.layer_nodes[layer] = set(self.site_nodes.get(layer + 1, []))
         flat = aggregator.global_masks(self.config.server, self.config.prune.plan,
@@ -294,7 +304,6 @@ class IterativeFedPrLLM(FedPrLLM):
         self.global_masks[layer] = masks_by_layer(flat)[layer]
         if self.checkpoint is not None:
             self._save(layer, aggregator)
-        return None, MetricRecord({"layer": layer, "valid_clients": aggregator.clients})
 
     # -- checkpoint / resume -------------------------------------------------------------------
     def _save(self, layer: int, aggregator: MaskAggregator) -> None:
@@ -361,44 +370,53 @@ class IterativeFedPrLLM(FedPrLLM):
         return pruned
 
 
-class SecureFedPrLLM(FedPrLLM):
-    """One-shot FedPrLLM whose vote is summed by SecAgg+ (:mod:`fedcompress.privacy.secagg`):
-    four exchanges (keys, shares, masked votes, unmasking); the server ends with the vote counts
-    and no site's mask. A site lost before its masked votes is left out of the sum (its
-    pairwise masks undone from the others' shares); one lost later still counts; fewer than
-    ``max(threshold, required clients)`` end the run clearly."""
+class _SecureVote:
+    """SecAgg+ of one vote (:mod:`fedcompress.privacy.secagg`): four exchanges (keys, shares,
+    masked votes, unmasking); the server ends with the vote counts of the linear layers in
+    ``shapes`` and no site's mask. A site lost before its masked votes is left out of the sum
+    (its pairwise masks undone from the others' shares); one lost later still counts; fewer
+    than ``max(threshold, required clients)`` end the run clearly. Mixed into a FedPrLLM
+    strategy (its config, nodes, outcome)."""
 
-    STAGES = ("keys", "share", "masked", "unmask")
+    config: FedPrLLMConfig
+    model: torch.nn.Module
+    outcome: StrategyOutcome
+    site_nodes: dict[int, list[int]]
 
-    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
-                 reference_wire: dict | None = None):
-        super().__init__(config, model, node_wait, reference_wire)
-        #: per stage: seconds, bytes sent down and up, valid replies
+    def _init_secure(self) -> None:
+        #: per stage, summed over the votes: seconds, bytes down and up, valid replies
         self.secagg: dict[str, dict[str, float]] = {}
 
     def _exchange(self, grid: Grid, stage: str, action: str, contents: dict[int, RecordDict],
-                  timeout: float, validate) -> dict[int, Any]:
+                  timeout: float, validate, server_round: int) -> dict[int, Any]:
         start = time.monotonic()
         down = sum(sum(r.count_bytes() for r in c.values()) for c in contents.values())
         replies = list(grid.send_and_receive(
-            [Message(c, node, action, group_id="1") for node, c in contents.items()],
-            timeout=timeout))
+            [Message(c, node, action, group_id=str(server_round))
+             for node, c in contents.items()], timeout=timeout))
         valid, rejected = collect_valid_replies(replies, validate, stage=f"secagg-{stage}",
-                                                server_round=1, what=f"SecAgg {stage} reply")
+                                                server_round=server_round,
+                                                what=f"SecAgg {stage} reply")
         self.outcome.rejected += rejected
         up = sum(sum(r.count_bytes() for r in reply.content.values()) for reply, _ in valid)
         self.outcome.bytes_down += down
-        self.secagg[stage] = {"seconds": time.monotonic() - start, "bytes_down": down,
-                              "bytes_up": up, "valid": len(valid)}
+        total = self.secagg.setdefault(stage, {"seconds": 0.0, "bytes_down": 0, "bytes_up": 0,
+                                               "valid": 0})
+        for key, value in (("seconds", time.monotonic() - start), ("bytes_down", down),
+                           ("bytes_up", up), ("valid", len(valid))):
+            total[key] += value
         for reply, _ in valid:
             if "metrics" in reply.content:
-                self.outcome.client_metrics.append({"round": 1, "stage": stage,
+                self.outcome.client_metrics.append({"round": server_round, "stage": stage,
                                                     "node": reply.metadata.src_node_id,
                                                     **reply_metrics(reply)})
         return {reply.metadata.src_node_id: value for reply, value in valid}
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 1,
-              timeout: float = 3600, **_ignored) -> None:
+    def _secure_counts(self, grid: Grid, nodes: list[int], shapes: dict[str, tuple],
+                       mask_content, timeout: float, server_round: int
+                       ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """The vote counts of ``shapes``' layers over ``nodes`` (``mask_content(node)``: the
+        request of a site's masked votes); and the nodes whose votes count."""
         from fedcompress.privacy.secagg import (
             SecAggConfig,
             SecAggError,
@@ -409,24 +427,25 @@ class SecureFedPrLLM(FedPrLLM):
             unpack_ints,
         )
 
-        nodes = sorted(self._nodes(grid))
+        nodes = sorted(nodes)
         index = {node: i for i, node in enumerate(nodes)}
-        keys = sorted(self.shapes)
-        numel = sum(int(np.prod(self.shapes[k])) for k in keys)
+        keys = sorted(shapes)
+        numel = sum(int(np.prod(shapes[k])) for k in keys)
         threshold = self.config.threshold_for(len(nodes))
         agg_config = SecAggConfig(tuple(range(len(nodes))), threshold, numel)
         server = SecAggServer(agg_config)
         need = max(threshold, self.config.required_clients)
 
         def enough(stage: str, got: int) -> None:
-            require_valid(got, need, f"SecAgg {stage}", 1, self.outcome.reasons(
+            require_valid(got, need, f"SecAgg {stage}", server_round, self.outcome.reasons(
                 f"secagg-{stage}"))
 
         base = {"sites": len(nodes), "threshold": threshold, "numel": numel,
                 "bits": agg_config.bits}
         public = self._exchange(grid, "keys", "query.secagg_keys", {
             n: RecordDict({"secagg": ConfigRecord({**base, "index": index[n]})}) for n in nodes},
-            timeout, lambda r: (bytes(r.content["secagg"]["c"]), bytes(r.content["secagg"]["s"])))
+            timeout, lambda r: (bytes(r.content["secagg"]["c"]), bytes(r.content["secagg"]["s"])),
+            server_round)
         enough("keys", len(public))
         server.public = {index[n]: pk for n, pk in public.items()}
         listed = sorted(server.public)
@@ -441,10 +460,9 @@ class SecureFedPrLLM(FedPrLLM):
 
         shares = self._exchange(grid, "share", "query.secagg_share",
                                 {n: RecordDict({"secagg": advert}) for n in public},
-                                timeout, shares_of)
+                                timeout, shares_of, server_round)
         enough("share", len(shares))
         inbox = server.relay({index[n]: s for n, s in shares.items()})
-        content = self._content(1)
 
         def masked_of(reply: Message) -> np.ndarray:
             words = reply.content["masked"]["words"].numpy()
@@ -453,16 +471,19 @@ class SecureFedPrLLM(FedPrLLM):
                                  f"({agg_config.n_words},) uint64")
             return words
 
-        masked = self._exchange(grid, "masked", "train.secagg_masks", {
-            n: RecordDict({**content, "secagg": ConfigRecord({
-                "src": pack_ints(sorted(inbox.get(index[n], {}))),
-                "blob": pack_blobs([inbox[index[n]][s]
-                                    for s in sorted(inbox.get(index[n], {}))])})})
-            for n in shares}, timeout, masked_of)
+        def request(n: int) -> RecordDict:
+            mine = inbox.get(index[n], {})
+            return RecordDict({**mask_content(n), "secagg": ConfigRecord({
+                "src": pack_ints(sorted(mine)), "blob": pack_blobs([mine[s] for s in
+                                                                    sorted(mine)])})})
+
+        masked = self._exchange(grid, "masked", "train.secagg_masks",
+                                {n: request(n) for n in shares}, timeout, masked_of,
+                                server_round)
         enough("masked", len(masked))
         survivors = sorted(index[n] for n in masked)
         dropped = [i for i in listed if i not in set(survivors)]
-        request = ConfigRecord({"survivors": pack_ints(survivors), "dropped": pack_ints(dropped)})
+        ask = ConfigRecord({"survivors": pack_ints(survivors), "dropped": pack_ints(dropped)})
 
         def unmask_of(reply: Message) -> dict[int, bytes]:
             record = reply.content["secagg"]
@@ -470,8 +491,8 @@ class SecureFedPrLLM(FedPrLLM):
                             strict=True))
 
         unmask = self._exchange(grid, "unmask", "query.secagg_unmask",
-                                {n: RecordDict({"secagg": request}) for n in masked},
-                                timeout, unmask_of)
+                                {n: RecordDict({"secagg": ask}) for n in masked},
+                                timeout, unmask_of, server_round)
         start = time.monotonic()
         try:
             total = server.aggregate({index[n]: w for n, w in masked.items()},
@@ -480,20 +501,67 @@ class SecureFedPrLLM(FedPrLLM):
             raise NotEnoughClientsError(f"SecAgg unmasking failed: {err}") from err
         counts, offset = {}, 0
         for key in keys:
-            size = int(np.prod(self.shapes[key]))
-            counts[key] = torch.from_numpy(total[offset:offset + size].reshape(self.shapes[key]))
+            size = int(np.prod(shapes[key]))
+            counts[key] = torch.from_numpy(total[offset:offset + size].reshape(shapes[key]))
             offset += size
-        self.aggregator = MaskAggregator.from_counts(self.model, counts, len(masked))
-        self.secagg["sum"] = {"seconds": time.monotonic() - start, "sites": len(masked),
-                              "dropped": len(dropped), "threshold": threshold,
-                              "bits_per_weight_up": 64 / (64 // agg_config.bits),
-                              "bytes_up_per_site": agg_config.upload_bytes}
-        self.site_nodes[1] = sorted(masked)
+        summary = self.secagg.setdefault("sum", {"seconds": 0.0, "votes": 0, "dropped": 0})
+        summary["seconds"] += time.monotonic() - start
+        summary["votes"] += 1
+        summary["dropped"] += len(dropped)
+        summary.update({"sites": len(masked), "threshold": threshold,
+                        "bits_per_weight_up": 64 / (64 // agg_config.bits)})
+        summary["bytes_up_per_site"] = summary.get("bytes_up_per_site", 0) \
+            + agg_config.upload_bytes
+        return counts, sorted(masked)
+
+
+class SecureFedPrLLM(_SecureVote, FedPrLLM):
+    """One-shot FedPrLLM whose vote is summed by SecAgg+ (:class:`_SecureVote`)."""
+
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
+                 reference_wire: dict | None = None):
+        super().__init__(config, model, node_wait, reference_wire)
+        self._init_secure()
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 1,
+              timeout: float = 3600, **_ignored) -> None:
+        content = self._content(1)
+        counts, sites = self._secure_counts(grid, self._nodes(grid), self.shapes,
+                                            lambda _node: content, timeout, 1)
+        self.aggregator = MaskAggregator.from_counts(self.model, counts, len(sites))
+        self.site_nodes[1] = sites
+
+
+class SecureIterativeFedPrLLM(_SecureVote, IterativeFedPrLLM):
+    """Iterative FedPrLLM whose every layer's vote is summed by SecAgg+ (fresh keys and seeds
+    per layer: four exchanges per decoder layer); resync and checkpoints as in the plain
+    iterative mode."""
+
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
+                 reference_wire: dict | None = None, checkpoint: Path | None = None):
+        super().__init__(config, model, node_wait, reference_wire, checkpoint)
+        self._init_secure()
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 1,
+              timeout: float = 3600, **_ignored) -> None:
+        for server_round in range(1, self.num_rounds + 1):
+            layer = self._layer(server_round)
+            contents = self._layer_contents(server_round, self._nodes(grid))
+            counts, sites = self._secure_counts(
+                grid, list(contents), MaskAggregator(self.model, 1, [layer]).shapes,
+                contents.__getitem__, timeout, layer + 1)
+            self.site_nodes[layer + 1] = sites
+            self._finish_layer(layer, MaskAggregator.from_counts(self.model, counts, len(sites),
+                                                                 [layer]))
+            logger.info("layer %d: secure vote of %d sites", layer, len(sites))
 
 
 def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module,
                   reference_wire: dict | None = None, checkpoint: Path | None = None
                   ) -> FedPrLLM:
+    if config.secagg and config.mode == "iterative":
+        return SecureIterativeFedPrLLM(config, model, reference_wire=reference_wire,
+                                       checkpoint=checkpoint)
     if config.secagg:
         return SecureFedPrLLM(config, model, reference_wire=reference_wire)
     if config.mode == "iterative":

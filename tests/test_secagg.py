@@ -231,7 +231,6 @@ def test_secure_vote_below_the_threshold_fails_clearly(tiny_dir):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(mode="iterative"), "mode='iterative' is invalid: expected oneshot with secagg"),
     (dict(defence="hamming"), "defence='hamming' is invalid: expected none or trim"),
     (dict(wire="compressed"), "wire='compressed' is invalid"),
     (dict(secagg_threshold=1), "secagg_threshold=1 is invalid"),
@@ -290,3 +289,51 @@ def test_a_site_failing_at_its_masked_votes_is_a_dropout(tiny_dir):
     assert [r["stage"] for r in failed.outcome.rejected] == ["secagg-masked"]
     for key, counts in secure.aggregator.counts().items():
         assert torch.equal(failed.aggregator.counts()[key], counts)
+
+
+def test_iterative_secure_votes_equal_the_plain_iterative_run(tiny_dir):
+    """One secure vote per decoder layer (fresh keys each time): every layer's counts and the
+    pruned model equal the plain iterative run; a site lost at layer 1 is resynced at layer 2."""
+    from conftest import InProcessFederation
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
+    from fedcompress.models import load_model
+    from strategies.fedprllm import IterativeFedPrLLM, SecureIterativeFedPrLLM, make_strategy
+
+    class Federation(InProcessFederation):
+        app = "clients.app"
+
+    config = FedPrLLMConfig(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16,
+                            batch_size=2, mode="iterative", secagg=True, min_clients=3)
+    model = load_model(tiny_dir, device="cpu").model
+    secure = make_strategy(config, model)
+    assert isinstance(secure, SecureIterativeFedPrLLM)
+    secure.start(Federation(4), ArrayRecord())
+    plain = IterativeFedPrLLM(config.replace(secagg=False), model)
+    grid = Federation(4)
+    for rnd in range(1, plain.num_rounds + 1):
+        plain.aggregate_train(rnd, grid.send_and_receive(plain.configure_train(
+            rnd, ArrayRecord(), ConfigRecord(), grid)))
+    for layer, agg in plain.layer_aggregators.items():
+        for key, counts in agg.counts().items():
+            assert torch.equal(secure.layer_aggregators[layer].counts()[key], counts)
+    a, b = (load_model(tiny_dir, device="cpu").model for _ in range(2))
+    secure.prune(a)
+    plain.prune(b)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values()))
+    assert secure.secagg["sum"]["votes"] == 3
+
+    class Flaky(Federation):
+        def send_and_receive(self, messages, timeout=None):
+            first = messages[0]
+            lost = (first.metadata.message_type == "train.secagg_masks"
+                    and int(first.content["round"]["layer"]) == 1)
+            return super().send_and_receive(
+                [m for m in messages if not (lost and m.metadata.dst_node_id == 102)], timeout)
+
+    flaky = make_strategy(config, model)
+    flaky.start(Flaky(4), ArrayRecord())
+    assert [flaky.layer_aggregators[i].clients for i in range(3)] == [4, 3, 4]
+    assert flaky.resynced == {2: [102]}

@@ -192,9 +192,6 @@ class FedPrLLMConfig(Settings):
             raise self.invalid("trim", f"0 with defence {self.defence!r} (only trim and both "
                                "trim votes)")
         if self.secagg:
-            if self.mode != "oneshot":
-                raise self.invalid("mode", "oneshot with secagg (iterative secure rounds are "
-                                   "not built yet)")
             if self.defence in ("hamming", "both"):
                 raise self.invalid("defence", "none or trim with secagg (the server sees only "
                                    "the sum: no site's distance to the majority)")
