@@ -453,14 +453,17 @@ class _SecureVote:
                                "c": pack_blobs([server.public[i][0] for i in listed]),
                                "s": pack_blobs([server.public[i][1] for i in listed])})
 
-        def shares_of(reply: Message) -> dict[int, bytes]:
-            record = reply.content["secagg"]
-            return dict(zip(unpack_ints(record["dst"]), unpack_blobs(record["blob"]),
-                            strict=True))
+        def pairs(ids: str, blobs: str):
+            """A reply's ``{site index: bytes}`` from its packed ids and byte strings."""
+            def read(reply: Message) -> dict[int, bytes]:
+                record = reply.content["secagg"]
+                return dict(zip(unpack_ints(record[ids]), unpack_blobs(record[blobs]),
+                                strict=True))
+            return read
 
         shares = self._exchange(grid, "share", "query.secagg_share",
                                 {n: RecordDict({"secagg": advert}) for n in public},
-                                timeout, shares_of, server_round)
+                                timeout, pairs("dst", "blob"), server_round)
         enough("share", len(shares))
         inbox = server.relay({index[n]: s for n, s in shares.items()})
 
@@ -485,14 +488,9 @@ class _SecureVote:
         dropped = [i for i in listed if i not in set(survivors)]
         ask = ConfigRecord({"survivors": pack_ints(survivors), "dropped": pack_ints(dropped)})
 
-        def unmask_of(reply: Message) -> dict[int, bytes]:
-            record = reply.content["secagg"]
-            return dict(zip(unpack_ints(record["of"]), unpack_blobs(record["share"]),
-                            strict=True))
-
         unmask = self._exchange(grid, "unmask", "query.secagg_unmask",
                                 {n: RecordDict({"secagg": ask}) for n in masked},
-                                timeout, unmask_of, server_round)
+                                timeout, pairs("of", "share"), server_round)
         start = time.monotonic()
         try:
             total = server.aggregate({index[n]: w for n, w in masked.items()},

@@ -145,8 +145,8 @@ class FedPrLLMConfig(Settings):
     wire_reference: str = setting("wiki", "Compressed wire: public corpus (its validation "
                                   "split) of the reference norms, or none.")
     secagg: bool = setting(False, "Secure aggregation (SecAgg+) of the vote counts: the server "
-                           "learns only their sum (one-shot, bit-packed wire; no Hamming "
-                           "defence: no site's mask is visible).")
+                           "learns only their sum (bit-packed wire; no Hamming defence: no "
+                           "site's mask is visible).")
     secagg_threshold: int = setting(0, "SecAgg+ Shamir threshold: sites needed to unmask the "
                                     "sum (0: ceil(2n/3), at least 2).", ge=0)
     attack: str = setting("none", "Simulation: Byzantine sites' mask (random, inverted: prune "
