@@ -162,3 +162,60 @@ def test_decoder_errors_are_one_family():
     """Every decoder error the server catches is a ValueError (InvalidMaskError wraps the
     codecs' MaskDecodeError), so ``collect_valid_replies`` leaves the reply out with its reason."""
     assert issubclass(InvalidMaskError, ValueError) and issubclass(MaskDecodeError, ValueError)
+
+
+# -- SecAgg+ messages -------------------------------------------------------------------------
+@FUZZ
+@given(data=st.binary(max_size=200))
+def test_packed_lists_decode_or_fail_clearly(data):
+    from fedcompress.privacy.secagg import SecAggError, unpack_blobs, unpack_ints
+
+    for fn in (unpack_ints, unpack_blobs):
+        try:
+            fn(data)
+        except SecAggError as err:
+            assert str(err)
+
+
+@pytest.fixture(scope="module")
+def secagg_round():
+    """Three sites after the key shares: what a cheating relay or site could garble."""
+    from fedcompress.privacy.secagg import SecAggConfig, SecAggServer, SecAggSite
+
+    config = SecAggConfig((0, 1, 2), 2, 40)
+    sites = {n: SecAggSite(n, config) for n in (0, 1, 2)}
+    server = SecAggServer(config, {n: s.advertise() for n, s in sites.items()})
+    inbox = server.relay({n: s.share(server.public) for n, s in sites.items()})
+    return config, sites, server, inbox
+
+
+@FUZZ
+@given(blob=st.binary(max_size=400))
+def test_garbled_share_ciphertexts_are_refused(secagg_round, blob):
+    from fedcompress.privacy.secagg import SecAggError, SecAggSite
+
+    _, sites, _, inbox = secagg_round
+    site = SecAggSite.from_state(sites[0].to_state())  # a fresh copy per example
+    with pytest.raises(SecAggError):
+        site.masked(np.zeros(40, dtype=np.int64), {**inbox[0], 1: blob})
+
+
+@FUZZ
+@given(share=st.binary(max_size=120), words=st.binary(min_size=8, max_size=80))
+def test_garbled_shares_and_masked_votes_are_refused(secagg_round, share, words):
+    from fedcompress.privacy.secagg import SecAggError, SecAggSite
+
+    config, sites, server, inbox = secagg_round
+    copies = {n: SecAggSite.from_state(s.to_state()) for n, s in sites.items()}
+    masked = {n: s.masked(np.ones(40, dtype=np.int64), inbox[n]) for n, s in copies.items()}
+    shares = {n: s.unmask([0, 1, 2], []) for n, s in copies.items()}
+    bad_words = np.frombuffer(words[:len(words) // 8 * 8], dtype=np.uint64).copy()
+    for garbled_masked, garbled_shares in (
+            ({**masked, 1: bad_words}, shares),
+            (masked, {0: {**shares[0], 1: share}, 2: {**shares[2], 1: share}})):
+        try:
+            counts = server.aggregate(garbled_masked, garbled_shares)
+        except SecAggError as err:
+            assert str(err)
+            continue
+        assert counts.shape == (40,)  # a well-formed but wrong input sums to something
