@@ -27,14 +27,17 @@ from fedcompress.masks.stats import flatten_masks
 from fedcompress.methods.fedprllm.attacks import attack_masks, is_attacker
 from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig,
+    advance_to_layer,
     decode_masks,
     encode_wire,
     expected_shapes,
     federation_windows,
-    iterative_client_step,
     masks_by_layer,
     resync_inputs,
+    site_layer_masks,
+    site_layer_stats,
 )
+from fedcompress.methods.fedprllm.stats import encode_stats
 from fedcompress.privacy.secagg import (
     SecAggSite,
     pack_blobs,
@@ -95,6 +98,9 @@ def _reply(message: Message, payload: dict, metrics: dict) -> Message:
     payload = _inject_fault(config, int(metrics["partition"]), payload)
     arrays = ArrayRecord({key: Array(value) for key, value in payload.items()})
     metrics["bytes_up"] = sum(int(v.nbytes) for v in payload.values())
+    import os  # (kept local: a one-function change)
+
+    metrics["pid"] = os.getpid()  # the process that served it: a Ray worker, a SuperNode's app
     return Message(RecordDict({"masks": arrays, "metrics": MetricRecord(metrics)}),
                    reply_to=message)
 
@@ -235,38 +241,81 @@ def secagg_unmask(message: Message, context: Context) -> Message:
         reply_to=message)
 
 
-def _layer_masks(message: Message, context: Context, config: FedPrLLMConfig, model, windows
-                 ) -> tuple[dict, int]:
-    """Iterative mode: this node's masks of the round's layer, after the previous layer's global
-    mask (from its kept activations, or recomputed when the server sends a resync); the new
-    activations are kept in the context state."""
+def _weights_of(record, shapes: dict[str, tuple]) -> dict[int, dict[str, torch.Tensor]]:
+    """The server's updated weights (statistics mode, SparseGPT) by layer, checked against the
+    model's shapes."""
+    arrays = {key: arr.numpy() for key, arr in record.items()}
+    if set(arrays) != set(shapes):
+        raise ValueError(f"updated weights for {sorted(arrays)[:3]}: expected {sorted(shapes)[:3]}")
+    for key, value in arrays.items():
+        if tuple(value.shape) != tuple(shapes[key]) or not np.isfinite(value).all():
+            raise ValueError(f"updated weight {key}: {value.shape}, expected finite "
+                             f"{shapes[key]}")
+    return masks_by_layer({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
+
+
+def _layer_inputs(message: Message, context: Context, config: FedPrLLMConfig, model, windows):
+    """A layer-per-round run: this node's inputs of the round's layer, after the previous
+    layer's global mask (and updated weights, statistics mode with SparseGPT), from its kept
+    activations, or recomputed when the server sends a resync; the new activations are kept in
+    the context state. Returns ``(inputs, layer)``."""
     layer = int(message.content["round"]["layer"])
-    prev_hidden = prev_global = None
+    prev_hidden = prev_global = prev_weights = None
     cache_key = (config.model, config.dtype, config.seqlen)
     if layer > 0:
         payload = {key: arr.numpy() for key, arr in message.content["global"].items()}
         decoded = decode_masks(payload, expected_shapes(model, [layer - 1]),
                                config.prune.plan, config.mask_tolerance)
         prev_global = masks_by_layer(decoded)[layer - 1]
+        weights = (_weights_of(message.content["global_weights"],
+                               expected_shapes(model, [layer - 1]))
+                   if "global_weights" in message.content else {})
+        prev_weights = weights.get(layer - 1)
         if "resync" in message.content:  # this site missed rounds, or the server resumed
             earlier = list(range(layer - 1))
             packed = {key: arr.numpy() for key, arr in message.content["resync"].items()}
             globals_ = masks_by_layer(decode_masks(
                 packed, expected_shapes(model, earlier), config.prune.plan,
                 config.mask_tolerance)) if earlier else {}
+            earlier_weights = (_weights_of(message.content["resync_weights"],
+                                           expected_shapes(model, earlier))
+                               if earlier and "resync_weights" in message.content else None)
             prev_hidden, _KWARGS[cache_key] = resync_inputs(model, windows, layer, globals_,
-                                                            config.batch_size)
+                                                            config.batch_size, earlier_weights)
         elif "fedprllm" in context.state:
             prev_hidden = torch.from_numpy(context.state["fedprllm"]["hidden"].numpy())
         else:
             raise RuntimeError(f"round for layer {layer}: this node holds no activations of "
                                f"layer {layer - 1} (did it miss the previous round?)")
-    masks, hidden, kwargs = iterative_client_step(
-        model, windows, layer, prev_hidden, prev_global, config.prune,
-        _KWARGS.get(cache_key), config.batch_size)
-    _KWARGS[cache_key] = kwargs
-    context.state["fedprllm"] = ArrayRecord({"hidden": Array(hidden.contiguous().numpy())})
-    return masks, layer
+    inputs = advance_to_layer(model, windows, layer, prev_hidden, prev_global,
+                              _KWARGS.get(cache_key), config.batch_size, prev_weights)
+    _KWARGS[cache_key] = inputs.layer_kwargs
+    context.state["fedprllm"] = ArrayRecord({"hidden": Array(inputs.hidden.contiguous().numpy())})
+    return inputs, layer
+
+
+def _layer_masks(message: Message, context: Context, config: FedPrLLMConfig, model, windows
+                 ) -> tuple[dict, int]:
+    """Iterative mode: this node's masks of the round's layer (:func:`_layer_inputs`)."""
+    inputs, layer = _layer_inputs(message, context, config, model, windows)
+    return site_layer_masks(model, inputs, config.prune, config.batch_size), layer
+
+
+def layer_stats(message: Message, context: Context) -> Message:
+    """Statistics mode: the sums of this node's input statistics of the round's layer (after
+    the previous layer's global masks and updated weights), nothing else."""
+    config, partition, model, windows = _setup(message, context)
+    start = time.perf_counter()
+    inputs, layer = _layer_inputs(message, context, config, model, windows)
+    stats = site_layer_stats(model, inputs, config.prune.needs_hessian, config.batch_size)
+    arrays, shared = encode_stats(stats, layer)
+    arrays = _inject_fault(config, partition, arrays)
+    metrics = {"seconds": time.perf_counter() - start, "layer": layer, "partition": partition,
+               "windows": len(windows), "bytes_up": sum(int(v.nbytes) for v in arrays.values())}
+    return Message(RecordDict({
+        "stats": ArrayRecord({key: Array(value) for key, value in arrays.items()}),
+        "shared": ConfigRecord(dict(shared)), "metrics": MetricRecord(metrics)}),
+        reply_to=message)
 
 
 def iterative_layer_mask(message: Message, context: Context) -> Message:

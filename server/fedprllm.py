@@ -47,14 +47,17 @@ def check_settings(settings: dict) -> None:
     """Every setting valid, before any model is loaded or any engine started."""
     config, _, server = split_settings(settings)
     server_variants(config, server.variants)
-    if server.resume and config.mode != "iterative":
-        raise ValueError("resume=True is invalid: expected mode iterative (a one-shot run has "
-                         "one round: run it again)")
+    if server.resume and config.mode != "iterative" and config.aggregate != "stats":
+        raise ValueError("resume=True is invalid: expected mode iterative or aggregate stats "
+                         "(a one-shot vote has one round: run it again)")
 
 
 def server_variants(config: FedPrLLMConfig, which: str) -> list[ServerConfig]:
     """``configured``: the run's server variant; ``all``: every group x scaling (one-shot)."""
-    if which == "configured" or config.mode == "iterative":
+    if config.aggregate == "stats" and which != "configured":
+        raise ValueError(f"variants {which!r} with aggregate stats: expected 'configured' (the "
+                         "server variants are ways of voting; statistics mode has no vote)")
+    if which == "configured" or config.mode == "iterative" or config.aggregate == "stats":
         return [config.server]
     if which != "all":
         raise ValueError(f"variants {which!r}: expected 'configured' or 'all'")
@@ -82,7 +85,8 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         check_global_ratio(config.prune.plan, exp.model)
     with report.phase("wire_reference"):
         reference = public_reference_wire(exp.model, exp.tokenizer, config)
-    checkpoint = out / "checkpoint" if config.mode == "iterative" else None
+    per_layer = config.mode == "iterative" or config.aggregate == "stats"
+    checkpoint = out / "checkpoint" if per_layer else None
     strategy = make_strategy(config, exp.model, reference, checkpoint)
     if server.resume and checkpoint is None:
         raise ValueError("resume=True is invalid: expected mode iterative (a one-shot run has "
@@ -131,6 +135,9 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         comm["rounds"] = len(stages)
         comm["valid_clients"] = sites
         report.extra["secagg"] = secagg
+    if config.aggregate == "stats":
+        report.extra["stats_layers"] = {str(k): v for k, v in
+                                        getattr(strategy, "layer_cost", {}).items()}
     if getattr(strategy, "resynced", None):
         report.extra["resynced"] = {str(k): v for k, v in strategy.resynced.items()}
     report.extra["rejected"] = outcome.rejected
@@ -141,9 +148,11 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         model = exp.fresh_copy()
         with report.phase("aggregate"):
             strategy.prune(model, variant)
+        name = (f"fedprllm-stats-{config.local_group}" if config.aggregate == "stats"
+                else f"fedprllm-{config.mode}-{variant.label}")
         with report.phase("eval"):
             report.add_result(exp.evaluate(
-                f"fedprllm-{config.mode}-{variant.label}", model, **comm,
+                name, model, **comm,
                 server_group=variant.group, scale=variant.scale))
         if server.save_model and variant == config.server:
             with report.phase("save"):

@@ -31,6 +31,7 @@ from fedcompress.methods.fedprllm.federated import (
     decode_masks,
     decode_wire,
     encode_masks,
+    mask_key,
     masks_by_layer,
 )
 from fedcompress.models import ModelAdapter
@@ -45,7 +46,7 @@ from strategies.common import (
 )
 
 __all__ = ["FedPrLLM", "IterativeFedPrLLM", "NotEnoughClientsError", "SecureFedPrLLM",
-           "SecureIterativeFedPrLLM", "make_strategy"]
+           "SecureIterativeFedPrLLM", "StatsFedPrLLM", "make_strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -268,14 +269,18 @@ class IterativeFedPrLLM(FedPrLLM):
                   if layer > 0 else [])
         if not behind:
             return {node: content for node in nodes}
-        earlier = [self.global_masks[i] for i in range(layer - 1)]
-        packed = encode_masks(earlier, first_layer=0) if earlier else {}
-        resync = RecordDict({**content, "resync": ArrayRecord(
-            {k: Array(v) for k, v in packed.items()})})
+        resync = RecordDict({**content, **self._resync_records(layer)})
         self.resynced[layer] = list(behind)
         logger.info("layer %d: resync for %d node(s) that missed the previous round", layer,
                     len(behind))
         return {node: resync if node in behind else content for node in nodes}
+
+    def _resync_records(self, layer: int) -> dict[str, ArrayRecord]:
+        """What a site that missed rounds needs to rebuild its inputs of ``layer``: every
+        global mask before layer ``layer - 1``."""
+        earlier = [self.global_masks[i] for i in range(layer - 1)]
+        packed = encode_masks(earlier, first_layer=0) if earlier else {}
+        return {"resync": ArrayRecord({k: Array(v) for k, v in packed.items()})}
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -313,18 +318,32 @@ class IterativeFedPrLLM(FedPrLLM):
         self.checkpoint.mkdir(parents=True, exist_ok=True)
         arrays = {f"mask/{k}": v for k, v in
                   encode_masks([self.global_masks[layer]], first_layer=layer).items()}
-        arrays.update({f"counts/{k}": c.numpy() for k, c in aggregator.counts().items()})
+        arrays.update(self._checkpoint_arrays(layer, aggregator))
         tmp = self.checkpoint / f"layer-{layer:03d}.tmp.npz"
         np.savez(tmp, **arrays)
         tmp.replace(self.checkpoint / f"layer-{layer:03d}.npz")
         index = self.checkpoint / "checkpoint.json"
         done = json.loads(index.read_text())["layers"] if index.exists() else {}
-        done[str(layer)] = {"clients": aggregator.clients,
+        done[str(layer)] = {"clients": self._sites_of(aggregator),
                             "nodes": sorted(self.layer_nodes.get(layer, set()))}
         tmp_index = self.checkpoint / "checkpoint.tmp.json"
         tmp_index.write_text(json.dumps({"settings": self.config.to_dict(), "layers": done},
                                         indent=1))
         tmp_index.replace(index)
+
+    def _checkpoint_arrays(self, layer: int, aggregator) -> dict[str, np.ndarray]:
+        """What the checkpoint keeps of a layer besides its global mask: the vote counts."""
+        return {f"counts/{k}": c.numpy() for k, c in aggregator.counts().items()}
+
+    @staticmethod
+    def _sites_of(aggregator) -> int:
+        return aggregator.clients
+
+    def _restore_layer(self, layer: int, arrays: dict[str, np.ndarray], sites: int) -> None:
+        counts = {k[7:]: torch.from_numpy(v) for k, v in arrays.items()
+                  if k.startswith("counts/")}
+        self.layer_aggregators[layer] = MaskAggregator.from_counts(self.model, counts, sites,
+                                                                   [layer])
 
     def resume(self, folder: Path) -> int:
         """Load the layers an interrupted run finished (``folder``: its checkpoint) and start
@@ -344,12 +363,9 @@ class IterativeFedPrLLM(FedPrLLM):
         for layer in layers:
             with np.load(folder / f"layer-{layer:03d}.npz") as data:
                 masks = {k[5:]: data[k] for k in data.files if k.startswith("mask/")}
-                counts = {k[7:]: torch.from_numpy(data[k]) for k in data.files
-                          if k.startswith("counts/")}
-            clients = int(stored["layers"][str(layer)]["clients"])
-            self.layer_aggregators[layer] = MaskAggregator.from_counts(
-                self.model, counts, clients, [layer])
-            shapes = self.layer_aggregators[layer].shapes
+                self._restore_layer(layer, {k: data[k] for k in data.files},
+                                    int(stored["layers"][str(layer)]["clients"]))
+            shapes = MaskAggregator(self.model, 1, [layer]).shapes
             self.global_masks[layer] = masks_by_layer(
                 decode_masks(masks, shapes, self.config.prune.plan, 1.0))[layer]
         self.first_layer = len(layers)
@@ -554,9 +570,129 @@ class SecureIterativeFedPrLLM(_SecureVote, IterativeFedPrLLM):
             logger.info("layer %d: secure vote of %d sites", layer, len(sites))
 
 
+class StatsFedPrLLM(IterativeFedPrLLM):
+    """Statistics mode (:mod:`fedcompress.methods.fedprllm.stats`): round ``r`` sums the
+    sites' input statistics of decoder layer ``r - 1`` and prunes it exactly as centralized
+    pruning on the union of their windows; its global masks (and SparseGPT's updated weights)
+    go out with the next request. Invalid statistics are rejected with their reason; resync of
+    returning sites and checkpoints as in the iterative vote."""
+
+    action = "train.layer_stats"
+
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
+                 reference_wire: dict | None = None, checkpoint: Path | None = None):
+        super().__init__(config, model, node_wait, reference_wire, checkpoint)
+        self.global_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.layer_sites: dict[int, int] = {}
+        #: per layer: seconds of the server's pruning step, bytes of one site's statistics
+        self.layer_cost: dict[int, dict[str, float]] = {}
+
+    def _weights_record(self, layers: Iterable[int]) -> ArrayRecord:
+        return ArrayRecord({mask_key(i, name): Array(w.numpy()) for i in layers
+                            for name, w in self.global_weights.get(i, {}).items()})
+
+    def _content(self, server_round: int) -> RecordDict:  # type: ignore[override]
+        content = super()._content(server_round)
+        layer = self._layer(server_round)
+        if layer > 0 and self.global_weights.get(layer - 1):
+            content["global_weights"] = self._weights_record([layer - 1])
+        return content
+
+    def _resync_records(self, layer: int) -> dict[str, ArrayRecord]:
+        records = super()._resync_records(layer)
+        if any(self.global_weights.get(i) for i in range(layer - 1)):
+            records["resync_weights"] = self._weights_record(range(layer - 1))
+        return records
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        from fedcompress.methods.fedprllm.stats import (
+            StatsAggregator,
+            decode_stats,
+            layer_in_features,
+        )
+
+        layer = self._layer(server_round)
+        features = layer_in_features(self.model, layer)
+        hessian = self.config.prune.needs_hessian
+        aggregator = StatsAggregator(features, hessian)
+
+        def validate(reply: Message):
+            arrays = {k: a.numpy() for k, a in reply.content["stats"].items()}
+            shared = {str(k): str(v) for k, v in reply.content["shared"].items()}
+            return decode_stats(arrays, shared, features, layer, hessian)
+
+        valid, rejected = collect_valid_replies(replies, validate, stage="stats",
+                                                server_round=layer + 1, what="statistics")
+        self.outcome.rejected += rejected
+        for reply, stats in valid:
+            aggregator.add(stats)
+            self.site_nodes.setdefault(layer + 1, []).append(reply.metadata.src_node_id)
+            self.outcome.client_metrics.append({"round": layer + 1,
+                                                "node": reply.metadata.src_node_id,
+                                                **reply_metrics(reply)})
+        require_valid(len(valid), self.config.required_clients, "statistics", layer + 1,
+                      [r["reason"] for r in rejected])
+        self._finish_stats_layer(layer, aggregator)
+        return None, MetricRecord({"layer": layer, "valid_clients": aggregator.sites})
+
+    def _finish_stats_layer(self, layer: int, aggregator) -> None:
+        from fedcompress.methods.fedprllm.stats import prune_layer
+
+        start = time.monotonic()
+        masks, weights = prune_layer(self.model, layer, aggregator.layer_stats(),
+                                     self.config.prune)
+        self.layer_cost[layer] = {"server_seconds": time.monotonic() - start,
+                                  "sites": aggregator.sites}
+        self.global_masks[layer] = masks
+        if weights:
+            self.global_weights[layer] = weights
+        self.layer_sites[layer] = aggregator.sites
+        self.layer_nodes[layer] = set(self.site_nodes.get(layer + 1, []))
+        if self.checkpoint is not None:
+            self._save(layer, aggregator)
+
+    def _checkpoint_arrays(self, layer: int, aggregator) -> dict[str, np.ndarray]:
+        return {f"weight/{mask_key(layer, name)}": w.numpy()
+                for name, w in self.global_weights.get(layer, {}).items()}
+
+    @staticmethod
+    def _sites_of(aggregator) -> int:
+        return aggregator.sites
+
+    def _restore_layer(self, layer: int, arrays: dict[str, np.ndarray], sites: int) -> None:
+        weights = {k[7:]: torch.from_numpy(v.copy()) for k, v in arrays.items()
+                   if k.startswith("weight/")}
+        if weights:
+            self.global_weights[layer] = masks_by_layer(weights)[layer]
+        self.layer_sites[layer] = sites
+
+    @torch.no_grad()
+    def prune(self, model: torch.nn.Module, server=None) -> dict[str, float]:
+        """Apply every layer's global masks (and updated weights) to ``model``."""
+        from fedcompress.models import weight_matrix
+
+        if server is not None and server != self.config.server:
+            raise ValueError("statistics mode has no server variants")
+        layers = ModelAdapter(model).layers
+        pruned = {}
+        for layer, masks in sorted(self.global_masks.items()):
+            linears = ModelAdapter.linear_layers(layers[layer])
+            for name, mask in masks.items():
+                w = weight_matrix(linears[name])
+                if layer in self.global_weights and name in self.global_weights[layer]:
+                    w.copy_(self.global_weights[layer][name].to(w.dtype))
+                w.masked_fill_(mask.to(w.device), 0)
+                pruned[mask_key(layer, name)] = float(mask.float().mean())
+        return pruned
+
+
 def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module,
                   reference_wire: dict | None = None, checkpoint: Path | None = None
                   ) -> FedPrLLM:
+    if config.aggregate == "stats":
+        return StatsFedPrLLM(config, model, reference_wire=reference_wire,
+                             checkpoint=checkpoint)
     if config.secagg and config.mode == "iterative":
         return SecureIterativeFedPrLLM(config, model, reference_wire=reference_wire,
                                        checkpoint=checkpoint)

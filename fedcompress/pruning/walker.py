@@ -111,28 +111,73 @@ def capture_layer_inputs(model: nn.Module, windows: torch.Tensor,
 
 
 class LayerStats:
-    """Running statistics of the inputs of one linear layer (float32).
+    """Summable statistics of the inputs of one linear layer.
 
-    ``sq_norm[j]`` is the running mean over tokens of ``x_j^2`` (Wanda's ``scaler_row``: the
-    squared column norm ``||X_j||_2^2`` divided by the token count). With ``hessian=True`` also
-    ``H = 2/N * X^T X`` over the N tokens seen (SparseGPT's Hessian), accumulated as a running
-    mean so its scale does not depend on the number of windows.
+    The state is a set of SUMS over the tokens seen, so that statistics gathered on disjoint
+    windows (several sites, several batches) add up exactly to those of their union
+    (:meth:`merge`; the statistics mode of federated pruning sends them):
+
+    * ``sq_sum[j] = sum_t x_tj^2`` in float64 (every float32 square is exact in float64, so
+      the sum of any grouping of the same tokens agrees to about 1e-16 relative: after the cast
+      to float32 the union's Wanda norms are identical however the tokens were split);
+    * ``hessian_sum = sum_t 2 x_t x_t^T`` in float32 (:data:`~fedcompress.models.CALC_DTYPE`;
+      with ``hessian=True``; ``hessian_dtype=float64`` for a server summing many sites),
+      SparseGPT's Hessian before the division by the token count;
+    * ``tokens``: how many tokens were added.
+
+    ``sq_norm`` (Wanda's ``scaler_row``: the mean over tokens of ``x_j^2``) and ``hessian``
+    (``2/N X^T X``, so its scale does not depend on the number of windows) are derived in
+    float32.
     """
 
-    def __init__(self, in_features: int, device: torch.device, hessian: bool = False):
+    def __init__(self, in_features: int, device: torch.device | None = None,
+                 hessian: bool = False, hessian_dtype: torch.dtype = CALC_DTYPE):
         self.tokens = 0
-        self.sq_norm = torch.zeros(in_features, dtype=CALC_DTYPE, device=device)
-        self.hessian = (torch.zeros(in_features, in_features, dtype=CALC_DTYPE, device=device)
-                        if hessian else None)
+        self.sq_sum = torch.zeros(in_features, dtype=torch.float64, device=device)
+        self.hessian_sum = (torch.zeros(in_features, in_features, dtype=hessian_dtype,
+                                        device=device) if hessian else None)
+
+    @property
+    def in_features(self) -> int:
+        return int(self.sq_sum.shape[0])
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).to(CALC_DTYPE)
-        n = x.shape[0]
-        total = self.tokens + n
-        self.sq_norm.mul_(self.tokens / total).add_(x.pow(2).sum(0), alpha=1.0 / total)
-        if self.hessian is not None:
-            self.hessian.mul_(self.tokens / total).addmm_(x.T, x, alpha=2.0 / total)
-        self.tokens = total
+        self.sq_sum.add_(x.to(torch.float64).pow(2).sum(0))
+        if self.hessian_sum is not None:
+            self.hessian_sum.addmm_(x.T, x, alpha=2.0)
+        self.tokens += x.shape[0]
+
+    def merge(self, other: LayerStats) -> LayerStats:
+        """Add ``other``'s sums (statistics of other tokens) to these, in place."""
+        if other.in_features != self.in_features:
+            raise ValueError(f"statistics of {other.in_features} input features cannot be "
+                             f"added to statistics of {self.in_features}")
+        if (other.hessian_sum is None) != (self.hessian_sum is None):
+            raise ValueError("statistics with and without a Hessian cannot be added")
+        self.sq_sum.add_(other.sq_sum.to(self.sq_sum.device))
+        if self.hessian_sum is not None and other.hessian_sum is not None:
+            self.hessian_sum.add_(other.hessian_sum.to(self.hessian_sum.device))
+        self.tokens += other.tokens
+        return self
+
+    def _require_tokens(self) -> None:
+        if self.tokens <= 0:
+            raise ValueError("no tokens were added to these statistics")
+
+    @property
+    def sq_norm(self) -> torch.Tensor:
+        """Mean over tokens of ``x_j^2`` (float32)."""
+        self._require_tokens()
+        return (self.sq_sum / self.tokens).to(CALC_DTYPE)
+
+    @property
+    def hessian(self) -> torch.Tensor | None:
+        """``2/N X^T X`` (float32), or None without a Hessian."""
+        if self.hessian_sum is None:
+            return None
+        self._require_tokens()
+        return (self.hessian_sum / self.tokens).to(CALC_DTYPE)
 
 
 def _call_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -3,6 +3,8 @@
 * :mod:`.config`: the settings (clients, evaluation, server) with every default;
 * :mod:`.federated`: client windows, the wire formats and their validation, the vote
   (:class:`~.federated.MaskAggregator`), the iterative client step;
+* :mod:`.stats`: the statistics mode (sites send summed input statistics per layer; the
+  server prunes exactly as the centralized pass on the union of their windows);
 * :mod:`.experiment`: the server's model, data, baselines and evaluation.
 
 The Flower files: ``clients/fedprllm.py``, ``strategies/fedprllm.py``, ``server/fedprllm.py``.
@@ -36,12 +38,15 @@ METHOD = Method(
     actions={"query.warmup": "warmup", "query.outliers": "outliers",
              "train.masks": "oneshot_masks",
              "train.layer_mask": "iterative_layer_mask",
+             "train.layer_stats": "layer_stats",
              "query.secagg_keys": "secagg_keys", "query.secagg_share": "secagg_share",
              "train.secagg_masks": "secagg_masks", "query.secagg_unmask": "secagg_unmask"},
     message_keys={"config": "config", "masks": "masks", "metrics": "metrics",
                   "reference": "reference", "round": "round", "global": "global",
                   "state": "fedprllm", "outliers": "outliers", "secagg": "secagg",
-                  "masked": "masked", "resync": "resync"},
+                  "masked": "masked", "resync": "resync", "stats": "stats",
+                  "shared": "shared", "global_weights": "global_weights",
+                  "resync_weights": "resync_weights"},
     client_module="clients.fedprllm",
     server_module="server.fedprllm",
     summary=summary,

@@ -18,6 +18,8 @@ from fedcompress.pruning.local import METHODS
 from fedcompress.pruning.select import GROUPS, check_group
 
 MODES = ("oneshot", "iterative")
+#: What sites send: their masks (the vote of FedPrLLM) or their inputs' statistics (exact).
+AGGREGATES = ("votes", "stats")
 WIRES = ("packed", "compressed")
 PARTITIONS = ("iid", "dirichlet")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -126,6 +128,12 @@ class FedPrLLMConfig(Settings):
                               "+ z robust deviations from the majority mask.", gt=0.0)
     mode: str = setting("oneshot", "oneshot (one round) or iterative (one round per layer).",
                         choices=MODES)
+    aggregate: str = setting(
+        "votes", "What sites send: votes (their local masks; the server votes: FedPrLLM) or "
+        "stats (per decoder layer, the sums of their inputs' statistics for wanda or "
+        "sparsegpt; the server prunes exactly as centralized pruning on the union of the "
+        "sites' windows, one round per layer; --mode, --group and --scale apply to votes).",
+        choices=AGGREGATES)
     clients: int = setting(16, "Number of clients.", ge=1)
     samples_per_client: int = setting(4, "Calibration windows per client.", ge=1)
     seqlen: int = setting(256, "Tokens per calibration window.", ge=2)
@@ -201,6 +209,8 @@ class FedPrLLMConfig(Settings):
                 raise self.invalid("clients", "at least 2 with secagg")
             if not 0 <= self.secagg_threshold <= self.clients or self.secagg_threshold == 1:
                 raise self.invalid("secagg_threshold", f"0 or 2..clients={self.clients}")
+        if self.aggregate == "stats":
+            self._validate_stats()
         if self.method == "gradient" and self.mode == "iterative":
             raise self.invalid("method", "magnitude, wanda or sparsegpt in iterative mode (the "
                                "gradient scores need the whole model's backward pass, not one "
@@ -209,6 +219,17 @@ class FedPrLLMConfig(Settings):
                 and self.wire_reference != "none"):
             raise self.invalid("wire_reference", "none with the gradient method (the reference "
                                "column norms walk layers pruned by the local method)")
+
+    def _validate_stats(self) -> None:
+        """Statistics mode: what does not apply to it is refused, not ignored."""
+        if self.method not in ("wanda", "sparsegpt"):
+            raise self.invalid("method", "wanda or sparsegpt with aggregate stats (their "
+                               "statistics are sums over tokens; magnitude needs no data)")
+        for key, default in (("group", "layer"), ("scale", False), ("defence", "none"),
+                             ("attack", "none"), ("secagg", False), ("wire", "packed")):
+            if getattr(self, key) != default:
+                raise self.invalid(key, f"{default!r} with aggregate stats (it applies to "
+                                   "votes; the statistics' comparison group is --local-group)")
 
     def threshold_for(self, sites: int) -> int:
         """The SecAgg+ threshold of an aggregation over ``sites`` sites."""

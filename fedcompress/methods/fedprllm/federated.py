@@ -523,23 +523,22 @@ def with_site_plan(config: FedPrLLMConfig, model: nn.Module, windows: list[torch
 # Iterative mode: one decoder layer per round
 # ------------------------------------------------------------------------------------------
 
-def iterative_client_step(model: nn.Module, windows: torch.Tensor, layer: int,
-                          prev_hidden: torch.Tensor | None,
-                          prev_global: dict[str, torch.Tensor] | None, prune,
-                          layer_kwargs: list[dict] | None = None, batch_size: int = 8
-                          ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[dict]]:
-    """One client's round of iterative FedPrLLM.
+def advance_to_layer(model: nn.Module, windows: torch.Tensor, layer: int,
+                     prev_hidden: torch.Tensor | None,
+                     prev_global: dict[str, torch.Tensor] | None,
+                     layer_kwargs: list[dict] | None = None, batch_size: int = 8,
+                     prev_weights: dict[str, torch.Tensor] | None = None):
+    """A site's inputs of decoder layer ``layer`` in a layer-per-round run.
 
-    ``prev_hidden`` are the inputs of decoder layer ``layer - 1`` that this client kept from the
-    previous round; they are forwarded through that layer pruned with the server's global mask
-    ``prev_global``, giving the inputs of ``layer``, from which the local masks of ``layer`` are
-    computed. Returns ``(masks of layer, inputs of layer to keep, layer_kwargs)``.
+    ``prev_hidden`` are the inputs of layer ``layer - 1`` that the site kept from the previous
+    round; they are forwarded through that layer pruned with the server's global mask
+    ``prev_global`` (and, statistics mode with SparseGPT, its updated weights
+    ``prev_weights``). Layer 0 embeds the windows. Returns a
+    :class:`~fedcompress.pruning.walker.LayerInputs` (with the layers' keyword arguments).
     """
-    from fedcompress.pruning.local import layer_prune_fn
     from fedcompress.pruning.walker import (
         LayerInputs,
         capture_layer_inputs,
-        collect_stats,
         forward_layer,
         masked_layer_copy,
     )
@@ -551,28 +550,56 @@ def iterative_client_step(model: nn.Module, windows: torch.Tensor, layer: int,
         captured = capture_layer_inputs(model, windows if layer == 0 else windows[:1], batch_size)
         layer_kwargs = captured.layer_kwargs
     if layer == 0:
-        inputs = captured
-    else:
-        if prev_hidden is None or prev_global is None:
-            raise ValueError(f"round for layer {layer} needs the inputs of layer {layer - 1} and "
-                             "its global mask")
-        previous = masked_layer_copy(adapter.layers[layer - 1], prev_global)
-        inputs = forward_layer(previous, LayerInputs(prev_hidden, layer_kwargs, layer - 1),
-                               batch_size)
-    stats = collect_stats(adapter.layers[layer], inputs, hessian=prune.needs_hessian,
-                          batch_size=batch_size)
-    masks, _ = layer_prune_fn(prune)(layer, adapter.layers[layer], stats)
-    return masks, inputs.hidden, layer_kwargs
+        return captured
+    if prev_hidden is None or prev_global is None:
+        raise ValueError(f"round for layer {layer} needs the inputs of layer {layer - 1} and "
+                         "its global mask")
+    previous = masked_layer_copy(adapter.layers[layer - 1], prev_global, prev_weights)
+    return forward_layer(previous, LayerInputs(prev_hidden, layer_kwargs, layer - 1), batch_size)
+
+
+def iterative_client_step(model: nn.Module, windows: torch.Tensor, layer: int,
+                          prev_hidden: torch.Tensor | None,
+                          prev_global: dict[str, torch.Tensor] | None, prune,
+                          layer_kwargs: list[dict] | None = None, batch_size: int = 8
+                          ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[dict]]:
+    """One client's round of iterative FedPrLLM: its inputs of ``layer``
+    (:func:`advance_to_layer`), then its local masks of ``layer``. Returns ``(masks of layer,
+    inputs of layer to keep, layer_kwargs)``."""
+    inputs = advance_to_layer(model, windows, layer, prev_hidden, prev_global, layer_kwargs,
+                              batch_size)
+    return site_layer_masks(model, inputs, prune, batch_size), inputs.hidden, inputs.layer_kwargs
+
+
+def site_layer_stats(model: nn.Module, inputs, needs_hessian: bool, batch_size: int = 8):
+    """A site's statistics of the layer its ``inputs`` enter (the calibration walker's)."""
+    from fedcompress.pruning.walker import collect_stats
+
+    return collect_stats(ModelAdapter(model).layers[inputs.layer], inputs,
+                         hessian=needs_hessian, batch_size=batch_size)
+
+
+def site_layer_masks(model: nn.Module, inputs, prune, batch_size: int = 8
+                     ) -> dict[str, torch.Tensor]:
+    """A site's local masks of the layer its ``inputs`` enter."""
+    from fedcompress.pruning.local import layer_prune_fn
+
+    layer = inputs.layer
+    stats = site_layer_stats(model, inputs, prune.needs_hessian, batch_size)
+    masks, _ = layer_prune_fn(prune)(layer, ModelAdapter(model).layers[layer], stats)
+    return masks
 
 
 def resync_inputs(model: nn.Module, windows: torch.Tensor, layer: int,
-                  global_masks: Mapping[int, dict[str, torch.Tensor]], batch_size: int = 8
+                  global_masks: Mapping[int, dict[str, torch.Tensor]], batch_size: int = 8,
+                  global_weights: Mapping[int, dict[str, torch.Tensor]] | None = None
                   ) -> tuple[torch.Tensor | None, list[dict]]:
     """What a site that missed rounds (or whose state was lost) needs for the round of decoder
     layer ``layer``: the inputs of layer ``layer - 1`` (None for layer 0), recomputed from its
-    windows through layers ``0 .. layer - 2`` pruned with their global masks, and the layers'
-    keyword arguments: the same operations, in the same order, as the rounds it missed, so its
-    next masks are those it would have computed."""
+    windows through layers ``0 .. layer - 2`` pruned with their global masks (and updated
+    weights, statistics mode with SparseGPT), and the layers' keyword arguments: the same
+    operations, in the same order, as the rounds it missed, so its next reply is the one it
+    would have sent."""
     from fedcompress.pruning.walker import capture_layer_inputs, forward_layer, masked_layer_copy
 
     missing = [i for i in range(max(layer - 1, 0)) if i not in global_masks]
@@ -584,7 +611,8 @@ def resync_inputs(model: nn.Module, windows: torch.Tensor, layer: int,
     layers = ModelAdapter(model).layers
     inputs = captured
     for i in range(layer - 1):
-        inputs = forward_layer(masked_layer_copy(layers[i], global_masks[i]), inputs,
+        weights = global_weights.get(i) if global_weights else None
+        inputs = forward_layer(masked_layer_copy(layers[i], global_masks[i], weights), inputs,
                                batch_size)
     return inputs.hidden, captured.layer_kwargs
 

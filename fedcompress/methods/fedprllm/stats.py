@@ -1,0 +1,295 @@
+"""Statistics mode of federated pruning: the centralized result from summed statistics, no Flower.
+
+Wanda's column norms and SparseGPT's Hessian are sums over tokens. In this mode each site sends,
+for one decoder layer per round, the SUMS of its inputs' statistics
+(:class:`~fedcompress.pruning.walker.LayerStats`: ``sum_t x_tj^2`` in float64, ``sum_t 2 x_t
+x_t^T`` in float32, the token count); the server adds them up, which gives the statistics of
+the union of the sites' windows, and prunes the layer exactly as the centralized pass does
+(:func:`~fedcompress.pruning.local.layer_prune_fn`: the same masks, SparseGPT's weight update
+included). It broadcasts the layer's global masks (and SparseGPT's updated weights) with the
+next round's request, and the sites forward their inputs through the pruned layer. After L
+rounds the global model is the centralized model:
+
+* Wanda: identical masks. The float64 sums of float32 squares agree with the centralized
+  accumulation to about 1e-16 relative, far below float32's resolution, so the float32 norms
+  and the masks are the same (``tests/test_stats_mode.py`` checks every mask bit).
+* SparseGPT: each site's Hessian sum is float32 (as the centralized pass accumulates it), the
+  server adds the sites' sums in float64; the only difference from the centralized Hessian is
+  float32 rounding of partial sums in another order (measured: ``simulations/stats_mode.py``).
+
+Wire (:func:`encode_stats`, :func:`decode_stats`): per linear layer ``in`` float64 square sums
+and, for SparseGPT, the upper triangle of the Hessian sum (``in (in + 1) / 2`` float32: it is
+symmetric); linear layers fed by the same tensor (q/k/v, gate/up) are sent once, the others
+name it (``shared``). Every received statistic is validated (names, shapes, dtypes, finite,
+non-negative squares, a positive token count, the Hessian's diagonal equal to twice the square
+sums) before it counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+from fedcompress.models import CALC_DTYPE, ModelAdapter, weight_matrix
+from fedcompress.pruning.walker import LayerStats
+
+logger = logging.getLogger(__name__)
+
+#: Local methods whose statistics are sums over tokens (magnitude needs none; the gradient
+#: method needs the whole model's backward pass).
+STATS_METHODS = ("wanda", "sparsegpt")
+#: Largest relative gap accepted between a Hessian's diagonal and twice the square sums (both
+#: are sums of the same squares; float32 rounding of the Hessian's partial sums stays ~1e-6).
+DIAG_TOLERANCE = 1e-3
+
+
+class InvalidStatsError(ValueError):
+    """A site's statistics are unusable (missing or extra layer, shape, dtype, values)."""
+
+
+def _key(layer: int, name: str, part: str) -> str:
+    return f"stats.{layer}.{name}.{part}"
+
+
+def tokens_key(layer: int) -> str:
+    return f"stats.{layer}.tokens"
+
+
+def layer_in_features(model: nn.Module, layer: int) -> dict[str, int]:
+    """Input features of every prunable linear layer of decoder layer ``layer``."""
+    adapter = ModelAdapter(model)
+    if not 0 <= layer < len(adapter):
+        raise ValueError(f"layer {layer} out of range: the model has {len(adapter)} layers")
+    return {name: int(weight_matrix(m).shape[1])
+            for name, m in ModelAdapter.linear_layers(adapter.layers[layer]).items()}
+
+
+def _triu(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = torch.triu_indices(n, n)
+    return rows, cols
+
+
+def _same(a: LayerStats, b: LayerStats) -> bool:
+    if a is b:
+        return True
+    if a.tokens != b.tokens or a.in_features != b.in_features:
+        return False
+    if not torch.equal(a.sq_sum, b.sq_sum):
+        return False
+    if a.hessian_sum is None or b.hessian_sum is None:
+        return a.hessian_sum is None and b.hessian_sum is None
+    return torch.equal(a.hessian_sum, b.hessian_sum)
+
+
+def encode_stats(stats: Mapping[str, LayerStats], layer: int
+                 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """One site's statistics of decoder layer ``layer`` for the wire: ``({key: array},
+    shared)`` where ``shared[name]`` names the linear layer whose (bit-identical) statistics
+    ``name`` shares (sent once)."""
+    if not stats:
+        raise ValueError(f"no statistics of layer {layer} to send")
+    tokens = {st.tokens for st in stats.values()}
+    if len(tokens) != 1 or next(iter(tokens)) <= 0:
+        raise ValueError(f"layer {layer}: the linear layers saw {sorted(tokens)} tokens: "
+                         "expected one positive count")
+    arrays: dict[str, np.ndarray] = {tokens_key(layer): np.array([tokens.pop()], np.int64)}
+    shared: dict[str, str] = {}
+    sent: list[str] = []
+    for name in sorted(stats):
+        st = stats[name]
+        owner = next((s for s in sent if _same(stats[s], st)), None)
+        if owner is not None:
+            shared[name] = owner
+            continue
+        sent.append(name)
+        arrays[_key(layer, name, "sq")] = st.sq_sum.cpu().numpy().astype(np.float64)
+        if st.hessian_sum is not None:
+            rows, cols = _triu(st.in_features)
+            arrays[_key(layer, name, "h")] = (st.hessian_sum.to(CALC_DTYPE)[rows, cols]
+                                              .cpu().numpy())
+    return arrays, shared
+
+
+def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
+                 in_features: Mapping[str, int], layer: int, hessian: bool
+                 ) -> dict[str, LayerStats]:
+    """A site's statistics of decoder layer ``layer`` from the wire, validated against the
+    layer's linear layers (``in_features``, :func:`layer_in_features`); linear layers that share
+    statistics get the same object. :class:`InvalidStatsError` says what is wrong."""
+    names = set(in_features)
+    unknown = sorted(set(shared) - names)
+    if unknown:
+        raise InvalidStatsError(f"layer {layer}: shared statistics of unknown linear layers "
+                                f"{unknown[:3]}")
+    sent = sorted(names - set(shared))
+    expected = {tokens_key(layer)} | {_key(layer, n, "sq") for n in sent}
+    if hessian:
+        expected |= {_key(layer, n, "h") for n in sent}
+    got = set(arrays)
+    if got != expected:
+        missing, extra = sorted(expected - got), sorted(got - expected)
+        raise InvalidStatsError(f"layer {layer}: statistics missing {missing[:3]}, unexpected "
+                                f"{extra[:3]}")
+    tokens_arr = np.asarray(arrays[tokens_key(layer)])
+    if tokens_arr.dtype != np.int64 or tokens_arr.shape != (1,) or int(tokens_arr[0]) <= 0:
+        raise InvalidStatsError(f"layer {layer}: token count {tokens_arr!r}: expected one "
+                                "positive int64")
+    tokens = int(tokens_arr[0])
+    out: dict[str, LayerStats] = {}
+    for name in sent:
+        n = in_features[name]
+        sq = np.asarray(arrays[_key(layer, name, "sq")])
+        if sq.dtype != np.float64 or sq.shape != (n,):
+            raise InvalidStatsError(f"{_key(layer, name, 'sq')}: {sq.dtype} {sq.shape}, "
+                                    f"expected float64 ({n},)")
+        if not np.isfinite(sq).all() or (sq < 0).any():
+            raise InvalidStatsError(f"{_key(layer, name, 'sq')}: square sums must be finite "
+                                    "and non-negative")
+        st = LayerStats(n, hessian=hessian)
+        st.sq_sum = torch.from_numpy(sq.copy())
+        st.tokens = tokens
+        if hessian:
+            h = np.asarray(arrays[_key(layer, name, "h")])
+            size = n * (n + 1) // 2
+            if h.dtype != np.float32 or h.shape != (size,):
+                raise InvalidStatsError(f"{_key(layer, name, 'h')}: {h.dtype} {h.shape}, "
+                                        f"expected float32 ({size},) (upper triangle)")
+            if not np.isfinite(h).all():
+                raise InvalidStatsError(f"{_key(layer, name, 'h')}: not finite")
+            full = torch.zeros(n, n, dtype=CALC_DTYPE)
+            rows, cols = _triu(n)
+            values = torch.from_numpy(h.copy())
+            full[rows, cols] = values
+            full[cols, rows] = values
+            diag = torch.diagonal(full).double()
+            gap = (diag - 2 * st.sq_sum).abs().max() / max(float(diag.abs().max()), 1e-30)
+            if float(gap) > DIAG_TOLERANCE:
+                raise InvalidStatsError(f"{_key(layer, name, 'h')}: the Hessian's diagonal "
+                                        "is not twice the square sums (relative gap "
+                                        f"{float(gap):.3g})")
+            st.hessian_sum = full
+        out[name] = st
+    for name, owner in shared.items():
+        if owner not in sent:
+            raise InvalidStatsError(f"layer {layer}: {name} shares the statistics of {owner!r}, "
+                                    "which were not sent")
+        if in_features[name] != in_features[owner]:
+            raise InvalidStatsError(f"layer {layer}: {name} ({in_features[name]} inputs) cannot "
+                                    f"share the statistics of {owner} ({in_features[owner]})")
+        out[name] = out[owner]
+    return out
+
+
+def stats_nbytes(in_features: Mapping[str, int], hessian: bool,
+                 shared: Mapping[str, str] = {}) -> int:  # noqa: B006 - read only
+    """Bytes of one site's statistics of a layer on the wire (arrays only)."""
+    total = 8  # token count
+    for name, n in in_features.items():
+        if name in shared:
+            continue
+        total += 8 * n + (4 * n * (n + 1) // 2 if hessian else 0)
+    return total
+
+
+@dataclass
+class StatsAggregator:
+    """The sum of the sites' statistics of one decoder layer (float64 at the server)."""
+
+    in_features: dict[str, int]
+    hessian: bool
+    sites: int = 0
+    sums: dict[str, LayerStats] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.sums = {name: LayerStats(n, hessian=self.hessian, hessian_dtype=torch.float64)
+                     for name, n in self.in_features.items()}
+
+    def add(self, stats: Mapping[str, LayerStats]) -> None:
+        """One site's validated statistics (:func:`decode_stats`)."""
+        if set(stats) != set(self.sums):
+            raise InvalidStatsError("statistics do not name the layer's linear layers")
+        for name, st in stats.items():
+            self.sums[name].merge(st)
+        self.sites += 1
+
+    def layer_stats(self) -> dict[str, LayerStats]:
+        if not self.sites:
+            raise ValueError("no site's statistics were aggregated")
+        return self.sums
+
+
+def prune_layer(model: nn.Module, layer: int, stats: Mapping[str, LayerStats], prune
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """The global masks (and SparseGPT's updated weights) of decoder layer ``layer`` from the
+    summed statistics: the centralized pass's own per-layer function."""
+    from fedcompress.pruning.local import layer_prune_fn
+
+    module = ModelAdapter(model).layers[layer]
+    masks, weights = layer_prune_fn(prune)(layer, module, dict(stats))
+    return ({k: v.cpu() for k, v in masks.items()},
+            {k: v.cpu() for k, v in weights.items()} if weights else None)
+
+
+def check_stats_config(config: FedPrLLMConfig) -> None:
+    if config.method not in STATS_METHODS:
+        raise ValueError(f"aggregate=stats with method {config.method!r}: expected one of "
+                         f"{', '.join(STATS_METHODS)}")
+
+
+@dataclass
+class StatsRun:
+    """What an in-process statistics-mode run produced: every layer's global masks and
+    (SparseGPT) updated weights, and per layer the bytes one site sent and the seconds."""
+
+    masks: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    weights: list[dict[str, torch.Tensor] | None] = field(default_factory=list)
+    bytes_up_per_site: list[int] = field(default_factory=list)
+    site_seconds: list[float] = field(default_factory=list)
+    server_seconds: list[float] = field(default_factory=list)
+
+
+def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMConfig,
+                batch_size: int | None = None) -> StatsRun:
+    """Statistics-mode federated pruning in one process (tests, benchmarks): the same site
+    steps, wire round trip and server step as the Flower strategy, sites one after another."""
+    from fedcompress.methods.fedprllm.federated import advance_to_layer, site_layer_stats
+
+    check_stats_config(config)
+    prune = config.prune
+    prune.plan.check_layers(len(ModelAdapter(model)))
+    batch = batch_size or config.batch_size
+    state: list[tuple[torch.Tensor | None, list[dict] | None]] = [(None, None)] * len(windows)
+    run = StatsRun()
+    for layer in range(len(ModelAdapter(model))):
+        features = layer_in_features(model, layer)
+        aggregator = StatsAggregator(features, prune.needs_hessian)
+        prev_masks = run.masks[layer - 1] if layer else None
+        prev_weights = run.weights[layer - 1] if layer else None
+        site_seconds = 0.0
+        sent = 0
+        for site, site_windows in enumerate(windows):
+            start = time.perf_counter()
+            hidden, kwargs = state[site]
+            inputs = advance_to_layer(model, site_windows, layer, hidden, prev_masks, kwargs,
+                                      batch, prev_weights)
+            stats = site_layer_stats(model, inputs, prune.needs_hessian, batch)
+            arrays, shared = encode_stats(stats, layer)
+            state[site] = (inputs.hidden, inputs.layer_kwargs)
+            site_seconds += time.perf_counter() - start
+            sent = max(sent, sum(int(a.nbytes) for a in arrays.values()))
+            aggregator.add(decode_stats(arrays, shared, features, layer, prune.needs_hessian))
+        start = time.perf_counter()
+        masks, weights = prune_layer(model, layer, aggregator.layer_stats(), prune)
+        run.server_seconds.append(time.perf_counter() - start)
+        run.masks.append(masks)
+        run.weights.append(weights)
+        run.bytes_up_per_site.append(sent)
+        run.site_seconds.append(site_seconds / max(len(windows), 1))
+    return run

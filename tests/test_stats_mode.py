@@ -1,0 +1,296 @@
+"""Statistics mode of federated pruning (``aggregate=stats``): the sites' summed input statistics
+give the centralized result (Wanda: every mask bit; SparseGPT: masks and weights up to float32
+rounding), through the library, the Flower strategy and ClientApp in process, and the ServerApp;
+bad statistics are rejected with their reason; resync and resume as in the iterative vote."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import InProcessFederation
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from fedcompress.config import SettingsError
+from fedcompress.methods.fedprllm.federated import FedPrLLMConfig, federation_windows
+from fedcompress.methods.fedprllm.stats import (
+    InvalidStatsError,
+    StatsAggregator,
+    decode_stats,
+    encode_stats,
+    layer_in_features,
+    stats_nbytes,
+    stats_prune,
+)
+from fedcompress.models import ModelAdapter, load_model
+from fedcompress.pruning.local import apply_masks, local_masks
+from fedcompress.pruning.walker import LayerStats, capture_layer_inputs, collect_stats
+from strategies.fedprllm import StatsFedPrLLM, make_strategy
+
+
+#: Linear layers of a llama block fed by the same tensor: sent once (the first in name order).
+SHARED = {"self_attn.q_proj": "self_attn.k_proj", "self_attn.v_proj": "self_attn.k_proj",
+          "mlp.up_proj": "mlp.gate_proj"}
+
+
+class Federation(InProcessFederation):
+    app = "clients.app"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(tiny_dir, device="cpu")
+
+
+def config_for(tiny_dir, **kw) -> FedPrLLMConfig:
+    base = dict(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16, batch_size=2,
+                aggregate="stats")
+    base.update(kw)
+    return FedPrLLMConfig(**base)
+
+
+def run_rounds(strategy, grid):
+    for rnd in range(1, strategy.num_rounds + 1):
+        replies = grid.send_and_receive(strategy.configure_train(rnd, ArrayRecord(),
+                                                                 ConfigRecord(), grid))
+        strategy.aggregate_train(rnd, replies)
+
+
+def centralized(model, windows, config):
+    """The centralized pass on the union, in other batches than any site's."""
+    return local_masks(model, torch.cat(windows), config.prune, batch_size=3, keep_weights=True)
+
+
+# -- statistics are sums ----------------------------------------------------------------------
+def test_layer_stats_of_split_tokens_add_up_to_the_union():
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, 8)
+    whole = LayerStats(8, hessian=True)
+    whole.add(x)
+    parts = LayerStats(8, hessian=True)
+    for chunk in (x[:1], x[1:, :17], x[1:, 17:]):
+        part = LayerStats(8, hessian=True)
+        part.add(chunk)
+        parts.merge(part)
+    assert parts.tokens == whole.tokens == 120
+    assert torch.equal(parts.sq_norm, whole.sq_norm)  # float64 sums: same float32 norms
+    assert torch.allclose(parts.hessian, whole.hessian, rtol=1e-6, atol=1e-7)
+    expected = x.reshape(-1, 8).double()
+    assert torch.allclose(whole.sq_sum, expected.pow(2).sum(0))
+    assert torch.allclose(whole.hessian.double(), 2 * expected.T @ expected / 120, atol=1e-5)
+    with pytest.raises(ValueError, match="4 input features"):
+        whole.merge(LayerStats(4, hessian=True))
+    with pytest.raises(ValueError, match="without a Hessian"):
+        whole.merge(LayerStats(8))
+    with pytest.raises(ValueError, match="no tokens"):
+        LayerStats(8).sq_norm  # noqa: B018
+
+
+# -- the library's in-process run equals centralized pruning ----------------------------------
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+@pytest.mark.parametrize("group", ["row", "layer"])
+def test_stats_mode_equals_centralized_pruning_on_the_union(tiny_dir, tiny, method, group):
+    config = config_for(tiny_dir, method=method, local_group=group)
+    windows = federation_windows(tiny.tokenizer, config)[0]
+    run = stats_prune(tiny.model, windows, config)
+    central = centralized(tiny.model, windows, config)
+    for layer, masks in enumerate(central.masks):
+        for name, mask in masks.items():
+            assert torch.equal(run.masks[layer][name], mask), (layer, name)
+        if method == "wanda":
+            assert run.weights[layer] is None
+            continue
+        for name, weight in central.weights[layer].items():
+            torch.testing.assert_close(run.weights[layer][name], weight, rtol=0, atol=1e-4)
+    features = layer_in_features(tiny.model, 0)
+    assert run.bytes_up_per_site[0] == stats_nbytes(features, method == "sparsegpt", SHARED)
+
+
+def test_stats_mode_takes_a_per_layer_plan_and_nm(tiny_dir, tiny):
+    for kw in (dict(layer_sparsity="0.4,0.5,0.6"), dict(nm="2:4")):
+        config = config_for(tiny_dir, **kw)
+        windows = federation_windows(tiny.tokenizer, config)[0]
+        run = stats_prune(tiny.model, windows, config)
+        central = centralized(tiny.model, windows, config)
+        for layer, masks in enumerate(central.masks):
+            for name, mask in masks.items():
+                assert torch.equal(run.masks[layer][name], mask), (kw, layer, name)
+
+
+# -- wire ------------------------------------------------------------------------------------
+def _site_stats(tiny, hessian: bool):
+    windows = torch.randint(4, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    inputs = capture_layer_inputs(tiny.model, windows)
+    return collect_stats(ModelAdapter(tiny.model).layers[0], inputs, hessian=hessian)
+
+
+@pytest.mark.parametrize("hessian", [False, True])
+def test_stats_round_trip_sends_shared_inputs_once(tiny, hessian):
+    stats = _site_stats(tiny, hessian)
+    arrays, shared = encode_stats(stats, 0)
+    assert shared == SHARED
+    features = layer_in_features(tiny.model, 0)
+    back = decode_stats(arrays, shared, features, 0, hessian)
+    assert back["self_attn.k_proj"] is back["self_attn.q_proj"]
+    for name, st in stats.items():
+        assert back[name].tokens == st.tokens
+        assert torch.equal(back[name].sq_sum, st.sq_sum)
+        if hessian:
+            assert torch.equal(back[name].hessian_sum, st.hessian_sum)
+    assert sum(a.nbytes for a in arrays.values()) == stats_nbytes(features, hessian, shared)
+
+
+def _mutations(arrays):
+    sq = "stats.0.self_attn.k_proj.sq"
+    yield "missing", {k: v for k, v in arrays.items() if k != sq}
+    yield "unexpected", {**arrays, "stats.0.extra.sq": arrays[sq]}
+    yield "expected float64", {**arrays, sq: arrays[sq].astype(np.float32)}
+    yield "expected float64", {**arrays, sq: arrays[sq][:-1]}
+    yield "non-negative", {**arrays, sq: -arrays[sq]}
+    yield "finite", {**arrays, sq: np.full_like(arrays[sq], np.nan)}
+    yield "positive int64", {**arrays, "stats.0.tokens": np.array([0], np.int64)}
+    yield "positive int64", {**arrays, "stats.0.tokens": np.array([3.0])}
+    h = "stats.0.self_attn.k_proj.h"
+    yield "upper triangle", {**arrays, h: arrays[h][:-1]}
+    yield "not twice the square sums", {**arrays, h: arrays[h] * 2}
+    yield "not finite", {**arrays, h: np.full_like(arrays[h], np.inf)}
+
+
+def test_bad_statistics_are_rejected_with_their_reason(tiny):
+    stats = _site_stats(tiny, hessian=True)
+    arrays, shared = encode_stats(stats, 0)
+    features = layer_in_features(tiny.model, 0)
+    for reason, bad in _mutations(arrays):
+        with pytest.raises(InvalidStatsError, match=reason):
+            decode_stats(bad, shared, features, 0, True)
+    with pytest.raises(InvalidStatsError, match="unknown linear layers"):
+        decode_stats(arrays, {**shared, "x_proj": "self_attn.k_proj"}, features, 0, True)
+    with pytest.raises(InvalidStatsError, match="were not sent"):
+        decode_stats({k: v for k, v in arrays.items() if ".o_proj." not in k},
+                     {**shared, "self_attn.o_proj": "self_attn.q_proj"}, features, 0, True)
+    with pytest.raises(InvalidStatsError, match="inputs\\) cannot share"):
+        decode_stats({k: v for k, v in arrays.items() if ".down_proj." not in k},
+                     {**shared, "mlp.down_proj": "self_attn.k_proj"}, features, 0, True)
+    aggregator = StatsAggregator(features, True)
+    with pytest.raises(InvalidStatsError, match="do not name"):
+        aggregator.add({"self_attn.q_proj": stats["self_attn.q_proj"]})
+
+
+# -- Flower strategy and ClientApp (in process) -----------------------------------------------
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_strategy_rounds_equal_the_library_and_centralized(tiny_dir, tiny, method):
+    config = config_for(tiny_dir, method=method)
+    strategy = make_strategy(config, tiny.model)
+    assert isinstance(strategy, StatsFedPrLLM) and strategy.num_rounds == 3
+    run_rounds(strategy, Federation(4))
+    assert not strategy.outcome.rejected
+    run = stats_prune(tiny.model, federation_windows(tiny.tokenizer, config)[0], config)
+    for layer in range(3):
+        for name, mask in run.masks[layer].items():
+            assert torch.equal(strategy.global_masks[layer][name], mask)
+        if method == "sparsegpt":
+            for name, w in run.weights[layer].items():
+                assert torch.equal(strategy.global_weights[layer][name], w)
+    pruned = load_model(tiny_dir, device="cpu").model
+    strategy.prune(pruned)
+    windows = federation_windows(tiny.tokenizer, config)[0]
+    central = centralized(tiny.model, windows, config)
+    reference = apply_masks(load_model(tiny_dir, device="cpu").model, central.masks,
+                            central.weights)
+    for (key, a), (_, b) in zip(reference.state_dict().items(), pruned.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=key)
+    up = {m["bytes_up"] for m in strategy.outcome.client_metrics if m["layer"] == 0}
+    assert up == {run.bytes_up_per_site[0]}
+
+
+def test_a_site_with_garbage_statistics_is_left_out(tiny_dir, tiny):
+    config = config_for(tiny_dir, min_clients=3)
+    strategy = make_strategy(config, tiny.model)
+
+    class Liar(Federation):
+        def send_and_receive(self, messages, timeout=None):
+            replies = super().send_and_receive(messages, timeout)
+            record = replies[2].content["stats"]
+            key = sorted(k for k in record if k.endswith(".sq"))[0]
+            record[key] = Array(-record[key].numpy())
+            return replies
+
+    run_rounds(strategy, Liar(4))
+    assert [r["node"] for r in strategy.outcome.rejected] == [102] * 3
+    assert "non-negative" in strategy.outcome.rejected[0]["reason"]
+    assert strategy.layer_sites == {0: 3, 1: 3, 2: 3}
+
+
+def test_a_site_that_missed_a_round_is_resynced_with_the_updated_weights(tiny_dir, tiny):
+    """SparseGPT: the returning site rebuilds its inputs through the earlier layers' masks AND
+    updated weights, so the sum of the last layer is that of a site that never left."""
+    config = config_for(tiny_dir, method="sparsegpt", min_clients=3)
+
+    class Flaky(Federation):
+        def send_and_receive(self, messages, timeout=None):
+            layer = int(messages[0].content["round"]["layer"])
+            keep = [m for m in messages if not (layer == 1 and m.metadata.dst_node_id == 101)]
+            return super().send_and_receive(keep, timeout)
+
+    flaky = make_strategy(config, tiny.model)
+    run_rounds(flaky, Flaky(4))
+    assert flaky.resynced == {2: [101]} and flaky.layer_sites == {0: 4, 1: 3, 2: 4}
+    # Layer 2's statistics are those of four never-absent sites given the same layers 0-1.
+    reference = make_strategy(config, tiny.model)
+    reference.global_masks = {i: flaky.global_masks[i] for i in (0, 1)}
+    reference.global_weights = {i: flaky.global_weights[i] for i in (0, 1)}
+    reference.first_layer = 2
+    run_rounds(reference, Federation(4))  # every site resyncs (no state), as after a resume
+    for name, w in reference.global_weights[2].items():
+        assert torch.equal(w, flaky.global_weights[2][name])
+
+
+def test_resume_equals_an_uninterrupted_run(tiny_dir, tiny, tmp_path):
+    config = config_for(tiny_dir, method="sparsegpt")
+    full = make_strategy(config, tiny.model)
+    run_rounds(full, Federation(4))
+    first = make_strategy(config, tiny.model, checkpoint=tmp_path / "ckpt")
+    grid = Federation(4)
+    replies = grid.send_and_receive(first.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    first.aggregate_train(1, replies)
+    resumed = make_strategy(config, tiny.model, checkpoint=tmp_path / "ckpt")
+    assert resumed.resume(tmp_path / "ckpt") == 1 and resumed.num_rounds == 2
+    run_rounds(resumed, Federation(4))
+    a, b = (load_model(tiny_dir, device="cpu").model for _ in range(2))
+    full.prune(a)
+    resumed.prune(b)
+    for (key, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), key
+
+
+# -- settings and the ServerApp ---------------------------------------------------------------
+@pytest.mark.parametrize("kw, key", [(dict(method="magnitude"), "method"),
+                                     (dict(group="row"), "group"),
+                                     (dict(scale=True), "scale"),
+                                     (dict(secagg=True), "secagg"),
+                                     (dict(defence="trim", trim=1), "defence"),
+                                     (dict(attack="random", attackers=1), "attack")])
+def test_settings_that_apply_to_votes_are_refused(tiny_dir, kw, key):
+    with pytest.raises(SettingsError, match=f"{key}=.* is invalid"):
+        config_for(tiny_dir, **kw)
+
+
+def test_server_app_reports_stats_mode_next_to_centralized(tiny_dir, tmp_path):
+    from server.fedprllm import run
+
+    out = tmp_path / "run"
+    settings = dict(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16, batch_size=2,
+                    eval_seqlen=16, eval_windows=2, out=str(out), device="cpu",
+                    aggregate="stats", baselines="centralized")
+    run(Federation(4), settings)
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok", report.get("error")
+    fed, central = report["results"]
+    assert fed["name"] == "fedprllm-stats-row" and fed["rounds"] == 3
+    assert fed["perplexity"] == central["perplexity"]
+    assert sorted(report["stats_layers"]) == ["0", "1", "2"]
+    assert (out / "checkpoint" / "checkpoint.json").exists()
+    with pytest.raises(ValueError, match="variants 'all' with aggregate stats"):
+        run(Federation(4), {**settings, "variants": "all", "out": str(tmp_path / "x")})
