@@ -44,6 +44,68 @@ def test_select_ties_prune_lower_index_first():
     assert select_prune_mask(torch.ones(1, 4), 0.5, "row").tolist() == [[True, True, False, False]]
 
 
+def _stable_sort_selection(scores, k, dim):
+    """The reference rule: the first k of a stable ascending sort along ``dim``."""
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    order = torch.sort(scores, dim=dim, stable=True).indices.narrow(dim, 0, k)
+    return mask.scatter_(dim, order, True)
+
+
+@pytest.mark.parametrize("values", ["ties", "continuous", "signed-zeros-and-inf"])
+def test_linear_time_selection_is_the_stable_sort_rule(values):
+    """The selection (introselect + ties in index order) picks exactly the weights a stable
+    ascending sort puts first, in every group, at every k, on the CPU and through the torch
+    path other devices take."""
+    from fedcompress.pruning import select
+
+    g = torch.Generator().manual_seed(0)
+    if values == "ties":
+        scores = torch.randint(0, 4, (24, 40), generator=g).float()
+    elif values == "continuous":
+        scores = torch.rand(24, 40, generator=g)
+    else:
+        pool = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1.0])
+        scores = pool[torch.randint(0, 5, (24, 40), generator=g)]
+    for dim in (0, 1):
+        for k in range(0, scores.shape[dim] + 1, 3):
+            expected = _stable_sort_selection(scores, k, dim)
+            assert torch.equal(select._lowest_k_along(scores, k, dim), expected), (dim, k)
+    flat = scores.reshape(1, -1)
+    assert torch.equal(select.select_prune_mask(scores, 0.3, "layer").reshape(1, -1),
+                       _stable_sort_selection(flat, int(0.3 * flat.numel()), 1))
+    runs = scores.reshape(24, 10, 4)
+    assert torch.equal(select.select_prune_mask(scores, 0.0, nm=(2, 4)),
+                       _stable_sort_selection(runs, 2, 2).reshape(24, 40))
+
+
+def test_torch_selection_path_equals_the_numpy_path(monkeypatch):
+    """Devices other than the CPU select with torch.kthvalue: the same masks."""
+    from fedcompress.pruning import select
+
+    scores = torch.randint(0, 5, (16, 30), generator=torch.Generator().manual_seed(1)).float()
+    cpu = [select._lowest_k_along(scores, k, d) for d in (0, 1) for k in (1, 7, 15)]
+
+    class NotCpu:
+        type = "other"
+
+    class Wrapped(torch.Tensor):
+        @property
+        def device(self):  # only the dispatch looks at it
+            return NotCpu()
+
+    wrapped = scores.as_subclass(Wrapped)
+    other = [select._lowest_k_along(wrapped, k, d).as_subclass(torch.Tensor)
+             for d in (0, 1) for k in (1, 7, 15)]
+    assert all(torch.equal(a, b) for a, b in zip(cpu, other))
+
+
+def test_nan_scores_are_refused():
+    scores = torch.rand(4, 6)
+    scores[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        select_prune_mask(scores, 0.5, "row")
+
+
 @pytest.mark.parametrize("nm", ["4:4", "3:2", "0:4", "2-4", "a:b"])
 def test_bad_nm(nm):
     with pytest.raises(ValueError, match="N:M"):

@@ -12,13 +12,14 @@ Comparison groups (FedPrLLM, Sec. 3):
 N:M semi-structured sparsity: in every run of M consecutive input weights of a row, the N lowest
 scores are pruned (``2:4`` prunes 2 of every 4).
 
-Ties: scores are sorted with a *stable* sort, so among equal scores the weight with the lower
-index inside the group (row-major flat index for ``layer``) is pruned first. This rule is
-deterministic and tested.
+Ties: among equal scores the weight with the lower index inside the group (row-major flat
+index for ``layer``) is pruned first, as a stable ascending sort orders them; the selection
+itself is linear-time (:func:`_lowest_k_along`). This rule is deterministic and tested.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fedcompress.models import CALC_DTYPE
@@ -56,14 +57,43 @@ def parse_nm(nm: str | tuple[int, int] | None) -> tuple[int, int] | None:
 
 
 def _lowest_k_along(scores: torch.Tensor, k: int, dim: int) -> torch.Tensor:
-    """Bool mask of the k lowest entries along ``dim`` (stable: lower index first on ties)."""
-    mask = torch.zeros_like(scores, dtype=torch.bool)
+    """Bool mask of the k lowest entries along ``dim`` (lower index first on ties).
+
+    Linear-time selection instead of a sort: the k-th smallest value ``t`` of each group
+    (introselect: numpy's ``partition`` on the CPU, ``torch.kthvalue`` elsewhere), then every
+    entry below ``t`` and, of the entries equal to ``t``, the first ones in index order until
+    the group holds k. That is exactly the set a stable ascending sort puts first (tested
+    against it), at a fraction of its cost (a stable sort of every row took about half of a
+    site's Wanda pass). NaN scores have no order: a clear error.
+    """
     if k == 0:
-        return mask
-    order = torch.sort(scores, dim=dim, stable=True).indices
-    idx = order.narrow(dim, 0, k)
-    mask.scatter_(dim, idx, True)
-    return mask
+        return torch.zeros_like(scores, dtype=torch.bool)
+    size = scores.shape[dim]
+    if k >= size:
+        return torch.ones_like(scores, dtype=torch.bool)
+    if torch.isnan(scores).any():
+        raise ValueError("scores contain NaN: pruning needs finite or infinite scores")
+    if scores.device.type == "cpu":
+        return torch.from_numpy(_lowest_k_numpy(scores.detach().numpy(), k, dim))
+    kth = torch.kthvalue(scores, k, dim=dim, keepdim=True).values
+    below = scores < kth
+    equal = scores == kth
+    need = k - below.sum(dim, keepdim=True)
+    return below | (equal & (equal.cumsum(dim) <= need))
+
+
+def _lowest_k_numpy(scores: np.ndarray, k: int, dim: int) -> np.ndarray:
+    """:func:`_lowest_k_along` of a CPU array, groups along the last axis of a contiguous copy."""
+    a = np.moveaxis(scores, dim, -1)
+    a = np.ascontiguousarray(a)
+    kth = np.partition(a, k - 1, axis=-1)[..., k - 1:k]
+    below = a < kth
+    equal = a == kth
+    ties = np.count_nonzero(equal, axis=-1) > 1
+    if ties.any():  # take the first (k - below) of the entries equal to kth, in index order
+        need = k - np.count_nonzero(below, axis=-1)[..., None]
+        equal &= np.cumsum(equal, axis=-1, dtype=np.int64) <= need
+    return np.ascontiguousarray(np.moveaxis(below | equal, -1, dim))
 
 
 def select_prune_mask(scores: torch.Tensor, sparsity: float, group: str = "row",
