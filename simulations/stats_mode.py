@@ -1,0 +1,146 @@
+"""Statistics mode against centralized pruning and the mask vote, side by side in one run.
+
+    python simulations/stats_mode.py --out simulations/results/stats-mode
+
+For each local method (Wanda, SparseGPT) at ``--sparsity`` on ``--model`` with ``--clients``
+sites of ``--samples-per-client`` windows (the same windows as ``fedcompress prune``):
+
+* **centralized**: one pass of the calibration walker on the union of the sites' windows (with
+  SparseGPT's weight update);
+* **stats**: :func:`fedcompress.methods.fedprllm.stats.stats_prune`, the sites' summed
+  statistics one decoder layer per round, every statistic through the wire encoding and its
+  validation (what the Flower strategy does, sites one after another);
+* **votes**: FedPrLLM's one-shot vote of the sites' local masks (server layer comparison).
+
+Reported per method: perplexity of each pruned model on the first ``--eval-windows`` windows of
+the wiki test split, mask bits that differ from centralized, the largest weight difference
+(SparseGPT), rounds, bytes one site sends per round (and in all), seconds. Writes
+``report.json``/``report.md`` (:class:`~fedcompress.report.RunReport`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import sys
+import time
+
+import torch
+
+from fedcompress.data.corpora import corpus_text, load_corpus
+from fedcompress.eval.perplexity import perplexity
+from fedcompress.masks.stats import flatten_masks
+from fedcompress.methods.fedprllm.federated import (
+    FedPrLLMConfig,
+    MaskAggregator,
+    federation_windows,
+    payload_nbytes,
+)
+from fedcompress.methods.fedprllm.stats import stats_prune
+from fedcompress.models import ModelAdapter, load_model
+from fedcompress.pruning.local import apply_masks, local_masks
+from fedcompress.report import RunReport, markdown_table
+
+logger = logging.getLogger("stats_mode")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="simulations/results/stats-mode")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--methods", nargs="+", default=["wanda", "sparsegpt"])
+    parser.add_argument("--sparsity", type=float, default=0.5)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--samples-per-client", type=int, default=4)
+    parser.add_argument("--seqlen", type=int, default=256)
+    parser.add_argument("--eval-windows", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=4)
+    opts = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    report = RunReport.for_script(__file__, opts, seeds={"seed": 0})
+    with report:
+        loaded = load_model(opts.model, device="cpu")
+        model, tokenizer = loaded.model, loaded.tokenizer
+        eval_text = corpus_text(load_corpus("wiki", "test"))
+        rows = []
+        for method in opts.methods:
+            config = FedPrLLMConfig(model=opts.model, method=method, sparsity=opts.sparsity,
+                                    clients=opts.clients,
+                                    samples_per_client=opts.samples_per_client,
+                                    seqlen=opts.seqlen, batch_size=opts.batch_size,
+                                    aggregate="stats")
+            windows = federation_windows(tokenizer, config)[0]
+
+            def evaluate(pruned) -> float:
+                return perplexity(pruned, tokenizer, eval_text, seqlen=opts.seqlen,
+                                  batch_size=8, max_windows=opts.eval_windows,
+                                  progress=False).perplexity
+
+            with report.phase(f"{method}-centralized"):
+                start = time.perf_counter()
+                central = local_masks(model, torch.cat(windows), config.prune,
+                                      batch_size=opts.batch_size, keep_weights=True)
+                central_s = time.perf_counter() - start
+            with report.phase(f"{method}-stats"):
+                start = time.perf_counter()
+                run = stats_prune(model, windows, config)
+                stats_s = time.perf_counter() - start
+            with report.phase(f"{method}-votes"):
+                start = time.perf_counter()
+                aggregator = MaskAggregator(model, len(windows))
+                for site in windows:
+                    aggregator.add(flatten_masks(local_masks(model, site, config.prune,
+                                                             batch_size=opts.batch_size).masks))
+                voted = copy.deepcopy(model)
+                aggregator.prune(voted, config.server, config.prune.plan)
+                votes_s = time.perf_counter() - start
+            differ = sum(int((a[k] != run.masks[i][k]).sum())
+                         for i, a in enumerate(central.masks) for k in a)
+            weights = sum(m.numel() for layer in central.masks for m in layer.values())
+            weight_gap = max((float((central.weights[i][k] - w).abs().max())
+                              for i, layer in enumerate(run.weights) if layer
+                              for k, w in layer.items()), default=0.0)
+            with report.phase(f"{method}-eval"):
+                ppl = {
+                    "centralized": evaluate(apply_masks(copy.deepcopy(model), central.masks,
+                                                        central.weights)),
+                    "stats": evaluate(apply_masks(copy.deepcopy(model), run.masks,
+                                                  run.weights)),
+                    "votes": evaluate(voted),
+                }
+            layers = len(ModelAdapter(model))
+            per_round = sum(run.bytes_up_per_site) / layers
+            common = {"method": method, "sparsity": opts.sparsity}
+            report.add_result({"name": f"{method}-centralized", **common,
+                               "perplexity": ppl["centralized"], "rounds": 0,
+                               "bytes_up_per_site": 0, "seconds": central_s})
+            report.add_result({"name": f"{method}-stats", **common, "perplexity": ppl["stats"],
+                               "rounds": layers, "bytes_up_per_site": sum(run.bytes_up_per_site),
+                               "bytes_up_per_site_per_round": per_round,
+                               "mask_bits_differing": differ, "weights": weights,
+                               "max_weight_difference": weight_gap, "seconds": stats_s,
+                               "site_seconds_per_round": sum(run.site_seconds) / layers,
+                               "server_seconds_per_round": sum(run.server_seconds) / layers})
+            report.add_result({"name": f"{method}-votes", **common, "perplexity": ppl["votes"],
+                               "rounds": 1,
+                               "bytes_up_per_site": payload_nbytes(aggregator.shapes),
+                               "seconds": votes_s})
+            rows.append([method, f"{ppl['centralized']:.3f}", f"{ppl['stats']:.3f}",
+                         f"{100 * (ppl['stats'] / ppl['centralized'] - 1):+.3f}%",
+                         f"{differ} of {weights}", f"{weight_gap:.2e}",
+                         f"{ppl['votes']:.3f}", f"{per_round / 1e6:.2f} MB x {layers}",
+                         f"{central_s:.0f} / {stats_s:.0f} / {votes_s:.0f}"])
+            logger.info("%s: centralized %.3f stats %.3f votes %.3f (%d bits differ)", method,
+                        ppl["centralized"], ppl["stats"], ppl["votes"], differ)
+        report.sections.append(("Statistics mode vs centralized and votes", markdown_table(
+            ["method", "centralized ppl", "stats ppl", "stats vs centralized",
+             "mask bits differing", "max weight diff", "votes ppl", "bytes up per site",
+             "seconds centralized / stats / votes (sites in sequence)"], rows)))
+    report.print_table()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
