@@ -290,7 +290,9 @@ class MaskAggregator:
     so the extra memory is ``workers`` layers' counts, not the model's
     (``cache_counts=True`` keeps them, for benchmarks that evaluate many server variants).
     ``workers`` (default: torch's thread count) layers are aggregated in parallel threads (the
-    compiled kernels release the GIL).
+    compiled kernels release the GIL). ``streaming=True`` counts the payloads as they arrive
+    (``stream_batch`` at a time) and keeps only the running counts: the server's memory no
+    longer grows with the number of sites.
     """
 
     model: nn.Module
@@ -298,15 +300,25 @@ class MaskAggregator:
     layers: list[int] | None = None
     cache_counts: bool = False
     workers: int = 0
+    #: Count as payloads arrive instead of keeping them: the server then holds the running
+    #: vote counts plus at most ``stream_batch`` payloads (counted together, then dropped),
+    #: whatever the number of sites. No payload is kept, so the defences that compare sites
+    #: (Hamming), :meth:`subset` and :meth:`with_sites` are not available.
+    streaming: bool = False
+    stream_batch: int = 2
 
     def __post_init__(self):
         if self.max_clients < 1:
             raise ValueError(f"max_clients must be at least 1, got {self.max_clients}")
+        if self.stream_batch < 1:
+            raise ValueError(f"stream_batch must be at least 1, got {self.stream_batch}")
         self.shapes = expected_shapes(self.model, self.layers)
         self._nbytes = {k: (int(np.prod(s)) + 7) // 8 for k, s in self.shapes.items()}
-        # per layer, each client's payload as read-only uint64 words (views, not copies)
+        # per layer, each client's payload as read-only uint64 words (views, not copies);
+        # streaming: only the payloads not yet counted
         self.payloads: dict[str, list[np.ndarray]] = {k: [] for k in self.shapes}
         self._counts: dict[str, torch.Tensor] = {}
+        self._running: dict[str, torch.Tensor] = {}  # streaming: counts of the payloads so far
         self.clients = 0
         #: The Hamming defence's last decision (None: no defence applied).
         self.rejection: Rejection | None = None
@@ -325,6 +337,28 @@ class MaskAggregator:
             self.payloads[key].append(payload_words(packed, self._nbytes[key]))
         self._counts.clear()
         self.clients += 1
+        if self.streaming and len(next(iter(self.payloads.values()), [])) >= self.stream_batch:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Streaming: add the pending payloads' counts to the running counts, drop them."""
+        from fedcompress.masks.aggregate import count_dtype
+
+        dtype = count_dtype(self.max_clients)
+        for key, words in self.payloads.items():
+            if not words:
+                continue
+            counts = count_words(words, int(np.prod(self.shapes[key])))
+            if key in self._running:
+                self._running[key] += counts.to(dtype)
+            else:
+                self._running[key] = counts.to(dtype)
+            words.clear()
+
+    def _need_payloads(self, what: str) -> None:
+        if self.streaming:
+            raise ValueError(f"{what} needs every site's payload; a streaming aggregator keeps "
+                             "only the running vote counts")
 
     def add(self, masks: dict[str, torch.Tensor]) -> None:
         """One client's bool masks (in-process callers): packed, checked, then added."""
@@ -345,6 +379,9 @@ class MaskAggregator:
         if self.clients == 0:
             raise ValueError("no client masks were aggregated")
         shape = self.shapes[key]
+        if self.streaming:
+            self._flush()
+            return self._running[key].reshape(shape)
         counts = count_words(self.payloads[key], int(np.prod(shape))).reshape(shape)
         if self.cache_counts:
             self._counts[key] = counts
@@ -386,6 +423,7 @@ class MaskAggregator:
     def subset(self, keep: Sequence[int]) -> MaskAggregator:
         """An aggregator of the sites ``keep`` (indices in the order they were added), sharing
         their payload views (no copy)."""
+        self._need_payloads("a subset of sites")
         keep = list(keep)
         if not keep or any(not 0 <= i < self.clients for i in keep):
             raise ValueError(f"sites {keep[:4]}: expected some of 0..{self.clients - 1}")
@@ -394,6 +432,7 @@ class MaskAggregator:
     def with_sites(self, replaced: Mapping[int, dict[str, np.ndarray]]) -> MaskAggregator:
         """An aggregator where site ``i``'s payload is ``replaced[i]`` (checked bit-packed
         payloads, e.g. a simulated attacker's), the others shared."""
+        self._need_payloads("replacing a site's payload")
         payloads = {k: list(v) for k, v in self.payloads.items()}
         for i, payload in replaced.items():
             if not 0 <= i < self.clients or set(payload) != set(self.shapes):
@@ -409,6 +448,7 @@ class MaskAggregator:
         layers); else this aggregator and None."""
         if not server.rejects:
             return self, None
+        self._need_payloads("the Hamming defence")
         distances = hamming_to_majority(self.payloads, self.counts(), self.clients)
         rejection = reject_outliers(distances, server.reject_z)
         if rejection.rejected:
