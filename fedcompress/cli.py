@@ -235,11 +235,13 @@ def run_eval(settings: dict[str, Any], progress: bool = True):
 # method's settings classes: their defaults and help are the only ones.
 
 CPUS_HELP = "Ray CPUs per virtual client (sets parallelism)."
+RAY_ADDRESS_HELP = ("Ray cluster to run the virtual clients on: 'auto' or HOST:PORT of a running "
+                    "`ray start --head`; empty: a private Ray instance for this run.")
 
 
 def method_defaults(method) -> dict[str, Any]:
     """What ``fedcompress METHOD.command`` accepts (its --config keys) and their defaults."""
-    return {**method.defaults(), "cpus_per_client": 1.0}
+    return {**method.defaults(), "cpus_per_client": 1.0, "ray_address": ""}
 
 
 def _method_parameters(method) -> list[inspect.Parameter]:
@@ -260,6 +262,8 @@ def _method_parameters(method) -> list[inspect.Parameter]:
                                         default=None, annotation=Annotated[Optional[kind], option]))
     extra = [("cpus_per_client", Annotated[Optional[float], _option(
                   {"cpus_per_client": 1.0}, "--cpus-per-client", CPUS_HELP)], None),
+             ("ray_address", Annotated[Optional[str], _option(
+                  {"ray_address": ""}, "--ray-address", RAY_ADDRESS_HELP)], None),
              ("config", ConfigOpt, None), ("log_level", LogOpt, "INFO")]
     params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
                for n, a, d in extra]
@@ -302,8 +306,9 @@ def run_method(name: str, settings: dict[str, Any]) -> dict:
     cpus = float(settings.pop("cpus_per_client"))
     if not cpus > 0:
         raise ConfigError(f"--cpus-per-client {cpus}: expected a positive number")
+    ray_address = str(settings.pop("ray_address", "") or "")
     settings["out"] = settings.get("out") or str(default_out(method.command))
-    simulate_method(name, settings, num_cpus_per_client=cpus)
+    simulate_method(name, settings, num_cpus_per_client=cpus, ray_address=ray_address)
     report = json.loads((Path(settings["out"]) / "report.json").read_text())
     if method.summary is not None:
         _print_summary(report, *method.summary(report))

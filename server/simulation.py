@@ -1,43 +1,124 @@
-"""Run fedcompress ServerApps + ClientApps on Flower's Simulation Engine (Ray), in-process."""
+"""Run fedcompress ServerApps + ClientApps on Flower's Simulation Engine (Ray): a private Ray
+instance started in-process, or a running Ray cluster the run attaches to."""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 
 logger = logging.getLogger(__name__)
 
 
+class RayAddressError(ValueError):
+    """``--ray-address`` names no Ray cluster that answers."""
+
+
 def simulate(server_app, client_app, num_supernodes: int, num_cpus_per_client: float = 1.0,
-             verbose: bool = False) -> None:
-    """Run a ServerApp and ``num_supernodes`` virtual ClientApps on Ray; Ray helper processes
-    this run leaves behind are stopped."""
+             verbose: bool = False, ray_address: str = "") -> None:
+    """Run a ServerApp and ``num_supernodes`` virtual ClientApps on Ray.
+
+    ``ray_address`` "" (default): a private Ray instance started for this run; Ray helper
+    processes it leaves behind are stopped. ``auto`` or ``HOST:PORT``: attach to that running
+    cluster (``ray start``); its virtual clients run on any of its nodes, and the cluster and its
+    processes are left as they were (Flower's ``ray.shutdown()`` only disconnects a driver that
+    attached)."""
     from flwr.simulation import run_simulation
 
-    # Ray workers must not try to reach a hub either, and must find the same model cache.
+    address = ray_init_address(ray_address)  # a bad address fails here, before any Ray work
+    attached = address != "local"
+    # Ray workers must not try to reach a hub either, and must find the same model cache. The
+    # workers of a private instance inherit this environment; a cluster's workers have the
+    # one their node's `ray start` had (the README says what to export there).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     backend_config = {
         "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": 0.0},
-        "init_args": {"logging_level": logging.WARNING, "log_to_driver": True,
-                      "include_dashboard": False},
+        # Flower's RayBackend passes these to ray.init() as they are.
+        "init_args": {"address": address, "logging_level": logging.WARNING,
+                      "log_to_driver": True, "include_dashboard": False},
     }
-    before = _ray_pids()
+    if attached:
+        logger.info("attaching to the Ray cluster at %s", address)
+    before = set() if attached else _ray_pids()
     try:
         run_simulation(server_app=server_app, client_app=client_app,
                        num_supernodes=num_supernodes, backend_config=backend_config,
                        verbose_logging=verbose)
     finally:
-        reap_ray_orphans(before)
+        if not attached:  # an attached run starts no Ray process: all belong to the cluster
+            reap_ray_orphans(before)
+
+
+def ray_init_address(ray_address: str, timeout: float = 5.0) -> str:
+    """The ``address`` for ``ray.init`` from ``--ray-address``: ``local`` for "" (a private
+    instance, even if RAY_ADDRESS is set or a ``ray start`` cluster runs on this machine, which
+    ``ray.init()`` would otherwise join), else the cluster's ``HOST:PORT`` (``auto``: the one
+    RAY_ADDRESS or the latest ``ray start`` on this machine names), checked to answer as a Ray
+    cluster within ``timeout`` seconds, so that a wrong address fails at once, by name."""
+    text = (ray_address or "").strip()
+    if not text:
+        return "local"
+    if text == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        try:
+            text = canonicalize_bootstrap_address("auto") or ""
+        except (ConnectionError, ValueError) as err:
+            raise RayAddressError(f"--ray-address auto: no running Ray cluster found ({err}); "
+                                  "start one with `ray start --head` or give HOST:PORT") from err
+    host, _, port_text = text.rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536 or "/" in host:
+        raise RayAddressError(f"--ray-address {ray_address!r}: expected 'auto' or HOST:PORT, "
+                              "the address `ray start --head` printed (e.g. 10.0.0.5:6379)")
+    target = f"[{host}]:{port_text}" if ":" in host else f"{host}:{port_text}"
+    problem = _gcs_problem(target, timeout)
+    if problem:
+        raise RayAddressError(f"--ray-address {ray_address}: {problem}; is `ray start --head "
+                              f"--port {port_text}` running there and the port reachable?")
+    return text
+
+
+def _gcs_problem(target: str, timeout: float) -> str:
+    """Why ``target`` is not a Ray cluster's GCS ("" when it answers as one): one gRPC call, the
+    one a Ray driver makes first. A TCP connection alone proves little (a proxy or another
+    service may accept it)."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:  # another Ray layout: a TCP connection it is
+        host, _, port = target.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except OSError as err:
+            return f"no Ray cluster answers at {target} ({err.strerror or err})"
+        return ""
+    with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(),  # type: ignore[attr-defined]
+                timeout=timeout)
+        except grpc.RpcError as err:
+            code = err.code()  # type: ignore[attr-defined]
+            if code == grpc.StatusCode.UNAUTHENTICATED:  # a GCS with token auth (ray.init
+                return ""  # sends the token)
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return (f"no Ray cluster answers at {target} within {timeout:g} s "
+                        f"({code.name}: {err.details()})")  # type: ignore[attr-defined]
+            return (f"{target} answers, but not as a Ray cluster (gRPC {code.name}: "
+                    f"{err.details()})")  # type: ignore[attr-defined]
+    return ""
 
 
 def simulate_method(name: str, settings: dict, num_cpus_per_client: float = 1.0,
-                    verbose: bool = False) -> None:
+                    verbose: bool = False, ray_address: str = "") -> None:
     """Run method ``name`` of the registry with flat ``settings`` on the Simulation Engine:
     its ServerApp with these settings and the one ClientApp (``clients/app.py``), one virtual
-    node per client. Every setting is checked before Ray starts."""
+    node per client, on a private Ray instance or the cluster at ``ray_address`` (see
+    ``simulate``). Every setting is checked before Ray starts."""
     import importlib
 
     from clients.app import app as client_app
@@ -47,7 +128,8 @@ def simulate_method(name: str, settings: dict, num_cpus_per_client: float = 1.0,
     server = importlib.import_module(method.server_module)
     server.check_settings(settings)  # fail on bad settings before Ray starts
     clients = method.parse(settings)[0].clients
-    simulate(server.make_app(settings), client_app, clients, num_cpus_per_client, verbose)
+    simulate(server.make_app(settings), client_app, clients, num_cpus_per_client, verbose,
+             ray_address)
 
 
 def _ray_pids() -> set[int]:
@@ -64,7 +146,8 @@ def _ray_pids() -> set[int]:
 def reap_ray_orphans(before: set[int], grace: float = 3.0) -> list[int]:
     """Kill Ray helper processes that this run started and that outlived it as orphans
     (``ray.shutdown`` can leave a dashboard/runtime-env agent behind). Processes of another
-    live Ray instance keep their parent and are not touched."""
+    live Ray instance keep their parent, or predate ``before``, and are not touched; a run
+    attached to a cluster never calls this."""
     import time
 
     import psutil

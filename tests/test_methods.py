@@ -152,7 +152,8 @@ def test_cli_options_are_the_methods_settings(name):
         assert key in options, key
         shown = '""' if default == "" else default
         assert f"[default: {shown}]" in options[key].help.replace("\\", "")
-    assert set(options) - set(method.defaults()) == {"cpus_per_client", "config", "log_level"}
+    assert set(options) - set(method.defaults()) == {"cpus_per_client", "ray_address", "config",
+                                                     "log_level"}
 
 
 def test_settings_parse_into_the_methods_classes():

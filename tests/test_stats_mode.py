@@ -29,7 +29,6 @@ from fedcompress.pruning.local import apply_masks, local_masks
 from fedcompress.pruning.walker import LayerStats, capture_layer_inputs, collect_stats
 from strategies.fedprllm import StatsFedPrLLM, make_strategy
 
-
 #: Linear layers of a llama block fed by the same tensor: sent once (the first in name order).
 SHARED = {"self_attn.q_proj": "self_attn.k_proj", "self_attn.v_proj": "self_attn.k_proj",
           "mlp.up_proj": "mlp.gate_proj"}
