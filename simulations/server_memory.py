@@ -8,12 +8,15 @@ arrives one after another and goes to the server's :class:`MaskAggregator`, whic
 the global model with the vote. Two modes, each in its own subprocess, side by side:
 
 * ``held``: the aggregator keeps every payload until the vote (the former server);
-* ``streaming``: it counts ``--stream-batch`` payloads at a time into running counts and drops
-  them (``MaskAggregator(streaming=True)``, what the strategy does as replies arrive).
+* ``streaming``: it counts each payload into running counts as it arrives and drops it
+  (``MaskAggregator(streaming=True)``, what the strategy does as replies arrive).
 
-Reported: the peak resident memory above the process's level after loading the model (sampled
-every 5 ms), the payload size and the running counts' size, and whether both modes give the
-same pruned model (a hash of its weights). Writes ``report.json``/``report.md``.
+Reported: the peak resident memory above the process's level after loading the model, making
+its weights resident (they are memory-mapped from the safetensors file: pruning them in place
+otherwise adds the model's size, whatever the number of sites) and compiling the vote's kernels
+on a small vote (sampled every 5 ms), the payload size and the running
+counts' size, and whether both modes give the same pruned model (a hash of its weights).
+Writes ``report.json``/``report.md``.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ logger = logging.getLogger("server_memory")
 MIB = 2 ** 20
 
 
-def worker(model_name: str, sites: int, mode: str, batch: int) -> dict:
+def worker(model_name: str, sites: int, mode: str) -> dict:
     """One mode in this process: the peak RSS above the loaded model's level."""
     import torch
 
@@ -45,6 +48,14 @@ def worker(model_name: str, sites: int, mode: str, batch: int) -> dict:
     from fedcompress.models import load_model
 
     model = load_model(model_name, device="cpu").model
+    warm = MaskAggregator(model, 2, layers=[0])  # compile the kernels (not the vote's memory)
+    for _ in range(2):
+        warm.add({k: torch.zeros(s, dtype=torch.bool) for k, s in warm.shapes.items()})
+    warm.prune(model, ServerConfig(), 0.5)  # layer 0, the same in both modes
+    del warm
+    with torch.no_grad():  # the weights the vote prunes in place: resident before the baseline
+        for param in model.parameters():
+            param.add_(0)
     proc = psutil.Process()
     base = proc.memory_info().rss
     peak = [base]
@@ -58,7 +69,7 @@ def worker(model_name: str, sites: int, mode: str, batch: int) -> dict:
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     start = time.perf_counter()
-    aggregator = MaskAggregator(model, sites, streaming=mode == "streaming", stream_batch=batch)
+    aggregator = MaskAggregator(model, sites, streaming=mode == "streaming")
     nbytes = {k: (int(np.prod(s)) + 7) // 8 for k, s in aggregator.shapes.items()}
     for site in range(sites):
         rng = np.random.default_rng(site)
@@ -84,11 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="simulations/results/server-memory")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--sites", type=int, default=64)
-    parser.add_argument("--stream-batch", type=int, default=2)
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.worker:
-        print(json.dumps(worker(opts.model, opts.sites, opts.worker, opts.stream_batch)))
+        print(json.dumps(worker(opts.model, opts.sites, opts.worker)))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     shown = argparse.Namespace(**{k: v for k, v in vars(opts).items() if k != "worker"})
@@ -100,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             with report.phase(mode):
                 out = subprocess.run(
                     [sys.executable, __file__, "--model", opts.model, "--sites",
-                     str(opts.sites), "--stream-batch", str(opts.stream_batch), "--worker",
-                     mode], check=True, capture_output=True, text=True).stdout
+                     str(opts.sites), "--worker", mode], check=True, capture_output=True,
+                    text=True).stdout
             record = json.loads(out.strip().splitlines()[-1])
             records[mode] = record
             report.add_result({"name": mode, **record})

@@ -290,9 +290,9 @@ class MaskAggregator:
     so the extra memory is ``workers`` layers' counts, not the model's
     (``cache_counts=True`` keeps them, for benchmarks that evaluate many server variants).
     ``workers`` (default: torch's thread count) layers are aggregated in parallel threads (the
-    compiled kernels release the GIL). ``streaming=True`` counts the payloads as they arrive
-    (``stream_batch`` at a time) and keeps only the running counts: the server's memory no
-    longer grows with the number of sites.
+    compiled kernels release the GIL). ``streaming=True`` counts each payload as it arrives and
+    keeps only the running counts: the server's memory no longer grows with the number of
+    sites.
     """
 
     model: nn.Module
@@ -300,25 +300,22 @@ class MaskAggregator:
     layers: list[int] | None = None
     cache_counts: bool = False
     workers: int = 0
-    #: Count as payloads arrive instead of keeping them: the server then holds the running
-    #: vote counts plus at most ``stream_batch`` payloads (counted together, then dropped),
-    #: whatever the number of sites. No payload is kept, so the defences that compare sites
-    #: (Hamming), :meth:`subset` and :meth:`with_sites` are not available.
+    #: Count each payload as it arrives instead of keeping it: the server then holds the
+    #: running vote counts (:func:`count_dtype` of ``max_clients`` per weight) and the payload
+    #: being counted, whatever the number of sites. No payload is kept, so the defences that
+    #: compare sites (Hamming), :meth:`subset` and :meth:`with_sites` are not available.
     streaming: bool = False
-    stream_batch: int = 2
 
     def __post_init__(self):
         if self.max_clients < 1:
             raise ValueError(f"max_clients must be at least 1, got {self.max_clients}")
-        if self.stream_batch < 1:
-            raise ValueError(f"stream_batch must be at least 1, got {self.stream_batch}")
         self.shapes = expected_shapes(self.model, self.layers)
         self._nbytes = {k: (int(np.prod(s)) + 7) // 8 for k, s in self.shapes.items()}
         # per layer, each client's payload as read-only uint64 words (views, not copies);
         # streaming: only the payloads not yet counted
         self.payloads: dict[str, list[np.ndarray]] = {k: [] for k in self.shapes}
         self._counts: dict[str, torch.Tensor] = {}
-        self._running: dict[str, torch.Tensor] = {}  # streaming: counts of the payloads so far
+        self._running: dict[str, np.ndarray] = {}  # streaming: counts of the payloads so far
         self.clients = 0
         #: The Hamming defence's last decision (None: no defence applied).
         self.rejection: Rejection | None = None
@@ -333,27 +330,28 @@ class MaskAggregator:
             if packed.shape != (self._nbytes[key],):
                 raise InvalidMaskError(f"{key}: payload of shape {packed.shape}, expected "
                                        f"({self._nbytes[key]},)")
+        if self.streaming:
+            self._count_now(payload)
+            return
         for key, packed in payload.items():
             self.payloads[key].append(payload_words(packed, self._nbytes[key]))
         self._counts.clear()
         self.clients += 1
-        if self.streaming and len(next(iter(self.payloads.values()), [])) >= self.stream_batch:
-            self._flush()
 
-    def _flush(self) -> None:
-        """Streaming: add the pending payloads' counts to the running counts, drop them."""
+    def _count_now(self, payload: dict[str, np.ndarray]) -> None:
+        """Streaming: add one payload's bits (the codec's MSB-first packing) to the running
+        counts, one layer at a time; the payload is not kept."""
         from fedcompress.masks.aggregate import count_dtype
 
-        dtype = count_dtype(self.max_clients)
-        for key, words in self.payloads.items():
-            if not words:
-                continue
-            counts = count_words(words, int(np.prod(self.shapes[key])))
-            if key in self._running:
-                self._running[key] += counts.to(dtype)
-            else:
-                self._running[key] = counts.to(dtype)
-            words.clear()
+        dtype = count_dtype(self.max_clients).itemsize
+        for key, packed in payload.items():
+            numel = int(np.prod(self.shapes[key]))
+            if key not in self._running:
+                self._running[key] = np.zeros(numel, dtype=f"u{dtype}" if dtype == 1
+                                              else f"i{dtype}")
+            np.add(self._running[key], np.unpackbits(packed, count=numel),
+                   out=self._running[key], casting="unsafe")
+        self.clients += 1
 
     def _need_payloads(self, what: str) -> None:
         if self.streaming:
@@ -380,8 +378,7 @@ class MaskAggregator:
             raise ValueError("no client masks were aggregated")
         shape = self.shapes[key]
         if self.streaming:
-            self._flush()
-            return self._running[key].reshape(shape)
+            return torch.from_numpy(self._running[key]).reshape(shape)
         counts = count_words(self.payloads[key], int(np.prod(shape))).reshape(shape)
         if self.cache_counts:
             self._counts[key] = counts
