@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 import time
 
 import numpy as np
@@ -78,12 +80,20 @@ def _reference(message: Message) -> dict | None:
     return {key: arr.numpy() for key, arr in message.content["reference"].items()}
 
 
-def _inject_fault(config: FedPrLLMConfig, partition: int, payload: dict) -> dict:
-    """A simulated fault at the last ``faulty`` partitions (``fault``): an error, a truncated
-    payload (what a broken transfer delivers), or a late reply."""
-    if not config.faulty or partition < config.clients - config.faulty:
+def _inject_fault(config: FedPrLLMConfig, partition: int, payload: dict, layer: int = 0
+                  ) -> dict:
+    """A simulated fault at the last ``faulty`` partitions (``fault``), from the round of
+    decoder layer ``fault_layer`` on: an error, a truncated payload (what a broken transfer
+    delivers), a late reply, or the death of this ClientApp's process (``kill``: no reply at
+    all, as a crashed or OOM-killed process; under the Simulation Engine, its Ray actor)."""
+    if (not config.faulty or partition < config.clients - config.faulty
+            or layer < config.fault_layer):
         return payload
-    logger.warning("partition %d: injected fault %s", partition, config.fault)
+    logger.warning("partition %d (layer %d): injected fault %s", partition, layer, config.fault)
+    if config.fault == "kill":
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)  # no clean-up, no reply: what the OOM killer leaves
     if config.fault == "error":
         raise RuntimeError(f"injected fault: partition {partition} fails")
     if config.fault == "slow":
@@ -95,11 +105,10 @@ def _inject_fault(config: FedPrLLMConfig, partition: int, payload: dict) -> dict
 
 def _reply(message: Message, payload: dict, metrics: dict) -> Message:
     config = FedPrLLMConfig.from_dict(dict(message.content["config"]))
-    payload = _inject_fault(config, int(metrics["partition"]), payload)
+    payload = _inject_fault(config, int(metrics["partition"]), payload,
+                            int(metrics.get("layer", 0)))
     arrays = ArrayRecord({key: Array(value) for key, value in payload.items()})
     metrics["bytes_up"] = sum(int(v.nbytes) for v in payload.values())
-    import os  # (kept local: a one-function change)
-
     metrics["pid"] = os.getpid()  # the process that served it: a Ray worker, a SuperNode's app
     return Message(RecordDict({"masks": arrays, "metrics": MetricRecord(metrics)}),
                    reply_to=message)
@@ -221,7 +230,9 @@ def secagg_masks(message: Message, context: Context) -> Message:
     inbox = dict(zip(unpack_ints(agg["src"]), unpack_blobs(agg["blob"]), strict=True))
     masked = site.masked(votes, inbox)
     _keep_secagg(context, site)
-    words = _inject_fault(config, partition, {"words": masked})["words"]
+    words = _inject_fault(config, partition, {"words": masked},
+                          int(message.content["round"]["layer"])
+                          if "round" in message.content else 0)["words"]
     return Message(RecordDict({
         "masked": ArrayRecord({"words": Array(words)}),
         "metrics": MetricRecord({"seconds": time.perf_counter() - start,
@@ -309,7 +320,7 @@ def layer_stats(message: Message, context: Context) -> Message:
     inputs, layer = _layer_inputs(message, context, config, model, windows)
     stats = site_layer_stats(model, inputs, config.prune.needs_hessian, config.batch_size)
     arrays, shared = encode_stats(stats, layer)
-    arrays = _inject_fault(config, partition, arrays)
+    arrays = _inject_fault(config, partition, arrays, layer)
     metrics = {"seconds": time.perf_counter() - start, "layer": layer, "partition": partition,
                "windows": len(windows), "bytes_up": sum(int(v.nbytes) for v in arrays.values())}
     return Message(RecordDict({

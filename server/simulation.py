@@ -35,7 +35,14 @@ def simulate(server_app, client_app, num_supernodes: int, num_cpus_per_client: f
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     backend_config = {
-        "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": 0.0},
+        # RayBackend passes client_resources to ``ClientAppActor.options()``: max_restarts
+        # lets Ray restart an actor whose process died (a crashed or OOM-killed ClientApp),
+        # since the backend puts a dead actor back into its pool; without it every later
+        # message that actor takes fails too, whichever site it is for. The message in
+        # flight when the process died still fails (max_task_retries 0): that site's reply
+        # is an error and the strategy records it.
+        "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": 0.0,
+                             "max_restarts": -1},
         # Flower's RayBackend passes these to ray.init() as they are.
         "init_args": {"address": address, "logging_level": logging.WARNING,
                       "log_to_driver": True, "include_dashboard": False},

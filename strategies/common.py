@@ -2,14 +2,25 @@
 
 :func:`collect_valid_replies` is the one place where a round's replies are sorted into valid
 ones and rejected ones (as Flower's ``FedAvg._check_and_log_replies`` does): a reply that is
-an error, or whose content fails the method's validation, is logged with its reason and left
-out, in one record shape (:func:`rejection`); :func:`require_valid` ends the run with
-:class:`NotEnoughClientsError` when too few valid replies remain.
+an error, or whose content fails the method's validation, and a node asked that did not reply
+within the round timeout, is logged with its reason and left out, in one record shape
+(:func:`rejection`); :func:`require_valid` ends the run with :class:`NotEnoughClientsError`
+when too few valid replies remain.
+
+A ClientApp whose process dies mid-message (crash, OOM killer) under Flower 1.41's Simulation
+Engine: the Ray actor running it dies, ``ray.get`` raises at once (ActorDiedError, or
+ActorUnavailableError when Ray restarts the actor) and the engine replies with an error
+(``ErrorCode.UNKNOWN``, reason ``<class '...'>:<'...'>``): no hang. :func:`error_reason` names
+it. Flower's ``RayBackend`` puts the dead actor back into its pool: ``server/simulation.py``
+sets ``max_restarts`` in the client resources so that Ray restarts it; should a run go without
+(another backend config), :meth:`StrategyOutcome.add_rejected` tells the site that died from
+the sites whose messages were then sent to the dead actor.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,6 +51,44 @@ class StrategyOutcome:
     client_metrics: list[dict[str, Any]] = field(default_factory=list)
     bytes_down: int = 0
     startup_seconds: list[float] = field(default_factory=list)
+    #: Ray actor processes seen dead, ``(actor id, pid)`` -> where ("masks round 1")
+    dead_actors: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def add_rejected(self, records: list[dict[str, Any]], **where: Any) -> None:
+        """Record rejections (``where``: e.g. ``layer=3``, added to each), with the node's
+        partition when an earlier valid reply named it. A reply from a Ray actor process
+        already seen dead, or from one that failed several messages of this batch, says that
+        its message was sent to a dead actor (Flower 1.41's RayBackend returns a dead actor to
+        its pool) rather than that this site's own process died."""
+        partitions = {m["node"]: m["partition"] for m in self.client_metrics
+                      if "partition" in m}
+        batch: dict[tuple[str, str], int] = {}
+        for record in records:
+            if "actor" in record and "pid" in record:
+                key = (record["actor"], record["pid"])
+                batch[key] = batch.get(key, 0) + 1
+        for record in records:
+            record.update(where)
+            if record["node"] in partitions:
+                record.setdefault("partition", partitions[record["node"]])
+            key = (record.get("actor", ""), record.get("pid", ""))
+            if key in self.dead_actors:
+                record["reason"] = (
+                    f"message sent to a dead process: Ray actor {key[0][:12]} (pid {key[1]}) "
+                    f"had died at {self.dead_actors[key]} (not this site's fault: {_DEAD_POOL})")
+            elif batch.get(key, 0) > 1:
+                record["reason"] = (
+                    f"client process died mid-message, or its message went to that dead "
+                    f"process: Ray actor {key[0][:12]} (pid {key[1]}) failed {batch[key]} "
+                    f"messages of {record['stage']} round {record['round']} ({_DEAD_POOL})")
+            else:
+                continue
+            logger.warning("%s (round %s): client node %s: %s", record["stage"],
+                           record["round"], record["node"], record["reason"])
+        for key in batch:
+            first = next(r for r in records if (r.get("actor"), r.get("pid")) == key)
+            self.dead_actors.setdefault(key, f"{first['stage']} round {first['round']}")
+        self.rejected += records
 
     def reasons(self, stage: str) -> list[str]:
         return [r["reason"] for r in self.rejected if r["stage"] == stage]
@@ -49,14 +98,16 @@ class StrategyOutcome:
         return [m for m in self.client_metrics if m["stage"] == stage]
 
     def keep(self, replies: Iterable[Message], validate: Callable[[Message], T], *,
-             stage: str, server_round: int, what: str, required: int
+             stage: str, server_round: int, what: str, required: int,
+             asked: Iterable[int] | None = None, timeout: float | None = None
              ) -> list[tuple[Message, T]]:
-        """:func:`collect_valid_replies`, recording the rejections and every valid reply's
-        metrics (with ``stage``, ``round``, ``node``); fewer than ``required`` valid replies is
-        :class:`NotEnoughClientsError`."""
+        """:func:`collect_valid_replies`, recording the rejections (with the ``asked`` nodes
+        that did not reply) and every valid reply's metrics (with ``stage``, ``round``,
+        ``node``); fewer than ``required`` valid replies is :class:`NotEnoughClientsError`."""
         valid, rejected = collect_valid_replies(replies, validate, stage=stage,
-                                                server_round=server_round, what=what)
-        self.rejected += rejected
+                                                server_round=server_round, what=what,
+                                                asked=asked, timeout=timeout)
+        self.add_rejected(rejected)
         for reply, _ in valid:
             self.client_metrics.append({"stage": stage, "round": server_round,
                                         "node": reply.metadata.src_node_id,
@@ -84,9 +135,11 @@ class RecordsReplies:
         return self.outcome.stage_metrics(stage)
 
     def _keep(self, stage: str, server_round: int, replies: Iterable[Message],
-              validate: Callable[[Message], Any], what: str) -> list:
+              validate: Callable[[Message], Any], what: str,
+              asked: Iterable[int] | None = None, timeout: float | None = None) -> list:
         return self.outcome.keep(replies, validate, stage=stage, server_round=server_round,
-                                 what=what, required=self.config.required_clients)
+                                 what=what, required=self.config.required_clients,
+                                 asked=asked, timeout=timeout)
 
 
 def settings_record(settings: Any, **extra: Any) -> ConfigRecord:
@@ -105,33 +158,70 @@ def settings_record(settings: Any, **extra: Any) -> ConfigRecord:
     return ConfigRecord({k: v for k, v in values.items() if v != ""})
 
 
-def rejection(stage: str, server_round: int, node: int, reason: str) -> dict[str, Any]:
-    """The one record of a reply left out (logged at WARNING)."""
+def rejection(stage: str, server_round: int, node: int, reason: str, **extra: Any
+              ) -> dict[str, Any]:
+    """The one record of a reply left out (logged at WARNING); ``extra``: more fields (a dead
+    Ray actor's ``actor`` id and ``pid``)."""
     logger.warning("%s (round %d): client node %s left out: %s", stage, server_round, node,
                    reason)
-    return {"stage": stage, "round": server_round, "node": node, "reason": reason}
+    return {"stage": stage, "round": server_round, "node": node, "reason": reason, **extra}
+
+
+#: Ray's errors for a message whose actor process died (ActorUnavailableError: Ray is
+#: restarting it), as Flower's Simulation Engine names them in an error reply.
+_DEAD_PROCESS = ("ActorDiedError", "ActorUnavailableError", "RayActorError",
+                 "WorkerCrashedError", "OutOfMemoryError")
+_FLOWER_REASON = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>:<'(.*)'>\Z", re.S)
+_DEAD_POOL = ("Flower 1.41's RayBackend returns a dead actor to its pool; Ray restarts it "
+              "only when the backend's client_resources set max_restarts, as "
+              "server/simulation.py does")
+
+
+def error_reason(reason: str) -> tuple[str, dict[str, str]]:
+    """The rejection reason of an error reply whose error reason is ``reason``, and the dead
+    Ray actor's ``actor`` id and ``pid`` when its ClientApp's process died mid-message (any
+    other error: ``client error: <reason>``)."""
+    match = _FLOWER_REASON.match(reason)
+    if match is None or match.group(1) not in _DEAD_PROCESS:
+        return f"client error: {reason}", {}
+    name, text = match.groups()
+    found = {key: m.group(1) for key, pattern in (("actor", r"actor(?:_id:| ) ?([0-9a-f]{16,})"),
+                                                  ("pid", r"\bpid:? ?(\d+)"))
+             if (m := re.search(pattern, text))}
+    where = ", ".join(f"{k} {v[:12]}" for k, v in found.items())
+    return (f"client process died mid-message ({name}: the Ray actor running its ClientApp "
+            f"exited{'; ' + where if where else ''})"), found
 
 
 def collect_valid_replies(replies: Iterable[Message], validate: Callable[[Message], T], *,
                           stage: str, server_round: int, what: str = "reply",
                           errors: tuple[type[BaseException], ...] = (KeyError, TypeError,
-                                                                     ValueError)
+                                                                     ValueError),
+                          asked: Iterable[int] | None = None, timeout: float | None = None
                           ) -> tuple[list[tuple[Message, T]], list[dict[str, Any]]]:
     """Sort ``replies`` (in node order) into ``(reply, validate(reply))`` pairs and rejection
-    records: an error reply is rejected as ``client error: ...``; a reply whose ``validate``
-    raises one of ``errors`` as ``invalid <what>: ...``."""
+    records: an error reply is rejected as ``client error: ...`` (a dead ClientApp process:
+    :func:`error_reason`); a reply whose ``validate`` raises one of ``errors`` as
+    ``invalid <what>: ...``; a node of ``asked`` (the nodes the round asked) without a reply
+    as ``no reply within the round timeout (<timeout> s)``."""
     valid: list[tuple[Message, T]] = []
     rejected: list[dict[str, Any]] = []
-    for reply in sorted(replies, key=lambda r: r.metadata.src_node_id):
+    replies = sorted(replies, key=lambda r: r.metadata.src_node_id)
+    for reply in replies:
         node = reply.metadata.src_node_id
         if reply.has_error():
-            rejected.append(rejection(stage, server_round, node,
-                                      f"client error: {reply.error.reason}"))
+            reason, extra = error_reason(reply.error.reason)
+            rejected.append(rejection(stage, server_round, node, reason, **extra))
             continue
         try:
             valid.append((reply, validate(reply)))
         except errors as err:
             rejected.append(rejection(stage, server_round, node, f"invalid {what}: {err}"))
+    silent = sorted(set(asked or ()) - {r.metadata.src_node_id for r in replies})
+    for node in silent:
+        limit = "" if timeout is None else f" ({timeout:g} s)"
+        rejected.append(rejection(stage, server_round, node,
+                                  f"no reply within the round timeout{limit}"))
     return valid, rejected
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from fedcompress.methods.fedprllm.federated import (
@@ -65,6 +65,9 @@ class FedPrLLM(Strategy):
         self.model = model
         self.outcome = StrategyOutcome()
         self.failed_nodes: set[int] = set()  # failed at start-up: not asked again
+        #: per Flower round, the nodes asked (those without a reply are recorded as rejected)
+        self.asked: dict[int, list[int]] = {}
+        self.round_timeout: float | None = None  # the timeout given to start()
         #: per round, the node of each site in the order its masks were added
         self.site_nodes: dict[int, list[int]] = {}
         #: the robust-voting decisions, per server variant label (and per layer if iterative)
@@ -94,17 +97,19 @@ class FedPrLLM(Strategy):
         and the sites' one-off start-up); returns its wall time in seconds."""
         start = time.monotonic()
         content = RecordDict({"config": settings_record(self.config)})
+        nodes = self._nodes(grid)
         replies = grid.send_and_receive(
-            [Message(content, node, "query.warmup") for node in self._nodes(grid)],
-            timeout=timeout)
+            [Message(content, node, "query.warmup") for node in nodes], timeout=timeout)
         valid, rejected = collect_valid_replies(
             replies, lambda r: float(r.content["metrics"]["seconds"]), stage="warmup",
-            server_round=0, what="start-up reply")
+            server_round=0, what="start-up reply", asked=nodes, timeout=timeout)
         for record in rejected:
+            if record["reason"].startswith("no reply"):
+                continue  # slow to start: asked again in the rounds
             self.failed_nodes.add(record["node"])
             record["reason"] = record["reason"].replace("client error:",
                                                         "client error at start-up:", 1)
-        self.outcome.rejected += rejected
+        self.outcome.add_rejected(rejected)
         self.outcome.startup_seconds += [seconds for _, seconds in valid]
         return time.monotonic() - start
 
@@ -128,8 +133,9 @@ class FedPrLLM(Strategy):
             return [float(x) for x in ratios]
 
         valid, rejected = collect_valid_replies(replies, validate, stage="outliers",
-                                                server_round=0, what="outlier ratios")
-        self.outcome.rejected += rejected
+                                                server_round=0, what="outlier ratios",
+                                                asked=nodes, timeout=timeout)
+        self.outcome.add_rejected(rejected)
         require_valid(len(valid), self.config.required_clients, "outlier ratios", 0,
                       [r["reason"] for r in rejected])
         return [ratios for _, ratios in valid]
@@ -151,19 +157,33 @@ class FedPrLLM(Strategy):
         content = self._content(server_round)
         messages = [Message(content, node, self.action, group_id=str(server_round))
                     for node in self._nodes(grid)]
+        self.asked[server_round] = [m.metadata.dst_node_id for m in messages]
         self.outcome.bytes_down += len(messages) * sum(r.count_bytes() for r in content.values())
         return messages
 
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
+              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> Result:
+        """Flower's round loop (``Strategy.start``), the round ``timeout`` kept for the
+        rejection records of the nodes that did not reply in time."""
+        self.round_timeout = timeout
+        return super().start(grid, initial_arrays, num_rounds, timeout, train_config,
+                             evaluate_config, evaluate_fn)
+
     def _collect(self, server_round: int, replies: Iterable[Message],
-                 aggregator: MaskAggregator) -> None:
+                 aggregator: MaskAggregator, asked: list[int] | None = None,
+                 **where: Any) -> None:
+        """Validate a round's masks into ``aggregator``; the rejections (and the ``asked``
+        nodes without a reply) are recorded with ``where`` (``layer=``)."""
         def validate(reply: Message) -> dict:
             payload = {k: a.numpy() for k, a in reply.content["masks"].items()}
             return decode_wire(payload, aggregator.shapes, self.model, self.config,
                                self.reference_wire)
 
         valid, rejected = collect_valid_replies(replies, validate, stage="masks",
-                                                server_round=server_round, what="masks")
-        self.outcome.rejected += rejected
+                                                server_round=server_round, what="masks",
+                                                asked=asked, timeout=self.round_timeout)
+        self.outcome.add_rejected(rejected, **where)
         for reply, packed in valid:
             aggregator.add_packed(packed)
             self.site_nodes.setdefault(server_round, []).append(reply.metadata.src_node_id)
@@ -175,7 +195,7 @@ class FedPrLLM(Strategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        self._collect(server_round, replies, self.aggregator)
+        self._collect(server_round, replies, self.aggregator, self.asked.get(server_round))
         return None, MetricRecord({"valid_clients": self.aggregator.clients,
                                    "rejected": len(self.outcome.rejected)})
 
@@ -285,6 +305,7 @@ class IterativeFedPrLLM(FedPrLLM):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         contents = self._layer_contents(server_round, self._nodes(grid))
+        self.asked[server_round] = list(contents)
         messages = []
         for node, body in contents.items():
             self.outcome.bytes_down += sum(r.count_bytes() for r in body.values())
@@ -295,7 +316,7 @@ class IterativeFedPrLLM(FedPrLLM):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         layer = self._layer(server_round)
         aggregator = self._new_aggregator([layer])
-        self._collect(layer + 1, replies, aggregator)
+        self._collect(layer + 1, replies, aggregator, self.asked.get(server_round), layer=layer)
         self._finish_layer(layer, aggregator)
         return None, MetricRecord({"layer": layer, "valid_clients": aggregator.clients})
 
@@ -412,8 +433,9 @@ class _SecureVote:
              for node, c in contents.items()], timeout=timeout))
         valid, rejected = collect_valid_replies(replies, validate, stage=f"secagg-{stage}",
                                                 server_round=server_round,
-                                                what=f"SecAgg {stage} reply")
-        self.outcome.rejected += rejected
+                                                what=f"SecAgg {stage} reply",
+                                                asked=list(contents), timeout=timeout)
+        self.outcome.add_rejected(rejected)
         up = sum(sum(r.count_bytes() for r in reply.content.values()) for reply, _ in valid)
         self.outcome.bytes_down += down
         total = self.secagg.setdefault(stage, {"seconds": 0.0, "bytes_down": 0, "bytes_up": 0,
@@ -623,8 +645,10 @@ class StatsFedPrLLM(IterativeFedPrLLM):
             return decode_stats(arrays, shared, features, layer, hessian)
 
         valid, rejected = collect_valid_replies(replies, validate, stage="stats",
-                                                server_round=layer + 1, what="statistics")
-        self.outcome.rejected += rejected
+                                                server_round=layer + 1, what="statistics",
+                                                asked=self.asked.get(server_round),
+                                                timeout=self.round_timeout)
+        self.outcome.add_rejected(rejected, layer=layer)
         for reply, stats in valid:
             aggregator.add(stats)
             self.site_nodes.setdefault(layer + 1, []).append(reply.metadata.src_node_id)

@@ -97,13 +97,18 @@ def embedded():
     return load_model("smollm2-135m", device="cpu")
 
 
+def save_tiny_llama(tmp_path_factory, n_layers: int = 3) -> str:
+    """A tiny ``n_layers`` llama saved with the tiny tokenizer (a model spec for load_model)."""
+    path = tmp_path_factory.mktemp(f"tiny-llama-{n_layers}")
+    build_tiny_model("llama", n_layers=n_layers).save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A saved tiny 3-layer llama with the tiny tokenizer (a model spec for load_model)."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny_model("llama", n_layers=3).save_pretrained(path)
-    build_tiny_tokenizer().save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory)
 
 
 class _OpenAIStub:

@@ -430,7 +430,11 @@ def test_a_site_that_missed_a_round_is_resynced(tiny_dir, tiny):
             return super().send_and_receive(keep, timeout)
 
     run_rounds(strategy, Flaky(4))
-    assert strategy.resynced == {2: [101]} and not strategy.outcome.rejected
+    assert strategy.resynced == {2: [101]}
+    # the round's missing reply is on record (node, round, layer, reason), nothing else
+    assert strategy.outcome.rejected == [
+        {"stage": "masks", "round": 2, "node": 101, "layer": 1, "partition": 1,
+         "reason": "no reply within the round timeout"}]
     assert [strategy.layer_aggregators[i].clients for i in range(3)] == [4, 3, 4]
     # its masks at layer 2 are those of a site that never left (same global masks so far)
     reference = IterativeFedPrLLM(config, tiny.model)
@@ -465,3 +469,24 @@ def test_injected_faults_are_left_out_and_the_run_goes_on(tiny_dir, tiny, fault,
         assert [r["node"] for r in rejected] == [103] and reason in rejected[0]["reason"]
     with pytest.raises(ValueError, match="faulty=0 is invalid"):
         config_for(tiny_dir, fault="error")
+    with pytest.raises(ValueError, match="fault_layer=1 is invalid: expected 0 in one-shot"):
+        config_for(tiny_dir, fault="kill", faulty=1, fault_layer=1)
+    with pytest.raises(ValueError, match="fault_layer=1 is invalid: expected 0 with fault none"):
+        config_for(tiny_dir, mode="iterative", fault_layer=1)
+
+
+def test_a_fault_from_a_given_layer_on(tiny_dir, tiny):
+    """fault_layer=1: the faulty site answers layer 0, then fails every later round (its
+    rejection names the node, its partition, the round and the layer)."""
+    config = config_for(tiny_dir, mode="iterative", min_clients=3, fault="error", faulty=1,
+                        fault_layer=1)
+    strategy = IterativeFedPrLLM(config, tiny.model)
+    grid = Federation(4)
+    grid.errors_as_replies = True
+    run_rounds(strategy, grid)
+    assert [strategy.layer_aggregators[i].clients for i in range(3)] == [4, 3, 3]
+    assert [(r["node"], r["partition"], r["round"], r["layer"]) for r in
+            strategy.outcome.rejected] == [(103, 3, 2, 1), (103, 3, 3, 2)]
+    assert all("injected fault: partition 3 fails" in r["reason"]
+               for r in strategy.outcome.rejected)
+

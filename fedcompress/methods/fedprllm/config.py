@@ -28,7 +28,7 @@ VARIANTS = ("configured", "all")
 #: Byzantine site models of the simulation (:mod:`fedcompress.methods.fedprllm.attacks`).
 ATTACKS = ("none", "random", "inverted", "keep", "collude", "sparsity")
 #: Faults a simulation can inject at sites (``clients/fedprllm.py``).
-FAULTS = ("none", "error", "corrupt", "slow")
+FAULTS = ("none", "error", "corrupt", "slow", "kill")
 
 
 @dataclass(frozen=True)
@@ -165,10 +165,14 @@ class FedPrLLMConfig(Settings):
                              ge=0)
     fault: str = setting("none", "Simulation: injected fault of the faulty sites: error (the "
                          "ClientApp raises), corrupt (a truncated payload), slow (replies after "
-                         "fault-seconds: past the round timeout, its reply is lost).",
-                         choices=FAULTS)
+                         "fault-seconds: past the round timeout, its reply is lost), kill (the "
+                         "ClientApp process dies, os._exit(1), as a crashed or OOM-killed "
+                         "process).", choices=FAULTS)
     faulty: int = setting(0, "Simulation: how many sites fail (the last partitions).", ge=0)
     fault_seconds: float = setting(30.0, "Simulation: delay of a slow site.", ge=0.0)
+    fault_layer: int = setting(0, "Simulation: the faulty sites fail from the round of this "
+                               "decoder layer on (iterative mode; 0: from the first round; "
+                               "one-shot: 0).", ge=0)
 
     def validate(self) -> None:
         if self.nm not in ("", "none") and (self.sparsity_profile != "uniform"
@@ -190,6 +194,11 @@ class FedPrLLMConfig(Settings):
             raise self.invalid("faulty", f"at most clients={self.clients}")
         if (self.fault == "none") != (self.faulty == 0):
             raise self.invalid("faulty", "0 with fault none, and >= 1 with a fault")
+        if self.fault_layer and self.mode != "iterative" and self.aggregate != "stats":
+            raise self.invalid("fault_layer", "0 in one-shot mode (one round: the fault starts "
+                               "at a decoder layer's round only in iterative mode)")
+        if self.fault_layer and self.fault == "none":
+            raise self.invalid("fault_layer", "0 with fault none")
         if self.attack != "none" and self.mode == "iterative":
             raise self.invalid("attack", "none in iterative mode (attacks are simulated on the "
                                "one-shot masks)")
