@@ -35,14 +35,15 @@ def simulate(server_app, client_app, num_supernodes: int, num_cpus_per_client: f
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     backend_config = {
-        # RayBackend passes client_resources to ``ClientAppActor.options()``: max_restarts
-        # lets Ray restart an actor whose process died (a crashed or OOM-killed ClientApp),
-        # since the backend puts a dead actor back into its pool; without it every later
-        # message that actor takes fails too, whichever site it is for. The message in
-        # flight when the process died still fails (max_task_retries 0): that site's reply
-        # is an error and the strategy records it.
+        # RayBackend passes client_resources to ``ClientAppActor.options()``. It puts an actor
+        # whose process died (a crashed or OOM-killed ClientApp) back into its pool: with
+        # max_restarts Ray restarts it, else every later message it takes fails too, whichever
+        # site it is for. A message sent to an actor while Ray restarts it fails at once
+        # ("the actor is restarting"); one retry (max_task_retries) runs it on the restarted
+        # actor. The message whose ClientApp killed its process dies again on its retry: that
+        # site's reply is an error, which the strategy records.
         "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": 0.0,
-                             "max_restarts": -1},
+                             "max_restarts": -1, "max_task_retries": 1},
         # Flower's RayBackend passes these to ray.init() as they are.
         "init_args": {"address": address, "logging_level": logging.WARNING,
                       "log_to_driver": True, "include_dashboard": False},
@@ -150,25 +151,33 @@ def _ray_pids() -> set[int]:
     return pids
 
 
-def reap_ray_orphans(before: set[int], grace: float = 3.0) -> list[int]:
+def reap_ray_orphans(before: set[int], grace: float = 3.0, settle: float = 15.0) -> list[int]:
     """Kill Ray helper processes that this run started and that outlived it as orphans
-    (``ray.shutdown`` can leave a dashboard/runtime-env agent behind). Processes of another
-    live Ray instance keep their parent, or predate ``before``, and are not touched; a run
-    attached to a cluster never calls this."""
+    (``ray.shutdown`` can leave a dashboard/runtime-env agent behind, and an actor Ray was
+    restarting when the run ended can come up after it). After ``grace`` seconds, orphans are
+    killed as they appear until no process of this run is left or ``settle`` more seconds have
+    passed. Processes of another live Ray instance keep their parent, or predate ``before``,
+    and are not touched; a run attached to a cluster never calls this."""
     import time
 
     import psutil
 
     time.sleep(grace)
-    killed = []
-    for pid in _ray_pids() - before:
-        try:
-            proc = psutil.Process(pid)
-            if proc.ppid() == 1:
-                proc.kill()
-                killed.append(pid)
-        except psutil.NoSuchProcess:
-            continue
+    killed: list[int] = []
+    deadline = time.monotonic() + settle
+    while True:
+        left = _ray_pids() - before
+        for pid in left:
+            try:
+                proc = psutil.Process(pid)
+                if proc.ppid() == 1 and proc.status() != psutil.STATUS_ZOMBIE:
+                    proc.kill()
+                    killed.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     if killed:
         logger.info("stopped %d leftover Ray process(es): %s", len(killed), killed)
     return killed

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -193,20 +193,15 @@ def error_reason(reason: str) -> tuple[str, dict[str, str]]:
             f"exited{'; ' + where if where else ''})"), found
 
 
-def collect_valid_replies(replies: Iterable[Message], validate: Callable[[Message], T], *,
-                          stage: str, server_round: int, what: str = "reply",
-                          errors: tuple[type[BaseException], ...] = (KeyError, TypeError,
-                                                                     ValueError),
-                          asked: Iterable[int] | None = None, timeout: float | None = None
-                          ) -> tuple[list[tuple[Message, T]], list[dict[str, Any]]]:
-    """Sort ``replies`` (in node order) into ``(reply, validate(reply))`` pairs and rejection
-    records: an error reply is rejected as ``client error: ...`` (a dead ClientApp process:
-    :func:`error_reason`); a reply whose ``validate`` raises one of ``errors`` as
-    ``invalid <what>: ...``; a node of ``asked`` (the nodes the round asked) without a reply
-    as ``no reply within the round timeout (<timeout> s)``."""
-    valid: list[tuple[Message, T]] = []
-    rejected: list[dict[str, Any]] = []
-    replies = sorted(replies, key=lambda r: r.metadata.src_node_id)
+def sort_replies(replies: Iterable[Message], validate: Callable[[Message], T], *,
+                 stage: str, server_round: int, what: str = "reply",
+                 errors: tuple[type[BaseException], ...] = (KeyError, TypeError, ValueError),
+                 rejected: list[dict[str, Any]]) -> Iterator[tuple[Message, T]]:
+    """Yield ``(reply, validate(reply))`` for each valid reply of ``replies``, in the order they
+    come (a stream of replies is consumed one at a time, nothing kept), appending a rejection
+    record to ``rejected`` for each other one: an error reply as ``client error: ...`` (a dead
+    ClientApp process: :func:`error_reason`), a reply whose ``validate`` raises one of
+    ``errors`` as ``invalid <what>: ...``."""
     for reply in replies:
         node = reply.metadata.src_node_id
         if reply.has_error():
@@ -214,15 +209,78 @@ def collect_valid_replies(replies: Iterable[Message], validate: Callable[[Messag
             rejected.append(rejection(stage, server_round, node, reason, **extra))
             continue
         try:
-            valid.append((reply, validate(reply)))
+            value = validate(reply)
         except errors as err:
             rejected.append(rejection(stage, server_round, node, f"invalid {what}: {err}"))
-    silent = sorted(set(asked or ()) - {r.metadata.src_node_id for r in replies})
-    for node in silent:
-        limit = "" if timeout is None else f" ({timeout:g} s)"
-        rejected.append(rejection(stage, server_round, node,
-                                  f"no reply within the round timeout{limit}"))
+            continue
+        yield reply, value
+
+
+def silent_nodes(asked: Iterable[int] | None, replied: Iterable[int], stage: str,
+                 server_round: int, timeout: float | None) -> list[dict[str, Any]]:
+    """A rejection record for each node of ``asked`` (the nodes a round asked) not in
+    ``replied``: ``no reply within the round timeout (<timeout> s)``."""
+    limit = "" if timeout is None else f" ({timeout:g} s)"
+    return [rejection(stage, server_round, node, f"no reply within the round timeout{limit}")
+            for node in sorted(set(asked or ()) - set(replied))]
+
+
+def collect_valid_replies(replies: Iterable[Message], validate: Callable[[Message], T], *,
+                          stage: str, server_round: int, what: str = "reply",
+                          errors: tuple[type[BaseException], ...] = (KeyError, TypeError,
+                                                                     ValueError),
+                          asked: Iterable[int] | None = None, timeout: float | None = None
+                          ) -> tuple[list[tuple[Message, T]], list[dict[str, Any]]]:
+    """:func:`sort_replies` of every reply, in node order, into the valid ``(reply,
+    validate(reply))`` pairs and the rejection records, then those of the :func:`silent_nodes`
+    of ``asked``."""
+    replies = sorted(replies, key=lambda r: r.metadata.src_node_id)
+    rejected: list[dict[str, Any]] = []
+    valid = list(sort_replies(replies, validate, stage=stage, server_round=server_round,
+                              what=what, errors=errors, rejected=rejected))
+    rejected += silent_nodes(asked, [r.metadata.src_node_id for r in replies], stage,
+                             server_round, timeout)
     return valid, rejected
+
+
+def stream_replies(grid: Any, messages: Iterable[Message], timeout: float | None
+                   ) -> Iterator[Message]:
+    """Send ``messages`` and yield each reply as it arrives, until every message has its reply
+    or ``timeout`` seconds have passed (Flower's ``Grid.send_and_receive``, lazily: the replies
+    of a round are never all held at once; the Grid's ``push_messages`` and
+    ``pull_messages``). A grid without them (an in-process test federation): its
+    ``send_and_receive``."""
+    if not (hasattr(grid, "push_messages") and hasattr(grid, "pull_messages")):
+        yield from grid.send_and_receive(messages, timeout=timeout)
+        return
+    pending = set(grid.push_messages(messages))
+    del messages
+    end = None if timeout is None else time.monotonic() + timeout
+    interval = float(getattr(grid, "pull_interval", 0.5))  # (a SuperLink over gRPC: 0.5 s)
+    while pending and (end is None or time.monotonic() < end):
+        arrived = False
+        for reply in grid.pull_messages(pending):
+            pending.discard(reply.metadata.reply_to_message_id)
+            arrived = True
+            yield reply
+        if pending and not arrived:
+            time.sleep(interval)
+
+
+class StreamingGrid:
+    """A Grid whose ``send_and_receive`` is :func:`stream_replies`: given to Flower's
+    ``Strategy.start``, the strategy's ``aggregate_train`` receives a round's replies as they
+    arrive; everything else is the wrapped Grid's."""
+
+    def __init__(self, grid: Grid):
+        self._grid = grid
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None
+                         ) -> Iterable[Message]:
+        return stream_replies(self._grid, messages, timeout)
 
 
 def require_valid(valid: int, required: int, stage: str, server_round: int,

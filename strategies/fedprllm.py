@@ -38,10 +38,13 @@ from fedcompress.models import ModelAdapter
 from strategies.common import (
     NotEnoughClientsError,
     StrategyOutcome,
+    StreamingGrid,
     collect_valid_replies,
     reply_metrics,
     require_valid,
     settings_record,
+    silent_nodes,
+    sort_replies,
     wait_for_nodes,
 )
 
@@ -57,8 +60,11 @@ class FedPrLLM(Strategy):
     action = "train.masks"
 
     def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
-                 reference_wire: dict | None = None):
+                 reference_wire: dict | None = None, streaming: bool | None = None):
         self.config = config
+        #: Count each site's masks as its reply arrives, holding only the running counts
+        #: (default: unless the configured defence compares sites, which needs every mask).
+        self.streaming = not config.server.rejects if streaming is None else streaming
         # Compressed wire format: the public reference norms sent with every request.
         self.reference_wire = reference_wire
         self.node_wait = node_wait
@@ -76,7 +82,8 @@ class FedPrLLM(Strategy):
         self.shapes = self.aggregator.shapes
 
     def _new_aggregator(self, layers: list[int] | None = None) -> MaskAggregator:
-        return MaskAggregator(self.model, self.config.clients, layers)
+        return MaskAggregator(self.model, self.config.clients, layers,
+                              streaming=self.streaming)
 
     # -- Strategy API --------------------------------------------------------------------------
     def _nodes(self, grid: Grid) -> list[int]:
@@ -165,10 +172,12 @@ class FedPrLLM(Strategy):
               timeout: float = 3600, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> Result:
         """Flower's round loop (``Strategy.start``), the round ``timeout`` kept for the
-        rejection records of the nodes that did not reply in time."""
+        rejection records of the nodes that did not reply in time; when :attr:`streaming`,
+        each round's replies reach :meth:`aggregate_train` as they arrive
+        (:class:`~strategies.common.StreamingGrid`)."""
         self.round_timeout = timeout
-        return super().start(grid, initial_arrays, num_rounds, timeout, train_config,
-                             evaluate_config, evaluate_fn)
+        return super().start(StreamingGrid(grid) if self.streaming else grid, initial_arrays,
+                             num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
 
     def _collect(self, server_round: int, replies: Iterable[Message],
                  aggregator: MaskAggregator, asked: list[int] | None = None,
@@ -180,17 +189,29 @@ class FedPrLLM(Strategy):
             return decode_wire(payload, aggregator.shapes, self.model, self.config,
                                self.reference_wire)
 
-        valid, rejected = collect_valid_replies(replies, validate, stage="masks",
-                                                server_round=server_round, what="masks",
-                                                asked=asked, timeout=self.round_timeout)
-        self.outcome.add_rejected(rejected, **where)
-        for reply, packed in valid:
+        if not aggregator.streaming:  # every payload is kept: count them in node order
+            replies = sorted(replies, key=lambda r: r.metadata.src_node_id)
+        rejected: list[dict[str, Any]] = []
+        nodes: list[int] = []
+        metrics: list[dict[str, Any]] = []
+        # one reply at a time: with a streaming aggregator and grid (:meth:`start`), a reply is
+        # counted and dropped before the next one is pulled
+        for reply, packed in sort_replies(replies, validate, stage="masks",
+                                          server_round=server_round, what="masks",
+                                          rejected=rejected):
             aggregator.add_packed(packed)
-            self.site_nodes.setdefault(server_round, []).append(reply.metadata.src_node_id)
-            self.outcome.client_metrics.append({"round": server_round,
-                                                "node": reply.metadata.src_node_id,
-                                                **reply_metrics(reply)})
-        require_valid(len(valid), self.config.required_clients, "masks", server_round,
+            del packed
+            nodes.append(reply.metadata.src_node_id)
+            metrics.append({"round": server_round, "node": reply.metadata.src_node_id,
+                            **reply_metrics(reply)})
+        rejected.sort(key=lambda r: r["node"])  # (arrival order differs between runs)
+        rejected += silent_nodes(asked, nodes + [r["node"] for r in rejected], "masks",
+                                 server_round, self.round_timeout)
+        self.outcome.add_rejected(rejected, **where)
+        order = sorted(range(len(nodes)), key=nodes.__getitem__)
+        self.site_nodes.setdefault(server_round, []).extend(nodes[i] for i in order)
+        self.outcome.client_metrics += [metrics[i] for i in order]
+        require_valid(len(nodes), self.config.required_clients, "masks", server_round,
                       [r["reason"] for r in rejected])
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
@@ -262,7 +283,8 @@ class IterativeFedPrLLM(FedPrLLM):
         self.resynced: dict[int, list[int]] = {}  # per layer, the nodes sent a resync
 
     def _new_aggregator(self, layers: list[int] | None = None) -> MaskAggregator:
-        return MaskAggregator(self.model, self.config.clients, layers if layers else [0])
+        return MaskAggregator(self.model, self.config.clients, layers if layers else [0],
+                              streaming=self.streaming)
 
     @property
     def num_rounds(self) -> int:
@@ -604,6 +626,9 @@ class StatsFedPrLLM(IterativeFedPrLLM):
     def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
                  reference_wire: dict | None = None, checkpoint: Path | None = None):
         super().__init__(config, model, node_wait, reference_wire, checkpoint)
+        # Float sums depend on their order: a layer's statistics are summed in node order,
+        # after the round (one round holds one decoder layer's statistics per site).
+        self.streaming = False
         self.global_weights: dict[int, dict[str, torch.Tensor]] = {}
         self.layer_sites: dict[int, int] = {}
         #: per layer: seconds of the server's pruning step, bytes of one site's statistics

@@ -5,6 +5,7 @@ the histogram of vote counts, and the per-layer agreement between client masks."
 from __future__ import annotations
 
 import logging
+import textwrap
 from pathlib import Path
 
 from fedcompress.bench.sweep import Study
@@ -25,7 +26,7 @@ def _pyplot():
 def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 72), fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -61,23 +62,30 @@ def perplexity_curve(study: Study, results: dict[str, dict], path: Path) -> Path
         settings = cell.settings()
         if axis not in settings:
             continue
+        # (the strategy label names the server group, scaling and defence)
         others = [f"{k}={settings[k]}" for k in study.swept
-                  if k not in (axis, "group", "scale", "tie_break") and k in settings]
+                  if k not in (axis, "group", "scale", "tie_break", "defence", "trim")
+                  and k in settings]
         label = ", ".join([strategy_label(settings), *others])
         lines.setdefault(label, []).append((settings[axis], record["perplexity"]))
     if not lines:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for label, points in sorted(lines.items()):
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
+    for i, (label, points) in enumerate(sorted(lines.items())):
         xs, ys = zip(*sorted(points))
-        ax.plot(xs, ys, marker="o", label=label)
+        marker, line = styles[i % len(styles)]  # lines that coincide stay visible
+        ax.plot(xs, ys, marker=marker, linestyle=line, label=label, alpha=0.85)
     dense = [r["perplexity"] for c in study.cells if c.kind == "dense"
              and (r := results.get(c.id)) and r.get("status") == "ok"]
     if dense:
         ax.axhline(dense[0], color="grey", linestyle=":", label="Dense")
-    ax.set_yscale("log")
-    return _save(fig, ax, path, study.title, axis, "perplexity (log scale)")
+    values = [y for points in lines.values() for _, y in points] + dense
+    if max(values) > 3 * min(values):  # log scale only when perplexities span a wide range
+        ax.set_yscale("log")
+        return _save(fig, ax, path, study.title, axis, "perplexity (log scale)")
+    return _save(fig, ax, path, study.title, axis, "perplexity")
 
 
 def vote_histograms(stats: dict[str, dict], labels: dict[str, str], path: Path) -> Path | None:
