@@ -210,22 +210,45 @@ def secagg_share(message: Message, context: Context) -> Message:
         reply_to=message)
 
 
+def _votes(flat: dict[str, torch.Tensor], shapes: dict) -> np.ndarray:
+    """A site's masks as 0/1 votes in the order of the sorted wire keys."""
+    keys = sorted(shapes)
+    if sorted(flat) != keys:
+        raise RuntimeError("this site's masks do not name the model's layers")
+    return np.concatenate([flat[k].reshape(-1).numpy().astype(np.uint8) for k in keys])
+
+
+def _fixed_point_stats(message: Message, context: Context, config: FedPrLLMConfig, model,
+                       windows, sites: int) -> np.ndarray:
+    """Statistics mode under SecAgg+: this node's statistics of the round's layer as one
+    fixed-point vector; its sharing of inputs must be the one the server announced."""
+    from fedcompress.methods.fedprllm.stats import encode_fixed
+
+    inputs, layer = _layer_inputs(message, context, config, model, windows)
+    stats = site_layer_stats(model, inputs, config.prune.needs_hessian, config.batch_size)
+    arrays, shared = encode_stats(stats, layer)
+    announced = {str(k): str(v) for k, v in message.content["shared"].items()}
+    if shared != announced:
+        raise ValueError(f"layer {layer}: this site's linear layers share inputs as {shared}, "
+                         f"the server announced {announced}")
+    return encode_fixed(arrays, config.secagg_frac_bits, sites)
+
+
 def secagg_masks(message: Message, context: Context) -> Message:
     """Stage 3: this site's masks (or, simulated, its attack; iterative: the round's layer), as
     0/1 votes in the order of the sorted wire keys, masked."""
     config, partition, model, windows = _setup(message, context)
     site = _secagg_site(context)
     start = time.perf_counter()
-    if "round" in message.content:  # iterative: this round's layer only
+    if config.aggregate == "stats":  # the round's layer statistics, fixed point
+        votes = _fixed_point_stats(message, context, config, model, windows,
+                                   len(site.config.nodes))
+    elif "round" in message.content:  # iterative: this round's layer only
         layer_masks, layer = _layer_masks(message, context, config, model, windows)
-        flat = flatten_masks([layer_masks], layer)
-        keys = sorted(expected_shapes(model, [layer]))
+        votes = _votes(flatten_masks([layer_masks], layer), expected_shapes(model, [layer]))
     else:
-        flat = flatten_masks(_site_masks(message, context, config, partition, model, windows))
-        keys = sorted(expected_shapes(model))
-    if sorted(flat) != keys:
-        raise RuntimeError("this site's masks do not name the model's layers")
-    votes = np.concatenate([flat[k].reshape(-1).numpy().astype(np.uint8) for k in keys])
+        votes = _votes(flatten_masks(_site_masks(message, context, config, partition, model,
+                                                 windows)), expected_shapes(model))
     agg = message.content["secagg"]
     inbox = dict(zip(unpack_ints(agg["src"]), unpack_blobs(agg["blob"]), strict=True))
     masked = site.masked(votes, inbox)

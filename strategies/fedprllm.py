@@ -49,7 +49,7 @@ from strategies.common import (
 )
 
 __all__ = ["FedPrLLM", "IterativeFedPrLLM", "NotEnoughClientsError", "SecureFedPrLLM",
-           "SecureIterativeFedPrLLM", "StatsFedPrLLM", "make_strategy"]
+           "SecureIterativeFedPrLLM", "SecureStatsFedPrLLM", "StatsFedPrLLM", "make_strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -477,6 +477,23 @@ class _SecureVote:
                        ) -> tuple[dict[str, torch.Tensor], list[int]]:
         """The vote counts of ``shapes``' layers over ``nodes`` (``mask_content(node)``: the
         request of a site's masked votes); and the nodes whose votes count."""
+        keys = sorted(shapes)
+        numel = sum(int(np.prod(shapes[k])) for k in keys)
+        total, sites = self._secure_sum(grid, nodes, numel, 0, mask_content, timeout,
+                                        server_round)
+        counts, offset = {}, 0
+        for key in keys:
+            size = int(np.prod(shapes[key]))
+            counts[key] = torch.from_numpy(total[offset:offset + size].reshape(shapes[key]))
+            offset += size
+        return counts, sites
+
+    def _secure_sum(self, grid: Grid, nodes: list[int], numel: int, bits: int,
+                    mask_content, timeout: float, server_round: int
+                    ) -> tuple[np.ndarray, list[int]]:
+        """The sum (int64, ``numel``) of the sites' vectors over ``nodes`` in ``bits``-bit
+        lanes (0: wide enough for 0/1 votes; 64: fixed-point statistics), each site's request
+        ``mask_content(node)``; and the nodes whose vectors count."""
         from fedcompress.privacy.secagg import (
             SecAggConfig,
             SecAggError,
@@ -489,10 +506,8 @@ class _SecureVote:
 
         nodes = sorted(nodes)
         index = {node: i for i, node in enumerate(nodes)}
-        keys = sorted(shapes)
-        numel = sum(int(np.prod(shapes[k])) for k in keys)
         threshold = self.config.threshold_for(len(nodes))
-        agg_config = SecAggConfig(tuple(range(len(nodes))), threshold, numel)
+        agg_config = SecAggConfig(tuple(range(len(nodes))), threshold, numel, bits)
         server = SecAggServer(agg_config)
         need = max(threshold, self.config.required_clients)
 
@@ -557,11 +572,6 @@ class _SecureVote:
                                      {index[n]: s for n, s in unmask.items()})
         except SecAggError as err:
             raise NotEnoughClientsError(f"SecAgg unmasking failed: {err}") from err
-        counts, offset = {}, 0
-        for key in keys:
-            size = int(np.prod(shapes[key]))
-            counts[key] = torch.from_numpy(total[offset:offset + size].reshape(shapes[key]))
-            offset += size
         summary = self.secagg.setdefault("sum", {"seconds": 0.0, "votes": 0, "dropped": 0})
         summary["seconds"] += time.monotonic() - start
         summary["votes"] += 1
@@ -570,7 +580,7 @@ class _SecureVote:
                         "bits_per_weight_up": 64 / (64 // agg_config.bits)})
         summary["bytes_up_per_site"] = summary.get("bytes_up_per_site", 0) \
             + agg_config.upload_bytes
-        return counts, sorted(masked)
+        return total, sorted(masked)
 
 
 class SecureFedPrLLM(_SecureVote, FedPrLLM):
@@ -736,12 +746,65 @@ class StatsFedPrLLM(IterativeFedPrLLM):
         return pruned
 
 
+class SecureStatsFedPrLLM(_SecureVote, StatsFedPrLLM):
+    """Statistics mode whose every layer's statistics are summed by SecAgg+: each site sends
+    its statistics as one fixed-point vector (:func:`~fedcompress.methods.fedprllm.stats.
+    encode_fixed`, ``secagg_frac_bits``) masked in 64-bit lanes, and the server learns only
+    the sum, from which it prunes the layer as the plain statistics mode does (four exchanges
+    per decoder layer, fresh keys each time). Which linear layers share their inputs (sent
+    once) follows from the architecture (:func:`~fedcompress.methods.fedprllm.stats.
+    layer_sharing`) and is announced; a site whose statistics do not match refuses."""
+
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
+                 reference_wire: dict | None = None, checkpoint: Path | None = None):
+        super().__init__(config, model, node_wait, reference_wire, checkpoint)
+        self._init_secure()
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 1,
+              timeout: float = 3600, **_ignored) -> None:
+        from fedcompress.methods.fedprllm.stats import (
+            StatsAggregator,
+            decode_fixed,
+            decode_stats,
+            layer_in_features,
+            layer_sharing,
+            stats_layout,
+        )
+
+        hessian = self.config.prune.needs_hessian
+        frac_bits = self.config.secagg_frac_bits
+        for server_round in range(1, self.num_rounds + 1):
+            layer = self._layer(server_round)
+            features = layer_in_features(self.model, layer)
+            shared = layer_sharing(self.model, layer)
+            layout, dtypes = stats_layout(features, shared, hessian, layer)
+            contents = self._layer_contents(server_round, self._nodes(grid))
+            for content in contents.values():
+                content["shared"] = ConfigRecord(dict(shared))
+            numel = sum(size for _, size in layout)
+            total, sites = self._secure_sum(grid, list(contents), numel, 64,
+                                            contents.__getitem__, timeout, layer + 1)
+            summed = decode_fixed(total, layout, frac_bits, dtypes)
+            try:
+                stats = decode_stats(summed, shared, features, layer, hessian,
+                                     hessian_dtype=np.dtype(np.float64))
+            except ValueError as err:  # only the sum is visible: no site can be left out
+                raise NotEnoughClientsError(f"layer {layer}: the securely summed statistics "
+                                            f"are invalid ({err})") from err
+            aggregator = StatsAggregator(features, hessian)
+            aggregator.add(stats)
+            aggregator.sites = len(sites)
+            self.site_nodes[layer + 1] = sites
+            self._finish_stats_layer(layer, aggregator)
+            logger.info("layer %d: statistics of %d sites summed securely", layer, len(sites))
+
+
 def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module,
                   reference_wire: dict | None = None, checkpoint: Path | None = None
                   ) -> FedPrLLM:
     if config.aggregate == "stats":
-        return StatsFedPrLLM(config, model, reference_wire=reference_wire,
-                             checkpoint=checkpoint)
+        return (SecureStatsFedPrLLM if config.secagg else StatsFedPrLLM)(
+            config, model, reference_wire=reference_wire, checkpoint=checkpoint)
     if config.secagg and config.mode == "iterative":
         return SecureIterativeFedPrLLM(config, model, reference_wire=reference_wire,
                                        checkpoint=checkpoint)

@@ -268,7 +268,6 @@ def test_resume_equals_an_uninterrupted_run(tiny_dir, tiny, tmp_path):
 @pytest.mark.parametrize("kw, key", [(dict(method="magnitude"), "method"),
                                      (dict(group="row"), "group"),
                                      (dict(scale=True), "scale"),
-                                     (dict(secagg=True), "secagg"),
                                      (dict(defence="trim", trim=1), "defence"),
                                      (dict(attack="random", attackers=1), "attack")])
 def test_settings_that_apply_to_votes_are_refused(tiny_dir, kw, key):
@@ -293,3 +292,105 @@ def test_server_app_reports_stats_mode_next_to_centralized(tiny_dir, tmp_path):
     assert (out / "checkpoint" / "checkpoint.json").exists()
     with pytest.raises(ValueError, match="variants 'all' with aggregate stats"):
         run(Federation(4), {**settings, "variants": "all", "out": str(tmp_path / "x")})
+
+
+# -- statistics summed by SecAgg+ (fixed point) -------------------------------------------------
+def test_fixed_point_sums_are_exact_up_to_the_stated_rounding():
+    """Sites' fixed-point vectors summed mod 2^64 (what SecAgg+'s unmasking returns) decode to
+    the float64 sum within n 2^-(f+1) per value, negative values included; token counts exact;
+    a value beyond the range is refused, never clipped."""
+    from fedcompress.methods.fedprllm.stats import (
+        decode_fixed,
+        encode_fixed,
+        fixed_point_layout,
+        fixed_point_range,
+    )
+
+    rng = np.random.default_rng(0)
+    n, f = 5, 25
+    sites = [{"stats.0.tokens": np.array([7 + i], np.int64),
+              "stats.0.a.sq": rng.random(33) * 10.0 ** rng.integers(-6, 8, 33),
+              "stats.0.a.h": (rng.standard_normal(21) * 1e3).astype(np.float32)}
+             for i in range(n)]
+    total = np.zeros(33 + 21 + 1, np.uint64)
+    for arrays in sites:
+        total += encode_fixed(arrays, f, n)  # wraps mod 2^64 as SecAgg+'s sum does
+    layout = fixed_point_layout(sites[0])
+    dtypes = {k: v.dtype for k, v in sites[0].items()}
+    got = decode_fixed(total.view(np.int64), layout, f, dtypes)
+    assert got["stats.0.tokens"].tolist() == [7 + 8 + 9 + 10 + 11]
+    for key in ("stats.0.a.sq", "stats.0.a.h"):
+        exact = sum(a[key].astype(np.float64) for a in sites)
+        assert got[key].dtype == np.float64
+        assert np.abs(got[key] - exact).max() <= n * 2.0 ** -(f + 1)
+    big = dict(sites[0], **{"stats.0.a.sq": np.array([fixed_point_range(f, n) * 1.01] * 33)})
+    with pytest.raises(ValueError, match="exceeds the fixed-point range .* lower secagg-frac"):
+        encode_fixed(big, f, n)
+    with pytest.raises(ValueError, match="not finite"):
+        encode_fixed(dict(sites[0], **{"stats.0.a.h": np.full(21, np.nan, np.float32)}), f, n)
+
+
+def test_secagg_sums_signed_64_bit_lanes_exactly():
+    """SecAgg+ with 64-bit lanes: the masked vectors of 4 sites (one lost before masking)
+    unmask to the exact signed sum of the others'."""
+    from fedcompress.privacy.secagg import SecAggConfig, SecAggServer, SecAggSite
+
+    rng = np.random.default_rng(1)
+    config = SecAggConfig((0, 1, 2, 3), 3, 9, 64)
+    sites = [SecAggSite(i, config) for i in range(4)]
+    server = SecAggServer(config)
+    server.public = {s.node: s.advertise() for s in sites}
+    inbox = server.relay({s.node: s.share(server.public) for s in sites})
+    values = {i: rng.integers(-2**40, 2**40, 9).view(np.uint64) for i in range(3)}
+    masked = {i: sites[i].masked(values[i], inbox.get(i, {})) for i in range(3)}
+    shares = {i: sites[i].unmask([0, 1, 2], [3]) for i in range(3)}
+    total = server.aggregate(masked, shares)
+    assert total.dtype == np.int64
+    assert total.tolist() == sum(v.view(np.int64) for v in values.values()).tolist()
+
+
+def test_layer_sharing_follows_the_architecture(tiny):
+    from fedcompress.methods.fedprllm.stats import layer_sharing
+
+    assert all(layer_sharing(tiny.model, layer) == SHARED for layer in range(3))
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_secure_stats_mode_equals_the_plain_one_up_to_fixed_point(tiny_dir, tiny, method):
+    """--aggregate stats --secagg (4 sites, in process): the server learns only each layer's
+    sum; the masks equal the plain statistics mode's (Wanda: every bit) and SparseGPT's
+    weights agree within 1e-4 (the fixed-point rounding of the Hessian, 2^-26 per entry and
+    site, moves the tiny model's weights by up to 3e-5); a site lost before masking is left
+    out of the sum."""
+    from strategies.fedprllm import SecureStatsFedPrLLM
+
+    plain = make_strategy(config_for(tiny_dir, method=method), tiny.model)
+    run_rounds(plain, Federation(4))
+    config = config_for(tiny_dir, method=method, secagg=True)
+    secure = make_strategy(config, tiny.model)
+    assert isinstance(secure, SecureStatsFedPrLLM)
+    secure.start(Federation(4), ArrayRecord())
+    assert not secure.outcome.rejected and secure.secagg["sum"]["votes"] == 3
+    for layer in range(3):
+        assert secure.layer_sites[layer] == 4
+        for name, mask in plain.global_masks[layer].items():
+            if method == "wanda":
+                assert torch.equal(secure.global_masks[layer][name], mask), (layer, name)
+            else:
+                assert (secure.global_masks[layer][name] != mask).float().mean() < 1e-3
+        for name, w in plain.global_weights.get(layer, {}).items():
+            torch.testing.assert_close(secure.global_weights[layer][name], w, rtol=0,
+                                       atol=1e-4)
+    assert "stats" not in {m.get("stage") for m in secure.outcome.client_metrics}
+
+    class Flaky(Federation):  # the last site is lost before it masks, at every layer
+        def send_and_receive(self, messages, timeout=None):
+            keep = [m for m in messages if not (m.metadata.message_type == "train.secagg_masks"
+                                                and m.metadata.dst_node_id == 103)]
+            return super().send_and_receive(keep, timeout)
+
+    lost = make_strategy(config_for(tiny_dir, method=method, secagg=True, min_clients=3),
+                         tiny.model)
+    lost.start(Flaky(4), ArrayRecord())
+    assert [lost.layer_sites[i] for i in range(3)] == [3, 3, 3]
+    assert lost.secagg["sum"]["dropped"] == 3

@@ -72,12 +72,23 @@ def lane_bits(n_sites: int) -> int:
     return int(n_sites).bit_length()
 
 
+def _check_bits(bits: int) -> None:
+    if not (1 <= bits <= 32 or bits == 64):
+        raise SecAggError(f"bits={bits}: expected 1..32 (lanes of a 64-bit word) or 64")
+
+
 def pack_lanes(values: np.ndarray, bits: int) -> np.ndarray:
     """Non-negative integers ``< 2^bits`` -> uint64 words of ``64 // bits`` lanes each (lane
-    ``l`` of word ``w`` is coordinate ``w * lanes + l``; zero-padded)."""
-    if not 1 <= bits <= 32:
-        raise SecAggError(f"bits={bits}: expected 1..32")
+    ``l`` of word ``w`` is coordinate ``w * lanes + l``; zero-padded). ``bits=64``: one
+    coordinate per word, given as uint64 (a signed value in two's complement,
+    :func:`~fedcompress.methods.fedprllm.stats.encode_fixed`)."""
+    _check_bits(bits)
     v = np.asarray(values)
+    if bits == 64:
+        if v.ndim != 1 or v.dtype != np.uint64:
+            raise SecAggError(f"64-bit lanes take a flat uint64 vector, got {v.dtype} "
+                              f"{v.shape}")
+        return v.copy()
     if v.ndim != 1 or (v.size and (v.min() < 0 or int(v.max()) >= 1 << bits)):
         raise SecAggError(f"values must be a flat vector in [0, 2^{bits})")
     lanes = 64 // bits
@@ -91,11 +102,15 @@ def pack_lanes(values: np.ndarray, bits: int) -> np.ndarray:
 
 
 def unpack_lanes(words: np.ndarray, bits: int, numel: int) -> np.ndarray:
-    """Inverse of :func:`pack_lanes`: the first ``numel`` coordinates (int64)."""
+    """Inverse of :func:`pack_lanes`: the first ``numel`` coordinates (int64; ``bits=64``: the
+    words read as two's complement int64)."""
+    _check_bits(bits)
     lanes = 64 // bits
     if words.dtype != np.uint64 or words.ndim != 1 or words.size != -(-numel // lanes):
         raise SecAggError(f"{words.size} words of {words.dtype} for {numel} coordinates in "
                           f"{bits}-bit lanes: expected {-(-numel // lanes)} uint64 words")
+    if bits == 64:
+        return words.view(np.int64).copy()
     mask = np.uint64((1 << bits) - 1)
     out = np.empty((words.size, lanes), dtype=np.int64)
     for lane in range(lanes):
@@ -277,9 +292,9 @@ class SecAggConfig:
             raise SecAggError(f"numel={self.numel}: expected >= 1")
         if self.bits == 0:
             object.__setattr__(self, "bits", lane_bits(len(nodes)))
-        if not lane_bits(len(nodes)) <= self.bits <= 32:
+        if not (lane_bits(len(nodes)) <= self.bits <= 32 or self.bits == 64):
             raise SecAggError(f"bits={self.bits}: the sum of {len(nodes)} sites' votes needs "
-                              f"{lane_bits(len(nodes))}..32")
+                              f"{lane_bits(len(nodes))}..32 (or 64: fixed-point sums)")
 
     @property
     def n_words(self) -> int:

@@ -157,6 +157,10 @@ class FedPrLLMConfig(Settings):
                            "site's mask is visible).")
     secagg_threshold: int = setting(0, "SecAgg+ Shamir threshold: sites needed to unmask the "
                                     "sum (0: ceil(2n/3), at least 2).", ge=0)
+    secagg_frac_bits: int = setting(25, "SecAgg+ of statistics (aggregate stats): fractional "
+                                    "bits of their fixed-point encoding in 64-bit lanes (a "
+                                    "site's rounding error <= 2^-(f+1); its values must stay "
+                                    "below 2^(63-f)/clients in magnitude).", ge=0, le=52)
     attack: str = setting("none", "Simulation: Byzantine sites' mask (random, inverted: prune "
                           "the highest scores, keep: prune nothing, collude: one inverted "
                           "mask from every attacker, sparsity: lie about the sparsity).",
@@ -235,7 +239,7 @@ class FedPrLLMConfig(Settings):
             raise self.invalid("method", "wanda or sparsegpt with aggregate stats (their "
                                "statistics are sums over tokens; magnitude needs no data)")
         for key, default in (("group", "layer"), ("scale", False), ("defence", "none"),
-                             ("attack", "none"), ("secagg", False), ("wire", "packed")):
+                             ("attack", "none"), ("wire", "packed")):
             if getattr(self, key) != default:
                 raise self.invalid(key, f"{default!r} with aggregate stats (it applies to "
                                    "votes; the statistics' comparison group is --local-group)")

@@ -50,6 +50,10 @@ STATS_METHODS = ("wanda", "sparsegpt")
 DIAG_TOLERANCE = 1e-3
 
 
+#: dtype of a site's Hessian sum on the wire (the upper triangle, float32)
+_WIRE_HESSIAN = np.dtype(np.float32)
+
+
 class InvalidStatsError(ValueError):
     """A site's statistics are unusable (missing or extra layer, shape, dtype, values)."""
 
@@ -118,11 +122,12 @@ def encode_stats(stats: Mapping[str, LayerStats], layer: int
 
 
 def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
-                 in_features: Mapping[str, int], layer: int, hessian: bool
-                 ) -> dict[str, LayerStats]:
+                 in_features: Mapping[str, int], layer: int, hessian: bool,
+                 hessian_dtype: np.dtype = _WIRE_HESSIAN) -> dict[str, LayerStats]:
     """A site's statistics of decoder layer ``layer`` from the wire, validated against the
     layer's linear layers (``in_features``, :func:`layer_in_features`); linear layers that share
-    statistics get the same object. :class:`InvalidStatsError` says what is wrong."""
+    statistics get the same object. :class:`InvalidStatsError` says what is wrong.
+    ``hessian_dtype`` float64: the sites' sums rebuilt from SecAgg+ (:func:`decode_fixed`)."""
     names = set(in_features)
     unknown = sorted(set(shared) - names)
     if unknown:
@@ -158,12 +163,12 @@ def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
         if hessian:
             h = np.asarray(arrays[_key(layer, name, "h")])
             size = n * (n + 1) // 2
-            if h.dtype != np.float32 or h.shape != (size,):
+            if h.dtype != hessian_dtype or h.shape != (size,):
                 raise InvalidStatsError(f"{_key(layer, name, 'h')}: {h.dtype} {h.shape}, "
-                                        f"expected float32 ({size},) (upper triangle)")
+                                        f"expected {hessian_dtype} ({size},) (upper triangle)")
             if not np.isfinite(h).all():
                 raise InvalidStatsError(f"{_key(layer, name, 'h')}: not finite")
-            full = torch.zeros(n, n, dtype=CALC_DTYPE)
+            full = torch.zeros(n, n, dtype=torch.from_numpy(h[:0]).dtype)
             rows, cols = _triu(n)
             values = torch.from_numpy(h.copy())
             full[rows, cols] = values
@@ -185,6 +190,121 @@ def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
                                     f"share the statistics of {owner} ({in_features[owner]})")
         out[name] = out[owner]
     return out
+
+
+#: Fractional bits of the fixed-point statistics summed by SecAgg+ (``--secagg-frac-bits``
+#: default): a site's value ``v`` travels as ``round(v * 2^f)`` in a 64-bit lane, so each
+#: site's rounding error is at most ``2^-(f+1)`` (1.5e-8 at f = 25) and a sum of ``n`` sites'
+#: at most ``n 2^-(f+1)``; a value must satisfy ``|v| < 2^(63-f) / n`` (1.7e10 for 16 sites
+#: at f = 25) so that no sum can overflow, else the site refuses to send it.
+FRAC_BITS = 25
+
+
+def fixed_point_layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, int]]:
+    """``(key, size)`` of each statistic in the order of a fixed-point vector (sorted keys)."""
+    return [(key, int(np.asarray(arrays[key]).size)) for key in sorted(arrays)]
+
+
+def fixed_point_range(frac_bits: int, n_sites: int) -> float:
+    """The largest magnitude a site's statistic may have (:data:`FRAC_BITS`)."""
+    return float(2.0 ** (63 - frac_bits) / max(n_sites, 1))
+
+
+def encode_fixed(arrays: Mapping[str, np.ndarray], frac_bits: int, n_sites: int
+                 ) -> np.ndarray:
+    """One site's statistics (:func:`encode_stats`) as one fixed-point vector for SecAgg+'s
+    64-bit lanes: token counts as integers, float values as ``round(v * 2^frac_bits)``, both
+    in two's complement (uint64), in :func:`fixed_point_layout` order. A value beyond
+    :func:`fixed_point_range` is refused (a sum could overflow), never clipped."""
+    if not 0 <= frac_bits <= 52:
+        raise ValueError(f"frac_bits={frac_bits}: expected 0..52")
+    limit = fixed_point_range(frac_bits, n_sites)
+    parts = []
+    for key, _ in fixed_point_layout(arrays):
+        value = np.asarray(arrays[key]).reshape(-1)
+        if value.dtype.kind in "iu":
+            parts.append(value.astype(np.int64))
+            continue
+        value = value.astype(np.float64)
+        if not np.isfinite(value).all():
+            raise ValueError(f"{key}: not finite")
+        peak = float(np.abs(value).max()) if value.size else 0.0
+        if peak >= limit:
+            raise ValueError(f"{key}: a value of magnitude {peak:.4g} exceeds the fixed-point "
+                             f"range {limit:.4g} of {frac_bits} fractional bits for {n_sites} "
+                             "sites (a sum could overflow 64 bits): lower secagg-frac-bits")
+        parts.append(np.rint(np.ldexp(value, frac_bits)).astype(np.int64))
+    return np.concatenate(parts).view(np.uint64) if parts else np.zeros(0, np.uint64)
+
+
+def decode_fixed(total: np.ndarray, layout: list[tuple[str, int]], frac_bits: int,
+                 dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
+    """The summed statistics from the sum of the sites' :func:`encode_fixed` vectors (int64,
+    as SecAgg+ returns it): integer statistics as int64, float ones as float64."""
+    total = np.asarray(total)
+    if total.dtype != np.int64 or total.shape != (sum(size for _, size in layout),):
+        raise InvalidStatsError(f"a fixed-point sum of {total.dtype} {total.shape}: expected "
+                                f"int64 ({sum(size for _, size in layout)},)")
+    out, offset = {}, 0
+    for key, size in layout:
+        chunk = total[offset:offset + size]
+        offset += size
+        out[key] = (chunk.copy() if np.dtype(dtypes[key]).kind in "iu"
+                    else np.ldexp(chunk.astype(np.float64), -frac_bits))
+    return out
+
+
+@torch.no_grad()
+def layer_sharing(model: nn.Module, layer: int) -> dict[str, str]:
+    """Which linear layers of decoder layer ``layer`` read the very same input tensor (q/k/v,
+    gate/up): ``{name: owner}``, the owner the first such name in sorted order, as
+    :func:`encode_stats` names it. Found from the architecture, by one forward of four tokens
+    with a pre-hook on each linear layer (what the statistics of any data would show)."""
+    adapter = ModelAdapter(model)
+    linears = ModelAdapter.linear_layers(adapter.layers[layer])
+    seen: dict[str, torch.Tensor] = {}
+
+    def grab(name: str):
+        def hook(_module, args):
+            seen.setdefault(name, args[0])
+        return hook
+
+    handles = [m.register_forward_pre_hook(grab(n)) for n, m in linears.items()]
+    try:
+        device = next(model.parameters()).device
+        model(torch.zeros(1, 4, dtype=torch.long, device=device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = sorted(set(linears) - set(seen))
+    if missing:
+        raise RuntimeError(f"layer {layer}: linear layers {missing} saw no input")
+    shared: dict[str, str] = {}
+    owners: list[str] = []
+    for name in sorted(linears):
+        owner = next((o for o in owners if seen[o] is seen[name]), None)
+        if owner is None:
+            owners.append(name)
+        else:
+            shared[name] = owner
+    return shared
+
+
+def stats_layout(in_features: Mapping[str, int], shared: Mapping[str, str], hessian: bool,
+                 layer: int) -> tuple[list[tuple[str, int]], dict[str, np.dtype]]:
+    """The :func:`fixed_point_layout` of a layer's statistics as :func:`encode_stats` sends
+    them (``shared``: :func:`layer_sharing`), and each statistic's wire dtype."""
+    sizes: dict[str, int] = {tokens_key(layer): 1}
+    dtypes: dict[str, np.dtype] = {tokens_key(layer): np.dtype(np.int64)}
+    for name, n in in_features.items():
+        if name in shared:
+            continue
+        sizes[_key(layer, name, "sq")] = n
+        dtypes[_key(layer, name, "sq")] = np.dtype(np.float64)
+        if hessian:
+            sizes[_key(layer, name, "h")] = n * (n + 1) // 2
+            dtypes[_key(layer, name, "h")] = np.dtype(np.float32)
+    return [(key, sizes[key]) for key in sorted(sizes)], dtypes
 
 
 def stats_nbytes(in_features: Mapping[str, int], hessian: bool,
@@ -256,9 +376,11 @@ class StatsRun:
 
 
 def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMConfig,
-                batch_size: int | None = None) -> StatsRun:
+                batch_size: int | None = None, frac_bits: int | None = None) -> StatsRun:
     """Statistics-mode federated pruning in one process (tests, benchmarks): the same site
-    steps, wire round trip and server step as the Flower strategy, sites one after another."""
+    steps, wire round trip and server step as the Flower strategy, sites one after another.
+    ``frac_bits``: the sites' statistics are summed as SecAgg+ sums them (fixed point, 64-bit
+    lanes, mod 2^64: the unmasked sum is that sum exactly), without the cryptography."""
     from fedcompress.methods.fedprllm.federated import advance_to_layer, site_layer_stats
 
     check_stats_config(config)
@@ -274,6 +396,7 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
         prev_weights = run.weights[layer - 1] if layer else None
         site_seconds = 0.0
         sent = 0
+        fixed: np.ndarray | None = None
         for site, site_windows in enumerate(windows):
             start = time.perf_counter()
             hidden, kwargs = state[site]
@@ -284,7 +407,19 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
             state[site] = (inputs.hidden, inputs.layer_kwargs)
             site_seconds += time.perf_counter() - start
             sent = max(sent, sum(int(a.nbytes) for a in arrays.values()))
-            aggregator.add(decode_stats(arrays, shared, features, layer, prune.needs_hessian))
+            if frac_bits is None:
+                aggregator.add(decode_stats(arrays, shared, features, layer,
+                                            prune.needs_hessian))
+                continue
+            vector = encode_fixed(arrays, frac_bits, len(windows))
+            with np.errstate(over="ignore"):
+                fixed = vector if fixed is None else fixed + vector
+            layout, dtypes = fixed_point_layout(arrays), {k: a.dtype for k, a in arrays.items()}
+        if frac_bits is not None and fixed is not None:
+            summed = decode_fixed(fixed.view(np.int64), layout, frac_bits, dtypes)
+            aggregator.add(decode_stats(summed, shared, features, layer, prune.needs_hessian,
+                                        hessian_dtype=np.dtype(np.float64)))
+            aggregator.sites = len(windows)
         start = time.perf_counter()
         masks, weights = prune_layer(model, layer, aggregator.layer_stats(), prune)
         run.server_seconds.append(time.perf_counter() - start)
