@@ -40,6 +40,9 @@ class PruneConfig:
     pattern like ``"2:4"`` (then ``sparsity`` is implied: N/M). ``layer_sparsity`` is a
     per-layer / per-linear plan (:meth:`~fedcompress.pruning.allocation.SparsityPlan.to_text`;
     empty: ``sparsity`` everywhere); N:M fixes the ratio of every layer, so it takes no plan.
+    ``onload``: sequential onloading (:func:`local_masks` walks a skeleton that reads one decoder
+    layer at a time from the model's safetensors files; the same masks with a fraction of the
+    memory); the ``gradient`` method needs the whole model and refuses it.
     """
 
     method: str = "wanda"
@@ -47,6 +50,7 @@ class PruneConfig:
     group: str = "row"
     nm: str | None = None
     layer_sparsity: str = ""
+    onload: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -59,6 +63,10 @@ class PruneConfig:
             raise ValueError(f"a per-layer sparsity plan with N:M {self.nm}: N:M fixes every "
                              "layer's ratio at N/M; expected one or the other")
         self.plan  # noqa: B018 - validates the plan
+        if self.onload and self.method == "gradient":
+            raise ValueError("onloading reads one decoder layer at a time; the gradient method "
+                             "needs a backward pass through the whole model: expected "
+                             "magnitude, wanda or sparsegpt with onload")
 
     @cached_property
     def plan(self) -> SparsityPlan:
@@ -119,8 +127,20 @@ def layer_prune_fn(config: PruneConfig,
 def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
                 batch_size: int = 8, keep_weights: bool = False,
                 progress: bool = False) -> WalkResult:
-    """Prune masks of every linear layer of every decoder layer, from one sequential pass."""
+    """Prune masks of every linear layer of every decoder layer, from one sequential pass.
+
+    With ``config.onload`` the pass walks an onloaded skeleton (``model`` itself if it is one,
+    else one read from the safetensors folder ``model`` was loaded from,
+    :func:`~fedcompress.models.onload_skeleton`): one decoder layer in memory at a time.
+    """
+    from fedcompress.models import onload_skeleton, onloader_of
+
     config.plan.check_layers(len(ModelAdapter(model)))
+    if config.onload:
+        model = onload_skeleton(model)
+    elif onloader_of(model) is not None and config.method == "gradient":
+        raise ValueError("the gradient method needs the whole model: this one is an onloaded "
+                         "skeleton (load it without onload)")
     if config.method in WHOLE_MODEL_METHODS:
         # No layer-by-layer activations: magnitude needs none, gradient one backward pass.
         adapter = ModelAdapter(model)
@@ -128,8 +148,9 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
                  else None)
         fn = layer_prune_fn(config, grads)
         result = WalkResult()
-        for index, layer in enumerate(adapter.layers):
-            masks, _ = fn(index, layer, {})
+        for index in range(len(adapter)):
+            with adapter.onloaded(index) as layer:
+                masks, _ = fn(index, layer, {})
             result.masks.append(masks)
             result.weights.append(None)
         return result

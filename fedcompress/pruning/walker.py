@@ -11,6 +11,13 @@ decoder layer in turn
    pruned copy to become the inputs of the next layer.
 
 The model itself is never mutated, so one dense model loaded per process can serve many clients.
+
+Sequential onloading: the model may be an onloaded skeleton
+(:func:`~fedcompress.models.load_model` with ``onload=True``): its decoder layers live on the
+meta device and each is read from the safetensors files only while the walker works on it
+(:meth:`~fedcompress.models.ModelAdapter.onloaded`), then freed, so memory holds one layer, the
+activations, the embeddings and the head, never the whole model. The same steps run either way,
+so the masks (and SparseGPT's weights) are identical.
 The steps are exposed separately (:func:`capture_layer_inputs`, :func:`collect_stats`,
 :func:`forward_layer`) because the iterative federated mode runs one layer per round and keeps the
 activations between rounds; :func:`walk` composes them for the one-shot pass.
@@ -60,13 +67,16 @@ def capture_layer_inputs(model: nn.Module, windows: torch.Tensor,
     """Embed the windows ``[n, seqlen]`` and capture what enters decoder layer 0.
 
     Also records the per-layer keyword arguments (one batch-1 forward with a pre-hook on every
-    layer) so each layer can later be called on its own.
+    layer) so each layer can later be called on its own. That forward passes the hidden states
+    through every layer unchanged (the model computes the keyword arguments before its layers:
+    rotary embeddings, one attention mask per layer type), so no layer's weights are read: the
+    layers of an onloaded skeleton stay on the meta device.
     """
     if windows.dim() != 2 or windows.dtype != torch.long:
         raise ValueError(f"calibration windows must be a LongTensor [n, seqlen], got "
                          f"{tuple(windows.shape)} {windows.dtype}")
     adapter = ModelAdapter(model)
-    device = next(model.parameters()).device
+    device = next(p.device for p in model.parameters() if p.device.type != "meta")
     windows = windows.to(device)
 
     captured: list[torch.Tensor] = []
@@ -86,8 +96,13 @@ def capture_layer_inputs(model: nn.Module, windows: torch.Tensor,
                 raise _StopForward
         return hook
 
+    def passthrough(hidden_states=None, *args, **kwargs):
+        return hidden_states if hidden_states is not None else kwargs["hidden_states"]
+
     handles = [layer.register_forward_pre_hook(make_kwarg_hook(i), with_kwargs=True)
                for i, layer in enumerate(adapter.layers)]
+    for layer in adapter.layers:
+        layer.forward = passthrough  # an instance attribute: removed below
     try:
         try:
             model(windows[:1], use_cache=False)
@@ -96,6 +111,8 @@ def capture_layer_inputs(model: nn.Module, windows: torch.Tensor,
     finally:
         for handle in handles:
             handle.remove()
+        for layer in adapter.layers:
+            del layer.forward
     handle = adapter.layers[0].register_forward_pre_hook(grab_hidden, with_kwargs=True)
     try:
         for rows in _batches(len(windows), batch_size):
@@ -206,9 +223,12 @@ def collect_stats(layer: nn.Module, inputs: LayerInputs, hessian: bool = False,
 
 
 def masked_layer_copy(layer: nn.Module, masks: dict[str, torch.Tensor],
-                      weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
-    """A copy of ``layer`` with updated weights (if given) and pruned weights set to zero."""
-    pruned = copy.deepcopy(layer)
+                      weights: dict[str, torch.Tensor] | None = None,
+                      in_place: bool = False) -> nn.Module:
+    """A copy of ``layer`` with updated weights (if given) and pruned weights set to zero
+    (``in_place``: ``layer`` itself is changed: only for a private copy, such as an onloaded
+    layer about to be freed)."""
+    pruned = layer if in_place else copy.deepcopy(layer)
     linears = ModelAdapter.linear_layers(pruned)
     unknown = set(masks) - set(linears)
     if unknown:
@@ -259,13 +279,15 @@ def walk(model: nn.Module, windows: torch.Tensor, prune_fn: LayerPruneFn,
     adapter = ModelAdapter(model)
     inputs = capture_layer_inputs(model, windows, batch_size)
     result = WalkResult()
+    onloading = adapter.onloader is not None
     for index in tqdm(range(len(adapter)), desc="pruning layers", disable=not progress,
                       leave=False):
-        layer = adapter.layers[index]
-        stats = collect_stats(layer, inputs, hessian=hessian, batch_size=batch_size)
-        masks, weights = prune_fn(index, layer, stats)
-        pruned = masked_layer_copy(layer, masks, weights)
-        inputs = forward_layer(pruned, inputs, batch_size)
+        # An onloaded layer is read here and freed at the end of the block.
+        with adapter.onloaded(index) as layer:
+            stats = collect_stats(layer, inputs, hessian=hessian, batch_size=batch_size)
+            masks, weights = prune_fn(index, layer, stats)
+            pruned = masked_layer_copy(layer, masks, weights, in_place=onloading)
+            inputs = forward_layer(pruned, inputs, batch_size)
         result.masks.append({k: v.cpu() for k, v in masks.items()})
         result.weights.append({k: v.cpu() for k, v in weights.items()}
                               if keep_weights and weights else None)

@@ -94,7 +94,8 @@ def attack_masks(attack: str, model: nn.Module, windows: torch.Tensor, prune: Pr
         return keep_masks(model)
     if attack == "sparsity":
         lie = min(prune.sparsity + LIE, 0.95)
-        return local_masks(model, windows, PruneConfig(prune.method, lie, prune.group),
+        return local_masks(model, windows, PruneConfig(prune.method, lie, prune.group,
+                                                      onload=prune.onload),
                            batch_size=batch_size).masks
     raise ValueError(f"attack={attack!r} is invalid: expected random, inverted, keep, collude "
                      "or sparsity")

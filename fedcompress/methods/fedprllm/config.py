@@ -144,6 +144,13 @@ class FedPrLLMConfig(Settings):
                               ".txt/.jsonl file ('+' joins several).")
     calib_split: str = setting("train", "Split of the calibration corpus.")
     batch_size: int = setting(4, "Windows per forward.", ge=1)
+    onload: bool = setting(False, "Sequential onloading: the pruning passes (sites, the "
+                           "centralized baseline) read one decoder layer at a time from the "
+                           "model's safetensors files, so memory holds one layer, the "
+                           "activations and the embeddings (mapped) instead of the whole "
+                           "model; the same masks. Needs a local safetensors model (embedded, "
+                           ".gguf, a folder, or a hub id in the local cache); not with the "
+                           "gradient method.")
     min_clients: int = setting(0, "Fewest valid clients to go on with (0: all).", ge=0)
     mask_tolerance: float = setting(0.05, "Largest accepted distance of a client's mask "
                                     "sparsity from the target.", ge=0.0, le=1.0)
@@ -224,6 +231,9 @@ class FedPrLLMConfig(Settings):
                 raise self.invalid("secagg_threshold", f"0 or 2..clients={self.clients}")
         if self.aggregate == "stats":
             self._validate_stats()
+        if self.onload and self.method == "gradient":
+            raise self.invalid("onload", "false with the gradient method (its scores need a "
+                               "backward pass through the whole model)")
         if self.method == "gradient" and self.mode == "iterative":
             raise self.invalid("method", "magnitude, wanda or sparsegpt in iterative mode (the "
                                "gradient scores need the whole model's backward pass, not one "
@@ -255,7 +265,7 @@ class FedPrLLMConfig(Settings):
         from fedcompress.pruning.local import PruneConfig
 
         return PruneConfig(self.method, self.sparsity, self.local_group, self.nm,
-                           self.layer_sparsity)
+                           self.layer_sparsity, self.onload)
 
     @property
     def server(self) -> ServerConfig:

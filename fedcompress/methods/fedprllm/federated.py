@@ -591,8 +591,11 @@ def advance_to_layer(model: nn.Module, windows: torch.Tensor, layer: int,
     if prev_hidden is None or prev_global is None:
         raise ValueError(f"round for layer {layer} needs the inputs of layer {layer - 1} and "
                          "its global mask")
-    previous = masked_layer_copy(adapter.layers[layer - 1], prev_global, prev_weights)
-    return forward_layer(previous, LayerInputs(prev_hidden, layer_kwargs, layer - 1), batch_size)
+    with adapter.onloaded(layer - 1) as source:  # read and freed here for an onloaded model
+        previous = masked_layer_copy(source, prev_global, prev_weights,
+                                     in_place=adapter.onloader is not None)
+        return forward_layer(previous, LayerInputs(prev_hidden, layer_kwargs, layer - 1),
+                             batch_size)
 
 
 def iterative_client_step(model: nn.Module, windows: torch.Tensor, layer: int,
@@ -612,18 +615,19 @@ def site_layer_stats(model: nn.Module, inputs, needs_hessian: bool, batch_size: 
     """A site's statistics of the layer its ``inputs`` enter (the calibration walker's)."""
     from fedcompress.pruning.walker import collect_stats
 
-    return collect_stats(ModelAdapter(model).layers[inputs.layer], inputs,
-                         hessian=needs_hessian, batch_size=batch_size)
+    with ModelAdapter(model).onloaded(inputs.layer) as layer:
+        return collect_stats(layer, inputs, hessian=needs_hessian, batch_size=batch_size)
 
 
 def site_layer_masks(model: nn.Module, inputs, prune, batch_size: int = 8
                      ) -> dict[str, torch.Tensor]:
     """A site's local masks of the layer its ``inputs`` enter."""
     from fedcompress.pruning.local import layer_prune_fn
+    from fedcompress.pruning.walker import collect_stats
 
-    layer = inputs.layer
-    stats = site_layer_stats(model, inputs, prune.needs_hessian, batch_size)
-    masks, _ = layer_prune_fn(prune)(layer, ModelAdapter(model).layers[layer], stats)
+    with ModelAdapter(model).onloaded(inputs.layer) as layer:
+        stats = collect_stats(layer, inputs, hessian=prune.needs_hessian, batch_size=batch_size)
+        masks, _ = layer_prune_fn(prune)(inputs.layer, layer, stats)
     return masks
 
 
@@ -645,12 +649,14 @@ def resync_inputs(model: nn.Module, windows: torch.Tensor, layer: int,
     captured = capture_layer_inputs(model, windows, batch_size)
     if layer == 0:
         return None, captured.layer_kwargs
-    layers = ModelAdapter(model).layers
+    adapter = ModelAdapter(model)
     inputs = captured
     for i in range(layer - 1):
         weights = global_weights.get(i) if global_weights else None
-        inputs = forward_layer(masked_layer_copy(layers[i], global_masks[i], weights), inputs,
-                               batch_size)
+        with adapter.onloaded(i) as source:
+            inputs = forward_layer(masked_layer_copy(source, global_masks[i], weights,
+                                                     in_place=adapter.onloader is not None),
+                                   inputs, batch_size)
     return inputs.hidden, captured.layer_kwargs
 
 
