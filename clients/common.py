@@ -15,9 +15,11 @@ transformers.utils.logging.disable_progress_bar()
 
 
 @functools.lru_cache(maxsize=2)
-def cached_model(spec: str, dtype: str):
-    """``(model, tokenizer)`` of ``spec``, loaded once per process; callers never mutate it."""
-    loaded = load_model(spec, device=None, dtype=dtype)
+def cached_model(spec: str, dtype: str, onload: bool = False):
+    """``(model, tokenizer)`` of ``spec``, loaded once per process; callers never mutate it.
+    ``onload``: a skeleton whose decoder layers the calibration walker reads one at a time
+    (sequential onloading: the site never holds the whole model)."""
+    loaded = load_model(spec, device=None, dtype=dtype, onload=onload)
     return loaded.model, loaded.tokenizer
 
 

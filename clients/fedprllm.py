@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 @functools.lru_cache(maxsize=4)
 def _windows(config: FedPrLLMConfig, data_path: str | None) -> list[torch.Tensor]:
     """All clients' windows (a seeded pool split by partition); cheap next to pruning."""
-    _, tokenizer = cached_model(config.model, config.dtype)
+    _, tokenizer = cached_model(config.model, config.dtype, config.onload)
     return federation_windows(tokenizer, config, data_path)[0]
 
 
@@ -67,7 +67,7 @@ def _setup(message: Message, context: Context, partition_of: int | None = None):
     simulating collusion, of partition ``partition_of``)."""
     config = FedPrLLMConfig.from_dict(dict(message.content["config"]))
     partition = site_partition(context, config.clients)
-    model, _ = cached_model(config.model, config.dtype)
+    model, _ = cached_model(config.model, config.dtype, config.onload)
     which = partition if partition_of is None else partition_of
     windows = with_data_path(context, lambda path: _windows(config, path))[which]
     return config, partition, model, windows

@@ -198,3 +198,39 @@ def test_large_tensors_are_copied_by_blocks(llama_dir, monkeypatch):
     config = PruneConfig("wanda")
     assert _same(local_masks(full, _windows(), config).masks,
                  local_masks(skeleton, _windows(), config).masks)
+
+
+@pytest.mark.parametrize("mode", ["oneshot", "iterative"])
+def test_sites_prune_on_a_skeleton_with_the_same_vote(llama_dir, mode):
+    """--onload at the sites (the ClientApp's cached model is a skeleton): the FedPrLLM vote of
+    4 in-process sites equals the vote of sites holding the whole model."""
+    from conftest import InProcessFederation
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from clients.common import cached_model
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
+    from strategies.fedprllm import make_strategy
+
+    class Federation(InProcessFederation):
+        app = "clients.app"
+
+    counts = {}
+    for onload in (False, True):
+        config = FedPrLLMConfig(model=llama_dir, clients=4, samples_per_client=2, seqlen=16,
+                                batch_size=2, mode=mode, onload=onload)
+        strategy = make_strategy(config, load_model(llama_dir, device="cpu").model)
+        grid = Federation(4)
+        for rnd in range(1, strategy.num_rounds + 1):
+            replies = grid.send_and_receive(strategy.configure_train(rnd, ArrayRecord(),
+                                                                     ConfigRecord(), grid))
+            strategy.aggregate_train(rnd, replies)
+        assert not strategy.outcome.rejected
+        aggregators = ([strategy.aggregator] if mode == "oneshot"
+                       else [strategy.layer_aggregators[i] for i in sorted(
+                           strategy.layer_aggregators)])
+        counts[onload] = [{k: v.clone() for k, v in a.counts().items()} for a in aggregators]
+    site_model, _ = cached_model(llama_dir, "float32", True)
+    assert any(p.is_meta for p in site_model.parameters())  # the sites held a skeleton
+    for plain, onloaded in zip(counts[False], counts[True], strict=True):
+        assert plain.keys() == onloaded.keys()
+        assert all(torch.equal(plain[k], onloaded[k]) for k in plain)
