@@ -360,6 +360,21 @@ def bench_command(
     eval_windows: Annotated[Optional[int], typer.Option(
         "--eval-windows", help="Override every study's number of evaluation windows "
                                "(0: the whole split).", show_default=False)] = None,
+    eval_text: Annotated[Optional[str], typer.Option(
+        "--eval-text", help="Override every study's evaluation corpus: bundled (wiki, "
+                            "shakespeare, code), hub (wikitext2, c4, ptb; online or cached) or "
+                            "a .txt/.jsonl file.", show_default=False)] = None,
+    tasks: Annotated[Optional[str], typer.Option(
+        "--tasks", help="Zero-shot tasks every model is scored on, comma-separated: bundled "
+                        "tasks, .jsonl files or lm-eval task names (boolq, rte, hellaswag, "
+                        "winogrande, arc_easy, arc_challenge, openbookqa; online or cached).",
+        show_default=False)] = None,
+    tasks_path: Annotated[Optional[str], typer.Option(
+        "--tasks-path", help="Extra lm-eval YAML task folders (comma-separated) --tasks may "
+                             "name.", show_default=False)] = None,
+    task_limit: Annotated[Optional[int], typer.Option(
+        "--task-limit", help="Score the first N examples of each task (0: all).",
+        show_default=False)] = None,
     device: DeviceOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the plan (cells, "
                                                               "pending) and the empty tables.")
@@ -373,7 +388,9 @@ def bench_command(
     _setup_logging(log_level)
     from fedcompress.bench.run import run_bench
 
-    report = run_bench(config_file, out, {"eval_windows": eval_windows},
+    overrides = {"eval_windows": eval_windows, "eval_text": eval_text, "tasks": tasks,
+                 "tasks_path": tasks_path, "task_limit": task_limit}
+    report = run_bench(config_file, out, overrides,
                        None if device in (None, "auto") else device, progress, dry_run)
     _print_sections(report)
 

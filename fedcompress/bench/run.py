@@ -82,6 +82,9 @@ def _update(report: RunReport, runner: BenchRunner, studies: list[Study],
     report.extra["mask_stats"] = runner.stats
     report.sections = [(f"Study `{s.name}`", study_markdown(s, runner.results))
                        for s in studies]
+    accuracy = accuracy_table(records)
+    if accuracy:
+        report.sections.append(("Zero-shot accuracy", accuracy))
     cost = server_cost(records)
     if cost:
         report.sections.append(("Server aggregation cost vs client mask computation", cost))
@@ -101,6 +104,25 @@ def _settings_text(record: dict) -> str:
     keys = ("kind", "method", "sparsity", "local_group", "group", "scale", "mode", "clients",
             "samples_per_client", "partition", "alpha", "calib_text")
     return ", ".join(f"{k}={record[k]}" for k in keys if k in record)
+
+
+def accuracy_table(records: list[dict]) -> str:
+    """Accuracy of every evaluated cell on each zero-shot task (``--tasks``), and their mean."""
+    scored = [r for r in records if r.get("status") == "ok" and r.get("zero_shot")]
+    if not scored:
+        return ""
+    tasks: list[str] = []
+    for r in scored:
+        tasks += [t for t in r["zero_shot"] if t not in tasks]
+    rows = []
+    for r in scored:
+        accs = [r["zero_shot"][t]["acc"] if t in r["zero_shot"] else None for t in tasks]
+        rows.append([r.get("name", r["kind"]), _settings_text(r),
+                     *("-" if a is None else f"{a:.4f}" for a in accs),
+                     f"{r['mean_acc']:.4f}" if "mean_acc" in r else "-"])
+    return ("Accuracy (lm-eval's acc: the choice of highest log-likelihood) on each task of "
+            "`tasks`, per evaluated model.\n\n"
+            + markdown_table(["model", "settings", *tasks, "mean"], rows))
 
 
 def server_cost(records: list[dict]) -> str:

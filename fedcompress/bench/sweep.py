@@ -6,7 +6,8 @@ fixed. Settings are those of :class:`~fedcompress.methods.fedprllm.config.FedPrL
 (``model``,
 ``method``, ``sparsity``, ``local_group``, ``group``, ``scale``, ``mode``, ``tie_break``,
 ``clients``, ``samples_per_client``, ``partition``, ``alpha``, ``calib_text``, ...), the
-evaluation settings (``eval_text``, ``eval_windows``, ...), and per study:
+evaluation settings (``eval_text``, ``eval_windows``, ``tasks``, ``tasks_path``, ...), and per
+study:
 
 * ``baselines``: any of ``dense``, ``centralized``, ``local-only``;
 * ``total_windows``: fixed total calibration windows; ``samples_per_client`` becomes
@@ -61,6 +62,8 @@ SERVER_KEYS = ("group", "scale", "tie_break", "defence", "trim", "reject_z")
 #: attackers' masks after the cache): left out of the mask cache's key.
 ATTACK_KEYS = ("attack", "attackers")
 EVAL_KEYS = tuple(EvalConfig.names())
+#: Evaluation settings of the zero-shot tasks (they matter only when ``tasks`` names some).
+TASK_KEYS = ("tasks", "tasks_path", "task_split", "task_limit")
 CLIENT_KEYS = tuple(k for k in FedPrLLMConfig.names() if k not in SERVER_KEYS)
 STUDY_KEYS = ("title", "baselines", "total_windows", "columns")
 BENCH_KEYS = ("device", "out", "cache")
@@ -199,6 +202,15 @@ def _study(name: str, settings: dict) -> Study:
     return study
 
 
+def _eval_items(eval_config: EvalConfig) -> tuple[tuple[str, Any], ...]:
+    """The evaluation settings a cell's id depends on: the task settings only when tasks are
+    named (so the cells of sweeps without tasks keep their ids, and their results resume)."""
+    items = eval_config.to_dict()
+    if not items.get("tasks"):
+        items = {k: v for k, v in items.items() if k not in TASK_KEYS}
+    return tuple(sorted(items.items()))
+
+
 def _cells(study: str, point: dict, baselines: list[str]) -> Iterator[Cell]:
     evals = {k: point[k] for k in EVAL_KEYS if k in point}
     try:
@@ -211,7 +223,7 @@ def _cells(study: str, point: dict, baselines: list[str]) -> Iterator[Cell]:
         full["alpha"] = FedPrLLMConfig.alpha
     client = tuple((k, full[k]) for k in CLIENT_KEYS)
     server = tuple((k, full[k]) for k in SERVER_KEYS)
-    ev = tuple(sorted(eval_config.to_dict().items()))
+    ev = _eval_items(eval_config)
     yield Cell("fedprllm", client, server, ev)
     for baseline in baselines:
         if baseline == "dense":

@@ -43,9 +43,11 @@ from typing import Any
 
 from fedcompress.data.errors import (
     CorpusFormatError,
+    DataError,
     EmptyCorpusError,
     UnknownCorpusError,
     UnknownSplitError,
+    data_unavailable,
     format_choices,
 )
 from fedcompress.data.jsonl import read_jsonl
@@ -145,6 +147,8 @@ def load_corpus(name: str, split: str = "train") -> list[Document]:
         UnknownSplitError: the corpus has no such split.
         EmptyCorpusError: the corpus, split or file holds no text.
         CorpusFormatError: a local or bundled file is malformed.
+        DataUnavailableError: a hub corpus cannot be loaded (offline and not cached, or the
+            download failed); the message names it and says what to use instead.
     """
     if name in BUNDLED_CORPORA:
         _check_split(name, split, CORPUS_SPLITS)
@@ -161,7 +165,15 @@ def load_corpus(name: str, split: str = "train") -> list[Document]:
         docs = _read_jsonl_documents(path, source=name, default_id_prefix=name)
     elif name in HUB_CORPORA:
         _check_split(name, split, HUB_CORPORA[name])
-        docs = _HUB_LOADERS[name](split)
+        try:
+            docs = _HUB_LOADERS[name](split)
+        except DataError:
+            raise
+        except Exception as err:  # offline, not cached, network or hub failure
+            raise data_unavailable(
+                f"hub corpus {name!r} (split {split!r})", err,
+                f"a bundled corpus ({format_choices(BUNDLED_CORPORA)}) or a local .txt/.jsonl "
+                "file") from err
     elif _looks_like_path(name):
         docs = _load_local(Path(name), split)
     else:

@@ -6,6 +6,7 @@ was expected, so a bad configuration fails loudly at the point where it is read.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any, TypeGuard
 
@@ -14,6 +15,7 @@ import numpy as np
 __all__ = [
     "CorpusFormatError",
     "DataError",
+    "DataUnavailableError",
     "EmptyCorpusError",
     "EmptyTaskError",
     "InvalidParameterError",
@@ -25,6 +27,7 @@ __all__ = [
     "UnknownSplitError",
     "UnknownTaskError",
     "check_positive_int",
+    "data_unavailable",
     "check_seed",
     "format_choices",
 ]
@@ -56,6 +59,33 @@ class CorpusFormatError(DataError):
 
 class UnknownTaskError(DataError):
     """A task name is neither bundled nor an existing local ``.jsonl`` file or directory."""
+
+
+class DataUnavailableError(DataError):
+    """A hub corpus or task named by the user whose data cannot be loaded here: offline
+    (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``) and not in the local cache, or unreachable."""
+
+
+#: Environment variables that keep Hugging Face hub / datasets offline.
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def data_unavailable(what: str, err: BaseException, alternative: str) -> DataUnavailableError:
+    """The error of a named hub corpus or task (``what``) whose data could not be loaded:
+    why (offline and not cached, or the download failed), what to do instead, and the cause in
+    one line (never its traceback)."""
+    offline = [v for v in OFFLINE_VARIABLES
+               if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")]
+    if offline:
+        why = (f"it needs the internet, and {' / '.join(offline)} is set and its dataset is not in "
+               "the local Hugging Face cache")
+    else:
+        why = ("it needs the internet (or its dataset in the local Hugging Face cache) and "
+               "loading it failed")
+    cause = (str(err).strip().splitlines() or [""])[0][:300]
+    return DataUnavailableError(
+        f"{what} cannot be loaded offline: {why}. Run once online (the cache then serves it "
+        f"offline), or use {alternative}. Cause: {type(err).__name__}: {cause}")
 
 
 class TaskFormatError(DataError):

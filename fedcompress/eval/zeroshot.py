@@ -391,10 +391,35 @@ def _run_lm_eval(
     progress: bool,
 ) -> Mapping[str, Any]:
     """Run lm-eval's ``evaluate`` on generated tasks, offline, without touching global RNGs."""
-    with hub_offline(), _quiet_lm_eval(progress), eval_mode(model):
+    with hub_offline():
+        from lm_eval.tasks import TaskManager
+
+        manager = TaskManager(include_path=str(include_path), include_defaults=False)
+        loaded = manager.load(task_ids)
+        missing = [t for t in task_ids if t not in loaded["tasks"]]
+        if missing:  # pragma: no cover - the configs are generated above
+            raise RuntimeError(f"lm-eval did not load the generated task(s) {missing}")
+        return run_task_dict(model, tokenizer, loaded, batch_size=batch_size,
+                             num_fewshot=num_fewshot, seed=seed, progress=progress)
+
+
+def run_task_dict(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    loaded: Mapping[str, Any],
+    *,
+    batch_size: int,
+    num_fewshot: int | None,
+    seed: int,
+    progress: bool,
+    limit: int | None = None,
+) -> Mapping[str, Any]:
+    """lm-eval's ``evaluate`` on tasks already loaded by a ``TaskManager`` (``manager.load``),
+    with an ``HFLM`` wrapping the model object; ``num_fewshot=None`` keeps each task's own
+    setting; ``limit`` caps the documents per task. Global RNGs are left alone."""
+    with _quiet_lm_eval(progress), eval_mode(model):
         from lm_eval.evaluator import evaluate
         from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
 
         if getattr(tokenizer, "pad_token_id", None) is None:
             tokenizer = copy.deepcopy(tokenizer)  # HFLM would set a pad token on the original
@@ -414,17 +439,14 @@ def _run_lm_eval(
 
             lm.loglikelihood = _quiet_loglikelihood  # type: ignore[method-assign]
 
-        manager = TaskManager(include_path=str(include_path), include_defaults=False)
-        loaded = manager.load(task_ids)
-        missing = [t for t in task_ids if t not in loaded["tasks"]]
-        if missing:  # pragma: no cover - the configs are generated above
-            raise RuntimeError(f"lm-eval did not load the generated task(s) {missing}")
         for task in loaded["tasks"].values():
-            task.set_config(key="num_fewshot", value=num_fewshot)
+            if num_fewshot is not None:
+                task.set_config(key="num_fewshot", value=num_fewshot)
             task.set_fewshot_seed(seed=seed)
         out = evaluate(
             lm=lm,
             task_dict=loaded,
+            limit=limit,
             bootstrap_iters=1000,  # acc/acc_norm use the closed-form stderr; no bootstrap runs
             log_samples=True,
         )

@@ -19,14 +19,20 @@ __all__ = ["METHOD", "EvalConfig", "FedPrLLMConfig", "RunSettings"]
 
 
 def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
-    """The CLI's table of a ``prune`` report: perplexity, sparsity and times per model."""
+    """The CLI's table of a ``prune`` report: perplexity, sparsity, times per model and, with
+    ``--tasks``, the accuracy on each task."""
+    tasks: list[str] = []
+    for r in report["results"]:
+        tasks += [t for t in r.get("zero_shot", {}) if t not in tasks]
     rows = []
     for r in report["results"]:
         prune_s = r.get("prune_seconds", r.get("federated_seconds"))
+        accs = [r.get("zero_shot", {}).get(t, {}).get("acc") for t in tasks]
         rows.append([r["name"], f"{r['perplexity']:.3f}", f"{r['sparsity']:.3f}",
-                     "-" if prune_s is None else f"{prune_s:.1f}", f"{r['eval_seconds']:.1f}"])
-    return ("fedcompress prune", ["name", "perplexity", "sparsity", "prune s", "eval s"], rows,
-            [])
+                     "-" if prune_s is None else f"{prune_s:.1f}", f"{r['eval_seconds']:.1f}",
+                     *("-" if a is None else f"{a:.4f}" for a in accs)])
+    return ("fedcompress prune", ["name", "perplexity", "sparsity", "prune s", "eval s",
+                                  *(f"acc {t}" for t in tasks)], rows, [])
 
 
 METHOD = Method(

@@ -288,6 +288,15 @@ class EvalConfig(Settings):
     eval_seqlen: int = setting(256, "Evaluation window.", ge=2)
     eval_windows: int = setting(0, "Evaluate on the first N windows (0: the whole split).",
                                 ge=0)
+    tasks: str = setting("", "Zero-shot tasks each model is scored on, comma-separated: "
+                         "bundled tasks, .jsonl files, or lm-eval task names (online or "
+                         "cached: boolq, rte, hellaswag, winogrande, arc_easy, arc_challenge, "
+                         "openbookqa; 'standard' names these seven); empty: none.")
+    tasks_path: str = setting("", "Extra lm-eval YAML task folders (comma-separated) whose "
+                              "tasks --tasks may name.")
+    task_split: str = setting("test", "Split of the bundled / .jsonl tasks (lm-eval tasks "
+                              "keep their own).")
+    task_limit: int = setting(0, "Score the first N examples of each task (0: all).", ge=0)
 
 
 @dataclass(frozen=True)

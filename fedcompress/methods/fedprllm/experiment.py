@@ -8,13 +8,14 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
 from fedcompress.data.corpora import corpus_text, load_corpus
 from fedcompress.eval.perplexity import perplexity
+from fedcompress.eval.tasks import TaskSuite, load_tasks
 from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig
 from fedcompress.methods.fedprllm.federated import federation_windows
 from fedcompress.models import LoadedModel, load_model
@@ -40,6 +41,8 @@ class Experiment:
     windows: list[torch.Tensor]
     eval_text: str
     timings: dict[str, float] = field(default_factory=dict)
+    #: Zero-shot tasks every evaluated model is scored on (``eval_config.tasks``).
+    tasks: TaskSuite | None = None
     #: Per-layer plans the baselines chose (OWL), for the report.
     plans: dict[str, dict] = field(default_factory=dict)
 
@@ -56,18 +59,29 @@ class Experiment:
         return copy.deepcopy(self.model)
 
     def evaluate(self, name: str, model: nn.Module, **extra) -> dict:
-        """A result record: perplexity on the evaluation text and sparsity of ``model``."""
+        """A result record: perplexity on the evaluation text, sparsity of ``model`` and, with
+        ``eval_config.tasks``, its accuracy on each task (``acc_<task>`` columns; the details,
+        acc_norm, examples and chance, under ``zero_shot``)."""
         start = time.perf_counter()
         ppl = perplexity(model, self.tokenizer, self.eval_text, seqlen=self.eval_config.eval_seqlen,
                          batch_size=self.config.batch_size,
                          max_windows=self.eval_config.eval_windows or None, progress=False)
         sparsity = sparsity_report(model)
         record = {"name": name, "perplexity": ppl.perplexity,
-                  "sparsity": sparsity["overall"], **extra,
-                  "eval_seconds": time.perf_counter() - start,
-                  "sparsity_per_layer": sparsity["per_layer"]}
-        logger.info("%s: perplexity %.3f (sparsity %.3f)", name, ppl.perplexity,
-                    sparsity["overall"])
+                  "sparsity": sparsity["overall"], **extra}
+        if self.tasks:
+            scores = self.tasks.evaluate(model, self.tokenizer,
+                                         limit=self.eval_config.task_limit or None,
+                                         batch_size=self.config.batch_size,
+                                         seed=self.config.seed, progress=False)
+            record.update({f"acc_{task}": score.acc for task, score in scores.items()})
+            record["mean_acc"] = sum(s.acc for s in scores.values()) / len(scores)
+            record["zero_shot"] = {task: asdict(score) for task, score in scores.items()}
+        record.update({"eval_seconds": time.perf_counter() - start,
+                       "sparsity_per_layer": sparsity["per_layer"]})
+        logger.info("%s: perplexity %.3f (sparsity %.3f)%s", name, ppl.perplexity,
+                    sparsity["overall"],
+                    f", mean accuracy {record['mean_acc']:.4f}" if "mean_acc" in record else "")
         return record
 
     def prune_config(self, windows: torch.Tensor) -> tuple[PruneConfig, list[float] | None]:
@@ -113,14 +127,18 @@ def prepare_experiment(config: FedPrLLMConfig, eval_config: EvalConfig,
                        device: str | None = None, loaded: LoadedModel | None = None
                        ) -> Experiment:
     """Load the global model (unless ``loaded`` is given), cut every client's calibration
-    windows, read the eval text."""
+    windows, read the eval text and load the zero-shot tasks (a name that cannot be loaded
+    fails here, before any pruning)."""
     timings = {}
+    start = time.perf_counter()
+    tasks = load_tasks(eval_config.tasks, eval_config.task_split, eval_config.tasks_path)
+    eval_text = corpus_text(load_corpus(eval_config.eval_text, eval_config.eval_split))
+    timings["eval_data"] = time.perf_counter() - start
     start = time.perf_counter()
     if loaded is None:
         loaded = load_model(config.model, device=device, dtype=config.dtype)
     timings["load_model"] = time.perf_counter() - start
     start = time.perf_counter()
     windows, _ = federation_windows(loaded.tokenizer, config)
-    eval_text = corpus_text(load_corpus(eval_config.eval_text, eval_config.eval_split))
     timings["data"] = time.perf_counter() - start
-    return Experiment(config, eval_config, loaded, windows, eval_text, timings)
+    return Experiment(config, eval_config, loaded, windows, eval_text, timings, tasks=tasks)
