@@ -228,17 +228,54 @@ def test_bundle_rebuilds_byte_for_byte(tmp_path: Path) -> None:
 FAB_CODE_ROOM = 512 * 1024
 
 
+def _fab(root: Path) -> dict[str, bytes]:
+    """The FAB flwr builds from this checkout: its file names -> contents."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_files
+
+    config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    files = {p.relative_to(root).as_posix(): p
+             for pattern in config["tool"]["flwr"]["app"]["fab-include"]
+             for p in root.glob(pattern) if p.is_file()}
+    fab, _ = build_fab_from_files({"pyproject.toml": root / "pyproject.toml", **files})
+    with zipfile.ZipFile(io.BytesIO(fab)) as archive:
+        return {name: archive.read(name) for name in archive.namelist()} | {"": fab}
+
+
+def test_fab_ships_every_module_its_code_imports() -> None:
+    """The FAB leaves out code no app runs (`fab-exclude`): no shipped module imports, even
+    lazily inside a function, a module of this repository that is not shipped."""
+    root = BUNDLED_DIR.parents[2]
+    fab = _fab(root)
+    missing = []
+    for name, source in fab.items():
+        if not name.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            for module in modules:
+                path = module.replace(".", "/")
+                for candidate in (f"{path}.py", f"{path}/__init__.py"):
+                    if (root / candidate).is_file() and candidate not in fab:
+                        missing.append(f"{name} imports {module} ({candidate} not shipped)")
+    assert not missing, "\n".join(missing)
+
+
 def test_fab_files_leave_room_under_the_fab_limit() -> None:
-    """Every bundled task ships in the FAB (a ClientApp may be configured with any of them):
-    the files `fab-include` selects stay at least 512 KiB under flwr's limit (a FAB stores its
-    files uncompressed)."""
+    """Every bundled task ships in the FAB (a ClientApp may be configured with any of them),
+    and the FAB that flwr builds from this checkout (its own include/exclude rules; a FAB stores
+    its files uncompressed) stays at least 512 KiB under flwr's limit."""
     from flwr.common.constant import FAB_MAX_SIZE
 
-    root = BUNDLED_DIR.parents[2]
-    config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
-    patterns = config["tool"]["flwr"]["app"]["fab-include"]
-    files = {p for pattern in patterns for p in root.glob(pattern) if p.is_file()}
-    tasks = {BUNDLED_DIR / f"tasks/{t}/{s}.jsonl" for t in BUNDLED_TASKS for s in TASK_SPLITS}
-    assert tasks <= files
-    total = sum(p.stat().st_size for p in files)
-    assert total <= FAB_MAX_SIZE - FAB_CODE_ROOM, f"{total:,} bytes"
+    fab = _fab(BUNDLED_DIR.parents[2])
+    tasks = {f"fedcompress/data/bundled/tasks/{t}/{s}.jsonl"
+             for t in BUNDLED_TASKS for s in TASK_SPLITS}
+    assert tasks <= set(fab)
+    assert len(fab[""]) <= FAB_MAX_SIZE - FAB_CODE_ROOM, f"{len(fab['']):,} bytes"
