@@ -303,7 +303,8 @@ def bench_studies(report: dict[str, Any]) -> list[tuple[Any, dict[str, dict]]]:
         for key in (*STUDY_KEYS, *BENCH_KEYS):
             settings.pop(key, None)
         study = Study(name, meta.get("title", name), settings, list(meta.get("swept", [])),
-                      [], meta.get("columns"))
+                      [], meta.get("columns"), kind=meta.get("kind", "fedprllm"),
+                      options=dict(meta.get("options") or {}))
         results: dict[str, dict] = {}
         for cell_id in meta.get("cells", []):
             record = by_id.get(cell_id)
@@ -319,31 +320,44 @@ def bench_studies(report: dict[str, Any]) -> list[tuple[Any, dict[str, dict]]]:
 
 
 def study_html(study: Any, results: dict[str, dict]) -> str:
-    """One study's table (:func:`fedcompress.bench.tables.study_table`, as in report.md), the
-    lowest value of each column (not the dense model's) highlighted."""
+    """One study's tables (:func:`fedcompress.bench.tables.study_tables`, as in report.md): a
+    FedPrLLM study's perplexities, a network study's simulated times, a leakage study's
+    quantities; where lower is better, the lowest value of each column (not the dense
+    model's) highlighted."""
     from fedcompress.bench.tables import _fmt as bench_fmt
-    from fedcompress.bench.tables import study_table
+    from fedcompress.bench.tables import study_tables
 
-    header, body = study_table(study, results)
-    fixed = {k: v for k, v in study.settings.items() if k not in study.swept}
-    first = header.index("strategy") + 1
-    classes = {}
-    for c in range(first, len(header)):
-        values = {}
-        for r, row in enumerate(body):
-            try:
-                if row[first - 1] != "Dense":
-                    values[r] = float(row[c])
-            except ValueError:  # pending, failed, empty
-                continue
-        for r, value in values.items():
-            if value == min(values.values()):
-                classes[(r, c)] = "best"
-    return (f"<h3>{_e(study.title)}</h3>"
-            f'<p class="note">Perplexity (lower is better; the lowest of each column but the '
-            f"dense model's is highlighted). Fixed: "
-            + _e(", ".join(f"{k}={bench_fmt(v)}" for k, v in sorted(fixed.items()))) + ".</p>"
-            + _table(header, body, classes=classes, numeric=set(range(first, len(header)))))
+    parts = [f"<h3>{_e(study.title)}</h3>"]
+    for table in study_tables(study, results):
+        header, first = table.header, table.first_value
+        body = [[cell.replace("\\|", "|") for cell in row] for row in table.body]
+        classes = {}
+        for c in range(first, len(header)) if table.best == "min" else ():
+            values = {}
+            for r, row in enumerate(body):
+                try:
+                    if "Dense" not in row[:first]:
+                        values[r] = float(row[c])
+                except ValueError:  # pending, failed, empty
+                    continue
+            for r, value in values.items():
+                if value == min(values.values()):
+                    classes[(r, c)] = "best"
+        if table.caption:
+            parts.append(f"<h4>{_e(table.caption)}</h4>")
+        if study.kind == "fedprllm":
+            fixed = {k: v for k, v in study.settings.items() if k not in study.swept}
+            parts.append('<p class="note">Perplexity (lower is better; the lowest of each '
+                         "column but the dense model's is highlighted). Fixed: "
+                         + _e(", ".join(f"{k}={bench_fmt(v)}" for k, v in sorted(fixed.items())))
+                         + ".</p>")
+        elif table.note:
+            parts.append(f'<p class="note">{_markdown_inline(table.note)}'
+                         + (" The lowest of each profile's column is highlighted."
+                            if table.best == "min" else "") + "</p>")
+        numeric = set(range(first, len(header))) if table.best == "min" else set()
+        parts.append(_table(header, body, classes=classes, numeric=numeric))
+    return "".join(parts)
 
 
 def _status_badge(status: str) -> str:

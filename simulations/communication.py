@@ -16,6 +16,10 @@ measured quantities (``fedcompress.bench.network``).
 Writes ``report.json`` (a result per wire format with its bytes, and one per wire format, client
 count and network profile with its simulated times), ``report.md`` and ``config.toml`` to
 ``--out`` (:class:`RunReport`).
+
+The same simulation of a bench's own cells (each cell's measured bytes up/down, rounds, client
+and server seconds, in its wire format) is a bench study ``[study.NAME] kind = "network"``
+(:mod:`fedcompress.bench.studies`; ``simulations/bench_network_leakage.toml``).
 """
 
 from __future__ import annotations

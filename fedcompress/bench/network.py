@@ -73,6 +73,7 @@ __all__ = [
     "layer_mask_bytes",
     "markdown_table",
     "oneshot_schedule",
+    "schedule_from_bench_record",
     "schedule_from_client_records",
     "simulate",
 ]
@@ -279,6 +280,51 @@ def schedule_from_client_records(records: Iterable[Mapping[str, Any]],
     down = ([down_bytes] * len(rounds) if isinstance(down_bytes, (int, float))
             else list(down_bytes))
     return Schedule(name, up, down, compute)
+
+
+def schedule_from_bench_record(record: Mapping[str, Any]) -> tuple[Schedule, float]:
+    """The schedule of a finished ``fedcompress bench`` FedPrLLM cell from what it measured,
+    and the server's seconds per round (for :func:`simulate`'s ``server_s``).
+
+    * one-shot: 1 round; up = ``bytes_up_per_client`` (in the cell's wire format), down =
+      ``bytes_down_per_client`` (the compressed format's public reference; 0 bit-packed),
+      compute = ``client_seconds_mean`` (+ ``wire_encode_seconds_mean``); server = counting +
+      selection (+ decoding every payload and measuring the reference);
+    * iterative: ``rounds`` rounds with the measured per-layer bytes up/down and mean client
+      seconds (``layer_*`` fields); server = the mean of ``layer_server_seconds``. A record
+      made before those fields were kept splits ``bytes_up_per_client`` evenly over the rounds,
+      ``bytes_down_masks_per_client`` over rounds 1..L-1 and ``iterative_seconds /
+      clients`` (the in-process vote, clients one after another) over the rounds, server 0.
+
+    :class:`ValueError` when the record lacks what its mode needs (e.g. no client seconds)."""
+    mode = record.get("mode", "oneshot")
+    if mode == "oneshot":
+        measured = record.get("client_seconds_mean")
+        if measured is None:
+            raise ValueError("the cell's record has no measured client seconds "
+                             "(client_seconds_mean)")
+        compute = float(measured) + float(record.get("wire_encode_seconds_mean") or 0.0)
+        server = sum(float(record.get(k) or 0.0) for k in (
+            "count_seconds", "aggregate_seconds", "wire_decode_seconds_total",
+            "reference_seconds"))
+        return (oneshot_schedule([int(round(float(record["bytes_up_per_client"])))], compute,
+                                 down_bytes=float(record.get("bytes_down_per_client") or 0)),
+                server)
+    rounds = int(record["rounds"])
+    if "layer_bytes_up_per_client" in record:
+        up = [int(b) for b in record["layer_bytes_up_per_client"]]
+        down = [int(b) for b in record["layer_bytes_down_per_client"]]
+        seconds = [float(s) for s in record["layer_client_seconds_mean"]]
+        server_rounds = [float(s) for s in record["layer_server_seconds"]]
+        server = sum(server_rounds) / len(server_rounds)
+    else:
+        up = [int(record["bytes_up_per_client"]) // rounds] * rounds
+        sent = int(record.get("bytes_down_masks_per_client") or 0)
+        down = [0] + [sent // max(rounds - 1, 1)] * (rounds - 1)
+        seconds = [float(record["iterative_seconds"]) / int(record["clients"]) / rounds] * rounds
+        server = 0.0
+    # round l carries the global mask of layer l - 1; the last one is never sent
+    return iterative_schedule(up, seconds, global_mask_bytes=down[1:] + [0]), server
 
 
 # ------------------------------------------------------------------------------------------

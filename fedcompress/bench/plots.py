@@ -1,6 +1,7 @@
 """PNG plots of a bench sweep (matplotlib, Agg backend): perplexity vs sparsity (or another
 numeric swept setting, e.g. the number of attackers) per strategy,
-the histogram of vote counts, and the per-layer agreement between client masks."""
+the histogram of vote counts, the per-layer agreement between client masks, a network study's
+simulated time per profile and a leakage study's mask distances."""
 
 from __future__ import annotations
 
@@ -120,3 +121,65 @@ def layer_agreement(stats: dict[str, dict], labels: dict[str, str], path: Path) 
                 marker=".", label=labels.get(client_id, client_id))
     return _save(fig, ax, path, "Disagreement between client masks per layer",
                  "decoder layer", "mean pairwise Hamming distance")
+
+
+def network_times(study: Study, results: dict[str, dict], path: Path) -> Path | None:
+    """Simulated end-to-end seconds per network profile of a network study, one line per row
+    of its table (strategy, other settings, straggler fraction)."""
+    from fedcompress.bench.studies import network_rows
+
+    rows = [r for r in network_rows(study, results) if r["status"] == "ok"]
+    if not rows:
+        return None
+    profiles = study.options["profiles"]
+    several = len(study.options["stragglers"]) > 1
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
+    values = []
+    for i, row in enumerate(rows):
+        label = ", ".join([row["strategy"], *(f"{k}={v}" for k, v in row["settings"].items()),
+                           *([f"{row['stragglers']:.0%} stragglers"] if several else [])])
+        ys = [row["seconds"][p] for p in profiles]
+        values += ys
+        marker, line = styles[i % len(styles)]
+        ax.plot(range(len(profiles)), ys, marker=marker, linestyle=line, label=label, alpha=0.85)
+    ax.set_xticks(range(len(profiles)), profiles)
+    if max(values) > 10 * min(values):
+        ax.set_yscale("log")
+    return _save(fig, ax, path, study.title, "network profile",
+                 "simulated end-to-end time (s)")
+
+
+def leakage_distances(study: Study, results: dict[str, dict], path: Path) -> Path | None:
+    """A leakage study's Hamming distances between masks by how much data they share (bars,
+    mean and sample std), and per decoder layer (disjoint data and one window replaced), one
+    colour per cell."""
+    from fedcompress.bench.studies import leakage_summary
+
+    summary = leakage_summary(study, results)
+    if not summary:
+        return None
+    plt = _pyplot()
+    fig, (bars, layers) = plt.subplots(1, 2, figsize=(10, 4.5))
+    width = 0.8 / len(summary)
+    for i, (label, item) in enumerate(summary.items()):
+        names = list(item["overlap"])
+        means = [100 * item["overlap"][n]["mean"] for n in names]
+        stds = [100 * (item["overlap"][n]["std"] if item["overlap"][n]["n"] > 1 else 0.0)
+                for n in names]
+        xs = [j + (i - (len(summary) - 1) / 2) * width for j in range(len(names))]
+        bars.bar(xs, means, width, yerr=stds, capsize=2, label=label, alpha=0.85)
+        bars.set_xticks(range(len(names)), [textwrap.fill(n, 12) for n in names], fontsize=7)
+        per_layer = item["per_layer"]
+        keys = list(per_layer["disjoint"])
+        for what, style in (("disjoint", "-"), ("one_window_replaced", "--")):
+            layers.plot(range(len(keys)), [100 * per_layer[what][k] for k in keys], marker=".",
+                        linestyle=style, label=f"{label}: {what.replace('_', ' ')}")
+        layers.set_xticks(range(len(keys)), [k.split(".")[-1] for k in keys])
+    bars.set_ylabel("differing mask bits (%)")
+    bars.set_title("by shared windows", fontsize=9)
+    bars.legend(fontsize=7)
+    fig.suptitle(textwrap.fill(study.title, 100), fontsize=10)
+    return _save(fig, layers, path, "per decoder layer", "decoder layer",
+                 "differing mask bits (%)")

@@ -76,8 +76,8 @@ def _update(report: RunReport, runner: BenchRunner, studies: list[Study],
     ids = {cell.id for cell in runner.cells()}
     records = [r for i, r in runner.results.items() if i in ids]
     report.results = [{"name": r.get("name", r["kind"]), **r} for r in records]
-    report.extra["studies"] = {s.name: {"title": s.title, "swept": s.swept,
-                                        "columns": s.columns,
+    report.extra["studies"] = {s.name: {"title": s.title, "kind": s.kind, "swept": s.swept,
+                                        "columns": s.columns, "options": s.options,
                                         "cells": [c.id for c in s.cells]} for s in studies}
     report.extra["mask_stats"] = runner.stats
     report.sections = [(f"Study `{s.name}`", study_markdown(s, runner.results))
@@ -153,7 +153,13 @@ def server_cost(records: list[dict]) -> str:
 def make_plots(out: Path, runner: BenchRunner, studies: list[Study]) -> list[Path]:
     pngs = []
     for study in studies:
-        path = plots.perplexity_curve(study, runner.results, out / f"ppl-{study.name}.png")
+        if study.kind == "network":
+            path = plots.network_times(study, runner.results, out / f"network-{study.name}.png")
+        elif study.kind == "leakage":
+            path = plots.leakage_distances(study, runner.results,
+                                           out / f"leakage-{study.name}.png")
+        else:
+            path = plots.perplexity_curve(study, runner.results, out / f"ppl-{study.name}.png")
         if path:
             pngs.append(path)
     labels = {}

@@ -13,7 +13,11 @@ study:
 * ``total_windows``: fixed total calibration windows; ``samples_per_client`` becomes
   ``total_windows / clients`` (client-count sensitivity);
 * ``title``, ``columns`` (the setting shown as table columns; default: the first swept
-  client-side setting, e.g. ``sparsity``).
+  client-side setting, e.g. ``sparsity``);
+* ``kind``: ``fedprllm`` (the default: the sweep above), ``network`` (simulated end-to-end
+  time of cells under network profiles, from their measured bytes, rounds and seconds) or
+  ``leakage`` (what a shared mask reveals about a client's windows); see
+  :mod:`fedcompress.bench.studies`.
 
 Every (client setting, server setting) pair is a *cell*, identified by a hash of its settings,
 so cells shared by studies run once. One-shot client masks do not depend on the server's
@@ -65,7 +69,13 @@ EVAL_KEYS = tuple(EvalConfig.names())
 #: Evaluation settings of the zero-shot tasks (they matter only when ``tasks`` names some).
 TASK_KEYS = ("tasks", "tasks_path", "task_split", "task_limit")
 CLIENT_KEYS = tuple(k for k in FedPrLLMConfig.names() if k not in SERVER_KEYS)
-STUDY_KEYS = ("title", "baselines", "total_windows", "columns")
+STUDY_KEYS = ("title", "baselines", "total_windows", "columns", "kind")
+#: Kinds of study (``[study.NAME] kind = ...``): a FedPrLLM sweep, or the studies of
+#: :mod:`fedcompress.bench.studies` (arithmetic on other cells' records, or their own cells).
+STUDY_KINDS = ("fedprllm", "network", "leakage")
+#: The wire-format settings: the client masks are the same in every format (only the bytes
+#: differ), so one-shot cells of any format share the cached bit-packed masks.
+WIRE_KEYS = ("wire", "wire_reference")
 BENCH_KEYS = ("device", "out", "cache")
 BASELINES = ("dense", "centralized", "local-only")
 
@@ -95,17 +105,23 @@ class Cell:
 
     @property
     def client_id(self) -> str:
-        """What the cached client masks depend on (the server variant too, when iterative)."""
+        """What the cached client masks depend on (the server variant too, when iterative);
+        not the wire format (the same masks, bit-packed in the cache)."""
         client = {k: v for k, v in self.client if k not in ATTACK_KEYS}
+        if "wire" in client:
+            client.update((k, FedPrLLMConfig.defaults()[k]) for k in WIRE_KEYS)
         extra = dict(self.server) if client.get("mode") == "iterative" else {}
         return _digest({"client": client, "server": extra})
 
     @property
     def vote_id(self) -> str:
-        """What the vote depends on: the cached honest masks and the simulated attackers (the
-        cells of one vote differ only in the server variant)."""
-        attack = {k: v for k, v in self.client if k in ATTACK_KEYS}
-        return self.client_id + (f"-{_digest(attack)}" if attack.get("attackers") else "")
+        """What the vote depends on: the cached honest masks, the simulated attackers and the
+        wire format (the cells of one vote differ only in the server variant)."""
+        client = dict(self.client)
+        attack = {k: v for k, v in client.items() if k in ATTACK_KEYS}
+        wire = {k: client[k] for k in WIRE_KEYS if k in client}
+        return (self.client_id + (f"-{_digest(attack)}" if attack.get("attackers") else "")
+                + (f"-{_digest(wire)}" if wire.get("wire", "packed") != "packed" else ""))
 
     def config(self) -> FedPrLLMConfig:
         return FedPrLLMConfig.from_dict({**dict(self.client), **dict(self.server)})
@@ -130,6 +146,10 @@ class Study:
     baselines: list[str]
     columns: str | None
     cells: list[Cell] = field(default_factory=list)
+    #: :data:`STUDY_KINDS`; ``options`` are the settings of a network or leakage study that are
+    #: not cell settings (profiles, stragglers, the studies it reads, ...).
+    kind: str = "fedprllm"
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def load_bench(path: str | Path) -> dict:
@@ -153,11 +173,22 @@ def plan(config: dict, overrides: dict | None = None) -> list[Study]:
     studies = config.get("study", {})
     if not studies:
         raise BenchConfigError("the config has no [study.NAME] table")
-    out = []
+    from fedcompress.bench import studies as kinds
+
+    planned: dict[str, Study] = {}
+    for name, table in studies.items():  # network studies read the others': planned last
+        kind = table.get("kind", "fedprllm")
+        if kind not in STUDY_KINDS:
+            raise BenchConfigError(f"study {name!r}: unknown kind {kind!r}: expected one of "
+                                   f"{', '.join(STUDY_KINDS)}")
+        if kind == "leakage":
+            planned[name] = kinds.leakage_study(name, base, table)
+        elif kind == "fedprllm":
+            planned[name] = _study(name, {**base, **table, **(overrides or {})})
     for name, table in studies.items():
-        settings = {**base, **table, **(overrides or {})}
-        out.append(_study(name, settings))
-    return out
+        if table.get("kind") == "network":
+            planned[name] = kinds.network_study(name, base, table, overrides or {}, planned)
+    return [planned[name] for name in studies]
 
 
 def _study(name: str, settings: dict) -> Study:
@@ -168,6 +199,7 @@ def _study(name: str, settings: dict) -> Study:
         raise BenchConfigError(f"study {name!r}: unknown setting(s) {unknown}; expected some of "
                                f"{sorted(known)}")
     meta = {k: settings.pop(k) for k in STUDY_KEYS if k in settings}
+    meta.pop("kind", None)
     for key in BENCH_KEYS:
         settings.pop(key, None)
     baselines = meta.get("baselines", [])
@@ -218,6 +250,10 @@ def _cells(study: str, point: dict, baselines: list[str]) -> Iterator[Cell]:
         eval_config = EvalConfig(**evals)
     except (TypeError, ValueError) as err:
         raise BenchConfigError(f"study {study!r}: {err}") from err
+    if config.wire != "packed" and config.mode != "oneshot":
+        raise BenchConfigError(f"study {study!r}: wire={config.wire!r} with mode="
+                               f"{config.mode!r}: the bench measures the {config.wire} wire "
+                               "format of one-shot cells only")
     full = config.to_dict()
     if full["partition"] == "iid":  # alpha has no effect: one cell, not one per alpha
         full["alpha"] = FedPrLLMConfig.alpha
@@ -341,14 +377,21 @@ class BenchRunner:
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> None:
+        from fedcompress.bench.studies import run_leakage_cell
+
         pending = self.pending()
         logger.info("%d cells, %d pending", len(self.cells()), len(pending))
         by_model: dict[tuple, list[Cell]] = {}
         for cell in pending:
+            if cell.kind == "leakage":
+                continue
             client = dict(cell.client)
             by_model.setdefault((client["model"], client["dtype"]), []).append(cell)
         for (model, dtype), cells in by_model.items():
             self._run_model(model, dtype, cells)
+        for cell in pending:  # each loads its own model (it removes decoder layers)
+            if cell.kind == "leakage":
+                self._run_cell(cell, lambda cell=cell: run_leakage_cell(cell, self.device))
 
     def _run_model(self, model: str, dtype: str, cells: list[Cell]) -> None:
         from fedcompress.models import load_model
@@ -418,6 +461,13 @@ class BenchRunner:
             for cell in variants:
                 self._run_cell(cell, lambda err=err: _raise(err))
             return
+        if config.wire != "packed":
+            try:
+                meta = {**meta, **self._wire_bytes(view, client_id, aggregator.shapes)}
+            except Exception as err:
+                for cell in variants:
+                    self._run_cell(cell, lambda err=err: _raise(err))
+                return
         start = time.perf_counter()
         aggregator.counts()  # cached for every variant; timed apart as the counting cost
         meta = {**meta, "count_seconds": time.perf_counter() - start}
@@ -461,6 +511,44 @@ class BenchRunner:
             meta.update({"sites_outlier_ratios": sites, "owl_seconds": owl_seconds})
         self.cache.finish(client_id, meta)
         return self._attacked(exp, aggregator, meta)
+
+    def _wire_bytes(self, exp: Experiment, client_id: str, shapes: dict[str, tuple]) -> dict:
+        """Each (honest) client's cached masks sent in the cell's wire format, as its ClientApp
+        sends them (:func:`~fedcompress.methods.fedprllm.federated.encode_wire`, against the
+        public reference the server broadcasts), and decoded as the server decodes them (checked
+        equal to the cached masks): measured bytes and seconds."""
+        from fedcompress.masks.codec import decode_mask
+        from fedcompress.methods.fedprllm.federated import (
+            decode_wire,
+            encode_wire,
+            public_reference_wire,
+        )
+
+        config = exp.config
+        start = time.perf_counter()
+        reference = public_reference_wire(exp.model, exp.tokenizer, config)
+        reference_seconds = time.perf_counter() - start
+        sizes, encode, decode = [], [], []
+        for i in range(config.clients):
+            packed = self.cache.load_client(client_id, i)
+            if packed is None:
+                raise RuntimeError(f"client {i}'s cached masks of {client_id} are missing")
+            masks = {k: decode_mask(packed[k], shape, k) for k, shape in shapes.items()}
+            start = time.perf_counter()
+            payload = encode_wire(masks, exp.model, config, reference)
+            encode.append(time.perf_counter() - start)
+            sizes.append(sum(int(a.nbytes) for a in payload.values()))
+            start = time.perf_counter()
+            decoded = decode_wire(payload, shapes, exp.model, config, reference)
+            decode.append(time.perf_counter() - start)
+            if any(not np.array_equal(decoded[k], packed[k]) for k in shapes):
+                raise RuntimeError(f"client {i}: the {config.wire} payload does not decode to "
+                                   "its masks")
+        return {"bytes_up_per_client": float(np.mean(sizes)), "wire_bytes_up": sizes,
+                "wire_encode_seconds_mean": float(np.mean(encode)),
+                "wire_decode_seconds_total": float(np.sum(decode)),
+                "bytes_down_per_client": sum(int(a.nbytes) for a in (reference or {}).values()),
+                "reference_seconds": reference_seconds}
 
     def _attacked(self, exp: Experiment, aggregator: MaskAggregator, meta: dict
                   ) -> tuple[MaskAggregator, dict]:
@@ -527,11 +615,15 @@ class BenchRunner:
                          config.prune.nm_pattern)
         aggregate = time.perf_counter() - start
         name = f"fedprllm-oneshot-{config.server.label}"
+        wire = {k: meta[k] for k in ("wire_bytes_up", "wire_encode_seconds_mean",
+                                     "wire_decode_seconds_total", "bytes_down_per_client",
+                                     "reference_seconds") if k in meta}
         return exp.evaluate(name, model, aggregate_seconds=aggregate,
                             count_seconds=meta["count_seconds"], rounds=1,
                             client_seconds_mean=meta.get("client_seconds_mean"),
                             bytes_up_per_client=meta["bytes_up_per_client"],
                             bytes_up_total=meta["bytes_up_per_client"] * config.clients,
+                            **wire,
                             **({"attack_outcome": meta["attack"]} if "attack" in meta else {}),
                             **({"defence_outcome": aggregator.rejection.to_dict()}
                                if aggregator.rejection is not None else {}))
@@ -539,20 +631,28 @@ class BenchRunner:
     def _iterative(self, exp: Experiment, cell: Cell) -> dict:
         config = cell.config()
         start = time.perf_counter()
-        aggregators = iterative_vote(exp.model, exp.windows, config)
+        timings: dict[str, list] = {}
+        aggregators = iterative_vote(exp.model, exp.windows, config, timings=timings)
         vote_seconds = time.perf_counter() - start
         model = exp.fresh_copy()
         for aggregator in aggregators.values():
             aggregator.prune(model, config.server, config.prune.plan,
                              config.prune.nm_pattern)
-        up = sum(payload_nbytes(a.shapes) for a in aggregators.values())
+        layer_up = [payload_nbytes(aggregators[layer].shapes) for layer in sorted(aggregators)]
         # Each round but the first carries the previous layer's global mask down.
-        down = sum(payload_nbytes(a.shapes) for layer, a in aggregators.items()
-                   if layer < len(aggregators) - 1)
+        layer_down = [0] + layer_up[:-1]
         return exp.evaluate(f"fedprllm-iterative-{config.server.label}", model,
                             rounds=len(aggregators), iterative_seconds=vote_seconds,
-                            bytes_up_per_client=up, bytes_up_total=up * config.clients,
-                            bytes_down_masks_per_client=down)
+                            bytes_up_per_client=sum(layer_up),
+                            bytes_up_total=sum(layer_up) * config.clients,
+                            bytes_down_masks_per_client=sum(layer_down),
+                            client_seconds_mean=float(np.sum(timings["client_seconds"])
+                                                      / config.clients),
+                            layer_bytes_up_per_client=layer_up,
+                            layer_bytes_down_per_client=layer_down,
+                            layer_client_seconds_mean=[float(np.mean(s))
+                                                       for s in timings["client_seconds"]],
+                            layer_server_seconds=timings["server_seconds"])
 
 
 def _data_key(cell: Cell) -> str:
@@ -591,9 +691,13 @@ SERVER_ADDED_LATER = {"defence": "none", "trim": 0, "reject_z": 3.5}
 def record_cell(record: dict) -> Cell:
     """The cell a stored record belongs to, under today's settings (keys it lacks from
     :data:`ADDED_LATER` take the value it was made with)."""
+    kind = record["kind"]
+    if kind == "leakage":
+        from fedcompress.bench.studies import leakage_cell
+
+        return leakage_cell(record)
     client = {k: record[k] for k in CLIENT_KEYS if k in record}
     server = {k: record[k] for k in SERVER_KEYS if k in record}
-    kind = record["kind"]
     if kind != "dense":
         client.update({k: v for k, v in ADDED_LATER.items() if k not in client})
     if kind == "fedprllm":

@@ -1,8 +1,11 @@
 """Paper-shaped tables of a bench sweep: one per study; rows are strategies (and the other
-swept settings), columns the study's ``columns`` setting (sparsity, model, clients, ...)."""
+swept settings), columns the study's ``columns`` setting (sparsity, model, clients, ...). A
+network or leakage study has its own tables (:mod:`fedcompress.bench.studies`);
+:func:`study_tables` gives every study's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fedcompress.bench.sweep import SERVER_KEYS, Cell, Study
@@ -76,13 +79,45 @@ def study_table(study: Study, results: dict[str, dict], metric: str = "perplexit
     return header, body
 
 
-def study_markdown(study: Study, results: dict[str, dict]) -> str:
+@dataclass
+class StudyTable:
+    """One table of a study: an optional caption, the text before it (markdown), its header
+    and rows; values start at column ``first_value``; ``best`` is ``"min"`` when the lowest
+    value of each column is the best (highlighted on the report page), else None."""
+
+    caption: str
+    note: str
+    header: list[str]
+    body: list[list[str]]
+    first_value: int
+    best: str | None = "min"
+
+
+def study_tables(study: Study, results: dict[str, dict]) -> list[StudyTable]:
+    """Every table of a study, by its kind (perplexity table, network times, leakage)."""
+    if study.kind == "network":
+        from fedcompress.bench.studies import network_table
+
+        return [network_table(study, results)]
+    if study.kind == "leakage":
+        from fedcompress.bench.studies import leakage_tables
+
+        return leakage_tables(study, results)
     header, body = study_table(study, results)
     fixed = {k: v for k, v in study.settings.items() if k not in study.swept}
-    lines = [f"### {study.title}", "",
-             "Perplexity (lower is better). Fixed: " + ", ".join(
-                 f"{k}={_fmt(v)}" for k, v in sorted(fixed.items())) + ".", "",
-             markdown_table(header, body)]
+    note = "Perplexity (lower is better). Fixed: " + ", ".join(
+        f"{k}={_fmt(v)}" for k, v in sorted(fixed.items())) + "."
+    return [StudyTable("", note, header, body, header.index("strategy") + 1)]
+
+
+def study_markdown(study: Study, results: dict[str, dict]) -> str:
+    lines = [f"### {study.title}"]
+    for table in study_tables(study, results):
+        if table.caption:
+            lines += ["", f"#### {table.caption}"]
+        if table.note:
+            lines += ["", table.note]
+        lines += ["", markdown_table(table.header, table.body)]
     return "\n".join(lines)
 
 

@@ -1,0 +1,358 @@
+"""Bench studies that are not FedPrLLM sweeps: ``[study.NAME] kind = "network"`` and
+``kind = "leakage"``. They are planned by :func:`fedcompress.bench.sweep.plan`, run (and
+resumed) by its :class:`~fedcompress.bench.sweep.BenchRunner`, and reported by
+:mod:`fedcompress.bench.run` with the other studies: their tables are built here from the cells'
+records (also by ``fedcompress report``, from ``report.json``).
+
+Network (FedPrLLM Tables 16-17)
+-------------------------------
+Simulated end-to-end time of FedPrLLM cells under network profiles, from what each cell
+measured: its bytes up and down per client, its rounds (one-shot 1, iterative one per decoder
+layer) and its client and server seconds
+(:func:`~fedcompress.bench.network.schedule_from_bench_record`, then
+:func:`~fedcompress.bench.network.simulate`). Nothing is re-timed: arithmetic on the measured
+quantities. Settings:
+
+* ``profiles``: names of :data:`fedcompress.bench.network.PROFILES` (default all four:
+  datacenter, lan, wan, edge);
+* ``stragglers``: the fraction of slow clients (a list: one row per fraction; default 0.2),
+  ``straggler_transfer`` (bandwidth divided by, default 2), ``straggler_compute`` (compute
+  seconds multiplied by, default 2), ``straggler_seed`` (default 0);
+* ``studies``: names of other studies whose FedPrLLM cells are simulated (their baselines have
+  no communication and are left out); without it, the study's own FedPrLLM settings are swept
+  as in any study (e.g. ``mode = ["oneshot", "iterative"]``, ``wire = ["packed",
+  "compressed"]``) and its cells run with the others.
+
+Leakage (FedPrLLM App. C)
+-------------------------
+What a shared mask reveals about a client's calibration windows
+(:mod:`fedcompress.privacy.leakage_experiment`): one cell per setting of
+:class:`~fedcompress.privacy.leakage_experiment.LeakageConfig` (a list is swept): ``model``,
+``dtype``, ``method``, ``sparsity``, ``local_group`` (the masks' comparison group),
+``clients``, ``samples_per_client`` (windows per client), ``seqlen``, ``calib_text``,
+``calib_split``, ``batch_size``, ``seed`` (taken from ``[bench]`` too, as in every study) and
+``layers`` (the first N decoder layers), ``replacements``, ``half_overlap``, ``nonmembers``. A
+finished cell is appended to ``results.jsonl`` like any cell and skipped on a rerun.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from fedcompress.bench.sweep import (
+    EVAL_KEYS,
+    SERVER_KEYS,
+    BenchConfigError,
+    Cell,
+    Study,
+    _study,
+)
+
+NETWORK_DEFAULTS: dict[str, Any] = {
+    "profiles": ["datacenter", "lan", "wan", "edge"], "stragglers": [0.2],
+    "straggler_transfer": 2.0, "straggler_compute": 2.0, "straggler_seed": 0}
+NETWORK_KEYS = (*NETWORK_DEFAULTS, "studies")
+#: Keys of a study table that describe the study, not its cells.
+META_KEYS = ("title", "kind")
+
+
+# ------------------------------------------------------------------------------------------
+# Network
+# ------------------------------------------------------------------------------------------
+
+def network_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
+                  overrides: Mapping[str, Any], planned: Mapping[str, Study]) -> Study:
+    """A network study: its options and the FedPrLLM cells it simulates (other studies' or
+    its own sweep's)."""
+    from fedcompress.bench.network import get_profile
+
+    options = {k: table.get(k, v) for k, v in NETWORK_DEFAULTS.items()}
+    for key in ("profiles", "stragglers"):
+        if not isinstance(options[key], list):
+            options[key] = [options[key]]
+        if not options[key]:
+            raise BenchConfigError(f"study {name!r}: {key} is an empty list")
+    try:
+        options["profiles"] = [get_profile(p).name for p in options["profiles"]]
+        for fraction in options["stragglers"]:
+            stragglers(options, fraction)
+    except (TypeError, ValueError) as err:
+        raise BenchConfigError(f"study {name!r}: {err}") from err
+    rest = {k: v for k, v in table.items() if k not in NETWORK_KEYS and k not in META_KEYS}
+    if "studies" in table:
+        sources = table["studies"]
+        sources = [sources] if isinstance(sources, str) else list(sources)
+        if rest:
+            raise BenchConfigError(f"study {name!r}: a network study over the cells of "
+                                   f"{sources} takes no cell settings ({sorted(rest)}): set them "
+                                   "in those studies, or drop `studies` to sweep its own cells")
+        for source in sources:
+            if source not in planned:
+                raise BenchConfigError(f"study {name!r}: studies names {source!r}, which is not "
+                                       "a FedPrLLM or leakage study of this config")
+        cells = [c for source in sources for c in planned[source].cells]
+        options["studies"] = sources
+        settings: dict[str, Any] = {}
+    else:
+        if "baselines" in rest:
+            raise BenchConfigError(f"study {name!r}: a network study has no baselines (they "
+                                   "send nothing)")
+        own = _study(name, {**base, **rest, **overrides})
+        cells, settings = own.cells, own.settings
+    unique: dict[str, Cell] = {}
+    for cell in cells:
+        if cell.kind == "fedprllm":
+            unique.setdefault(cell.id, cell)
+    if not unique:
+        raise BenchConfigError(f"study {name!r}: no FedPrLLM cell to simulate")
+    study = Study(name, table.get("title", name), settings, varying(list(unique.values())), [],
+                  "profile", list(unique.values()), kind="network", options=options)
+    return study
+
+
+def stragglers(options: Mapping[str, Any], fraction: float):
+    from fedcompress.bench.network import Stragglers
+
+    return Stragglers(fraction=float(fraction),
+                      transfer_slowdown=float(options["straggler_transfer"]),
+                      compute_slowdown=float(options["straggler_compute"]),
+                      seed=int(options["straggler_seed"]))
+
+
+def varying(cells: list[Cell]) -> list[str]:
+    """The settings whose values differ between ``cells`` (in the order of the first)."""
+    settings = [c.settings() for c in cells]
+    keys = list(dict.fromkeys(k for s in settings for k in s))
+    return [k for k in keys if k != "kind" and k not in EVAL_KEYS
+            and len({repr(s.get(k)) for s in settings}) > 1]
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def network_rows(study: Study, results: Mapping[str, dict]) -> list[dict[str, Any]]:
+    """One row per (cell, straggler fraction): the cell's settings, its status, and when it
+    finished its measured quantities and each profile's simulated seconds
+    (:func:`fedcompress.bench.network.simulate` of its measured schedule)."""
+    from fedcompress.bench.network import schedule_from_bench_record, simulate
+    from fedcompress.bench.tables import strategy_label
+
+    options = study.options
+    shown = [k for k in study.swept if k not in SERVER_KEYS and k != "mode"]
+    rows = []
+    for cell in study.cells:
+        settings = cell.settings()
+        record = results.get(cell.id)
+        for fraction in options["stragglers"]:
+            row: dict[str, Any] = {
+                "cell": cell.id, "strategy": strategy_label(settings),
+                "settings": {k: settings.get(k) for k in shown}, "stragglers": float(fraction)}
+            rows.append(row)
+            if record is None:
+                row["status"] = "pending"
+                continue
+            if record.get("status") != "ok":
+                row["status"] = "failed"
+                continue
+            try:
+                schedule, server_s = schedule_from_bench_record(record)
+                sims = {p: simulate(schedule, int(record["clients"]), p,
+                                    stragglers(options, fraction), server_s)
+                        for p in options["profiles"]}
+            except (KeyError, TypeError, ValueError) as err:
+                row["status"] = f"not simulated: {err}"
+                continue
+            first = next(iter(sims.values()))
+            row.update(status="ok", clients=int(record["clients"]), rounds=schedule.rounds,
+                       bytes_up=first.bytes_up_per_client, bytes_down=first.bytes_down_per_client,
+                       client_seconds=float(sum(schedule.matrix("compute_s", 1)[:, 0])),
+                       server_seconds=server_s * schedule.rounds,
+                       slow_clients=len(first.stragglers),
+                       seconds={p: r.total_seconds for p, r in sims.items()},
+                       homogeneous_seconds={p: r.homogeneous_seconds for p, r in sims.items()})
+    return rows
+
+
+def network_table(study: Study, results: Mapping[str, dict]):
+    """The study's table: rows (cell x straggler fraction), columns the measured quantities and
+    each profile's simulated seconds."""
+    from fedcompress.bench.network import PROFILES, format_bits_per_second
+    from fedcompress.bench.tables import StudyTable, _fmt
+
+    options = study.options
+    rows = network_rows(study, results)
+    shown = list(rows[0]["settings"]) if rows else []
+    several = len(options["stragglers"]) > 1
+    header = [*shown, "strategy", *(["stragglers"] if several else []), "rounds",
+              "up / client", "down / client", "client s", "server s",
+              *(f"{p} s" for p in options["profiles"])]
+    body = []
+    for row in rows:
+        line = [*(_fmt(row["settings"][k]) for k in shown), row["strategy"],
+                *([f"{row['stragglers']:g}"] if several else [])]
+        if row["status"] != "ok":
+            body.append(line + [row["status"]] + [""] * (len(header) - len(line) - 1))
+            continue
+        body.append(line + [str(row["rounds"]), _bytes(row["bytes_up"]),
+                            _bytes(row["bytes_down"]), f"{row['client_seconds']:.4g}",
+                            f"{row['server_seconds']:.3g}",
+                            *(f"{row['seconds'][p]:.4g}" for p in options["profiles"])])
+    profiles = "; ".join(
+        f"{p} {PROFILES[p].latency_s * 1000:g} ms, {format_bits_per_second(PROFILES[p].down_bps)}"
+        for p in options["profiles"])
+    fractions = ", ".join(f"{f:.0%}" for f in options["stragglers"])
+    source = (f"the FedPrLLM cells of {', '.join(f'`{s}`' for s in options['studies'])}"
+              if "studies" in options else "its FedPrLLM cells")
+    note = (f"Simulated end-to-end seconds (lower is better) of {source} on each network profile "
+            f"({profiles}; symmetric), from what each cell measured: bytes up/down per client "
+            "(its wire format), rounds (one-shot 1, iterative one per decoder layer), a "
+            "client's compute seconds (mean over clients) and the server's (`server s`: vote, "
+            "selection and decoding, all rounds). Synchronous rounds: each waits for the "
+            f"slowest client. Stragglers: {fractions} of the clients (seed "
+            f"{options['straggler_seed']}) with bandwidth / {options['straggler_transfer']:g} "
+            f"and compute x {options['straggler_compute']:g}. Nothing is re-timed "
+            "(`fedcompress.bench.network`).")
+    first = header.index(f"{options['profiles'][0]} s")
+    return StudyTable("", note, header, body, first_value=first, best="min")
+
+
+# ------------------------------------------------------------------------------------------
+# Leakage
+# ------------------------------------------------------------------------------------------
+
+def leakage_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any]) -> Study:
+    """A leakage study: one cell per point of its swept settings."""
+    from fedcompress.config import SettingsError
+    from fedcompress.privacy.leakage_experiment import LeakageConfig
+
+    names = LeakageConfig.names()
+    unknown = sorted(set(table) - set(names) - set(META_KEYS))
+    if unknown:
+        hint = (" (the masks' comparison group is local_group)" if "group" in unknown else "")
+        raise BenchConfigError(f"study {name!r} (kind leakage): unknown setting(s) {unknown}"
+                               f"{hint}; expected some of {sorted(names)}")
+    # [bench] settings that mean the same here (model, method, clients, ...) apply too
+    settings = {k: base[k] for k in names if k in base}
+    settings.update({k: table[k] for k in names if k in table})
+    swept = [k for k, v in settings.items() if isinstance(v, list)]
+    for key in swept:
+        if not settings[key]:
+            raise BenchConfigError(f"study {name!r}: {key} is an empty list")
+    study = Study(name, table.get("title", name), settings, swept, [], None, kind="leakage")
+    seen = set()
+    for values in itertools.product(*(settings[k] for k in swept)):
+        point = {**settings, **dict(zip(swept, values))}
+        try:
+            config = LeakageConfig.from_dict(point)
+        except SettingsError as err:
+            raise BenchConfigError(f"study {name!r}: {err}") from err
+        cell = Cell("leakage", tuple(config.to_dict().items()))
+        if cell.id not in seen:
+            seen.add(cell.id)
+            study.cells.append(cell)
+    return study
+
+
+def leakage_cell(record: Mapping[str, Any]) -> Cell:
+    """The cell a stored leakage record belongs to (settings it lacks, added later, take their
+    default)."""
+    from fedcompress.privacy.leakage_experiment import LeakageConfig
+
+    values = {**LeakageConfig.defaults(), **{k: record[k] for k in LeakageConfig.names()
+                                              if k in record}}
+    return Cell("leakage", tuple((k, values[k]) for k in LeakageConfig.names()))
+
+
+def run_leakage_cell(cell: Cell, device: str | None = None) -> dict:
+    """Measure one leakage cell: the whole result under ``leakage``, its headline numbers as
+    fields of the record."""
+    from fedcompress.privacy.leakage_experiment import LeakageConfig, measure
+
+    config = LeakageConfig.from_dict(dict(cell.client))
+    timings: dict[str, float] = {}
+    result = measure(config, device, timings)
+    hm, sens, mem = result["hamming"], result["sensitivity"], result["membership"]
+    return {"name": f"leakage {config.method} {config.sparsity:g} {config.local_group}",
+            "measured_layers": result["scope"]["layers"],
+            "masks": len(result["mask_seconds"]),
+            "hamming_disjoint": hm["disjoint"]["mean"],
+            "hamming_one_window": hm["overlap_w_minus_1"]["mean"],
+            "with_vs_without_target": sens["with_vs_without_target"]["mean"],
+            "h_given_other_client": result["information"]["h_mask_given_other_client"]["mean"],
+            "auc_knows_rest": mem["knows_rest"]["auc_within"],
+            "auc_reference": mem["reference"]["auc_within"],
+            "top1_reference": mem["reference"]["top1"],
+            "phase_seconds": timings, "leakage": result}
+
+
+def _cell_label(study: Study, cell: Cell) -> str:
+    settings = dict(cell.client)
+    return ", ".join(f"{k}={settings[k]}" for k in study.swept) or "measured"
+
+
+def leakage_tables(study: Study, results: Mapping[str, dict]) -> list:
+    """One table per part of the analysis (information, Hamming distances, sensitivity,
+    membership): a row per quantity, a column per cell (its swept settings), the paper's
+    value last."""
+    from fedcompress.bench.tables import StudyTable, _fmt
+    from fedcompress.privacy.leakage_experiment import PAPER, PARTS, quantities, scope_text
+
+    columns, values, labels = [], [], {}
+    first = None
+    for cell in study.cells:
+        columns.append(_cell_label(study, cell))
+        record = results.get(cell.id)
+        if record is None:
+            values.append("pending")
+        elif record.get("status") != "ok":
+            values.append("failed")
+        else:
+            result = record["leakage"]
+            first = first or result
+            rows = {key: value for _, key, _, value in quantities(result)}
+            for part, key, label, _ in quantities(result):
+                labels.setdefault(key, (part, label))
+            values.append(rows)
+    settings = dict(study.cells[0].client) if study.cells else study.settings
+    fixed = {k: v for k, v in settings.items() if k not in study.swept}
+    note = ("Fixed: " + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(fixed.items())) + ". "
+            + (scope_text(first) if first else "No cell has finished yet."))
+    tables = []
+    for part, caption in PARTS.items():
+        keys = [k for k, (p, _) in labels.items() if p == part]
+        body = [[labels[k][1], *(v if isinstance(v, str) else v.get(k, "") for v in values),
+                 PAPER.get(k, "")] for k in keys]
+        if not keys:
+            body = [["(every quantity)", *(v if isinstance(v, str) else "" for v in values), ""]]
+        tables.append(StudyTable(f"({part}) {caption}", note if part == "a" else "",
+                                 ["quantity", *columns, "paper (LLaMA-7B)"], body,
+                                 first_value=1, best=None))
+    return tables
+
+
+def leakage_summary(study: Study, results: Mapping[str, dict]) -> dict[str, dict]:
+    """Per finished cell (by its label): the Hamming distances by overlap and per decoder
+    layer, for the plot."""
+    out = {}
+    for cell in study.cells:
+        record = results.get(cell.id)
+        if not record or record.get("status") != "ok":
+            continue
+        r = record["leakage"]
+        hm, sens = r["hamming"], r["sensitivity"]
+        w = r["config"]["samples_per_client"]
+        out[_cell_label(study, cell)] = {
+            "overlap": {"same windows": hm["same_windows"],
+                        f"{w - 1}/{w} shared": hm["overlap_w_minus_1"],
+                        f"{w // 2}/{w} shared": hm["overlap_half"],
+                        "disjoint": hm["disjoint"],
+                        f"with vs without target ({w} vs {w - 1})":
+                            sens["with_vs_without_target"]},
+            "per_layer": hm["per_decoder_layer"]}
+    return out
