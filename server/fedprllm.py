@@ -45,11 +45,12 @@ def split_settings(settings: dict) -> tuple[FedPrLLMConfig, EvalConfig, RunSetti
 
 def check_settings(settings: dict) -> None:
     """Every setting valid, before any model is loaded or any engine started."""
-    config, _, server = split_settings(settings)
+    config, evals, server = split_settings(settings)
     server_variants(config, server.variants)
     if server.resume and config.mode != "iterative" and config.aggregate != "stats":
         raise ValueError("resume=True is invalid: expected mode iterative or aggregate stats "
                          "(a one-shot vote has one round: run it again)")
+    evals.load_tasks()  # every zero-shot task exists and loads (offline: bundled or cached)
 
 
 def server_variants(config: FedPrLLMConfig, which: str) -> list[ServerConfig]:

@@ -13,6 +13,7 @@ The Flower files: ``clients/fedprllm.py``, ``strategies/fedprllm.py``, ``server/
 from __future__ import annotations
 
 from fedcompress.methods.base import Method
+from fedcompress.methods.evaluation import accuracy_cells, accuracy_columns
 from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig, RunSettings
 
 __all__ = ["METHOD", "EvalConfig", "FedPrLLMConfig", "RunSettings"]
@@ -21,16 +22,13 @@ __all__ = ["METHOD", "EvalConfig", "FedPrLLMConfig", "RunSettings"]
 def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     """The CLI's table of a ``prune`` report: perplexity, sparsity, times per model and, with
     ``--tasks``, the accuracy on each task."""
-    tasks: list[str] = []
-    for r in report["results"]:
-        tasks += [t for t in r.get("zero_shot", {}) if t not in tasks]
+    tasks = accuracy_columns(report["results"])
     rows = []
     for r in report["results"]:
         prune_s = r.get("prune_seconds", r.get("federated_seconds"))
-        accs = [r.get("zero_shot", {}).get(t, {}).get("acc") for t in tasks]
         rows.append([r["name"], f"{r['perplexity']:.3f}", f"{r['sparsity']:.3f}",
                      "-" if prune_s is None else f"{prune_s:.1f}", f"{r['eval_seconds']:.1f}",
-                     *("-" if a is None else f"{a:.4f}" for a in accs)])
+                     *accuracy_cells(r, tasks)])
     return ("fedcompress prune", ["name", "perplexity", "sparsity", "prune s", "eval s",
                                   *(f"acc {t}" for t in tasks)], rows, [])
 

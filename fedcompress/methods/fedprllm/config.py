@@ -13,6 +13,7 @@ from typing import ClassVar
 from fedcompress.config import ServerSettings, Settings, setting
 from fedcompress.masks.aggregate import TIE_BREAKS
 from fedcompress.masks.robust import DEFAULT_Z, DEFENCES, check_defence
+from fedcompress.methods.evaluation import TaskEvalSettings
 from fedcompress.pruning.allocation import PROFILES
 from fedcompress.pruning.local import METHODS
 from fedcompress.pruning.select import GROUPS, check_group
@@ -278,8 +279,9 @@ class FedPrLLMConfig(Settings):
 
 
 @dataclass(frozen=True)
-class EvalConfig(Settings):
-    """Where and how pruned models are evaluated (server only)."""
+class EvalConfig(TaskEvalSettings):
+    """Where and how pruned models are evaluated (server only): perplexity on a corpus and,
+    with ``tasks``, zero-shot accuracy (the settings every method shares)."""
 
     label: ClassVar[str] = "FedPrLLM evaluation"
 
@@ -288,15 +290,6 @@ class EvalConfig(Settings):
     eval_seqlen: int = setting(256, "Evaluation window.", ge=2)
     eval_windows: int = setting(0, "Evaluate on the first N windows (0: the whole split).",
                                 ge=0)
-    tasks: str = setting("", "Zero-shot tasks each model is scored on, comma-separated: "
-                         "bundled tasks, .jsonl files, or lm-eval task names (online or "
-                         "cached: boolq, rte, hellaswag, winogrande, arc_easy, arc_challenge, "
-                         "openbookqa; 'standard' names these seven); empty: none.")
-    tasks_path: str = setting("", "Extra lm-eval YAML task folders (comma-separated) whose "
-                              "tasks --tasks may name.")
-    task_split: str = setting("test", "Split of the bundled / .jsonl tasks (lm-eval tasks "
-                              "keep their own).")
-    task_limit: int = setting(0, "Score the first N examples of each task (0: all).", ge=0)
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,15 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from fedcompress.data.corpora import corpus_text, load_corpus
 from fedcompress.eval.perplexity import perplexity
-from fedcompress.eval.tasks import TaskSuite, load_tasks
+from fedcompress.eval.tasks import TaskSuite
+from fedcompress.methods.evaluation import task_fields
 from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig
 from fedcompress.methods.fedprllm.federated import federation_windows
 from fedcompress.models import LoadedModel, load_model
@@ -69,14 +70,8 @@ class Experiment:
         sparsity = sparsity_report(model)
         record = {"name": name, "perplexity": ppl.perplexity,
                   "sparsity": sparsity["overall"], **extra}
-        if self.tasks:
-            scores = self.tasks.evaluate(model, self.tokenizer,
-                                         limit=self.eval_config.task_limit or None,
-                                         batch_size=self.config.batch_size,
-                                         seed=self.config.seed, progress=False)
-            record.update({f"acc_{task}": score.acc for task, score in scores.items()})
-            record["mean_acc"] = sum(s.acc for s in scores.values()) / len(scores)
-            record["zero_shot"] = {task: asdict(score) for task, score in scores.items()}
+        record.update(task_fields(self.tasks, self.eval_config, model, self.tokenizer,
+                                  batch_size=self.config.batch_size, seed=self.config.seed))
         record.update({"eval_seconds": time.perf_counter() - start,
                        "sparsity_per_layer": sparsity["per_layer"]})
         logger.info("%s: perplexity %.3f (sparsity %.3f)%s", name, ppl.perplexity,
@@ -131,7 +126,7 @@ def prepare_experiment(config: FedPrLLMConfig, eval_config: EvalConfig,
     fails here, before any pruning)."""
     timings = {}
     start = time.perf_counter()
-    tasks = load_tasks(eval_config.tasks, eval_config.task_split, eval_config.tasks_path)
+    tasks = eval_config.load_tasks()
     eval_text = corpus_text(load_corpus(eval_config.eval_text, eval_config.eval_split))
     timings["eval_data"] = time.perf_counter() - start
     start = time.perf_counter()
