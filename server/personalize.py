@@ -4,7 +4,10 @@ Load the global model (the same spec every site loads), ask the sites for their 
 count them into the global plan (Eq. 4, rescaled to ``p``), collect and sum the sites' masks at
 it, send each site its plan and the shared masks, collect every site's held-out perplexity of
 its personalized model and of the baselines, and write ``report.json``/``report.md`` (one row
-per site) with a plot of how often each unit falls in each class across sites.
+per site) with a plot of how often each unit falls in each class across sites. With ``tasks``,
+the server scores the global models it holds on zero-shot tasks (one record each: the shared
+vote at the global plan, the uniform FedPrLLM vote and the dense model when those baselines are
+asked for); the sites' personalized models never leave the sites and are not scored on them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import transformers  # noqa: F401
 from flwr.serverapp import Grid, ServerApp
 
 from fedcompress.methods import personalize as pz
+from fedcompress.methods.evaluation import TaskEvalSettings, task_fields
 from fedcompress.models import load_model
+from fedcompress.pruning.local import sparsity_report
 from fedcompress.report import RunReport
 from server.common import make_server_app, run_with_report
 from strategies.personalize import PersonalizeServer
@@ -27,19 +32,22 @@ logger = logging.getLogger(__name__)
 
 
 def check_settings(settings: dict) -> None:
-    """Every setting valid, before any model is loaded or any engine started."""
-    pz.METHOD.parse(settings)
+    """Every setting valid and the data there, before any model is loaded or engine started."""
+    config, evals, _ = pz.METHOD.parse(settings)
+    pz.check_corpora(config)  # the sites' corpora load (offline: bundled or cached)
+    evals.load_tasks()  # every zero-shot task exists and loads (offline: bundled or cached)
 
 
 def run(grid: Grid, settings: dict) -> RunReport:
     return run_with_report(pz.METHOD, grid, settings, _run)
 
 
-def _run(grid: Grid, config: pz.PersonalizeConfig, server: pz.RunSettings,
-         report: RunReport) -> None:
+def _run(grid: Grid, config: pz.PersonalizeConfig, evals: TaskEvalSettings,
+         server: pz.RunSettings, report: RunReport) -> None:
     out = Path(server.out)
     baselines = server.baseline_list()
     with report.phase("setup"):
+        tasks = evals.load_tasks()  # before the model: a name that cannot load fails at once
         device = None if server.device in ("", "auto") else server.device
         loaded = load_model(config.model, device=device, dtype=config.dtype)
     report.extra["model"] = {"spec": loaded.spec, **loaded.info}
@@ -79,6 +87,21 @@ def _run(grid: Grid, config: pz.PersonalizeConfig, server: pz.RunSettings,
              if scores and all(k in m for m in scores)}
     report.extra["geometric_mean_perplexity"] = means
     pz.plot_unit_classes(counts, out / "unit-classes.png")
+    if tasks:
+        with report.phase("zero_shot"):
+            for name, model in pz.server_models(loaded.model, config, plan, voted, uniform,
+                                                dense="dense" in baselines):
+                report.add_result({"name": name, "sparsity": sparsity_report(model)["overall"],
+                                   **task_fields(tasks, evals, model, loaded.tokenizer,
+                                                 batch_size=config.batch_size,
+                                                 seed=config.seed)})
+        report.sections.append(("Zero-shot accuracy", (
+            "The server scored the models it holds on the tasks: global-plan (the shared vote "
+            "at the global plan on every layer: the model of a site that found no unit "
+            "personalized)" + (", fedprllm (the uniform FedPrLLM vote at p)" if uniform else "")
+            + (", dense" if "dense" in baselines else "") + ". Each site's personalized "
+            "model (and local-only model) stays at the site and is not scored on the tasks; "
+            "the per-site rows hold their held-out perplexities.")))
 
 
 def make_app(settings: dict | None = None) -> ServerApp:

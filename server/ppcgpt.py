@@ -5,9 +5,11 @@ synthetic questions, 3-sample-agreed CoT answers and rationales from LLM_syn; Bl
 layer removal of LLM_o; CoT distillation with LoRA. Round 2: the removal plan and the adapter go
 to the clients, which measure the model's accuracy on their private test data ("S"), retrain
 it on their private labelled data and measure again ("C"). Baselines run in-process on each
-client's data: dense (no training), DenseSFT, Plain-C. Writes report.json/report.md, the
-synthetic data (``synthetic/``) and the compressed model (``model/``, adapter merged,
-``save_pretrained``).
+client's data: dense (no training), DenseSFT, Plain-C. With ``tasks``, the server scores
+LLM_o and its distilled model (as round 2 sends it, before any client retrains it) on zero-shot
+tasks: the ``dense`` and ``ppcgpt`` records get ``acc_<task>``, ``mean_acc`` and ``zero_shot``.
+Writes report.json/report.md, the synthetic data (``synthetic/``) and the compressed model
+(``model/``, adapter merged, ``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from flwr.app import ArrayRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedcompress.methods import ppcgpt
+from fedcompress.methods.evaluation import TaskEvalSettings, task_fields
 from fedcompress.models import load_model, num_layers
 from fedcompress.report import RunReport
 from fedcompress.synth import SynthConfig, generate_synthetic
@@ -34,15 +37,18 @@ BASELINES = {"dense": ppcgpt.dense_accuracy, "dense-sft": ppcgpt.dense_sft,
              "plain-c": ppcgpt.plain_c}
 
 
-def split_settings(settings: dict) -> tuple[ppcgpt.PPCGPTConfig, ppcgpt.RunSettings]:
-    """Flat settings (CLI or run config, keys with ``-`` or ``_``) -> (method, server)."""
+def split_settings(settings: dict) -> tuple[ppcgpt.PPCGPTConfig, TaskEvalSettings,
+                                            ppcgpt.RunSettings]:
+    """Flat settings (CLI or run config, keys with ``-`` or ``_``) -> (method, zero-shot
+    evaluation, server)."""
     return ppcgpt.METHOD.parse(settings)  # type: ignore[return-value]
 
 
 def check_settings(settings: dict) -> None:
     """Every setting valid, before any model is loaded or any engine started."""
-    config, _ = split_settings(settings)
+    config, evals, _ = split_settings(settings)
     ppcgpt.client_data(config, 0)  # the task exists and has enough examples
+    evals.load_tasks()  # every zero-shot task exists and loads (offline: bundled or cached)
 
 
 def _result(name: str, per_client: list[dict], **extra) -> dict:
@@ -69,12 +75,13 @@ def run(grid: Grid, settings: dict) -> RunReport:
     return run_with_report(ppcgpt.METHOD, grid, settings, _run)
 
 
-def _run(grid: Grid, config: ppcgpt.PPCGPTConfig, server: ppcgpt.RunSettings,
-         report: RunReport) -> None:
+def _run(grid: Grid, config: ppcgpt.PPCGPTConfig, evals: TaskEvalSettings,
+         server: ppcgpt.RunSettings, report: RunReport) -> None:
     out = Path(server.out)
     baselines = server.baseline_list()
     timeout = server.timeout
     with report.phase("setup"):
+        tasks = evals.load_tasks()  # before the model: a name that cannot load fails at once
         device = None if server.device in ("", "auto") else server.device
         loaded = load_model(config.model, device=device, dtype=config.dtype)
         model, tokenizer = loaded.model, loaded.tokenizer
@@ -119,6 +126,16 @@ def _run(grid: Grid, config: ppcgpt.PPCGPTConfig, server: ppcgpt.RunSettings,
             tokenizer.save_pretrained(out / "model")
             del merged
 
+    # Zero-shot accuracy of LLM_o and of the server's model as round 2 sends it (distilled,
+    # before any client retrains it): the fields of the "dense" and "ppcgpt" records.
+    zero_shot: dict[str, dict] = {}
+    if tasks:
+        with report.phase("zero_shot"):
+            for name, scored in (("dense", model), ("ppcgpt", compressed.model)):
+                zero_shot[name] = task_fields(tasks, evals, scored, tokenizer,
+                                              batch_size=config.eval_batch_size,
+                                              seed=config.seed)
+
     strategy.set_model(list(compressed.plan.removed), ppcgpt.adapter_arrays(compressed.model))
     start = time.perf_counter()
     with report.phase("round2_retrain"):
@@ -131,7 +148,8 @@ def _run(grid: Grid, config: ppcgpt.PPCGPTConfig, server: ppcgpt.RunSettings,
         removed=len(compressed.plan.removed), synthetic=synth.stats.accepted,
         eps=config.eps, round2_seconds=time.perf_counter() - start,
         bytes_down_per_client=strategy.outcome.bytes_down // max(config.clients, 1),
-        bytes_up_per_client=sum(m.get("bytes_up", 0) for m in budgets) // max(len(budgets), 1)))
+        bytes_up_per_client=sum(m.get("bytes_up", 0) for m in budgets) // max(len(budgets), 1),
+        **zero_shot.get("ppcgpt", {})))
 
     for name in baselines:
         per_client = []
@@ -142,7 +160,10 @@ def _run(grid: Grid, config: ppcgpt.PPCGPTConfig, server: ppcgpt.RunSettings,
                                    **BASELINES[name](model, tokenizer, data, config)})
         removed = len(per_client[0].get("removed", []))
         report.add_result(_result(name, per_client, layers=num_layers(model) - removed,
-                                  removed=removed))
+                                  removed=removed, **zero_shot.get(name, {})))
+    if "dense" in zero_shot and "dense" not in baselines:  # LLM_o scored on the tasks only
+        report.add_result({"name": "dense", "layers": num_layers(model), "removed": 0,
+                           **zero_shot["dense"]})
 
 
 def make_app(settings: dict | None = None) -> ServerApp:

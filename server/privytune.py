@@ -4,9 +4,11 @@ Round 0: the sites' cosine matrices (or public text) -> the removal plan (ratio 
 greedy search). Rounds 1..R: Flower's FedAvg over the sites' DP-SGD-trained weights
 (:class:`strategies.privytune.PrivyTuneFedAvg`), the global model evaluated on the test split
 after every round. Then the sites' extraction audit (causal LMs), the merged model saved with
-``save_pretrained``, and the centralized baseline on the union of the sites' data. Writes
-report.json/report.md, the heat map of the cosine matrix (``cosine_matrix.png``, the paper's
-Fig. 2) and the model (``model/``).
+``save_pretrained``, and the centralized baseline on the union of the sites' data. With
+``tasks`` (objective lm), the initial model (layers removed, before fine-tuning; an ``initial``
+record), the final global model and the central baseline are scored on zero-shot tasks
+(``acc_<task>``, ``mean_acc``, ``zero_shot``). Writes report.json/report.md, the heat map of
+the cosine matrix (``cosine_matrix.png``, the paper's Fig. 2) and the model (``model/``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedcompress.layers.redundancy import CosineMatrix, plot_cosine_matrix
 from fedcompress.methods import privytune as ppt
+from fedcompress.methods.evaluation import TaskEvalSettings, task_fields
 from fedcompress.models import load_model, num_layers
 from fedcompress.report import RunReport
 from server.common import make_server_app, run_with_report
@@ -30,15 +33,18 @@ from strategies.privytune import PrivyTuneFedAvg, training_strategy
 logger = logging.getLogger(__name__)
 
 
-def split_settings(settings: dict) -> tuple[ppt.PrivyTuneConfig, ppt.RunSettings]:
+def split_settings(settings: dict) -> tuple[ppt.PrivyTuneConfig, TaskEvalSettings,
+                                            ppt.RunSettings]:
     return ppt.METHOD.parse(settings)  # type: ignore[return-value]
 
 
 def check_settings(settings: dict) -> None:
     """Every setting valid and the data there, before any model is loaded or engine started."""
-    config, server = split_settings(settings)
+    config, evals, server = split_settings(settings)
     server.validate()
-    ppt.site_data(config, 0)
+    ppt.check_task_eval(config, evals)
+    ppt.check_data(config)
+    evals.load_tasks()  # every zero-shot task exists and loads (offline: bundled or cached)
 
 
 def run(grid: Grid, settings: dict) -> RunReport:
@@ -58,10 +64,12 @@ def _save(model, tokenizer, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _run(grid: Grid, config: ppt.PrivyTuneConfig, server: ppt.RunSettings,
-         report: RunReport) -> None:
+def _run(grid: Grid, config: ppt.PrivyTuneConfig, evals: TaskEvalSettings,
+         server: ppt.RunSettings, report: RunReport) -> None:
     out = Path(server.out)
+    ppt.check_task_eval(config, evals)
     with report.phase("setup"):
+        tasks = evals.load_tasks()  # before the model: a name that cannot load fails at once
         device = None if server.device in ("", "auto") else server.device
         loaded = load_model(config.model, device=device, dtype=config.dtype)
         base, tokenizer, path = loaded.model, loaded.tokenizer, loaded.path
@@ -92,6 +100,16 @@ def _run(grid: Grid, config: ppt.PrivyTuneConfig, server: ppt.RunSettings,
     test = ppt.eval_split(config, tokenizer, union.label_names, decoder, "test")
     rounds: list[dict] = []
 
+    def zero_shot(scored) -> dict:
+        """The zero-shot fields of a model the server holds (none without tasks)."""
+        return task_fields(tasks, evals, scored, tokenizer, batch_size=config.batch_size,
+                           seed=config.seed)
+
+    initial_fields: dict = {}
+    if tasks:
+        with report.phase("zero_shot"):
+            initial_fields = zero_shot(model)  # layers removed, before any fine-tuning
+
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         ppt.load_trainable(model, {k: a.numpy() for k, a in arrays.items()})
         metrics = ppt.evaluate(config, model, tokenizer, test)
@@ -111,6 +129,11 @@ def _run(grid: Grid, config: ppt.PrivyTuneConfig, server: ppt.RunSettings,
     final = result.arrays
     ppt.load_trainable(model, {k: a.numpy() for k, a in final.items()})
     metrics = ppt.evaluate(config, model, tokenizer, test)
+    if tasks:
+        first = next((r for r in rounds if r["round"] == 0), {})
+        report.add_result({"name": "initial", **_metric_row(first),
+                           "layers": num_layers(base) - len(plan.removed),
+                           "removed": len(plan.removed), **initial_fields})
     sites = strategy.stage_metrics("train")
     last = [m for m in sites if m["round"] == config.rounds]
     spent = [m["epsilon_spent"] for m in last if "epsilon_spent" in m]
@@ -146,6 +169,9 @@ def _run(grid: Grid, config: ppt.PrivyTuneConfig, server: ppt.RunSettings,
         report.sections.append(("Extraction attack", (
             f"Not run: {config.model} is an encoder without an MLM head, so it cannot generate "
             "text. Run the audit with a causal LM (e.g. `--model smollm2-135m`).")))
+    if tasks:
+        with report.phase("zero_shot"):
+            row.update(zero_shot(model))  # the final global model
     report.add_result(row)
     if server.save_model:
         with report.phase("save"):
@@ -154,7 +180,7 @@ def _run(grid: Grid, config: ppt.PrivyTuneConfig, server: ppt.RunSettings,
     if "central" in server.baseline_list():
         with report.phase("central"):
             row = ppt.central_run(config, base, path, tokenizer, plan, union)
-            row.pop("model")
+            row.update(zero_shot(row.pop("model")))
             report.add_result(row)
 
 

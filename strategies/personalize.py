@@ -113,7 +113,7 @@ class PersonalizeServer(RecordsReplies):
         contents = {}
         uniform_record = None
         if uniform is not None:
-            masks = uniform.global_masks(self._server(), self.config.sparsity)
+            masks = uniform.global_masks(self.config.server, self.config.sparsity)
             uniform_record = _record(masks)
         votes = voted.counts()
         for node, site in sites.items():
@@ -142,11 +142,6 @@ class PersonalizeServer(RecordsReplies):
 
         self._keep("personalize", 3, replies, validate, what="scores")
         return self.stage_metrics("personalize")
-
-    def _server(self):
-        from fedcompress.methods.fedprllm.config import ServerConfig
-
-        return ServerConfig(self.config.group, False, self.config.tie_break, self.config.seed)
 
 
 def _record(masks) -> ArrayRecord:

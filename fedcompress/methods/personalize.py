@@ -29,13 +29,14 @@ the perplexity of the site's own held-out windows (:func:`windows_perplexity`).
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -52,12 +53,16 @@ from fedcompress.layers.personalized import (
 )
 from fedcompress.masks.aggregate import TIE_BREAKS, global_mask
 from fedcompress.methods.base import Method
+from fedcompress.methods.evaluation import TaskEvalSettings, accuracy_cells, accuracy_columns
 from fedcompress.methods.fedprllm.config import PARTITIONS
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan
 from fedcompress.pruning.local import layer_sizes
 from fedcompress.pruning.select import GROUPS
 from fedcompress.pruning.walker import walk
+
+if TYPE_CHECKING:
+    from fedcompress.methods.fedprllm.federated import MaskAggregator
 
 __all__ = [
     "CLASSES",
@@ -67,11 +72,13 @@ __all__ = [
     "SparsityPlan",
     "TIE_ORDER",
     "UnitCounts",
+    "check_corpora",
     "global_classes",
     "site_classes_plan",
     "masks_by_layer_list",
     "personal_linears",
     "plot_unit_classes",
+    "server_models",
     "shared_masks",
     "site_masks",
     "site_view",
@@ -160,6 +167,13 @@ class PersonalizeConfig(Settings):
 
         return PruneConfig(self.importance, self.sparsity, "row", layer_sparsity=layer_sparsity)
 
+    @property
+    def server(self):
+        """The server's vote settings (its comparison group and tie-break; no scaling)."""
+        from fedcompress.methods.fedprllm.config import ServerConfig
+
+        return ServerConfig(self.group, False, self.tie_break, self.seed)
+
     def windows_config(self, split: str):
         """The FedPrLLM settings whose windows are this run's (``split``: train = calibration,
         test = held-out; the same per-site source mixture)."""
@@ -182,6 +196,18 @@ class RunSettings(ServerSettings):
                              "p), local-only (the site's own Wanda masks at p).")
     timeout: float = setting(7200.0, "Seconds to wait for the sites' replies of a round.",
                              gt=0.0)
+
+
+def check_corpora(config: PersonalizeConfig) -> None:
+    """Every corpus of ``calib_text`` loads in the splits the sites read (``train``:
+    calibration, ``test``: held-out): an unknown name, or a hub corpus (``wikitext2``, ``ptb``)
+    that cannot be loaded offline, fails here with the error naming it (``c4`` has no test
+    split)."""
+    from fedcompress.data.corpora import load_corpus
+
+    for name in [n for n in config.calib_text.split("+") if n] or [""]:
+        for split in ("train", "test"):
+            load_corpus(name, split)
 
 
 def site_windows(config: PersonalizeConfig, tokenizer, data_path: str | None = None
@@ -293,6 +319,27 @@ def site_masks(model: nn.Module, windows: torch.Tensor, plan: SparsityPlan,
     return walk(model, windows, prune, batch_size=batch_size).masks
 
 
+def server_models(model: nn.Module, config: PersonalizeConfig, plan: SparsityPlan,
+                  voted: MaskAggregator, uniform: MaskAggregator | None = None,
+                  dense: bool = False) -> Iterator[tuple[str, nn.Module]]:
+    """The models the server holds, one pruned copy of ``model`` at a time: ``global-plan``
+    (the shared vote ``voted`` at the global ``plan`` on every linear layer: the model of a
+    site that found no unit personalized), ``fedprllm`` (the uniform vote ``uniform`` at ``p``,
+    when given) and, with ``dense``, ``model`` itself. The sites' personalized models are not
+    among them: they never leave the sites."""
+    from fedcompress.pruning.local import apply_masks
+
+    def pruned(flat: Mapping[str, torch.Tensor]) -> nn.Module:
+        return apply_masks(copy.deepcopy(model), masks_by_layer_list(flat, model))
+
+    yield "global-plan", pruned(shared_masks(voted.counts(), plan, set(), model, config.group,
+                                             config.tie_break))
+    if uniform is not None:
+        yield "fedprllm", pruned(uniform.global_masks(config.server, config.sparsity))
+    if dense:
+        yield "dense", model
+
+
 def masks_by_layer_list(flat: Mapping[str, torch.Tensor], model: nn.Module
                         ) -> list[dict[str, torch.Tensor]]:
     """Wire-keyed masks -> one dict per decoder layer of ``model`` (the form of
@@ -345,17 +392,28 @@ def plot_unit_classes(counts: UnitCounts, path) -> None:
 
 
 def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
-    """The CLI's table: each site's held-out perplexity per model."""
-    rows = report.get("results", [])
+    """The CLI's table: each site's held-out perplexity per model and, with ``--tasks``, the
+    zero-shot accuracy of the models the server holds (rows ``server <model>``)."""
+    results = report.get("results", [])
+    rows = [r for r in results if "site" in r]
+    held = [r for r in results if "site" not in r]  # the server's models, scored on tasks
     names = [k for k in ("personalized", "fedprllm", "local-only", "dense")
              if any(k in r for r in rows)]
+    tasks = accuracy_columns(held)
     table = [[str(r["site"])] + [f"{r[n]:.2f}" if n in r else "-" for n in names]
-             for r in rows]
+             + ["-"] * len(tasks) for r in rows]
+    table += [[f"server {r['name']}"] + ["-"] * len(names) + accuracy_cells(r, tasks)
+              for r in held]
     notes = []
     if "wins" in report:
         notes.append(f"personalized beats uniform FedPrLLM on {report['wins']} of "
                      f"{len(rows)} sites")
-    return "fedcompress personalize", ["site", *names], table, notes
+    if tasks:
+        notes.append("perplexity columns: each site's held-out windows; acc <task>: the "
+                     "server's global models (the sites' personalized models are not scored "
+                     "on the tasks)")
+    return ("fedcompress personalize", ["site", *names, *(f"acc {t}" for t in tasks)], table,
+            notes)
 
 
 METHOD = Method(
@@ -366,7 +424,7 @@ METHOD = Method(
          "classes; the server votes FedPrLLM masks at the global plan; each site keeps local "
          "masks on its personalized layers; per-site held-out perplexity against uniform "
          "FedPrLLM and local-only pruning; a report.",
-    settings=(PersonalizeConfig, RunSettings),
+    settings=(PersonalizeConfig, TaskEvalSettings, RunSettings),
     actions={"query.classify": "classify", "train.plan_masks": "plan_masks",
              "query.personalize": "personalize"},
     message_keys={"config": "config", "classes": "classes", "plan": "plan", "masks": "masks",

@@ -70,6 +70,7 @@ from fedcompress.layers import (
     seq_plan,
 )
 from fedcompress.methods.base import Method
+from fedcompress.methods.evaluation import TaskEvalSettings, accuracy_cells, accuracy_columns
 from fedcompress.models import num_layers, remove_layers
 
 __all__ = [
@@ -624,16 +625,25 @@ class RunSettings(ServerSettings):
 
 
 def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
-    """The CLI's table of a ``ppcgpt`` report: accuracy before (S) and after (C) retraining."""
+    """The CLI's table of a ``ppcgpt`` report: accuracy before (S) and after (C) retraining
+    and, with ``--tasks``, the zero-shot accuracy of LLM_o (``dense``) and of the server's
+    model before the clients retrain it (``ppcgpt``)."""
+    tasks = accuracy_columns(report["results"])
     rows = [[r["name"], str(r.get("layers", "-")),
              "-" if "acc_server" not in r else f"{r['acc_server']:.3f}",
-             f"{r['acc_client']:.3f}", str(r.get("n_client", "-"))] for r in report["results"]]
+             "-" if "acc_client" not in r else f"{r['acc_client']:.3f}",
+             str(r.get("n_client", "-")), *accuracy_cells(r, tasks)]
+            for r in report["results"]]
     synth = report.get("synthetic", {})
     notes = [f"synthetic samples: {synth.get('accepted')}/{synth.get('attempts')} accepted "
              f"({synth.get('backend')}); eps per word {report['config']['eps']}, at most "
              f"{report.get('privacy', {}).get('eps_per_example_max')} per example"] if synth else []
+    if tasks:
+        notes.append("acc <task>: zero-shot accuracy of the server's models (ppcgpt: after "
+                     "distillation, before the clients retrain; dense: LLM_o)")
     return ("fedcompress ppcgpt (accuracy on the clients' private test data)",
-            ["name", "layers", "acc server (S)", "acc client (C)", "n"], rows, notes)
+            ["name", "layers", "acc server (S)", "acc client (C)", "n",
+             *(f"acc {t}" for t in tasks)], rows, notes)
 
 
 METHOD = Method(
@@ -642,7 +652,7 @@ METHOD = Method(
     help="PPC-GPT on Flower's Simulation Engine: DP-perturbed client text, synthetic CoT data, "
          "Block Influence layer removal, distillation, client retraining; baselines and a "
          "report.",
-    settings=(PPCGPTConfig, RunSettings),
+    settings=(PPCGPTConfig, TaskEvalSettings, RunSettings),
     actions={"query.perturb": "perturb", "train.retrain": "retrain"},
     message_keys={"config": "config", "text": "text", "examples": "examples",
                   "metrics": "metrics", "plan": "plan", "adapter": "adapter"},

@@ -26,7 +26,11 @@ share of the training data (iid or Dirichlet label skew, seeded):
   accountant has spent so far. Record-level DP per site: an example's influence on everything a
   site sends is bounded; the server sees only DP outputs.
 * **Evaluation.** The server evaluates the global model on the task's test split after every
-  round (Flower's ``evaluate_fn``): accuracy (``objective="classify"``) or perplexity (``"lm"``).
+  round (Flower's ``evaluate_fn``): accuracy (``objective="classify"``) or perplexity (``"lm"``;
+  ``corpus`` may name a hub corpus with a test split, ``wikitext2`` or ``ptb``, online or
+  cached; ``c4`` has none). With ``tasks`` (``objective="lm"`` only) it also scores the initial
+  model (layers removed, before fine-tuning), the final global model and the central baseline
+  on zero-shot tasks.
 * **Audit.** With ``attack_samples > 0`` every site runs the extraction attack on the final
   global model with ITS training texts as members and its held-out texts as non-members (it has
   both; nothing leaves the site but the scores). Causal LMs only (an encoder has no MLM head).
@@ -61,6 +65,7 @@ from fedcompress.data.tasks import classification_data
 from fedcompress.layers.redundancy import MEASURES, CosineMatrix, cosine_matrix, greedy_removal
 from fedcompress.layers.removal import RemovalPlan, lowest_score_plan
 from fedcompress.methods.base import Method
+from fedcompress.methods.evaluation import TaskEvalSettings, accuracy_cells, accuracy_columns
 from fedcompress.models import embedded_model_dir, num_layers
 from fedcompress.privacy.accounting import ACCOUNTANTS, epsilon_spent, noise_multiplier
 from fedcompress.privacy.classifier import (
@@ -86,6 +91,8 @@ __all__ = [
     "RunSettings",
     "SiteData",
     "build_model",
+    "check_data",
+    "check_task_eval",
     "evaluate",
     "attack_metrics",
     "load_trainable",
@@ -321,6 +328,24 @@ def site_data(config: PrivyTuneConfig, partition: int) -> SiteData:
     return SiteData(partition, [texts[i] for i in train_idx],
                     [labels[i] for i in train_idx] if labels else [],
                     [held[i] for i in held_idx], names)
+
+
+def check_data(config: PrivyTuneConfig) -> None:
+    """Every split the run reads loads (the sites' train and held-out shares, the server's
+    test split): an unknown task, corpus or split (``c4`` has no test split), or a hub corpus
+    (``wikitext2``, ``ptb``) that cannot be loaded offline, fails here with the error naming
+    it."""
+    site_data(config, 0)
+    _texts_labels(config, "test")
+
+
+def check_task_eval(config: PrivyTuneConfig, evals: TaskEvalSettings) -> None:
+    """Zero-shot tasks score a causal LM: refused unless ``objective`` is ``lm`` (a
+    ``classify`` run fine-tunes a classification head, which the tasks cannot score)."""
+    if evals.task_names and config.objective != "lm":
+        raise evals.invalid("tasks", f"none with objective={config.objective!r}: zero-shot "
+                            "tasks score a causal LM and need objective='lm' (a classify run "
+                            "fine-tunes a classification head)")
 
 
 def encode(config: PrivyTuneConfig, tokenizer: Any, texts: Sequence[str],
@@ -622,8 +647,11 @@ def central_run(config: PrivyTuneConfig, base: nn.Module, path: str, tokenizer: 
 
 
 def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
-    """The CLI's table: one row per result (the federated run and the baselines)."""
-    columns = ["name", "layers", "metric", "epsilon", "spent_max", "seconds"]
+    """The CLI's table: one row per result (the federated run and the baselines; with
+    ``--tasks`` also the initial model) and, with ``--tasks``, the zero-shot accuracies."""
+    tasks = accuracy_columns(report["results"])
+    columns = ["name", "layers", "metric", "epsilon", "spent_max", "seconds",
+               *(f"acc {t}" for t in tasks)]
     rows = []
     for r in report["results"]:
         metric = r.get("accuracy", r.get("perplexity"))
@@ -632,7 +660,8 @@ def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
                      str(r.get("epsilon", "-")),
                      "-" if r.get("epsilon_spent_max") is None
                      else f"{r['epsilon_spent_max']:.3f}",
-                     f"{r.get('seconds', 0.0):.1f}"])
+                     "-" if r.get("seconds") is None else f"{r['seconds']:.1f}",
+                     *accuracy_cells(r, tasks)])
     return "fedcompress privytune", columns, rows, []
 
 
@@ -643,7 +672,7 @@ METHOD = Method(
          "redundancy (sites' matrices averaged), federated DP-SGD LoRA (or full) fine-tuning "
          "with FedAvg, per-site epsilon, an extraction-attack audit; the centralized pipeline "
          "as baseline; a report.",
-    settings=(PrivyTuneConfig, RunSettings),
+    settings=(PrivyTuneConfig, TaskEvalSettings, RunSettings),
     actions={"query.cosines": "cosines", "train.dplora": "train",
              "query.attack": "attack"},
     message_keys={"config": "config", "plan": "plan", "arrays": "arrays",
