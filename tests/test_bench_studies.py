@@ -148,6 +148,7 @@ def test_network_study_simulates_the_cells_measured_bytes_and_seconds(bench):
     assert compressed["perplexity"] == packed["perplexity"]  # the same masks, the same vote
     md = (out / "report.md").read_text()
     assert "| edge s |" in md and "Simulated end-to-end seconds" in md
+    assert "| layer, compressed wire |" in md  # the server's cost per wire format
     assert (out / "network-network.png").exists()
 
 

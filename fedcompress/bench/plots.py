@@ -24,11 +24,15 @@ def _pyplot():
     return plt
 
 
-def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
+def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str,
+          legend_below: bool = False) -> Path:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(textwrap.fill(title, 72), fontsize=10)
-    ax.legend(fontsize=7)
+    if legend_below:  # many lines across the whole plot: the legend under it
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    else:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     fig.clf()
@@ -134,7 +138,7 @@ def network_times(study: Study, results: dict[str, dict], path: Path) -> Path | 
     profiles = study.options["profiles"]
     several = len(study.options["stragglers"]) > 1
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8 + 0.12 * len(rows)))
     styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
     values = []
     for i, row in enumerate(rows):
@@ -147,8 +151,10 @@ def network_times(study: Study, results: dict[str, dict], path: Path) -> Path | 
     ax.set_xticks(range(len(profiles)), profiles)
     if max(values) > 10 * min(values):
         ax.set_yscale("log")
+    else:
+        ax.set_ylim(0, 1.05 * max(values))
     return _save(fig, ax, path, study.title, "network profile",
-                 "simulated end-to-end time (s)")
+                 "simulated end-to-end time (s)", legend_below=True)
 
 
 def leakage_distances(study: Study, results: dict[str, dict], path: Path) -> Path | None:

@@ -136,7 +136,8 @@ def server_cost(records: list[dict]) -> str:
         total = r["count_seconds"] + r["aggregate_seconds"]
         rows.append([str(r["clients"]), str(r["samples_per_client"]), r["method"],
                      str(r["sparsity"]),
-                     f"{r['group']}{'+scale' if r['scale'] else ''}",
+                     f"{r['group']}{'+scale' if r['scale'] else ''}"
+                     + (f", {r['wire']} wire" if r.get("wire", "packed") != "packed" else ""),
                      f"{r['client_seconds_mean']:.2f}", f"{r['count_seconds']:.3f}",
                      f"{r['aggregate_seconds']:.3f}",
                      f"{100 * total / r['client_seconds_mean']:.1f}%"])
