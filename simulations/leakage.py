@@ -3,7 +3,7 @@
     python simulations/leakage.py --out simulations/results/leakage [--layers 6]
 
 The experiments (definitions in :mod:`fedcompress.privacy.leakage`, the run in
-:mod:`fedcompress.privacy.leakage_experiment`) are those of a bench study
+:mod:`fedcompress.bench.leakage`) are those of a bench study
 ``[study.NAME] kind = "leakage"`` (``fedcompress bench``, resumable, several settings in one
 table); this script runs one of them with command-line options: ``--group`` is the masks'
 (local) comparison group, ``--windows-per-client`` W, ``--corpus``/``--split`` the calibration
@@ -23,7 +23,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from fedcompress.privacy.leakage_experiment import (  # noqa: E402
+from fedcompress.bench.leakage import (  # noqa: E402
     LeakageConfig,
     headline,
     measure,

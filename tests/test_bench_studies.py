@@ -166,7 +166,7 @@ def test_leakage_study_is_a_resumable_cell(bench, monkeypatch):
     assert "disjoint windows (all client pairs)" in md and (out / "leakage-leakage.png").exists()
 
     # A rerun finds every cell finished: nothing is measured again.
-    import fedcompress.privacy.leakage_experiment as experiment
+    import fedcompress.bench.leakage as experiment
 
     def boom(*args, **kwargs):
         raise AssertionError("recomputed")

@@ -26,8 +26,8 @@ quantities. Settings:
 Leakage (FedPrLLM App. C)
 -------------------------
 What a shared mask reveals about a client's calibration windows
-(:mod:`fedcompress.privacy.leakage_experiment`): one cell per setting of
-:class:`~fedcompress.privacy.leakage_experiment.LeakageConfig` (a list is swept): ``model``,
+(:mod:`fedcompress.bench.leakage`): one cell per setting of
+:class:`~fedcompress.bench.leakage.LeakageConfig` (a list is swept): ``model``,
 ``dtype``, ``method``, ``sparsity``, ``local_group`` (the masks' comparison group),
 ``clients``, ``samples_per_client`` (windows per client), ``seqlen``, ``calib_text``,
 ``calib_split``, ``batch_size``, ``seed`` (taken from ``[bench]`` too, as in every study) and
@@ -230,8 +230,8 @@ def network_table(study: Study, results: Mapping[str, dict]):
 
 def leakage_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any]) -> Study:
     """A leakage study: one cell per point of its swept settings."""
+    from fedcompress.bench.leakage import LeakageConfig
     from fedcompress.config import SettingsError
-    from fedcompress.privacy.leakage_experiment import LeakageConfig
 
     names = LeakageConfig.names()
     unknown = sorted(set(table) - set(names) - set(META_KEYS))
@@ -264,7 +264,7 @@ def leakage_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any]) 
 def leakage_cell(record: Mapping[str, Any]) -> Cell:
     """The cell a stored leakage record belongs to (settings it lacks, added later, take their
     default)."""
-    from fedcompress.privacy.leakage_experiment import LeakageConfig
+    from fedcompress.bench.leakage import LeakageConfig
 
     values = {**LeakageConfig.defaults(), **{k: record[k] for k in LeakageConfig.names()
                                               if k in record}}
@@ -274,7 +274,7 @@ def leakage_cell(record: Mapping[str, Any]) -> Cell:
 def run_leakage_cell(cell: Cell, device: str | None = None) -> dict:
     """Measure one leakage cell: the whole result under ``leakage``, its headline numbers as
     fields of the record."""
-    from fedcompress.privacy.leakage_experiment import LeakageConfig, measure
+    from fedcompress.bench.leakage import LeakageConfig, measure
 
     config = LeakageConfig.from_dict(dict(cell.client))
     timings: dict[str, float] = {}
@@ -302,8 +302,8 @@ def leakage_tables(study: Study, results: Mapping[str, dict]) -> list:
     """One table per part of the analysis (information, Hamming distances, sensitivity,
     membership): a row per quantity, a column per cell (its swept settings), the paper's
     value last."""
+    from fedcompress.bench.leakage import PAPER, PARTS, quantities, scope_text
     from fedcompress.bench.tables import StudyTable, _fmt
-    from fedcompress.privacy.leakage_experiment import PAPER, PARTS, quantities, scope_text
 
     columns, values, labels = [], [], {}
     first = None
