@@ -6,6 +6,10 @@ the global prune mask takes the ``k`` *highest* counts within the server's compa
 (``layer``/``row``/``column``, or N:M runs), and optional weight scaling multiplies each kept
 weight by ``(m - count) / m``, the fraction of clients that kept it.
 
+The compiled kernels (numba, :mod:`fedcompress.masks._kernels`) are imported on first use: a
+site's ClientApp, which imports this module for its constants and codecs, never loads numba for
+its masks.
+
 Tie-break among equal vote counts (``tie_break``):
 
 * ``"magnitude"`` (default): the smaller ``|W|`` is pruned first (then the lower index);
@@ -15,15 +19,13 @@ Tie-break among equal vote counts (``tie_break``):
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Iterable, Sequence
 
-import numba
-import numba.typed
 import numpy as np
 import torch
 
-from fedcompress.masks import _kernels
 from fedcompress.masks.codec import encode_mask
 from fedcompress.models import CALC_DTYPE
 from fedcompress.pruning.select import check_group, check_sparsity
@@ -52,7 +54,19 @@ for _byte in range(256):
 _CHUNK_WORDS = 256  # words per client per counting step: the adder slots stay in L2
 
 
-_WORDS_TYPE = numba.types.Array(numba.types.uint64, 1, "C", readonly=True)
+def _kernels():
+    """The compiled kernels (:mod:`fedcompress.masks._kernels`, numba), imported on first use."""
+    from fedcompress.masks import _kernels
+
+    return _kernels
+
+
+@functools.lru_cache(maxsize=1)
+def _words_type():
+    """The numba type of one client's words (read-only uint64, contiguous)."""
+    import numba
+
+    return numba.types.Array(numba.types.uint64, 1, "C", readonly=True)
 
 
 def payload_words(payload: np.ndarray, nbytes: int) -> np.ndarray:
@@ -95,13 +109,16 @@ def count_words(words: Sequence[np.ndarray], numel: int) -> torch.Tensor:
                              f"({nwords} read-only uint64 words)")
     if sys.byteorder != "little":
         raise RuntimeError("vote counting reads the packed masks as little-endian 64-bit words")
-    typed = numba.typed.List.empty_list(_WORDS_TYPE)
+    from numba.typed import List
+
+    kernels = _kernels()
+    typed = List.empty_list(_words_type())
     for w in words:
         typed.append(w)
-    ops, planes, n_slots = _kernels.count_schedule(m)
+    ops, planes, n_slots = kernels.count_schedule(m)
     wide = m > 255  # else one byte per count: every plane spreads into 8 byte lanes per word
     out = np.empty(nwords * 64, dtype=np.int32) if wide else np.empty(nwords * 8, dtype=np.uint64)
-    _kernels.count_words(typed, nwords, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out, wide)
+    kernels.count_words(typed, nwords, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out, wide)
     counts = out[:numel] if wide else out.view(np.uint8)[:numel]
     return torch.from_numpy(counts).to(count_dtype(m))
 
@@ -183,10 +200,10 @@ def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int,
         raise ValueError("vote counts must be non-negative")
     n_values = int(counts.max()) + 1
     if by_column:  # the one-byte counts transposed (numpy); keys and mask as transposed views
-        selected = _kernels.select_rows(np.ascontiguousarray(counts.T), key_arr.T, use_key, k,
-                                        n_values, mask.T)
+        selected = _kernels().select_rows(np.ascontiguousarray(counts.T), key_arr.T, use_key,
+                                          k, n_values, mask.T)
     else:
-        selected = _kernels.select_rows(counts, key_arr, use_key, k, n_values, mask)
+        selected = _kernels().select_rows(counts, key_arr, use_key, k, n_values, mask)
     if selected == -1:
         raise ValueError("tie-break key has NaN or infinite entries (weights?)")
     assert selected == k * rows, (selected, k, rows)
@@ -241,9 +258,9 @@ def apply_global_mask(weight: torch.Tensor, mask: torch.Tensor, counts: torch.Te
     if scale and counts.numel() and not 0 <= int(counts.min()) <= int(counts.max()) <= n_clients:
         raise ValueError(f"vote counts outside [0, {n_clients}] for {n_clients} clients")
     if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
-        _kernels.apply_mask(weight.detach().numpy(),
-                            np.ascontiguousarray(mask.numpy()).view(np.uint8),
-                            np.ascontiguousarray(counts.numpy()), n_clients, scale)
+        _kernels().apply_mask(weight.detach().numpy(),
+                              np.ascontiguousarray(mask.numpy()).view(np.uint8),
+                              np.ascontiguousarray(counts.numpy()), n_clients, scale)
         return
     if scale:
         weight.copy_(scale_weights(weight, counts.to(weight.device), n_clients))
