@@ -15,12 +15,21 @@ Choices, and why:
   ``random.randint(0, len - seqlen - 1)``), so the stream needs at least ``seqlen + 1`` tokens.
 * **Randomness** comes only from ``numpy.random.default_rng(seed)`` (or a generator derived
   from ``(seed, source name)`` in the mixed variant); the global RNGs are never touched.
+* **A cache of token streams** (``cache``, e.g. a site's cache folder): tokenizing a corpus is
+  the slow part (seconds for the bundled wiki split), cutting windows is not. A stream is kept
+  as ``<key>.npy``, the key a sha256 of the exact text tokenized and of the tokenizer (its class,
+  settings and serialized vocabulary and rules), so an edited data file or another tokenizer
+  never meets a stale stream; the windows are cut from it as without the cache.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,18 +53,84 @@ __all__ = [
     "mixed_calibration_windows",
     "sample_windows",
     "tokenize_corpus",
+    "tokenizer_fingerprint",
 ]
 
 logger = logging.getLogger(__name__)
 
 
-def tokenize_corpus(tokenizer: PreTrainedTokenizerBase, docs: Sequence[Document]) -> torch.Tensor:
+#: Part of every cache key: bump it when the tokenization call below changes.
+_TOKENS_FORMAT = "tokenize_corpus v1: add_special_tokens=False"
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """A sha256 of everything that decides how ``tokenizer`` splits text: its class, its
+    settings and its serialized backend (vocabulary, merges, normalizer, pre-tokenizer, added
+    tokens), with the transformers and tokenizers versions; None for a tokenizer without a
+    serializable backend (never cached)."""
+    import importlib.metadata
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    digest = hashlib.sha256()
+    settings = {k: v for k, v in getattr(tokenizer, "init_kwargs", {}).items()
+                if isinstance(v, (str, int, float, bool, type(None)))}
+    for part in (_TOKENS_FORMAT, type(tokenizer).__module__, type(tokenizer).__qualname__,
+                 repr(sorted(settings.items())),
+                 repr(getattr(tokenizer, "split_special_tokens", None)),
+                 importlib.metadata.version("transformers"),
+                 importlib.metadata.version("tokenizers"), backend.to_str()):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _cached_stream(path: Path) -> torch.Tensor | None:
+    """The token stream saved at ``path``; None when missing or unreadable."""
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if ids.ndim != 1 or ids.dtype != np.int64 or ids.size == 0:
+        logger.warning("token cache %s holds no token stream: tokenizing again", path)
+        return None
+    return torch.from_numpy(ids)
+
+
+def _save_stream(path: Path, ids: torch.Tensor) -> None:
+    """Write ``ids`` to ``path`` atomically (a private temporary file, then renamed), readable
+    by this user only: the stream is the site's data."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, ids.numpy(), allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError as err:
+        logger.warning("could not keep the token stream in %s: %s", path.parent, err)
+        Path(tmp).unlink(missing_ok=True)
+
+
+def tokenize_corpus(tokenizer: PreTrainedTokenizerBase, docs: Sequence[Document],
+                    cache: str | Path | None = None) -> torch.Tensor:
     """Token ids of ``corpus_text(docs)`` as a 1-D ``torch.long`` tensor, without special tokens.
+
+    ``cache``: a folder where the stream is kept and found again (see the module's notes); the
+    same ids as without it.
 
     Raises:
         EmptyCorpusError: ``docs`` is empty or tokenizes to no tokens.
     """
     text = corpus_text(docs)
+    fingerprint = tokenizer_fingerprint(tokenizer) if cache is not None and text else None
+    path = None
+    if cache is not None and fingerprint is not None:
+        key = hashlib.sha256(f"{fingerprint}\0".encode() + text.encode()).hexdigest()
+        path = Path(cache) / f"{key}.npy"
+        cached = _cached_stream(path)
+        if cached is not None:
+            return cached
     # verbose=False: the stream is longer than model_max_length on purpose; no warning needed.
     encoded = tokenizer(
         text, add_special_tokens=False, return_attention_mask=False, verbose=False
@@ -69,6 +144,8 @@ def tokenize_corpus(tokenizer: PreTrainedTokenizerBase, docs: Sequence[Document]
         raise EmptyCorpusError(
             f"{len(docs)} documents ({len(text)} characters) tokenized to zero tokens"
         )
+    if path is not None:
+        _save_stream(path, ids)
     return ids
 
 
@@ -143,6 +220,7 @@ def mixed_calibration_windows(
     n_per_source: int | Mapping[str, int],
     seqlen: int,
     seed: int,
+    cache: str | Path | None = None,
 ) -> tuple[torch.Tensor, list[str]]:
     """Windows from several corpora, each labelled with the corpus it came from.
 
@@ -158,6 +236,7 @@ def mixed_calibration_windows(
         n_per_source: windows per source, one number for all or a mapping with every source.
         seqlen: tokens per window.
         seed: base seed.
+        cache: a folder of token streams (:func:`tokenize_corpus`), or None.
 
     Returns:
         ``(windows, labels)``: a ``[total, seqlen]`` long tensor and the source name of each row.
@@ -187,7 +266,7 @@ def mixed_calibration_windows(
     labels: list[str] = []
     for name, docs in sources.items():
         try:
-            ids = tokenize_corpus(tokenizer, docs)
+            ids = tokenize_corpus(tokenizer, docs, cache)
             windows = sample_windows(ids, counts[name], seqlen, derived_rng(seed, name))
         except (EmptyCorpusError, NotEnoughTokensError) as exc:
             raise type(exc)(f"source {name!r}: {exc}") from exc

@@ -19,6 +19,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -114,9 +115,12 @@ def split_windows(pool: torch.Tensor, clients: int, partition: str = "iid", alph
     return [pool[torch.as_tensor(np.sort(p), dtype=torch.long)] for p in parts]
 
 
-def federation_windows(tokenizer, config: FedPrLLMConfig, calib_text: str | None = None
+def federation_windows(tokenizer, config: FedPrLLMConfig, calib_text: str | None = None,
+                       cache: str | Path | None = None
                        ) -> tuple[list[torch.Tensor], list[list[str]] | None]:
-    """Every client's windows for ``config`` (``calib_text`` overrides ``config.calib_text``).
+    """Every client's windows for ``config`` (``calib_text`` overrides ``config.calib_text``);
+    ``cache``: a folder of tokenized corpora (a site's: the same windows, without tokenizing its
+    data again at every message; :func:`~fedcompress.data.calibration.tokenize_corpus`).
 
     One corpus: :func:`client_windows`. Several corpora joined by ``+`` (e.g.
     ``wiki+shakespeare+code``): the pool has an equal share of windows from each (the first
@@ -131,7 +135,7 @@ def federation_windows(tokenizer, config: FedPrLLMConfig, calib_text: str | None
     names = [n for n in (calib_text or config.calib_text).split("+") if n]
     if len(names) <= 1:
         tokens = tokenize_corpus(tokenizer, load_corpus(names[0] if names else "",
-                                                        config.calib_split))
+                                                        config.calib_split), cache)
         return client_windows(tokens, config.clients, config.samples_per_client, config.seqlen,
                               config.partition, config.alpha, config.seed), None
     if len(set(names)) != len(names):
@@ -143,7 +147,7 @@ def federation_windows(tokenizer, config: FedPrLLMConfig, calib_text: str | None
     per_source = {n: total // len(names) + (i < total % len(names)) for i, n in enumerate(names)}
     sources = {n: load_corpus(n, config.calib_split) for n in names}
     pool, labels = mixed_calibration_windows(tokenizer, sources, per_source, config.seqlen,
-                                             config.seed)
+                                             config.seed, cache)
     parts = split_windows(pool, config.clients, config.partition, config.alpha, config.seed,
                           labels=labels)
     # Recover each client's sources: split_windows keeps the order, so split the labels alike.
