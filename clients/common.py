@@ -6,20 +6,26 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import transformers
-
-from fedcompress.models import load_model
-
-# Many clients share a terminal: no per-client weight-loading bars.
-transformers.utils.logging.disable_progress_bar()
+from clients import startup
 
 
 @functools.lru_cache(maxsize=2)
 def cached_model(spec: str, dtype: str, onload: bool = False):
     """``(model, tokenizer)`` of ``spec``, loaded once per process; callers never mutate it.
     ``onload``: a skeleton whose decoder layers the calibration walker reads one at a time
-    (sequential onloading: the site never holds the whole model)."""
-    loaded = load_model(spec, device=None, dtype=dtype, onload=onload)
+    (sequential onloading: the site never holds the whole model). Timed into this process's
+    start-up (:mod:`clients.startup`): transformers and the architecture's code as imports, the
+    model (memory-mapped from the site's safetensors cache) and its tokenizer as loading."""
+    with startup.timed(startup.IMPORT):
+        import transformers
+
+        from fedcompress.models import import_model_code, load_model
+
+        # Many clients share a terminal: no per-client weight-loading bars.
+        transformers.utils.logging.disable_progress_bar()
+        import_model_code(spec)
+    with startup.timed(startup.LOAD):
+        loaded = load_model(spec, device=None, dtype=dtype, onload=onload)
     return loaded.model, loaded.tokenizer
 
 

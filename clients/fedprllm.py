@@ -9,7 +9,10 @@ declares (``fedcompress.methods.fedprllm.METHOD.actions``):
 * ``query.outliers`` (``sparsity_profile=owl``, before the pruning rounds): OWL's outlier ratio of
   every decoder layer on this node's windows (L numbers, nothing else).
 
-The dense model is loaded once per process (cached) and never mutated across calls.
+The dense model is loaded once per process (cached, memory-mapped from the site's safetensors
+cache) and never mutated across calls. The site's tokenized calibration corpus is kept in its
+cache folder (``$FEDCOMPRESS_CACHE/tokens``), so a message only cuts its windows from it (Flower
+1.41 starts a new process for every message at a SuperNode).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from clients import startup
 from clients.common import cached_model, site_partition, with_data_path
 from fedcompress.masks.stats import flatten_masks
 from fedcompress.methods.fedprllm.attacks import attack_masks, is_attacker
@@ -54,9 +58,13 @@ logger = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=4)
 def _windows(config: FedPrLLMConfig, data_path: str | None) -> list[torch.Tensor]:
-    """All clients' windows (a seeded pool split by partition); cheap next to pruning."""
+    """All clients' windows (a seeded pool split by partition), cut from this site's token
+    stream of its data, tokenized once and kept in its cache folder."""
+    from fedcompress.models import cache_dir
+
     _, tokenizer = cached_model(config.model, config.dtype, config.onload)
-    return federation_windows(tokenizer, config, data_path)[0]
+    with startup.timed(startup.LOAD):
+        return federation_windows(tokenizer, config, data_path, cache=cache_dir() / "tokens")[0]
 
 
 _KWARGS: dict[tuple, list[dict]] = {}

@@ -230,7 +230,7 @@ def embedded_model_dir(name: str) -> tuple[Path, bool]:
     model = EMBEDDED_MODELS[name]
     if model.layout == "dir":
         return _verified_dir(model), False
-    target = cache_dir() / "models" / f"{name}-{model.sha256[:12]}"
+    target = _converted_dir(name)
     if (target / "config.json").exists():
         return target, False
     chunks = _package_chunks(model)
@@ -242,6 +242,11 @@ def embedded_model_dir(name: str) -> tuple[Path, bool]:
             joined = _join_gguf(name, chunks, Path(work) / f"{name}.gguf")
             _convert_gguf(joined, target)
     return target, True
+
+
+def _converted_dir(name: str) -> Path:
+    """Where the safetensors conversion of embedded GGUF model ``name`` lives (or will)."""
+    return cache_dir() / "models" / f"{name}-{EMBEDDED_MODELS[name].sha256[:12]}"
 
 
 def _verified_dir(model: EmbeddedModel) -> Path:
@@ -380,6 +385,27 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def import_model_code(spec: str) -> None:
+    """Import transformers and the modeling code of ``spec``'s architecture (named by its
+    ``config.json``; no weight is read), so that a caller can time the Python imports apart from
+    :func:`load_model`'s reading. A spec that is not yet a transformers directory on disk (a
+    GGUF still to convert, a hub id): transformers only."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+
+    path = Path(spec).expanduser()
+    if spec in EMBEDDED_MODELS:
+        folder = (_converted_dir(spec) if EMBEDDED_MODELS[spec].layout == "gguf" else None)
+    else:
+        folder = path if path.is_dir() else None
+    if folder is None or not (folder / "config.json").is_file():
+        return
+    config = AutoConfig.from_pretrained(folder)
+    mapping = MODEL_MAPPING if config.model_type in ENCODER_TYPES else MODEL_FOR_CAUSAL_LM_MAPPING
+    with contextlib.suppress(KeyError, ValueError):  # an architecture transformers lacks
+        mapping[type(config)]  # imports the architecture's modeling module
+
+
 def load_model(
     spec: str = DEFAULT_MODEL,
     device: str | torch.device | None = None,
@@ -409,6 +435,8 @@ def load_model(
             ) from err
         raise
     auto = AutoModel if config.model_type in ENCODER_TYPES else AutoModelForCausalLM
+    # The weights stay memory-mapped from the safetensors files when they are stored in
+    # ``dtype`` and the device is the CPU (transformers maps them, no copy); another dtype casts.
     model = auto.from_pretrained(path, dtype=torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model.to(device or default_device())

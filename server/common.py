@@ -9,7 +9,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedcompress.methods import Method, settings_from_run_config
-from fedcompress.report import RunReport, default_out
+from fedcompress.report import RunReport, default_out, markdown_table
 
 
 def run_with_report(method: Method, grid: Grid, settings: dict,
@@ -49,3 +49,32 @@ def make_server_app(method: Method, run: Callable[[Grid, dict], object],
         run(grid, from_config)
 
     return app
+
+
+#: The start-up split's columns (``clients/startup.py``), in the order of a message's life.
+_STARTUP_COLUMNS = (("startup_runtime_seconds", "Flower runtime s"),
+                    ("startup_import_seconds", "import s"), ("startup_load_seconds", "load s"),
+                    ("client_startup_seconds", "import + load s"),
+                    ("compute_seconds", "compute s"))
+
+
+def startup_section(records: list[dict]) -> tuple[str, str] | None:
+    """A report section of the sites' start-up per message (``records``: a strategy outcome's
+    ``startup_split()``): per stage, the mean (min-max) of each column; None without records."""
+    if not records:
+        return None
+    rows = []
+    for stage in dict.fromkeys(r.get("stage", "") for r in records):
+        mine = [r for r in records if r.get("stage", "") == stage]
+        cells = []
+        for key, _ in _STARTUP_COLUMNS:
+            values = [float(r[key]) for r in mine if key in r]
+            cells.append(f"{sum(values) / len(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+                         if values else "-")
+        rows.append([stage, str(len(mine)), *cells])
+    text = markdown_table(["stage", "replies", *(title for _, title in _STARTUP_COLUMNS)], rows)
+    return ("Site start-up per message", text + (
+        "\n\nMean (min-max) over the replies, seconds. A SuperNode (Flower 1.41) starts a process "
+        "per message, so each reply carries its own start-up; under the Simulation Engine a "
+        "process serves many messages and its first reply carries the imports and loading. "
+        "Flower runtime: from the process's start to the ClientApp (deployed sites only)."))

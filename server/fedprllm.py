@@ -32,7 +32,7 @@ from fedcompress.methods.fedprllm.federated import (
 )
 from fedcompress.pruning.local import check_global_ratio
 from fedcompress.report import RunReport
-from server.common import make_server_app, run_with_report
+from server.common import make_server_app, run_with_report, startup_section
 from strategies.fedprllm import make_strategy
 
 logger = logging.getLogger(__name__)
@@ -143,6 +143,9 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         report.extra["resynced"] = {str(k): v for k, v in strategy.resynced.items()}
     report.extra["rejected"] = outcome.rejected
     report.extra["client_startup_seconds"] = outcome.startup_seconds
+    report.extra["client_startup"] = outcome.startup_split()
+    if section := startup_section(report.extra["client_startup"]):
+        report.sections.append(section)
     report.extra["clients"] = outcome.client_metrics
 
     for variant in server_variants(config, server.variants):

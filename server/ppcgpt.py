@@ -29,6 +29,7 @@ from fedcompress.models import load_model, num_layers
 from fedcompress.report import RunReport
 from fedcompress.synth import SynthConfig, generate_synthetic
 from server.common import make_server_app, run_with_report
+from strategies.common import STARTUP_KEYS
 from strategies.ppcgpt import PPCGPT
 
 logger = logging.getLogger(__name__)
@@ -63,11 +64,15 @@ def _result(name: str, per_client: list[dict], **extra) -> dict:
 
 
 def _nested(metrics: dict) -> dict:
-    """Flat round-2 metrics (``server_acc`` ...) -> ``{"server": {"acc": ...}, ...}``."""
-    out = {k: v for k, v in metrics.items() if not k.startswith(("server_", "client_"))}
+    """Flat round-2 metrics (``server_acc`` ...) -> ``{"server": {"acc": ...}, ...}``; the
+    site's start-up split (``client_startup_seconds`` ...) stays flat."""
+    def sided(key: str) -> bool:
+        return key.startswith(("server_", "client_")) and key not in STARTUP_KEYS
+
+    out = {k: v for k, v in metrics.items() if not sided(k)}
     for side in ("server", "client"):
         out[side] = {k[len(side) + 1:]: v for k, v in metrics.items()
-                     if k.startswith(side + "_")}
+                     if sided(k) and k.startswith(side + "_")}
     return out
 
 

@@ -34,6 +34,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+#: What a ClientApp reply's metrics say of its process's start-up (``clients/startup.py``):
+#: Flower's runtime before the app (a ``flwr-clientapp`` process's first reply only), imports,
+#: loading (model, tokenizer, windows), import + load, and the handler's own work.
+STARTUP_KEYS = ("startup_runtime_seconds", "startup_import_seconds", "startup_load_seconds",
+                "client_startup_seconds", "compute_seconds")
+
+
 class NotEnoughClientsError(RuntimeError):
     """Fewer valid client replies (or connected nodes) than the run requires."""
 
@@ -45,12 +52,14 @@ class StrategyOutcome:
     ``rejected``: one :func:`rejection` record per reply left out; ``client_metrics``: the
     metrics of every valid reply (with ``stage``, ``round``, ``node``); ``bytes_down``: bytes of
     every message content the server sent; ``startup_seconds``: per node, its start-up (when the
-    strategy asks for one)."""
+    strategy asks for one: the warm-up reply's imports + loading); ``warmup_metrics``: the
+    metrics of those warm-up replies (with ``stage``, ``round``, ``node``)."""
 
     rejected: list[dict[str, Any]] = field(default_factory=list)
     client_metrics: list[dict[str, Any]] = field(default_factory=list)
     bytes_down: int = 0
     startup_seconds: list[float] = field(default_factory=list)
+    warmup_metrics: list[dict[str, Any]] = field(default_factory=list)
     #: Ray actor processes seen dead, ``(actor id, pid)`` -> where ("masks round 1")
     dead_actors: dict[tuple[str, str], str] = field(default_factory=dict)
 
@@ -89,6 +98,19 @@ class StrategyOutcome:
             first = next(r for r in records if (r.get("actor"), r.get("pid")) == key)
             self.dead_actors.setdefault(key, f"{first['stage']} round {first['round']}")
         self.rejected += records
+
+    def startup_split(self) -> list[dict[str, Any]]:
+        """The start-up split of every valid reply that carried one (``clients/startup.py``:
+        :data:`STARTUP_KEYS`), warm-up replies first: its ``stage``, ``round``, ``node`` (and
+        ``partition``) and those keys."""
+        out = []
+        for metrics in [*self.warmup_metrics, *self.client_metrics]:
+            split = {k: metrics[k] for k in STARTUP_KEYS if k in metrics}
+            if split:
+                where = {k: metrics[k] for k in ("stage", "round", "node", "partition")
+                         if k in metrics}
+                out.append({**where, **split})
+        return out
 
     def reasons(self, stage: str) -> list[str]:
         return [r["reason"] for r in self.rejected if r["stage"] == stage]

@@ -107,9 +107,14 @@ class FedPrLLM(Strategy):
         nodes = self._nodes(grid)
         replies = grid.send_and_receive(
             [Message(content, node, "query.warmup") for node in nodes], timeout=timeout)
+        def validate(reply: Message) -> dict[str, Any]:
+            metrics = dict(reply.content["metrics"])
+            float(metrics["seconds"])
+            return metrics
+
         valid, rejected = collect_valid_replies(
-            replies, lambda r: float(r.content["metrics"]["seconds"]), stage="warmup",
-            server_round=0, what="start-up reply", asked=nodes, timeout=timeout)
+            replies, validate, stage="warmup", server_round=0, what="start-up reply",
+            asked=nodes, timeout=timeout)
         for record in rejected:
             if record["reason"].startswith("no reply"):
                 continue  # slow to start: asked again in the rounds
@@ -117,7 +122,11 @@ class FedPrLLM(Strategy):
             record["reason"] = record["reason"].replace("client error:",
                                                         "client error at start-up:", 1)
         self.outcome.add_rejected(rejected)
-        self.outcome.startup_seconds += [seconds for _, seconds in valid]
+        for reply, metrics in valid:  # imports + loading; a ClientApp without the split: loading
+            self.outcome.startup_seconds.append(
+                float(metrics.get("client_startup_seconds", metrics["seconds"])))
+            self.outcome.warmup_metrics.append({"stage": "warmup", "round": 0,
+                                                "node": reply.metadata.src_node_id, **metrics})
         return time.monotonic() - start
 
     def collect_outliers(self, grid: Grid, timeout: float) -> list[list[float]]:
@@ -202,8 +211,8 @@ class FedPrLLM(Strategy):
             aggregator.add_packed(packed)
             del packed
             nodes.append(reply.metadata.src_node_id)
-            metrics.append({"round": server_round, "node": reply.metadata.src_node_id,
-                            **reply_metrics(reply)})
+            metrics.append({"stage": "masks", "round": server_round,
+                            "node": reply.metadata.src_node_id, **reply_metrics(reply)})
         rejected.sort(key=lambda r: r["node"])  # (arrival order differs between runs)
         rejected += silent_nodes(asked, nodes + [r["node"] for r in rejected], "masks",
                                  server_round, self.round_timeout)
@@ -687,7 +696,7 @@ class StatsFedPrLLM(IterativeFedPrLLM):
         for reply, stats in valid:
             aggregator.add(stats)
             self.site_nodes.setdefault(layer + 1, []).append(reply.metadata.src_node_id)
-            self.outcome.client_metrics.append({"round": layer + 1,
+            self.outcome.client_metrics.append({"stage": "stats", "round": layer + 1,
                                                 "node": reply.metadata.src_node_id,
                                                 **reply_metrics(reply)})
         require_valid(len(valid), self.config.required_clients, "statistics", layer + 1,

@@ -568,6 +568,19 @@ def test_deployed_run_equals_in_process_vote(deployments, tiny_model_dir):
     assert sorted(c["node"] for c in report["clients"]) == sorted(dep.node_ids)
     assert sorted(c["partition"] for c in report["clients"]) == list(range(CLIENTS))
     assert {"engine_startup", "federated_pruning"} <= set(report["timings"])
+    # Each message ran in its own flwr-clientapp process: every reply carries that process's
+    # whole start-up (Flower's runtime, imports, loading) and its compute.
+    split = report["client_startup"]
+    for stage in ("warmup", "masks"):
+        records = [r for r in split if r["stage"] == stage]
+        assert sorted(r["node"] for r in records) == sorted(dep.node_ids), split
+        for r in records:
+            assert r["startup_runtime_seconds"] > 0 and r["startup_import_seconds"] > 0, r
+            assert r["startup_load_seconds"] > 0 and r["compute_seconds"] >= 0, r
+            assert r["client_startup_seconds"] == pytest.approx(
+                r["startup_import_seconds"] + r["startup_load_seconds"])
+    assert report["client_startup_seconds"] == [r["client_startup_seconds"] for r in split
+                                                if r["stage"] == "warmup"]
 
     saved = load_model(str(out / "model"), device="cpu").model
     for (key, a), (_, b) in zip(reference.state_dict().items(), saved.state_dict().items()):
