@@ -9,6 +9,7 @@ windows and Qwen2.5-0.5B with 8 x 2), side by side in one process:
 * **one-shot round's work**: every site's own pass on its windows and its bit-packed payload
   (sites one after another, each with this process's threads, as the centralized pass), then
   the server's vote and pruning of a copy of the model; ``ratio`` = round work / centralized.
+  Both are measured ``--repeats`` times, interleaved, and each keeps its fastest repeat.
   With as many workers as cores, the round's wall time is this work spread over them;
 * **a site's pass by kind of work** (cProfile of site 0: the decoder layers' matrix products and
   attention, the statistics, the scores, the selection, the pruned layer copies, the payload).
@@ -79,25 +80,34 @@ def profile_site(model, windows, config) -> dict[str, float]:
     return kinds
 
 
-def in_process(model, config: FedPrLLMConfig, windows) -> dict:
-    start = time.perf_counter()
-    local_masks(model, torch.cat(windows), config.prune, batch_size=config.batch_size)
-    central = time.perf_counter() - start
-    aggregator = MaskAggregator(model, len(windows))
-    site_seconds = []
-    for site in windows:
+def in_process(model, config: FedPrLLMConfig, windows, repeats: int = 1) -> dict:
+    """The centralized pass and the round's work, ``repeats`` times interleaved (centralized,
+    then every site, then the server, again); each side keeps its fastest repeat (the least
+    disturbed by other work on the machine), so a change of load between the two halves of
+    one repeat cannot decide the ratio."""
+    central, server = float("inf"), float("inf")
+    site_seconds = [float("inf")] * len(windows)
+    all_central = []
+    for _ in range(repeats):
         start = time.perf_counter()
-        payload = encode_masks(local_masks(model, site, config.prune,
-                                           batch_size=config.batch_size).masks)
-        site_seconds.append(time.perf_counter() - start)
-        aggregator.add_packed(payload)
-    start = time.perf_counter()
-    aggregator.prune(copy.deepcopy(model), config.server, config.prune.plan)
-    server = time.perf_counter() - start
+        local_masks(model, torch.cat(windows), config.prune, batch_size=config.batch_size)
+        all_central.append(time.perf_counter() - start)
+        central = min(central, all_central[-1])
+        aggregator = MaskAggregator(model, len(windows))
+        for i, site in enumerate(windows):
+            start = time.perf_counter()
+            payload = encode_masks(local_masks(model, site, config.prune,
+                                               batch_size=config.batch_size).masks)
+            site_seconds[i] = min(site_seconds[i], time.perf_counter() - start)
+            aggregator.add_packed(payload)
+        start = time.perf_counter()
+        aggregator.prune(copy.deepcopy(model), config.server, config.prune.plan)
+        server = min(server, time.perf_counter() - start)
     work = sum(site_seconds) + server
     return {"centralized_seconds": central, "site_seconds_mean": sum(site_seconds) /
             len(site_seconds), "server_seconds": server, "round_work_seconds": work,
-            "ratio": work / central}
+            "ratio": work / central, "repeats": repeats,
+            "centralized_seconds_each": all_central}
 
 
 def flower_round(model: str, clients: int, windows: int, out: Path) -> dict:
@@ -126,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setting", nargs="+",
                         default=["smollm2-135m:16:4", "qwen2.5-0.5b:8:2"],
                         help="MODEL:CLIENTS:WINDOWS per site")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="Interleaved repeats; each side keeps its fastest.")
     parser.add_argument("--flower", action="store_true",
                         help="Also time the round under fedcompress prune (Ray).")
     opts = parser.parse_args(argv)
@@ -143,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             windows = federation_windows(loaded.tokenizer, config)[0]
             local_masks(loaded.model, windows[0][:1], config.prune)  # warm the kernels
             with report.phase(f"{model_name}-in-process"):
-                record = in_process(loaded.model, config, windows)
+                record = in_process(loaded.model, config, windows, opts.repeats)
             with report.phase(f"{model_name}-profile"):
                 kinds = profile_site(loaded.model, windows[0], config)
             record.update({"name": setting, "model": model_name, "clients": int(clients),
