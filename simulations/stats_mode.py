@@ -84,17 +84,58 @@ def main(argv: list[str] | None = None) -> int:
                                   batch_size=8, max_windows=opts.eval_windows,
                                   progress=False).perplexity
 
+            # Each model is evaluated and recorded (add_result writes the report) as soon as it
+            # exists: a stopped run keeps every finished row.
+            common = {"method": method, "sparsity": opts.sparsity}
+            layers = len(ModelAdapter(model))
+            ppl = {}
             with report.phase(f"{method}-centralized"):
                 start = time.perf_counter()
                 central = local_masks(model, torch.cat(windows), config.prune,
                                       batch_size=opts.batch_size, keep_weights=True)
                 central_s = time.perf_counter() - start
+            with report.phase(f"{method}-centralized-eval"):
+                ppl["centralized"] = evaluate(apply_masks(copy.deepcopy(model), central.masks,
+                                                          central.weights))
+            report.add_result({"name": f"{method}-centralized", **common,
+                               "perplexity": ppl["centralized"], "rounds": 0,
+                               "bytes_up_per_site": 0, "seconds": central_s})
             with report.phase(f"{method}-stats"):
                 start = time.perf_counter()
                 run = stats_prune(model, windows, config)
                 stats_s = time.perf_counter() - start
+            differ = sum(int((a[k] != run.masks[i][k]).sum())
+                         for i, a in enumerate(central.masks) for k in a)
+            weights = sum(m.numel() for layer in central.masks for m in layer.values())
+            weight_gap = max((float((central.weights[i][k] - w).abs().max())
+                              for i, layer in enumerate(run.weights) if layer
+                              for k, w in layer.items()), default=0.0)
+            with report.phase(f"{method}-stats-eval"):
+                ppl["stats"] = evaluate(apply_masks(copy.deepcopy(model), run.masks,
+                                                    run.weights))
+            per_round = sum(run.bytes_up_per_site) / layers
+            report.add_result({"name": f"{method}-stats", **common, "perplexity": ppl["stats"],
+                               "rounds": layers, "bytes_up_per_site": sum(run.bytes_up_per_site),
+                               "bytes_up_per_site_per_round": per_round,
+                               "mask_bits_differing": differ, "weights": weights,
+                               "max_weight_difference": weight_gap, "seconds": stats_s,
+                               "site_seconds_per_round": sum(run.site_seconds) / layers,
+                               "server_seconds_per_round": sum(run.server_seconds) / layers})
             with report.phase(f"{method}-stats-secagg"):
                 fixed = stats_prune(model, windows, config, frac_bits=opts.frac_bits)
+            fixed_differ = sum(int((a[k] != fixed.masks[i][k]).sum())
+                               for i, a in enumerate(run.masks) for k in a)
+            fixed_gap = max((float((run.weights[i][k] - w).abs().max())
+                             for i, layer in enumerate(fixed.weights) if layer
+                             for k, w in layer.items()), default=0.0)
+            with report.phase(f"{method}-stats-secagg-eval"):
+                ppl["stats-secagg"] = evaluate(apply_masks(copy.deepcopy(model), fixed.masks,
+                                                           fixed.weights))
+            report.add_result({"name": f"{method}-stats-secagg", **common,
+                               "perplexity": ppl["stats-secagg"], "rounds": layers,
+                               "frac_bits": opts.frac_bits,
+                               "mask_bits_differing_from_stats": fixed_differ,
+                               "max_weight_difference_from_stats": fixed_gap})
             with report.phase(f"{method}-votes"):
                 start = time.perf_counter()
                 aggregator = MaskAggregator(model, len(windows))
@@ -104,45 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 voted = copy.deepcopy(model)
                 aggregator.prune(voted, config.server, config.prune.plan)
                 votes_s = time.perf_counter() - start
-            differ = sum(int((a[k] != run.masks[i][k]).sum())
-                         for i, a in enumerate(central.masks) for k in a)
-            weights = sum(m.numel() for layer in central.masks for m in layer.values())
-            weight_gap = max((float((central.weights[i][k] - w).abs().max())
-                              for i, layer in enumerate(run.weights) if layer
-                              for k, w in layer.items()), default=0.0)
-            fixed_differ = sum(int((a[k] != fixed.masks[i][k]).sum())
-                               for i, a in enumerate(run.masks) for k in a)
-            fixed_gap = max((float((run.weights[i][k] - w).abs().max())
-                             for i, layer in enumerate(fixed.weights) if layer
-                             for k, w in layer.items()), default=0.0)
-            with report.phase(f"{method}-eval"):
-                ppl = {
-                    "stats-secagg": evaluate(apply_masks(copy.deepcopy(model), fixed.masks,
-                                                         fixed.weights)),
-                    "centralized": evaluate(apply_masks(copy.deepcopy(model), central.masks,
-                                                        central.weights)),
-                    "stats": evaluate(apply_masks(copy.deepcopy(model), run.masks,
-                                                  run.weights)),
-                    "votes": evaluate(voted),
-                }
-            layers = len(ModelAdapter(model))
-            per_round = sum(run.bytes_up_per_site) / layers
-            common = {"method": method, "sparsity": opts.sparsity}
-            report.add_result({"name": f"{method}-centralized", **common,
-                               "perplexity": ppl["centralized"], "rounds": 0,
-                               "bytes_up_per_site": 0, "seconds": central_s})
-            report.add_result({"name": f"{method}-stats", **common, "perplexity": ppl["stats"],
-                               "rounds": layers, "bytes_up_per_site": sum(run.bytes_up_per_site),
-                               "bytes_up_per_site_per_round": per_round,
-                               "mask_bits_differing": differ, "weights": weights,
-                               "max_weight_difference": weight_gap, "seconds": stats_s,
-                               "site_seconds_per_round": sum(run.site_seconds) / layers,
-                               "server_seconds_per_round": sum(run.server_seconds) / layers})
-            report.add_result({"name": f"{method}-stats-secagg", **common,
-                               "perplexity": ppl["stats-secagg"], "rounds": layers,
-                               "frac_bits": opts.frac_bits,
-                               "mask_bits_differing_from_stats": fixed_differ,
-                               "max_weight_difference_from_stats": fixed_gap})
+            with report.phase(f"{method}-votes-eval"):
+                ppl["votes"] = evaluate(voted)
             report.add_result({"name": f"{method}-votes", **common, "perplexity": ppl["votes"],
                                "rounds": 1,
                                "bytes_up_per_site": payload_nbytes(aggregator.shapes),
