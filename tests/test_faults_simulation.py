@@ -63,7 +63,9 @@ def _is_dead_process(record: dict) -> bool:
 def test_a_killed_site_is_left_out_of_the_one_shot_vote(tiny2_dir, tmp_path):
     report = _simulate(tiny2_dir, tmp_path / "out", fault="kill")
     assert report["status"] == "ok"
-    assert report["timings"]["federated_pruning"] < 120  # an error reply at once: no hang
+    # No hang: the dead site's reply is an error reply (its reason below), not the round
+    # timeout's "no reply within ..." (a wall-time bound here failed on a loaded machine: the
+    # round took 185 s there, 12 s idle).
     [dead] = report["rejected"]
     assert (dead["stage"], dead["round"]) == ("masks", 1) and _is_dead_process(dead), dead
     valid = {c["node"]: c["partition"] for c in report["clients"]}
