@@ -97,7 +97,9 @@ def test_every_reply_carries_its_startup_split(site):
         assert warmup["startup_load_seconds"] > 0  # the model and the windows
         assert warmup["startup_load_seconds"] <= warmup["seconds"] + 1e-6  # its _setup
         assert masks["startup_load_seconds"] == 0.0
-        assert masks["startup_import_seconds"] < 0.05  # the handler module, imported already
+        # the handler module, imported already: a dictionary lookup (relative to the first
+        # import, so that a loaded machine's preemptions cannot fail it)
+        assert masks["startup_import_seconds"] < 0.1 * warmup["startup_import_seconds"]
         assert masks["compute_seconds"] >= masks["seconds"] - 1e-6 > 0
 
 
