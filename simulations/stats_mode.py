@@ -49,6 +49,16 @@ from fedcompress.report import RunReport, markdown_table
 logger = logging.getLogger("stats_mode")
 
 
+def difference(ref, other) -> tuple[int, float]:
+    """Mask bits of ``other`` that differ from ``ref``, and the largest absolute difference
+    between the updated weights the two hold (0 when neither updates weights)."""
+    bits = sum(int((a[k] != other.masks[i][k]).sum()) for i, a in enumerate(ref.masks) for k in a)
+    gap = max((float((ref.weights[i][k] - w).abs().max())
+               for i, layer in enumerate(other.weights) if layer
+               for k, w in layer.items()), default=0.0)
+    return bits, gap
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="simulations/results/stats-mode")
@@ -104,12 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 run = stats_prune(model, windows, config)
                 stats_s = time.perf_counter() - start
-            differ = sum(int((a[k] != run.masks[i][k]).sum())
-                         for i, a in enumerate(central.masks) for k in a)
+            differ, weight_gap = difference(central, run)
             weights = sum(m.numel() for layer in central.masks for m in layer.values())
-            weight_gap = max((float((central.weights[i][k] - w).abs().max())
-                              for i, layer in enumerate(run.weights) if layer
-                              for k, w in layer.items()), default=0.0)
             with report.phase(f"{method}-stats-eval"):
                 ppl["stats"] = evaluate(apply_masks(copy.deepcopy(model), run.masks,
                                                     run.weights))
@@ -123,11 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                                "server_seconds_per_round": sum(run.server_seconds) / layers})
             with report.phase(f"{method}-stats-secagg"):
                 fixed = stats_prune(model, windows, config, frac_bits=opts.frac_bits)
-            fixed_differ = sum(int((a[k] != fixed.masks[i][k]).sum())
-                               for i, a in enumerate(run.masks) for k in a)
-            fixed_gap = max((float((run.weights[i][k] - w).abs().max())
-                             for i, layer in enumerate(fixed.weights) if layer
-                             for k, w in layer.items()), default=0.0)
+            fixed_differ, fixed_gap = difference(run, fixed)
             with report.phase(f"{method}-stats-secagg-eval"):
                 ppl["stats-secagg"] = evaluate(apply_masks(copy.deepcopy(model), fixed.masks,
                                                            fixed.weights))
