@@ -48,6 +48,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from fedcompress.methods.evaluation import TaskEvalSettings
 from fedcompress.methods.fedprllm.experiment import EvalConfig, Experiment, prepare_experiment
 from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig,
@@ -67,7 +68,7 @@ SERVER_KEYS = ("group", "scale", "tie_break", "defence", "trim", "reject_z")
 ATTACK_KEYS = ("attack", "attackers")
 EVAL_KEYS = tuple(EvalConfig.names())
 #: Evaluation settings of the zero-shot tasks (they matter only when ``tasks`` names some).
-TASK_KEYS = ("tasks", "tasks_path", "task_split", "task_limit")
+TASK_KEYS = tuple(TaskEvalSettings.names())
 CLIENT_KEYS = tuple(k for k in FedPrLLMConfig.names() if k not in SERVER_KEYS)
 STUDY_KEYS = ("title", "baselines", "total_windows", "columns", "kind")
 #: Kinds of study (``[study.NAME] kind = ...``): a FedPrLLM sweep, or the studies of
