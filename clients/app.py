@@ -2,7 +2,13 @@
 
 Each method of the registry (:mod:`fedcompress.methods`) names its actions (``train.masks``,
 ``query.perturb``, ...) and the handler of each in its ClientApp module (``clients/<method>.py``);
-that module is imported when a message of the method first arrives, not before.
+the registry is read at a process's first message (:func:`local_app`: it imports every method's
+settings module, and torch), and a handler's module when a message of its method first arrives.
+
+A SuperNode whose ``--node-config`` names a warm site worker (``site-worker="/path/to.sock"``,
+:mod:`clients.site_worker`) keeps this process thin: :data:`app` sends each message to that
+worker, which runs it through :func:`local_app` as this process would have, and imports
+neither torch nor transformers here. Without the key, :data:`app` runs :func:`local_app` itself.
 
 Every reply with a ``metrics`` record also carries this process's start-up split
 (:mod:`clients.startup`): the seconds of imports and of loading not reported yet, and the
@@ -15,12 +21,13 @@ from __future__ import annotations
 from clients import startup  # first: the imports below are timed
 
 with startup.timed(startup.IMPORT):
+    import functools
     import importlib
 
     from flwr.app import Context, Message
     from flwr.clientapp import ClientApp
 
-    from fedcompress.methods import methods
+    from clients import site_worker
 
 
 def _handler(module: str, function: str):
@@ -41,6 +48,8 @@ def _handler(module: str, function: str):
 
 def build_client_app() -> ClientApp:
     """A ClientApp serving the actions of every registered method."""
+    from fedcompress.methods import methods
+
     client_app = ClientApp()
     for method in methods().values():
         for action, function in method.actions.items():
@@ -51,5 +60,23 @@ def build_client_app() -> ClientApp:
     return client_app
 
 
-with startup.timed(startup.IMPORT):  # the registry imports every method's settings module
-    app = build_client_app()
+@functools.cache
+def local_app() -> ClientApp:
+    """This process's ClientApp of every method's actions, built at its first message (the
+    registry imports every method's settings module, and torch: timed as imports)."""
+    with startup.timed(startup.IMPORT):
+        return build_client_app()
+
+
+class SiteClientApp(ClientApp):
+    """The FAB's ClientApp: each message goes to this site's warm worker when its SuperNode
+    names one (``site-worker`` node config), else to :func:`local_app` in this process."""
+
+    def __call__(self, message: Message, context: Context) -> Message:
+        path = context.node_config.get(site_worker.NODE_CONFIG_KEY)
+        if path:
+            return site_worker.forward(str(path), message, context)
+        return local_app()(message, context)
+
+
+app = SiteClientApp()

@@ -60,6 +60,12 @@ def runtime_seconds() -> float | None:
         return None
 
 
+def settle() -> None:
+    """Count what this process spent so far as reported: a long-lived process's own start-up
+    (the site worker's, :mod:`clients.site_worker`), which no message pays."""
+    _reported.update(_spent)
+
+
 def message_started() -> tuple[float, dict[str, float]]:
     """The clock at a handler's start, for :func:`message_metrics`."""
     return time.perf_counter(), dict(_spent)

@@ -630,6 +630,32 @@ def models_command(
     Console().print(f"cache: {models.cache_dir()} (set FEDCOMPRESS_CACHE to move it)")
 
 
+@app.command("site-worker")
+def site_worker_command(
+    socket: Annotated[Path, typer.Option(
+        "--socket", metavar="PATH", help="The Unix socket to serve on (created with mode 0600, "
+        "removed at exit); the SuperNode's --node-config names it: site-worker=\"PATH\".",
+        show_default=False)],
+    log_level: LogOpt = "INFO",
+) -> None:
+    """A warm site worker: run this site's ClientApp messages in one long-lived process.
+
+    Start it next to the site's SuperNode, as the same user, and give the SuperNode
+    --node-config 'site-worker="PATH"': each flwr-clientapp process then stays thin (no torch,
+    no transformers) and hands its message to this worker, which imported Flower, torch and
+    fedcompress once and keeps the model and windows cached. One message at a time; a FAB whose
+    fedcompress version or code differs from this worker's is refused. Stops on SIGTERM or
+    Ctrl-C (the message in flight finishes; a second signal stops at once)."""
+    _setup_logging(log_level)
+    from clients.site_worker import SiteWorkerError, serve
+
+    try:
+        code = serve(str(socket))
+    except SiteWorkerError as err:
+        raise ConfigError(str(err)) from err
+    raise typer.Exit(code)
+
+
 def _add_method_commands() -> None:
     from fedcompress.methods import methods
 

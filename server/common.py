@@ -55,7 +55,8 @@ def make_server_app(method: Method, run: Callable[[Grid, dict], object],
 _STARTUP_COLUMNS = (("startup_runtime_seconds", "Flower runtime s"),
                     ("startup_import_seconds", "import s"), ("startup_load_seconds", "load s"),
                     ("client_startup_seconds", "import + load s"),
-                    ("compute_seconds", "compute s"))
+                    ("compute_seconds", "compute s"),
+                    ("startup_worker_seconds", "site worker s"))
 
 
 def startup_section(records: list[dict]) -> tuple[str, str] | None:
@@ -77,4 +78,6 @@ def startup_section(records: list[dict]) -> tuple[str, str] | None:
         "\n\nMean (min-max) over the replies, seconds. A SuperNode (Flower 1.41) starts a process "
         "per message, so each reply carries its own start-up; under the Simulation Engine a "
         "process serves many messages and its first reply carries the imports and loading. "
-        "Flower runtime: from the process's start to the ClientApp (deployed sites only)."))
+        "Flower runtime: from the process's start to the ClientApp (deployed sites only). Site "
+        "worker: a site whose SuperNode hands its messages to a warm worker, the exchange "
+        "with it (code check, serde, socket, waiting for its lock); '-': no worker."))

@@ -36,9 +36,10 @@ T = TypeVar("T")
 
 #: What a ClientApp reply's metrics say of its process's start-up (``clients/startup.py``):
 #: Flower's runtime before the app (a ``flwr-clientapp`` process's first reply only), imports,
-#: loading (model, tokenizer, windows), import + load, and the handler's own work.
+#: loading (model, tokenizer, windows), import + load, the handler's own work, and at a site
+#: with a warm worker (``clients/site_worker.py``) the exchange with it.
 STARTUP_KEYS = ("startup_runtime_seconds", "startup_import_seconds", "startup_load_seconds",
-                "client_startup_seconds", "compute_seconds")
+                "client_startup_seconds", "compute_seconds", "startup_worker_seconds")
 
 
 class NotEnoughClientsError(RuntimeError):

@@ -1,0 +1,476 @@
+"""A warm site worker: one long-lived process at a site that runs its ClientApp messages.
+
+Flower 1.41's SuperNode starts a fresh ``flwr-clientapp`` process per message, and each pays
+torch's and transformers' imports and the model load again (about 3.9 s of SmolLM2's 4.5 s
+start-up). A site operator may start, next to its SuperNode, ``fedcompress site-worker --socket
+PATH``: a process that imports Flower, torch and fedcompress once and keeps its per-process
+caches (model, windows) warm across messages. With ``site-worker="PATH"`` in the SuperNode's
+``--node-config``, the ``flwr-clientapp`` process stays thin (no torch, no transformers): the
+ClientApp (``clients/app.py``) sends the Message and the Context, serialized with Flower's own
+protobuf serde, over the Unix socket, and the worker runs them through the same ClientApp
+(:func:`clients.app.local_app`) the process would have run, then sends back the reply and the
+updated Context (its state holds a site's secrets between messages, e.g. SecAgg+ keys).
+
+Protocol, one connection per message, every frame ``MAGIC + 8-byte big-endian length +
+payload`` (at most :data:`MAX_FRAME_BYTES`):
+
+1. thin -> worker: a JSON hello (protocol, the FAB's fedcompress version, its code hash and
+   the sha256 of each of its modules, Flower's task identity); worker -> thin: a JSON answer,
+   a refusal when the worker's version or code differs from the FAB's;
+2. thin -> worker: the Message, then the Context (``flwr.proto`` bytes);
+3. worker -> thin: a JSON status, the reply Message (empty if the ClientApp raised), the
+   Context after the ClientApp.
+
+The worker serves one message at a time (a lock); a second SuperNode message waits for the
+first. Only the standard library and Flower here: the thin process imports this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from clients import startup
+
+logger = logging.getLogger("fedcompress.site_worker")
+
+#: The SuperNode's ``--node-config`` key naming the worker's socket (like ``data-path``).
+NODE_CONFIG_KEY = "site-worker"
+PROTOCOL = 1
+MAGIC = b"FCW1"
+_HEADER = struct.Struct(">4sQ")
+#: The largest frame either side sends or accepts (a message, a context or a JSON header):
+#: 1 GiB, above any mask message of the embedded models (Qwen2.5-1.5B's are ~190 MB).
+MAX_FRAME_BYTES = 1 << 30
+#: The code a ClientApp runs: the worker must hold these modules exactly as the FAB ships them.
+CODE_PACKAGES = ("clients", "fedcompress", "server", "strategies")
+
+
+class SiteWorkerError(RuntimeError):
+    """The site worker cannot serve this message (refused, missing, died, bad frame)."""
+
+
+class ProtocolError(SiteWorkerError):
+    """A frame that is not one of this protocol's, or too large."""
+
+
+# -- frames ------------------------------------------------------------------------------------
+def write_frame(sock: socket.socket, payload: bytes) -> None:
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(payload):,} bytes exceeds the site worker's limit "
+                            f"MAX_FRAME_BYTES = {MAX_FRAME_BYTES:,}")
+    sock.sendall(_HEADER.pack(MAGIC, len(payload)))
+    if payload:
+        sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionResetError(f"connection closed after {got} of {size} bytes")
+        got += n
+    return buf
+
+
+def read_frame(sock: socket.socket) -> bytes:
+    """One frame's payload; :class:`ProtocolError` on a bad magic or a length over the limit,
+    :class:`ConnectionError` when the peer closes the connection."""
+    magic, size = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if magic != MAGIC:
+        raise ProtocolError(f"not a site-worker frame: header starts {bytes(magic)!r}, "
+                            f"expected {MAGIC!r}")
+    if size > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {size:,} bytes announced, over the site worker's limit "
+                            f"MAX_FRAME_BYTES = {MAX_FRAME_BYTES:,}")
+    return bytes(_recv_exact(sock, size))
+
+
+def write_json(sock: socket.socket, value: dict) -> None:
+    write_frame(sock, json.dumps(value).encode())
+
+
+def read_json(sock: socket.socket) -> dict:
+    payload = read_frame(sock)
+    try:
+        value = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ProtocolError(f"garbage where a JSON header was expected: {err}") from err
+    if not isinstance(value, dict):
+        raise ProtocolError(f"a JSON header must be an object, got {type(value).__name__}")
+    return value
+
+
+# -- Flower's serde ----------------------------------------------------------------------------
+def message_to_bytes(message: Any) -> bytes:
+    from flwr.common.serde import message_to_proto
+
+    return message_to_proto(message).SerializeToString()
+
+
+def message_from_bytes(data: bytes) -> Any:
+    from flwr.common.serde import message_from_proto
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+
+    return message_from_proto(_parse(ProtoMessage, data, "Message"))
+
+
+def context_to_bytes(context: Any) -> bytes:
+    from flwr.common.serde import context_to_proto
+
+    return context_to_proto(context).SerializeToString()
+
+
+def context_from_bytes(data: bytes) -> Any:
+    from flwr.common.serde import context_from_proto
+    from flwr.proto.message_pb2 import Context as ProtoContext
+
+    return context_from_proto(_parse(ProtoContext, data, "Context"))
+
+
+def _parse(proto_class: Any, data: bytes, what: str) -> Any:
+    from google.protobuf.message import DecodeError
+
+    try:
+        return proto_class.FromString(data)
+    except DecodeError as err:
+        raise ProtocolError(f"garbage where a Flower {what} was expected: {err}") from err
+
+
+# -- the code both sides run ---------------------------------------------------------------------
+def code_root() -> Path:
+    """The folder holding this process's ``clients`` package: the installed FAB in a
+    ``flwr-clientapp`` process, the project (or site-packages) in the worker."""
+    return Path(__file__).resolve().parents[1]
+
+
+def code_files(root: Path) -> dict[str, str]:
+    """sha256 of each module (``*.py``) of :data:`CODE_PACKAGES` under ``root``."""
+    files = {}
+    for package in CODE_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            files[path.relative_to(root).as_posix()] = hashlib.sha256(
+                path.read_bytes()).hexdigest()
+    return files
+
+
+def code_hash(files: dict[str, str]) -> str:
+    return hashlib.sha256("".join(f"{p} {h}\n" for p, h in sorted(files.items()))
+                          .encode()).hexdigest()
+
+
+def code_version(root: Path) -> str:
+    """fedcompress's version: ``root/pyproject.toml`` (a FAB, a checkout), else the installed
+    distribution's."""
+    try:
+        with open(root / "pyproject.toml", "rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        import importlib.metadata
+
+        return importlib.metadata.version("fedcompress")
+
+
+def _task_identity() -> dict[str, int | None]:
+    from flwr.supercore.task_identity import TaskIdentity
+
+    return {name: getattr(TaskIdentity, f"_{name}") for name in ("run_id", "node_id", "task_id")}
+
+
+# -- the thin side (a flwr-clientapp process) ----------------------------------------------------
+def _connect(path: str) -> socket.socket:
+    where = f"site-worker socket {path!r} (SuperNode --node-config {NODE_CONFIG_KEY})"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise SiteWorkerError(f"{where} does not exist: start `fedcompress site-worker "
+                              f"--socket {path}` at this site, or remove the key") from None
+    except OSError as err:
+        raise SiteWorkerError(f"{where} cannot be used: {err}") from err
+    if not stat.S_ISSOCK(mode):
+        raise SiteWorkerError(f"{where} is not a Unix socket")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError as err:
+        sock.close()
+        raise SiteWorkerError(f"no site worker answers at {where}: {err}") from err
+    return sock
+
+
+def exchange(path: str, message: Any, context: Any, root: Path | None = None
+             ) -> tuple[Any, Any, dict]:
+    """Run ``message`` in the worker at ``path``: ``(reply or None, context after the
+    ClientApp, status)``. ``root``: the code the worker must equal (default: this process's,
+    the installed FAB). Raises :class:`SiteWorkerError` on a refusal or a broken exchange."""
+    root = root or code_root()
+    files = code_files(root)
+    hello = {"protocol": PROTOCOL, "version": code_version(root), "code_hash": code_hash(files),
+             "files": files, "task": _task_identity()}
+    with _connect(path) as sock:
+        try:
+            write_json(sock, hello)
+            answer = read_json(sock)
+            if not answer.get("ok"):
+                raise SiteWorkerError(f"the site worker at {path} refused the message: "
+                                      f"{answer.get('error')}")
+            write_frame(sock, message_to_bytes(message))
+            write_frame(sock, context_to_bytes(context))
+            status = read_json(sock)
+            reply_bytes, context_bytes = read_frame(sock), read_frame(sock)
+        except ProtocolError as err:
+            raise SiteWorkerError(f"the site worker at {path}: {err}") from err
+        except OSError as err:  # ConnectionError, BrokenPipeError: the worker went away
+            raise SiteWorkerError(
+                f"the site worker at {path} closed the connection mid-message (did it stop or "
+                f"die? see its log): {err}") from err
+    reply = message_from_bytes(reply_bytes) if reply_bytes else None
+    return reply, context_from_bytes(context_bytes) if context_bytes else None, status
+
+
+def forward(path: str, message: Any, context: Any) -> Any:
+    """The ClientApp's reply to ``message``, run by the site worker at ``path``; ``context``
+    takes the worker's updates. Every reply with metrics carries the start-up split: this
+    process's Flower runtime and imports, the worker's imports (what this message made it
+    import), loading and compute, and ``startup_worker_seconds`` (the exchange less the
+    worker's ClientApp: code check, serde, socket, waiting for the worker's lock)."""
+    started = startup.message_started()
+    clock = time.perf_counter()
+    reply, after, status = exchange(path, message, context)
+    if after is not None:
+        context.node_config, context.state, context.run_config = (
+            after.node_config, after.state, after.run_config)
+    if not status.get("ok") or reply is None:
+        raise SiteWorkerError(f"{status.get('raised') or 'error'} in the site worker at {path}:"
+                              f" {status.get('error')}")
+    if not reply.has_error() and "metrics" in reply.content:
+        mine = startup.message_metrics(started)
+        metrics = reply.content["metrics"]
+        worker = {k: float(metrics[k]) if k in metrics else 0.0
+                  for k in ("startup_import_seconds", "startup_load_seconds")}
+        metrics["startup_import_seconds"] = (worker["startup_import_seconds"]
+                                             + mine["startup_import_seconds"])
+        metrics["startup_load_seconds"] = (worker["startup_load_seconds"]
+                                           + mine["startup_load_seconds"])
+        metrics["client_startup_seconds"] = (metrics["startup_import_seconds"]
+                                             + metrics["startup_load_seconds"])
+        metrics["startup_worker_seconds"] = max(
+            time.perf_counter() - clock - float(status.get("handler_seconds", 0.0)), 0.0)
+        if "startup_runtime_seconds" in mine:
+            metrics["startup_runtime_seconds"] = mine["startup_runtime_seconds"]
+    return reply
+
+
+# -- the worker ----------------------------------------------------------------------------------
+class _Worker:
+    """The worker's state: its code, the one ClientApp, the message lock."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.root = code_root()
+        self.files = code_files(self.root)
+        self.version = code_version(self.root)
+        self.hash = code_hash(self.files)
+        self.lock = threading.Lock()
+        self.served = 0
+
+    def check(self, hello: dict) -> str | None:
+        """Why this worker refuses the hello's FAB, or None."""
+        if hello.get("protocol") != PROTOCOL:
+            return (f"site-worker protocol {hello.get('protocol')!r} of the ClientApp, "
+                    f"{PROTOCOL} of the worker")
+        if hello.get("version") != self.version:
+            return (f"the worker runs fedcompress {self.version}, the FAB is fedcompress "
+                    f"{hello.get('version')}: restart the worker with the FAB's version")
+        files = hello.get("files")
+        if not isinstance(files, dict) or code_hash(files) != hello.get("code_hash"):
+            return "the hello's code hash does not match its file list"
+        mine = {p: self.files.get(p, "missing") for p in files}
+        if mine != files:
+            differ = sorted(p for p in files if mine[p] != files[p])
+            return (f"the worker's code (hash {code_hash(mine)[:16]}, {self.root}) differs from "
+                    f"the FAB's (hash {hello['code_hash'][:16]}) in {len(differ)} module(s): "
+                    f"{', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''}; restart the "
+                    "worker from the FAB's code")
+        return None
+
+    def run(self, hello: dict, message_bytes: bytes, context_bytes: bytes
+            ) -> tuple[dict, bytes, bytes]:
+        """The ClientApp on one message (under the lock): status, reply and context bytes."""
+        from flwr.supercore.task_identity import TaskIdentity
+
+        from clients.app import local_app
+
+        message = message_from_bytes(message_bytes)
+        context = context_from_bytes(context_bytes)
+        for name, value in hello.get("task", {}).items():
+            if name in ("run_id", "node_id", "task_id"):
+                setattr(TaskIdentity, name, value)
+        kind = message.metadata.message_type
+        start = time.perf_counter()
+        reply_bytes = b""
+        try:
+            reply = local_app()(message, context)
+            reply_bytes = message_to_bytes(reply)
+            status: dict[str, Any] = {"ok": True}
+        except Exception as err:  # the ClientApp's error goes to the SuperNode, as in Flower
+            logger.exception("message %s (run %s) raised", kind, context.run_id)
+            status = {"ok": False, "raised": type(err).__name__, "error": str(err)}
+        status["handler_seconds"] = time.perf_counter() - start
+        status["worker_pid"] = os.getpid()
+        self.served += 1
+        logger.info("message %d: %s, run %s, node %s: %s in %.2f s", self.served, kind,
+                    context.run_id, context.node_id, "ok" if status["ok"] else "error",
+                    status["handler_seconds"])
+        return status, reply_bytes, context_to_bytes(context)
+
+    def handle(self, conn: socket.socket) -> None:
+        """One connection: hello, message, reply."""
+        try:
+            hello = read_json(conn)
+            refusal = self.check(hello)
+            if refusal:
+                logger.warning("refused a message: %s", refusal)
+                write_json(conn, {"ok": False, "error": refusal})
+                return
+            write_json(conn, {"ok": True, "version": self.version, "code_hash": self.hash,
+                              "pid": os.getpid()})
+            message_bytes, context_bytes = read_frame(conn), read_frame(conn)
+            with self.lock:  # one message at a time
+                status, reply, context = self.run(hello, message_bytes, context_bytes)
+            write_json(conn, status)
+            write_frame(conn, reply)
+            write_frame(conn, context)
+        except ProtocolError as err:
+            logger.warning("refused a connection: %s", err)
+            try:
+                write_json(conn, {"ok": False, "error": str(err)})
+            except OSError:
+                pass
+        except OSError as err:
+            logger.warning("a ClientApp went away mid-message: %s", err)
+
+
+def _listen(path: str) -> socket.socket:
+    """A listening Unix socket at ``path``, mode 0600 from its creation. A stale socket file
+    (nobody listening) is replaced; a live one or any other file is refused."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise SiteWorkerError(f"{path} exists and is not a socket: not replacing it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            logger.info("removing the stale socket file %s", path)
+            os.unlink(path)
+        else:
+            raise SiteWorkerError(f"another site worker listens on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    umask = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError as err:
+        sock.close()
+        raise SiteWorkerError(f"cannot create the socket {path}: {err}") from err
+    finally:
+        os.umask(umask)
+    os.chmod(path, 0o600)
+    sock.listen(8)
+    return sock
+
+
+def warm_up() -> float:
+    """Import what every message would: the ClientApp with every method's handlers, torch,
+    transformers and the model loader. Returns the seconds, which no message is charged."""
+    import importlib
+
+    start = time.perf_counter()
+    from clients.app import local_app
+    from fedcompress.methods import methods
+
+    local_app()
+    for method in methods().values():
+        importlib.import_module(method.client_module)
+    import transformers
+
+    import fedcompress.models  # noqa: F401
+
+    transformers.utils.logging.disable_progress_bar()
+    startup.settle()  # the worker's own start-up, no message's
+    return time.perf_counter() - start
+
+
+def serve(path: str, stop: threading.Event | None = None) -> int:
+    """Serve ClientApp messages on the Unix socket ``path`` until SIGTERM/SIGINT (or
+    ``stop``): the socket is removed at exit. Returns the process's exit code."""
+    import signal
+
+    stop = stop or threading.Event()
+    path = os.path.abspath(path)
+    worker = _Worker(path)
+    logger.info("site worker %d: fedcompress %s, code %s (%s, %d modules)", os.getpid(),
+                worker.version, worker.hash[:16], worker.root, len(worker.files))
+    seconds = warm_up()
+    listener = _listen(path)
+    inode = os.stat(path).st_ino
+    listener.settimeout(0.2)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():  # a second signal: no waiting for the message in flight
+            _remove(path, inode)
+            os._exit(128 + signum)
+        logger.info("signal %d: stopping (the message in flight, if any, finishes)", signum)
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, on_signal)
+    logger.info("site worker ready on %s (mode 0600) after %.1f s of imports; one message at "
+                "a time", path, seconds)
+    threads: list[threading.Thread] = []
+    try:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                threads = [t for t in threads if t.is_alive()]
+                continue
+            conn.settimeout(None)
+            thread = threading.Thread(target=_serve_one, args=(worker, conn), daemon=True)
+            thread.start()
+            threads.append(thread)
+    finally:
+        listener.close()
+        _remove(path, inode)
+        for thread in threads:
+            thread.join()
+        logger.info("site worker stopped after %d message(s); %s removed", worker.served, path)
+    return 0
+
+
+def _serve_one(worker: _Worker, conn: socket.socket) -> None:
+    with conn:
+        worker.handle(conn)
+
+
+def _remove(path: str, inode: int) -> None:
+    """Remove the socket file if it is still ours."""
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
