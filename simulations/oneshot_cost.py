@@ -51,7 +51,8 @@ logger = logging.getLogger("oneshot_cost")
 KINDS = (
     ("selection", ("select.py", "partition", "kthvalue", "cumsum", "count_nonzero")),
     ("scores", ("scores.py", "method 'abs'", "method 'mul'")),
-    ("layer copy", ("deepcopy", "method 'clone'", "masked_fill_", "masked_layer_copy")),
+    ("pruned weights", ("deepcopy", "method 'clone'", "masked_fill", "pruned_parameters",
+                        "prune_layer_in_place")),
     ("statistics", ("walker.py:", "method 'pow'", "addmm_", "method 'sum'")),
     ("payload", ("codec.py", "packbits", "encode_mask")),
     ("matrix products", ("linear",)),

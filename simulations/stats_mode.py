@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--frac-bits", type=int, default=FRAC_BITS,
                         help="fixed-point fractional bits of the SecAgg+ statistics sum")
+    parser.add_argument("--no-votes", action="store_true",
+                        help="skip the one-shot vote (one local pass per site: the longest row)")
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
@@ -138,27 +140,30 @@ def main(argv: list[str] | None = None) -> int:
                                "frac_bits": opts.frac_bits,
                                "mask_bits_differing_from_stats": fixed_differ,
                                "max_weight_difference_from_stats": fixed_gap})
-            with report.phase(f"{method}-votes"):
-                start = time.perf_counter()
-                aggregator = MaskAggregator(model, len(windows))
-                for site in windows:
-                    aggregator.add(flatten_masks(local_masks(model, site, config.prune,
-                                                             batch_size=opts.batch_size).masks))
-                voted = copy.deepcopy(model)
-                aggregator.prune(voted, config.server, config.prune.plan)
-                votes_s = time.perf_counter() - start
-            with report.phase(f"{method}-votes-eval"):
-                ppl["votes"] = evaluate(voted)
-            report.add_result({"name": f"{method}-votes", **common, "perplexity": ppl["votes"],
-                               "rounds": 1,
-                               "bytes_up_per_site": payload_nbytes(aggregator.shapes),
-                               "seconds": votes_s})
+            ppl["votes"], votes_s = float("nan"), float("nan")
+            if not opts.no_votes:
+                with report.phase(f"{method}-votes"):
+                    start = time.perf_counter()
+                    aggregator = MaskAggregator(model, len(windows))
+                    for site in windows:
+                        aggregator.add(flatten_masks(local_masks(model, site, config.prune,
+                                                                 batch_size=opts.batch_size).masks))
+                    voted = copy.deepcopy(model)
+                    aggregator.prune(voted, config.server, config.prune.plan)
+                    votes_s = time.perf_counter() - start
+                with report.phase(f"{method}-votes-eval"):
+                    ppl["votes"] = evaluate(voted)
+                report.add_result({"name": f"{method}-votes", **common, "perplexity": ppl["votes"],
+                                   "rounds": 1,
+                                   "bytes_up_per_site": payload_nbytes(aggregator.shapes),
+                                   "seconds": votes_s})
             rows.append([method, f"{ppl['centralized']:.3f}", f"{ppl['stats']:.3f}",
                          f"{100 * (ppl['stats'] / ppl['centralized'] - 1):+.3f}%",
                          f"{differ} of {weights}", f"{weight_gap:.2e}",
                          f"{ppl['stats-secagg']:.3f} ({fixed_differ} bits, "
                          f"{fixed_gap:.1e})",
-                         f"{ppl['votes']:.3f}", f"{per_round / 1e6:.2f} MB x {layers}",
+                         f"{ppl['votes']:.3f}" if not opts.no_votes else "-",
+                         f"{per_round / 1e6:.2f} MB x {layers}",
                          f"{central_s:.0f} / {stats_s:.0f} / {votes_s:.0f}"])
             logger.info("%s: centralized %.3f stats %.3f votes %.3f (%d bits differ)", method,
                         ppl["centralized"], ppl["stats"], ppl["votes"], differ)

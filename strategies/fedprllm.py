@@ -795,8 +795,7 @@ class SecureStatsFedPrLLM(_SecureVote, StatsFedPrLLM):
                                             contents.__getitem__, timeout, layer + 1)
             summed = decode_fixed(total, layout, frac_bits, dtypes)
             try:
-                stats = decode_stats(summed, shared, features, layer, hessian,
-                                     hessian_dtype=np.dtype(np.float64))
+                stats = decode_stats(summed, shared, features, layer, hessian)
             except ValueError as err:  # only the sum is visible: no site can be left out
                 raise NotEnoughClientsError(f"layer {layer}: the securely summed statistics "
                                             f"are invalid ({err})") from err

@@ -1,7 +1,8 @@
 """Statistics mode of federated pruning (``aggregate=stats``): the sites' summed input statistics
-give the centralized result (Wanda: every mask bit; SparseGPT: masks and weights up to float32
-rounding), through the library, the Flower strategy and ClientApp in process, and the ServerApp;
-bad statistics are rejected with their reason; resync and resume as in the iterative vote."""
+give the centralized result (Wanda: every mask bit; SparseGPT: every mask bit and weights up to
+float64 summation order), through the library, the Flower strategy and ClientApp in process,
+and the ServerApp; bad statistics are rejected with their reason; resync and resume as in the
+iterative vote."""
 
 from __future__ import annotations
 
@@ -75,16 +76,50 @@ def test_layer_stats_of_split_tokens_add_up_to_the_union():
         parts.merge(part)
     assert parts.tokens == whole.tokens == 120
     assert torch.equal(parts.sq_norm, whole.sq_norm)  # float64 sums: same float32 norms
-    assert torch.allclose(parts.hessian, whole.hessian, rtol=1e-6, atol=1e-7)
+    # float64 sums of exact float64 products: any grouping agrees to float64 rounding
+    assert parts.hessian.dtype == whole.hessian.dtype == torch.float64
+    torch.testing.assert_close(parts.hessian, whole.hessian, rtol=1e-13, atol=0)
     expected = x.reshape(-1, 8).double()
     assert torch.allclose(whole.sq_sum, expected.pow(2).sum(0))
-    assert torch.allclose(whole.hessian.double(), 2 * expected.T @ expected / 120, atol=1e-5)
+    torch.testing.assert_close(whole.hessian, 2 * expected.T @ expected / 120, rtol=1e-13, atol=0)
     with pytest.raises(ValueError, match="4 input features"):
         whole.merge(LayerStats(4, hessian=True))
     with pytest.raises(ValueError, match="without a Hessian"):
         whole.merge(LayerStats(8))
     with pytest.raises(ValueError, match="no tokens"):
         LayerStats(8).sq_norm  # noqa: B018
+
+
+def test_collect_stats_computes_a_shared_input_once_and_equals_per_linear_sums(tiny, monkeypatch):
+    """q/k/v (and gate/up) are fed one tensor: its sums are computed once per batch, and every
+    linear's statistics equal those of its own inputs added one by one."""
+    from fedcompress.pruning import walker
+
+    model = tiny.model
+    inputs = capture_layer_inputs(model, torch.randint(0, 100, (3, 12)))
+    layer = ModelAdapter(model).layers[0]
+    calls = []
+    real = walker.input_sums
+    monkeypatch.setattr(walker, "input_sums", lambda x, h: calls.append(x) or real(x, h))
+    stats = collect_stats(layer, inputs, hessian=True, batch_size=2)
+    linears = ModelAdapter.linear_layers(layer)
+    assert len(calls) == 2 * 4  # 2 batches x 4 distinct inputs (qkv, o, gate/up, down)
+    seen: dict = {name: LayerStats(stats[name].in_features, hessian=True) for name in linears}
+    monkeypatch.setattr(walker, "input_sums", real)
+    handles = [m.register_forward_pre_hook(lambda _m, a, name=name: seen[name].add(a[0]))
+               for name, m in linears.items()]
+    try:
+        with torch.no_grad():
+            for rows in (slice(0, 2), slice(2, 3)):
+                walker._call_layer(layer, inputs.hidden[rows], inputs.layer_kwargs[0])
+    finally:
+        for h in handles:
+            h.remove()
+    for name in linears:
+        assert stats[name].tokens == seen[name].tokens == 36
+        assert torch.equal(stats[name].sq_sum, seen[name].sq_sum), name
+        assert torch.equal(stats[name].hessian_sum, seen[name].hessian_sum), name
+    assert stats["self_attn.q_proj"] is not stats["self_attn.k_proj"]  # own objects
 
 
 # -- the library's in-process run equals centralized pruning ----------------------------------

@@ -1,7 +1,9 @@
 """Stateless pruning math: importance scores (magnitude, Wanda, first-order Taylor) and
 SparseGPT's OBS update.
 
-All arithmetic runs in :data:`fedcompress.models.CALC_DTYPE` (float32) whatever the model dtype.
+All arithmetic runs in :data:`fedcompress.models.CALC_DTYPE` (float32) whatever the model dtype,
+except SparseGPT's Hessian, its dampening and its inverse, in
+:data:`fedcompress.models.HESSIAN_DTYPE` (float64).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import logging
 
 import torch
 
-from fedcompress.models import CALC_DTYPE
+from fedcompress.models import CALC_DTYPE, HESSIAN_DTYPE
 from fedcompress.pruning.select import select_prune_mask
 
 logger = logging.getLogger(__name__)
@@ -52,20 +54,24 @@ class CholeskyError(RuntimeError):
 
 def _inverse_hessian_cholesky(hessian: torch.Tensor, percdamp: float,
                               name: str = "") -> torch.Tensor:
-    """Upper Cholesky factor of the inverse of the dampened Hessian.
+    """Upper Cholesky factor of the inverse of the dampened Hessian, computed in
+    :data:`~fedcompress.models.HESSIAN_DTYPE` and returned in float32 for the OBS loop (the
+    same Hessian gives bit-identical factors; Hessians that differ by float64 rounding almost
+    always round to the same float32 factor).
 
     Dampening: ``percdamp * mean(diag(H))`` added to the diagonal. When the Cholesky
     factorisation fails, the dampening is raised tenfold (logged), up to
     :data:`SPARSEGPT_MAX_DAMP_RETRIES` times; then :class:`CholeskyError`.
     """
-    eye = torch.eye(hessian.shape[0], dtype=CALC_DTYPE, device=hessian.device)
+    hessian = hessian.to(HESSIAN_DTYPE)
+    eye = torch.eye(hessian.shape[0], dtype=HESSIAN_DTYPE, device=hessian.device)
     mean_diag = torch.mean(torch.diag(hessian))
     damp_frac = percdamp
     for attempt in range(SPARSEGPT_MAX_DAMP_RETRIES + 1):
         try:
             chol = torch.linalg.cholesky(hessian + damp_frac * mean_diag * eye)
             hinv = torch.cholesky_inverse(chol)
-            return torch.linalg.cholesky(hinv, upper=True)
+            return torch.linalg.cholesky(hinv, upper=True).to(CALC_DTYPE)
         except torch.linalg.LinAlgError:
             if attempt == SPARSEGPT_MAX_DAMP_RETRIES:
                 break
@@ -89,10 +95,13 @@ def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, sparsity: float
     each column; with N:M the N lowest of every M columns. Each pruned weight's error is
     compensated on the not-yet-processed weights of its row.
 
+    ``hessian`` (``2/N X^T X``) is used in float64 (:data:`~fedcompress.models.HESSIAN_DTYPE`)
+    up to its inverse's Cholesky factor; the block loop runs in float32.
+
     Returns ``(prune_mask, new_weight)`` with ``new_weight`` in float32 (pruned entries are 0).
     """
     W = weight.detach().to(CALC_DTYPE).clone()
-    H = hessian.to(CALC_DTYPE).clone()
+    H = hessian.to(HESSIAN_DTYPE).clone()
     rows, cols = W.shape
     if H.shape != (cols, cols):
         raise ValueError(f"Hessian of shape {tuple(H.shape)} does not match {cols} input features")

@@ -25,7 +25,6 @@ activations between rounds; :func:`walk` composes them for the one-shot pass.
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -33,7 +32,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from fedcompress.models import CALC_DTYPE, ModelAdapter, weight_matrix
+from fedcompress.models import CALC_DTYPE, HESSIAN_DTYPE, ModelAdapter, weight_matrix
 
 logger = logging.getLogger(__name__)
 
@@ -137,18 +136,19 @@ class LayerStats:
     * ``sq_sum[j] = sum_t x_tj^2`` in float64 (every float32 square is exact in float64, so
       the sum of any grouping of the same tokens agrees to about 1e-16 relative: after the cast
       to float32 the union's Wanda norms are identical however the tokens were split);
-    * ``hessian_sum = sum_t 2 x_t x_t^T`` in float32 (:data:`~fedcompress.models.CALC_DTYPE`;
-      with ``hessian=True``; ``hessian_dtype=float64`` for a server summing many sites),
-      SparseGPT's Hessian before the division by the token count;
+    * ``hessian_sum = sum_t 2 x_t x_t^T`` in float64 (:data:`~fedcompress.models.HESSIAN_DTYPE`;
+      with ``hessian=True``), SparseGPT's Hessian before the division by the token count: the
+      products of float32 inputs are exact in float64, so any grouping of the same tokens
+      agrees to ~1e-16 relative;
     * ``tokens``: how many tokens were added.
 
-    ``sq_norm`` (Wanda's ``scaler_row``: the mean over tokens of ``x_j^2``) and ``hessian``
-    (``2/N X^T X``, so its scale does not depend on the number of windows) are derived in
-    float32.
+    ``sq_norm`` (Wanda's ``scaler_row``: the mean over tokens of ``x_j^2``) is derived in
+    float32, ``hessian`` (``2/N X^T X``, so its scale does not depend on the number of windows)
+    in float64.
     """
 
     def __init__(self, in_features: int, device: torch.device | None = None,
-                 hessian: bool = False, hessian_dtype: torch.dtype = CALC_DTYPE):
+                 hessian: bool = False, hessian_dtype: torch.dtype = HESSIAN_DTYPE):
         self.tokens = 0
         self.sq_sum = torch.zeros(in_features, dtype=torch.float64, device=device)
         self.hessian_sum = (torch.zeros(in_features, in_features, dtype=hessian_dtype,
@@ -159,11 +159,17 @@ class LayerStats:
         return int(self.sq_sum.shape[0])
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(CALC_DTYPE)
-        self.sq_sum.add_(x.to(torch.float64).pow(2).sum(0))
+        self.add_sums(*input_sums(x, self.hessian_sum is not None))
+
+    def add_sums(self, tokens: int, sq_sum: torch.Tensor,
+                 hessian_sum: torch.Tensor | None) -> None:
+        """Add the sums of :func:`input_sums` (computed once for linears fed the same input)."""
+        self.sq_sum.add_(sq_sum)
         if self.hessian_sum is not None:
-            self.hessian_sum.addmm_(x.T, x, alpha=2.0)
-        self.tokens += x.shape[0]
+            if hessian_sum is None:
+                raise ValueError("these statistics hold a Hessian: the sums must include one")
+            self.hessian_sum.add_(hessian_sum.to(self.hessian_sum.dtype))
+        self.tokens += tokens
 
     def merge(self, other: LayerStats) -> LayerStats:
         """Add ``other``'s sums (statistics of other tokens) to these, in place."""
@@ -190,11 +196,25 @@ class LayerStats:
 
     @property
     def hessian(self) -> torch.Tensor | None:
-        """``2/N X^T X`` (float32), or None without a Hessian."""
+        """``2/N X^T X`` (:data:`~fedcompress.models.HESSIAN_DTYPE`), or None without one."""
         if self.hessian_sum is None:
             return None
         self._require_tokens()
-        return (self.hessian_sum / self.tokens).to(CALC_DTYPE)
+        return (self.hessian_sum / self.tokens).to(HESSIAN_DTYPE)
+
+
+def input_sums(x: torch.Tensor, hessian: bool
+               ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """``(tokens, sum_t x_tj^2 (float64), sum_t 2 x_t x_t^T (HESSIAN_DTYPE) or None)`` of a
+    batch of a linear layer's inputs (float32 values, as the model computes them)."""
+    x = x.reshape(-1, x.shape[-1]).to(CALC_DTYPE)
+    wide = x.to(torch.float64)
+    sq = wide.pow(2).sum(0)
+    hess = None
+    if hessian:
+        xh = wide if HESSIAN_DTYPE == torch.float64 else x.to(HESSIAN_DTYPE)
+        hess = torch.mm(xh.T, xh).mul_(2.0)
+    return int(x.shape[0]), sq, hess
 
 
 def _call_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -210,49 +230,97 @@ def collect_stats(layer: nn.Module, inputs: LayerInputs, hessian: bool = False,
     device = inputs.hidden.device
     stats = {name: LayerStats(weight_matrix(m).shape[1], device, hessian)
              for name, m in linears.items()}
-    handles = [m.register_forward_pre_hook(lambda _m, args, name=name: stats[name].add(args[0]))
+    # Linears fed the same tensor object (q/k/v, gate/up) share one computation of the sums;
+    # the strong reference keeps that tensor's memory from being reused by another input.
+    last: list = [None, None]
+
+    def hook(_m, args, name):
+        x = args[0]
+        if last[0] is not x:
+            last[0], last[1] = x, input_sums(x, hessian)
+        stats[name].add_sums(*last[1])
+
+    handles = [m.register_forward_pre_hook(lambda _m, args, name=name: hook(_m, args, name))
                for name, m in linears.items()]
     try:
         kwargs = inputs.layer_kwargs[inputs.layer]
         for rows in _batches(len(inputs.hidden), batch_size):
             _call_layer(layer, inputs.hidden[rows], kwargs)
+            last[0] = last[1] = None
     finally:
         for handle in handles:
             handle.remove()
     return stats
 
 
-def masked_layer_copy(layer: nn.Module, masks: dict[str, torch.Tensor],
-                      weights: dict[str, torch.Tensor] | None = None,
-                      in_place: bool = False) -> nn.Module:
-    """A copy of ``layer`` with updated weights (if given) and pruned weights set to zero
-    (``in_place``: ``layer`` itself is changed: only for a private copy, such as an onloaded
-    layer about to be freed)."""
-    pruned = layer if in_place else copy.deepcopy(layer)
-    linears = ModelAdapter.linear_layers(pruned)
+def _checked_linears(layer: nn.Module, masks: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+    linears = ModelAdapter.linear_layers(layer)
     unknown = set(masks) - set(linears)
     if unknown:
         raise KeyError(f"masks for unknown linear layers {sorted(unknown)}; the layer has "
                        f"{sorted(linears)}")
+    for name, mask in masks.items():
+        shape = weight_matrix(linears[name]).shape
+        if mask.shape != shape:
+            raise ValueError(f"mask of {name} has shape {tuple(mask.shape)}, the weight "
+                             f"{tuple(shape)}")
+    return linears
+
+
+def prune_layer_in_place(layer: nn.Module, masks: dict[str, torch.Tensor],
+                         weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Write the updated weights (if given) into ``layer`` and zero its pruned weights: only
+    for a private copy, such as an onloaded layer about to be freed (:func:`forward_layer`
+    otherwise passes :func:`pruned_parameters` and leaves the layer untouched)."""
+    linears = _checked_linears(layer, masks)
     with torch.no_grad():
         for name, mask in masks.items():
             w = weight_matrix(linears[name])
             if weights is not None and name in weights:
                 w.copy_(weights[name].to(w.dtype))
-            if mask.shape != w.shape:
-                raise ValueError(f"mask of {name} has shape {tuple(mask.shape)}, the weight "
-                                 f"{tuple(w.shape)}")
             w.masked_fill_(mask.to(w.device), 0)
-    return pruned
+    return layer
+
+
+def pruned_parameters(layer: nn.Module, masks: dict[str, torch.Tensor],
+                      weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``{parameter name: pruned weight}`` of ``layer``'s masked linears, new tensors (the
+    layer is untouched), for :func:`torch.func.functional_call`."""
+    linears = _checked_linears(layer, masks)
+    params: dict[str, torch.Tensor] = {}
+    for name, mask in masks.items():
+        module = linears[name]
+        w = weight_matrix(module)
+        source = weights[name].to(w.dtype) if weights is not None and name in weights else w
+        pruned = source.detach().masked_fill(mask.to(w.device), 0)
+        # weight_matrix is a transposed view for Conv1D: give the parameter its own layout.
+        params[f"{name}.weight"] = pruned if w is module.weight else pruned.T
+    return params
 
 
 @torch.no_grad()
-def forward_layer(layer: nn.Module, inputs: LayerInputs, batch_size: int = 8) -> LayerInputs:
-    """The inputs of the next layer: ``inputs`` forwarded through ``layer``."""
+def forward_layer(layer: nn.Module, inputs: LayerInputs, batch_size: int = 8,
+                  masks: dict[str, torch.Tensor] | None = None,
+                  weights: dict[str, torch.Tensor] | None = None,
+                  in_place: bool = False) -> LayerInputs:
+    """The inputs of the next layer: ``inputs`` forwarded through ``layer``, or with ``masks``
+    (and SparseGPT's updated ``weights``) through the pruned layer, without copying the layer
+    (the pruned weights are passed by :func:`torch.func.functional_call`); ``in_place``: prune
+    ``layer`` itself first (only for a private copy, such as an onloaded layer about to be
+    freed)."""
     kwargs = inputs.layer_kwargs[inputs.layer]
+    params = None
+    if masks is not None and in_place:
+        prune_layer_in_place(layer, masks, weights)
+    elif masks is not None:
+        params = pruned_parameters(layer, masks, weights)
     outs = torch.empty_like(inputs.hidden)
     for rows in _batches(len(inputs.hidden), batch_size):
-        outs[rows] = _call_layer(layer, inputs.hidden[rows], kwargs)
+        if params is None:
+            outs[rows] = _call_layer(layer, inputs.hidden[rows], kwargs)
+        else:
+            out = torch.func.functional_call(layer, params, (inputs.hidden[rows],), kwargs)
+            outs[rows] = out[0] if isinstance(out, tuple) else out
     return LayerInputs(outs, inputs.layer_kwargs, inputs.layer + 1)
 
 
@@ -273,7 +341,7 @@ def walk(model: nn.Module, windows: torch.Tensor, prune_fn: LayerPruneFn,
          hessian: bool = False, batch_size: int = 8, keep_weights: bool = False,
          progress: bool = False) -> WalkResult:
     """One sequential pass: per layer, statistics -> ``prune_fn`` -> forward through the pruned
-    copy. Returns every layer's masks (and SparseGPT's updated weights if ``keep_weights``)."""
+    layer. Returns every layer's masks (and SparseGPT's updated weights if ``keep_weights``)."""
     from tqdm.auto import tqdm
 
     adapter = ModelAdapter(model)
@@ -286,10 +354,9 @@ def walk(model: nn.Module, windows: torch.Tensor, prune_fn: LayerPruneFn,
         with adapter.onloaded(index) as layer:
             stats = collect_stats(layer, inputs, hessian=hessian, batch_size=batch_size)
             masks, weights = prune_fn(index, layer, stats)
-            pruned = masked_layer_copy(layer, masks, weights, in_place=onloading)
-            inputs = forward_layer(pruned, inputs, batch_size)
+            inputs = forward_layer(layer, inputs, batch_size, masks, weights, in_place=onloading)
         result.masks.append({k: v.cpu() for k, v in masks.items()})
         result.weights.append({k: v.cpu() for k, v in weights.items()}
                               if keep_weights and weights else None)
-        del pruned, stats
+        del stats
     return result

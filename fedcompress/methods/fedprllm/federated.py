@@ -578,12 +578,7 @@ def advance_to_layer(model: nn.Module, windows: torch.Tensor, layer: int,
     ``prev_weights``). Layer 0 embeds the windows. Returns a
     :class:`~fedcompress.pruning.walker.LayerInputs` (with the layers' keyword arguments).
     """
-    from fedcompress.pruning.walker import (
-        LayerInputs,
-        capture_layer_inputs,
-        forward_layer,
-        masked_layer_copy,
-    )
+    from fedcompress.pruning.walker import LayerInputs, capture_layer_inputs, forward_layer
 
     adapter = ModelAdapter(model)
     if not 0 <= layer < len(adapter):
@@ -597,10 +592,9 @@ def advance_to_layer(model: nn.Module, windows: torch.Tensor, layer: int,
         raise ValueError(f"round for layer {layer} needs the inputs of layer {layer - 1} and "
                          "its global mask")
     with adapter.onloaded(layer - 1) as source:  # read and freed here for an onloaded model
-        previous = masked_layer_copy(source, prev_global, prev_weights,
-                                     in_place=adapter.onloader is not None)
-        return forward_layer(previous, LayerInputs(prev_hidden, layer_kwargs, layer - 1),
-                             batch_size)
+        return forward_layer(source, LayerInputs(prev_hidden, layer_kwargs, layer - 1),
+                             batch_size, prev_global, prev_weights,
+                             in_place=adapter.onloader is not None)
 
 
 def iterative_client_step(model: nn.Module, windows: torch.Tensor, layer: int,
@@ -646,7 +640,7 @@ def resync_inputs(model: nn.Module, windows: torch.Tensor, layer: int,
     weights, statistics mode with SparseGPT), and the layers' keyword arguments: the same
     operations, in the same order, as the rounds it missed, so its next reply is the one it
     would have sent."""
-    from fedcompress.pruning.walker import capture_layer_inputs, forward_layer, masked_layer_copy
+    from fedcompress.pruning.walker import capture_layer_inputs, forward_layer
 
     missing = [i for i in range(max(layer - 1, 0)) if i not in global_masks]
     if missing:
@@ -659,9 +653,8 @@ def resync_inputs(model: nn.Module, windows: torch.Tensor, layer: int,
     for i in range(layer - 1):
         weights = global_weights.get(i) if global_weights else None
         with adapter.onloaded(i) as source:
-            inputs = forward_layer(masked_layer_copy(source, global_masks[i], weights,
-                                                     in_place=adapter.onloader is not None),
-                                   inputs, batch_size)
+            inputs = forward_layer(source, inputs, batch_size, global_masks[i], weights,
+                                   in_place=adapter.onloader is not None)
     return inputs.hidden, captured.layer_kwargs
 
 

@@ -2,8 +2,8 @@
 
 Wanda's column norms and SparseGPT's Hessian are sums over tokens. In this mode each site sends,
 for one decoder layer per round, the SUMS of its inputs' statistics
-(:class:`~fedcompress.pruning.walker.LayerStats`: ``sum_t x_tj^2`` in float64, ``sum_t 2 x_t
-x_t^T`` in float32, the token count); the server adds them up, which gives the statistics of
+(:class:`~fedcompress.pruning.walker.LayerStats`: ``sum_t x_tj^2`` and ``sum_t 2 x_t x_t^T`` in
+float64, the token count); the server adds them up, which gives the statistics of
 the union of the sites' windows, and prunes the layer exactly as the centralized pass does
 (:func:`~fedcompress.pruning.local.layer_prune_fn`: the same masks, SparseGPT's weight update
 included). It broadcasts the layer's global masks (and SparseGPT's updated weights) with the
@@ -13,12 +13,15 @@ rounds the global model is the centralized model:
 * Wanda: identical masks. The float64 sums of float32 squares agree with the centralized
   accumulation to about 1e-16 relative, far below float32's resolution, so the float32 norms
   and the masks are the same (``tests/test_stats_mode.py`` checks every mask bit).
-* SparseGPT: each site's Hessian sum is float32 (as the centralized pass accumulates it), the
-  server adds the sites' sums in float64; the only difference from the centralized Hessian is
-  float32 rounding of partial sums in another order (measured: ``simulations/stats_mode.py``).
+* SparseGPT: each site's Hessian sum is float64 (as the centralized pass accumulates it,
+  :data:`~fedcompress.models.HESSIAN_DTYPE`), and the server adds them in float64: the products
+  of float32 inputs are exact, so the only difference from the centralized Hessian is float64
+  rounding of partial sums in another order (~1e-16 relative), which the float32 factor of the
+  inverse almost never sees (measured: ``simulations/stats_mode.py``). With float32 sums it was
+  1.8% of the mask bits on SmolLM2.
 
 Wire (:func:`encode_stats`, :func:`decode_stats`): per linear layer ``in`` float64 square sums
-and, for SparseGPT, the upper triangle of the Hessian sum (``in (in + 1) / 2`` float32: it is
+and, for SparseGPT, the upper triangle of the Hessian sum (``in (in + 1) / 2`` float64: it is
 symmetric); linear layers fed by the same tensor (q/k/v, gate/up) are sent once, the others
 name it (``shared``). Every received statistic is validated (names, shapes, dtypes, finite,
 non-negative squares, a positive token count, the Hessian's diagonal equal to twice the square
@@ -37,7 +40,7 @@ import torch
 from torch import nn
 
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
-from fedcompress.models import CALC_DTYPE, ModelAdapter, weight_matrix
+from fedcompress.models import HESSIAN_DTYPE, ModelAdapter, weight_matrix
 from fedcompress.pruning.walker import LayerStats
 
 logger = logging.getLogger(__name__)
@@ -46,12 +49,12 @@ logger = logging.getLogger(__name__)
 #: method needs the whole model's backward pass).
 STATS_METHODS = ("wanda", "sparsegpt")
 #: Largest relative gap accepted between a Hessian's diagonal and twice the square sums (both
-#: are sums of the same squares; float32 rounding of the Hessian's partial sums stays ~1e-6).
+#: are sums of the same squares, in float64; SecAgg+'s fixed point adds at most n 2^-(f+1)).
 DIAG_TOLERANCE = 1e-3
 
 
-#: dtype of a site's Hessian sum on the wire (the upper triangle, float32)
-_WIRE_HESSIAN = np.dtype(np.float32)
+#: dtype of a site's Hessian sum on the wire (the upper triangle, HESSIAN_DTYPE)
+_WIRE_HESSIAN = np.dtype(np.float64)
 
 
 class InvalidStatsError(ValueError):
@@ -116,18 +119,18 @@ def encode_stats(stats: Mapping[str, LayerStats], layer: int
         arrays[_key(layer, name, "sq")] = st.sq_sum.cpu().numpy().astype(np.float64)
         if st.hessian_sum is not None:
             rows, cols = _triu(st.in_features)
-            arrays[_key(layer, name, "h")] = (st.hessian_sum.to(CALC_DTYPE)[rows, cols]
+            arrays[_key(layer, name, "h")] = (st.hessian_sum.to(HESSIAN_DTYPE)[rows, cols]
                                               .cpu().numpy())
     return arrays, shared
 
 
 def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
-                 in_features: Mapping[str, int], layer: int, hessian: bool,
-                 hessian_dtype: np.dtype = _WIRE_HESSIAN) -> dict[str, LayerStats]:
+                 in_features: Mapping[str, int], layer: int, hessian: bool
+                 ) -> dict[str, LayerStats]:
     """A site's statistics of decoder layer ``layer`` from the wire, validated against the
     layer's linear layers (``in_features``, :func:`layer_in_features`); linear layers that share
     statistics get the same object. :class:`InvalidStatsError` says what is wrong.
-    ``hessian_dtype`` float64: the sites' sums rebuilt from SecAgg+ (:func:`decode_fixed`)."""
+    Also decodes the sites' sum rebuilt from SecAgg+ (:func:`decode_fixed`: float64 too)."""
     names = set(in_features)
     unknown = sorted(set(shared) - names)
     if unknown:
@@ -163,9 +166,9 @@ def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
         if hessian:
             h = np.asarray(arrays[_key(layer, name, "h")])
             size = n * (n + 1) // 2
-            if h.dtype != hessian_dtype or h.shape != (size,):
+            if h.dtype != _WIRE_HESSIAN or h.shape != (size,):
                 raise InvalidStatsError(f"{_key(layer, name, 'h')}: {h.dtype} {h.shape}, "
-                                        f"expected {hessian_dtype} ({size},) (upper triangle)")
+                                        f"expected {_WIRE_HESSIAN} ({size},) (upper triangle)")
             if not np.isfinite(h).all():
                 raise InvalidStatsError(f"{_key(layer, name, 'h')}: not finite")
             full = torch.zeros(n, n, dtype=torch.from_numpy(h[:0]).dtype)
@@ -303,7 +306,7 @@ def stats_layout(in_features: Mapping[str, int], shared: Mapping[str, str], hess
         dtypes[_key(layer, name, "sq")] = np.dtype(np.float64)
         if hessian:
             sizes[_key(layer, name, "h")] = n * (n + 1) // 2
-            dtypes[_key(layer, name, "h")] = np.dtype(np.float32)
+            dtypes[_key(layer, name, "h")] = _WIRE_HESSIAN
     return [(key, sizes[key]) for key in sorted(sizes)], dtypes
 
 
@@ -314,7 +317,7 @@ def stats_nbytes(in_features: Mapping[str, int], hessian: bool,
     for name, n in in_features.items():
         if name in shared:
             continue
-        total += 8 * n + (4 * n * (n + 1) // 2 if hessian else 0)
+        total += 8 * n + (_WIRE_HESSIAN.itemsize * n * (n + 1) // 2 if hessian else 0)
     return total
 
 
@@ -328,7 +331,7 @@ class StatsAggregator:
     sums: dict[str, LayerStats] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.sums = {name: LayerStats(n, hessian=self.hessian, hessian_dtype=torch.float64)
+        self.sums = {name: LayerStats(n, hessian=self.hessian)
                      for name, n in self.in_features.items()}
 
     def add(self, stats: Mapping[str, LayerStats]) -> None:
@@ -417,8 +420,7 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
             layout, dtypes = fixed_point_layout(arrays), {k: a.dtype for k, a in arrays.items()}
         if frac_bits is not None and fixed is not None:
             summed = decode_fixed(fixed.view(np.int64), layout, frac_bits, dtypes)
-            aggregator.add(decode_stats(summed, shared, features, layer, prune.needs_hessian,
-                                        hessian_dtype=np.dtype(np.float64)))
+            aggregator.add(decode_stats(summed, shared, features, layer, prune.needs_hessian))
             aggregator.sites = len(windows)
         start = time.perf_counter()
         masks, weights = prune_layer(model, layer, aggregator.layer_stats(), prune)
