@@ -375,6 +375,14 @@ def bench_command(
     task_limit: Annotated[Optional[int], typer.Option(
         "--task-limit", help="Score the first N examples of each task (0: all).",
         show_default=False)] = None,
+    synth_url: Annotated[Optional[str], typer.Option(
+        "--synth-url", help="Override every PPC-GPT study's synth_url: an OpenAI-compatible "
+                            "server (vLLM, llama.cpp, Ollama, TGI) serving LLM_syn.",
+        show_default=False)] = None,
+    synth_model: Annotated[Optional[str], typer.Option(
+        "--synth-model", help="Override every PPC-GPT study's synth_model (a local model "
+                              "spec, or the served model's name with --synth-url).",
+        show_default=False)] = None,
     device: DeviceOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the plan (cells, "
                                                               "pending) and the empty tables.")
@@ -383,81 +391,18 @@ def bench_command(
                                            help="Progress bars.")] = True,
     log_level: LogOpt = "INFO",
 ) -> None:
-    """Sweep FedPrLLM aggregation strategies (method x sparsity x group x scaling x mode x
-    tie-break, plus baselines) from one config; resumable; tables, plots, report."""
+    """Studies from one config: FedPrLLM sweeps (method x sparsity x group x scaling x mode x
+    tie-break, plus baselines), network and leakage studies, PPC-GPT's Tables 1-7, PrunePrivyTune's
+    Tables 1-4 and 6, personalized layer pruning and its ablations ([study.NAME] kind = ...);
+    resumable; tables, plots, report."""
     _setup_logging(log_level)
     from fedcompress.bench.run import run_bench
 
     overrides = {"eval_windows": eval_windows, "eval_text": eval_text, "tasks": tasks,
-                 "tasks_path": tasks_path, "task_limit": task_limit}
+                 "tasks_path": tasks_path, "task_limit": task_limit, "synth_url": synth_url,
+                 "synth_model": synth_model}
     report = run_bench(config_file, out, overrides,
                        None if device in (None, "auto") else device, progress, dry_run)
-    _print_sections(report)
-
-
-@app.command("ppcgpt-study")
-def ppcgpt_study_command(
-    config_file: Annotated[Path, typer.Argument(
-        metavar="CONFIG", help="Study TOML: [ppcgpt] (the base run), [ablations] (the values "
-                               "each of Tables 2-7 compares), [study] (title, baselines) (see "
-                               "simulations/ppcgpt_study.toml).")],
-    out: Annotated[Optional[Path], typer.Option(
-        "--out", help="Output folder; an existing one is resumed (finished cells and generated "
-                      "synthetic data are kept). [default: runs/ppcgpt-study-CONFIG]",
-        show_default=False)] = None,
-    synth_url: Annotated[Optional[str], typer.Option(
-        "--synth-url", help="Override [ppcgpt] synth_url: an OpenAI-compatible server (vLLM, "
-                            "llama.cpp, Ollama, TGI) serving LLM_syn.", show_default=False)
-                         ] = None,
-    synth_model: Annotated[Optional[str], typer.Option(
-        "--synth-model", help="Override [ppcgpt] synth_model (a local model spec, or the "
-                              "served model's name with --synth-url).", show_default=False)
-                           ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only write the plan and the empty "
-                                                              "tables.")] = False,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress",
-                                           help="Progress bars.")] = True,
-    log_level: LogOpt = "INFO",
-) -> None:
-    """PPC-GPT baselines and ablations (the paper's Tables 1-7: DenseSFT / Plain-C / PPC-GPT,
-    eps, synthetic ratio, rationales, server retraining, BI vs Seq, pruning ratio) from one
-    config; synthetic data generated once per eps; resumable; report.md + report.json."""
-    _setup_logging(log_level)
-    from fedcompress.bench.ppcgpt_study import StudyConfigError, run_study
-
-    out = out or Path("runs") / f"ppcgpt-study-{config_file.stem}"
-    try:
-        report = run_study(config_file, out, {"synth_url": synth_url, "synth_model": synth_model},
-                           progress=progress, dry_run=dry_run)
-    except StudyConfigError as err:
-        raise typer.BadParameter(str(err), param_hint="CONFIG") from None
-    _print_sections(report)
-
-
-@app.command("privytune-study")
-def privytune_study_command(
-    config_file: Annotated[Path, typer.Argument(
-        metavar="CONFIG", help="Study TOML: [study] (title, tasks, epsilon, ratios), "
-                               "[privytune] (the base settings), [attack] (the audit cells, "
-                               "epsilons) (see simulations/privytune_study.toml).")],
-    out: Annotated[Optional[Path], typer.Option(
-        "--out", help="Output folder; an existing one is resumed (finished cells are kept). "
-                      "[default: runs/privytune-study-CONFIG]", show_default=False)] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only write the plan and the empty "
-                                                              "tables.")] = False,
-    log_level: LogOpt = "INFO",
-) -> None:
-    """PrunePrivyTune's tables (the paper's Tables 1-4 and 6, Fig. 2: Cosine vs Pairwise-Cosine,
-    Train vs LoRA, removal ratio, with and without DP, the extraction audit by epsilon) with
-    the centralized pipeline, from one config; resumable; report.md + report.json."""
-    _setup_logging(log_level)
-    from fedcompress.bench.privytune_study import StudyConfigError, run_study
-
-    out = out or Path("runs") / f"privytune-study-{config_file.stem}"
-    try:
-        report = run_study(config_file, out, dry_run=dry_run)
-    except StudyConfigError as err:
-        raise typer.BadParameter(str(err), param_hint="CONFIG") from None
     _print_sections(report)
 
 

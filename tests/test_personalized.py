@@ -219,71 +219,100 @@ def test_site_masks_use_the_vote_outside_the_sites_personalized_layers(tiny_mode
     assert float(mixed[1]["mlp.up_proj"].float().mean()) == pytest.approx(0.5, abs=1 / 32)
 
 
-def _script(name: str):
-    import importlib.util
+PERSONALIZE_STUDY = """
+[bench]
+model = "{model}"
+clients = 2
+samples_per_client = 2
+seqlen = 16
+batch_size = 2
 
-    spec = importlib.util.spec_from_file_location(name, f"simulations/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+[study.main]
+kind = "personalize"
+title = "tiny, by sparsity"
+calib_text = "wiki+shakespeare+code"
+k = 2
+max_iter = 4
+sparsity = [0.5, 0.6]
+
+[study.importance]
+kind = "personalize"
+calib_text = "wiki+shakespeare+code"
+k = 2
+max_iter = 4
+sparsity = 0.6
+importance = ["wanda", "magnitude"]
+"""
 
 
-def test_personalized_benchmark_runs_on_a_tiny_model(tiny_dir, tmp_path):
+def test_personalize_study_plan_and_errors():
+    from fedcompress.bench.personalize_study import METHODS
+    from fedcompress.bench.sweep import BenchConfigError, plan
+
+    config = {"bench": {"model": "m", "clients": 2},
+              "study": {"a": {"kind": "personalize", "sparsity": [0.5, 0.6], "k": 2},
+                        "b": {"kind": "personalize", "sparsity": 0.6, "k": [2, 3]}}}
+    a, b = plan(config)
+    assert a.kind == b.kind == "personalize" and a.swept == ["sparsity"] and b.swept == ["k"]
+    assert len(a.cells) == 2 and len(b.cells) == 2
+    settings = dict(a.cells[1].client)
+    assert (settings["model"], settings["clients"], settings["sparsity"]) == ("m", 2, 0.6)
+    assert settings["methods"] == ",".join(METHODS)
+    # the same point in two studies is one cell (it runs once)
+    assert a.cells[1].id == b.cells[0].id
+    for table, message in (({"sparsities": [0.5]}, r"study 'x' \(kind personalize\): unknown "
+                            r"setting\(s\) \['sparsities'\]; expected some of .*'sparsity'"),
+                           ({"methods": ["uniform"]}, r"methods \['uniform'\]: expected some of"),
+                           ({"k": []}, "k is an empty list"),
+                           ({"sparsity": 1.5}, "study 'x': sparsity=1.5 is invalid")):
+        with pytest.raises(BenchConfigError, match=message):
+            plan({"study": {"x": {"kind": "personalize", **table}}})
+
+
+def test_personalize_study_runs_resumes_and_records_a_failure(tiny_dir, tmp_path, monkeypatch):
     import json
 
-    bench = _script("personalized")
+    import fedcompress.layers.personalized as pl
+    from fedcompress.bench import personalize_study as ps
+    from fedcompress.bench.run import run_bench
+    from fedcompress.report_html import render_run
+
+    config = tmp_path / "bench.toml"
+    config.write_text(PERSONALIZE_STUDY.format(model=tiny_dir))
+    compute = ps.CellRunner.compute
+
+    def magnitude_fails(self, cell):
+        if dict(cell.client)["importance"] == "magnitude":
+            raise RuntimeError("magnitude broke")
+        return compute(self, cell)
+
+    monkeypatch.setattr(ps.CellRunner, "compute", magnitude_fails)
     out = tmp_path / "out"
-    bench.main(["--model", tiny_dir, "--clients", "2", "--windows", "2", "--seqlen", "16",
-                "--sparsities", "0.5", "--k", "2", "--max-iter", "4", "--batch-size", "2",
-                "--out", str(out)])
-    results = json.loads((out / "results.json").read_text())
-    data = results["sparsities"]["0.5"]
-    assert set(data["perplexity"]) == {"local-only", "fedprllm", "seed004-local",
-                                       "personalized"}
-    for name, values in data["sparsity"].items():
+    report = run_bench(config, out, progress=False)
+    assert report.status == "incomplete" and report.extra["plan"] == {"cells": 3, "pending": 3}
+    by_status = {r["importance"] + str(r["sparsity"]): r for r in report.results}
+    assert by_status["magnitude0.6"]["status"] == "failed"
+    assert "magnitude broke" in by_status["magnitude0.6"]["error"]
+    ok = by_status["wanda0.5"]
+    assert ok["status"] == "ok" and set(ok["perplexity"]) == {
+        "local-only", "fedprllm", "seed004-local", "personalized"}
+    for name, values in ok["achieved_sparsity"].items():
         assert all(v == pytest.approx(0.5, abs=0.04) for v in values), name
-    assert len(results["dense"]) == 2 and (out / "report.md").exists()
-    assert (out / "unit-classes.png").exists()
-    # resume: the finished sparsity and the classes are kept, only the new one is computed
-    bench.main(["--model", tiny_dir, "--clients", "2", "--windows", "2", "--seqlen", "16",
-                "--sparsities", "0.5", "0.6", "--k", "2", "--max-iter", "4", "--batch-size",
-                "2", "--resume", "--out", str(out)])
-    resumed = json.loads((out / "results.json").read_text())
-    assert resumed["sparsities"]["0.5"] == data and "0.6" in resumed["sparsities"]
-    assert resumed["classes"] == results["classes"]
-    with pytest.raises(SystemExit, match="k=2.*expected the same data"):
-        bench.main(["--model", tiny_dir, "--clients", "2", "--windows", "2", "--seqlen", "16",
-                    "--sparsities", "0.7", "--k", "1", "--max-iter", "4", "--batch-size", "2",
-                    "--classes-from", str(out / "results.json"), "--out", str(tmp_path / "x")])
+    assert len(ok["dense"]) == 2 and ok["classes_key"] == by_status["wanda0.6"]["classes_key"]
+    assert len(list((out / "personalize").glob("classes-*.json"))) == 1  # classified once
+    md = (out / "report.md").read_text()
+    assert "### tiny, by sparsity" in md and "sparsity=0.5: held-out perplexity per site" in md
+    assert "magnitude broke" in md and f"unit-classes-{ok['classes_key']}.png" in md
+    assert "tiny, by sparsity" in render_run(out)
 
-
-def test_ablations_run_every_table_on_a_tiny_model(tiny_dir, tmp_path, monkeypatch):
-    import json
-
-    bench = _script("personalized")
-    main = tmp_path / "main"
-    bench.main(["--model", tiny_dir, "--clients", "2", "--windows", "2", "--seqlen", "16",
-                "--sparsities", "0.5", "0.6", "--k", "2", "--max-iter", "4", "--batch-size",
-                "2", "--out", str(main)])
-    ablations = _script("personalized_ablations")
-    # the tiny model has 6 sublayer units: k 8 is refused, so the table uses k 3
-    variants = [v if v[1] != "k=8" else ("IV", "k=3", 0.6, ["--k", "3", "--methods",
-                                                              ablations.OURS], False)
-                for v in ablations.VARIANTS]
-    small = ["--seqlen", "16", "--max-iter", "4", "--batch-size", "2"]
-    monkeypatch.setattr(ablations, "VARIANTS", [
-        (t, v, p, [*extra, *small] + (["--k", "2"] if "--k" not in extra else []), reuse)
-        for t, v, p, extra, reuse in variants])
-    out = tmp_path / "abl"
-    ablations.main(["--main", str(main), "--out", str(out)])
-    report = json.loads((out / "ablations.json").read_text())
-    assert set(report["tables"]) == {"II", "IV", "V", "VI", "adapt"}
-    rows = {r["variant"]: r for rows in report["tables"].values() for r in rows}
-    assert "personalized" in rows["gradient"] and "fedprllm" in rows["gradient"]
-    assert rows["k=3"]["wins"] is not None  # against the main run's FedPrLLM at 0.6
-    assert "classes" not in rows["p=0.7"]  # the main run has no 0.7: shown as not run
-    text = (out / "report.md").read_text()
-    assert "Table VI shape" in text and "not run" in text
+    # resume: the failed cell is retried, the finished ones are not rerun, the classes are
+    # read back (classifying again would fail)
+    monkeypatch.setattr(ps.CellRunner, "compute", compute)
+    monkeypatch.setattr(pl, "classify_units", lambda *a, **k: pytest.fail("classified again"))
+    again = run_bench(config, out, progress=False)
+    assert again.status == "ok" and again.extra["plan"]["pending"] == 1
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["importance"] for r in lines[3:]] == ["magnitude"]
 
 
 # -- the method on Flower (in process, and on the Simulation Engine) ---------------------------

@@ -152,24 +152,17 @@ def test_bad_settings_are_named(tiny_task):
             ppt.PrivyTuneConfig.from_dict({"task": tiny_task, **values})
 
 
-def test_study_writes_the_papers_tables_and_resumes(tiny_dir, tiny_task, tmp_path):
-    from fedcompress.bench.privytune_study import run_study
+PRIVYTUNE_STUDY = """
+[bench]
+model = "{model}"
 
-    corpus = tmp_path / "private.jsonl"  # private text: the task's questions as documents
-    with open(corpus, "w") as f:
-        for line in open(f"{tiny_task}/train.jsonl"):
-            f.write(json.dumps({"text": json.loads(line)["question"]}) + "\n")
-    config = tmp_path / "study.toml"
-    config.write_text(f"""
-[study]
+[study.tiny]
+kind = "privytune"
 title = "tiny"
-tasks = ["{tiny_task}"]
+tasks = ["{task}"]
 epsilon = 8.0
 ratios = [0.34, 0.67]
 compare_ratio = 0.67
-
-[privytune]
-model = "{tiny_dir}"
 batch_size = 8
 lr = 0.01
 max_length = 32
@@ -177,8 +170,7 @@ similarity_texts = 8
 rounds = 1
 attack_samples = 0
 
-[attack]
-model = "{tiny_dir}"
+[study.tiny.attack]
 objective = "lm"
 corpus = "{corpus}"
 train_examples = 8
@@ -189,27 +181,103 @@ batch_size = 4
 similarity_texts = 4
 attack_samples = 2
 epsilons = [8.0, 0.0]
-""")
+"""
+
+
+def test_study_plan_names_bad_keys_and_shares_cells(tiny_task):
+    from fedcompress.bench.privytune_study import Layout
+    from fedcompress.bench.sweep import BenchConfigError, plan
+
+    def study(**table):
+        return plan({"bench": {"model": "m"}, "study": {"p": {
+            "kind": "privytune", "tasks": [tiny_task], **table}}})[0]
+
+    planned = study(ratios=[0.34, 0.67], attack={"objective": "lm", "epsilons": [1.0, 0.0]})
+    assert planned.kind == "privytune"
+    kinds = [c.kind for c in planned.cells]
+    # Table 1 (2 measures x 2 modes x DP or not) at the smallest ratio, whose pairwise cells
+    # Tables 2-3 share, and the other ratio's 4; two audit cells
+    assert kinds.count("privytune-classify") == 8 + 4 and kinds.count("privytune-attack") == 2
+    assert len({c.id for c in planned.cells}) == len(planned.cells)
+    layout = Layout.from_options(planned.options)
+    assert layout.classify_cell((tiny_task, ""), "pairwise", "lora", True, 0.67).id in {
+        c.id for c in planned.cells}
+    assert dict(planned.cells[0].client)["model"] == "m"  # [bench] settings apply
+    for table, message in (({"epsilonn": 1.0}, r"unknown setting\(s\) \['epsilonn'\]; "
+                            r"expected some of .*'epsilon'"),
+                           ({"attack": {"epsilon_list": [1]}}, r"study 'p.attack' .*unknown "
+                            r"setting\(s\) \['epsilon_list'\]; expected some of .*'epsilons'"),
+                           ({"ratios": [1.5]}, "study 'p': ratio=1.5 is invalid")):
+        with pytest.raises(BenchConfigError, match=message):
+            study(**table)
+
+
+def test_study_writes_the_papers_tables_and_resumes(tiny_dir, tiny_task, tmp_path,
+                                                     monkeypatch):
+    from fedcompress.bench.privytune_study import fig2_name
+    from fedcompress.bench.run import run_bench
+
+    corpus = tmp_path / "private.jsonl"  # private text: the task's questions as documents
+    with open(corpus, "w") as f:
+        for line in open(f"{tiny_task}/train.jsonl"):
+            f.write(json.dumps({"text": json.loads(line)["question"]}) + "\n")
+    config = tmp_path / "study.toml"
+    config.write_text(PRIVYTUNE_STUDY.format(model=tiny_dir, task=tiny_task, corpus=corpus))
     out = tmp_path / "out"
-    planned = run_study(config, out, dry_run=True)
+    planned = run_bench(config, out, dry_run=True, progress=False)
     assert planned.status == "planned" and planned.extra["plan"]["cells"] == 8 + 4 + 2
-    report = run_study(config, out)
-    assert report.status == "ok", [r.get("error") for r in report.results]
-    titles = [t for t, _ in report.sections]
-    assert [t.split(":")[0] for t in titles[:5]] == ["Table 1", "Table 2", "Table 3", "Table 4",
-                                                     "Table 6"]
-    table1 = dict(report.sections)[titles[0]]
-    assert table1.count("\n") == 1 + 8 and "failed" not in table1
-    assert "ratio 0.67" in titles[0] and table1.count("(-L") == 8  # 2 of 3 layers removed
-    assert (out / f"fig2-{tiny_task.replace(':', '-')}.png").exists()
-    by_id = {r["name"].split("-", 1)[1]: r for r in report.results}
+    real = ppt.central_run
+
+    def audit_fails_without_dp(config, *args, **kwargs):
+        if config.objective == "lm" and not config.private:
+            raise RuntimeError("audit broke")
+        return real(config, *args, **kwargs)
+
+    monkeypatch.setattr(ppt, "central_run", audit_fails_without_dp)
+    report = run_bench(config, out, progress=False)
+    assert report.status == "incomplete"  # the failed cell is recorded, the others ran
+    failed = [r for r in report.results if r["status"] != "ok"]
+    assert [(r["kind"], r["epsilon"]) for r in failed] == [("privytune-attack", 0.0)]
+    assert "RuntimeError: audit broke" in failed[0]["error"]
+    md = (out / "report.md").read_text()
+    for title in ("Table 1", "Table 2", "Table 3", "Table 4", "Table 6", "Wall time per cell"):
+        assert f"#### {title}" in md
+    table1 = md.split("#### Table 1")[1].split("####")[0]
+    assert "ratio 0.67" in table1 and table1.count("(-L") == 8  # 2 of 3 layers removed
+    assert (out / fig2_name(tiny_task)).exists() and fig2_name(tiny_task) == "fig2-task0.png"
+    assert "fig2-task0.png" in md  # in the report's plots
+    by_id = {r["id"]: r for r in report.results}
     for record in report.results:  # a reused cell carries its twin's result
         if "same_plan_as" in record:
             twin = by_id[record["same_plan_as"]]
             assert record["removed_layers"] == twin["removed_layers"]
             assert record.get("accuracy") == twin.get("accuracy")
-    again = run_study(config, out)  # resumed: every cell found again, none re-run
-    assert again.timings["study"] < 5 and again.status == "ok"
+    monkeypatch.setattr(ppt, "central_run", real)
+    again = run_bench(config, out, progress=False)  # resumed: only the failed cell runs
+    assert again.status == "ok" and again.extra["plan"]["pending"] == 1
+    assert len((out / "results.jsonl").read_text().splitlines()) == 14 + 1
+    from fedcompress.report_html import render_run
+
+    assert "Table 6: extraction audit by epsilon" in render_run(out)
+
+
+def test_a_former_privytune_study_cell_is_read_back(tmp_path):
+    """A cell of the former ``privytune-study`` folder (OUT/cells/<id>.json) is the bench's
+    cell of the same settings."""
+    from fedcompress.bench.privytune_study import cell_of
+    from fedcompress.bench.sweep import load_results
+
+    settings = {"model": "m", "task": "t", "labels": "", "measure": "pairwise", "mode": "lora",
+                "ratio": 0.1, "removal": "ratio", "epsilon": 1.0}
+    (tmp_path / "cells").mkdir()
+    (tmp_path / "cells" / "abc.json").write_text(json.dumps(
+        {"status": "ok", "table": "classify", "settings": settings, "removed_layers": [3],
+         "accuracy": 0.75, "epsilon": 1.0, "wall_seconds": 9.0}))
+    results = load_results(tmp_path / "results.jsonl")
+    cell = cell_of("classify", settings)
+    assert list(results) == [cell.id]
+    assert results[cell.id]["accuracy"] == 0.75 and results[cell.id]["kind"] == \
+        "privytune-classify"
 
 
 class _Grid:
@@ -353,12 +421,15 @@ def test_central_dp_run_reports_the_site_level_epsilon_per_round(tiny_dir, tiny_
 def test_study_cells_with_the_same_plan_share_one_result():
     """Two cells that remove the same layers with every other setting equal (e.g. both
     redundancy measures picking the same layers) train the same model: one run serves both."""
-    from fedcompress.bench.privytune_study import Cell, StudyRunner
+    from fedcompress.bench.privytune_study import CellRunner, cell_of
 
-    adjacent = Cell("classify", {"task": "t", "measure": "adjacent", "ratio": 0.1, "mode": "lora"})
-    pairwise = Cell("classify", {"task": "t", "measure": "pairwise", "ratio": 0.2, "mode": "lora"})
-    full = Cell("classify", {"task": "t", "measure": "pairwise", "ratio": 0.1, "mode": "full"})
-    key = StudyRunner.plan_key
+    adjacent = cell_of("classify", {"task": "t", "measure": "adjacent", "ratio": 0.1,
+                                    "mode": "lora"})
+    pairwise = cell_of("classify", {"task": "t", "measure": "pairwise", "ratio": 0.2,
+                                    "mode": "lora"})
+    full = cell_of("classify", {"task": "t", "measure": "pairwise", "ratio": 0.1,
+                                "mode": "full"})
+    key = CellRunner.plan_key
     assert key(adjacent, (1, 2)) == key(pairwise, (1, 2))
     assert key(adjacent, (1, 2)) != key(pairwise, (1, 3))
     assert key(pairwise, (1, 2)) != key(full, (1, 2))

@@ -1,4 +1,5 @@
-"""PPC-GPT baselines and ablations in one command (``fedcompress ppcgpt-study CONFIG.toml``).
+"""PPC-GPT baselines and ablations as a bench study (``[study.NAME] kind = "ppcgpt"`` of
+``fedcompress bench CONFIG.toml``).
 
 Reproduces the shape of the PPC-GPT paper's Tables 1-7 (../shared/papers/ppc-gpt.txt) on a
 bundled multiple-choice task: Table 1 compares the dense model, DenseSFT, Plain-C and PPC-GPT;
@@ -7,14 +8,23 @@ with/without rationales, with/without server-side retraining, Block Influence vs
 removal, pruning ratio) and report the server's model on the clients' test data ("S") and the
 clients' retrained model ("C").
 
-A config has a ``[ppcgpt]`` table (the base run: any
-:class:`~fedcompress.methods.ppcgpt.PPCGPTConfig`
-setting), an ``[ablations]`` table (per axis, the values its table compares; the base value is
-added when missing) and an optional ``[study]`` table (``title``, ``baselines``: any of
-``dense``, ``dense-sft``, ``plain-c``; ``device``).
+The study's table holds the base run (any :class:`~fedcompress.methods.ppcgpt.PPCGPTConfig`
+setting; ``[bench]`` settings of the same name apply too), ``baselines`` (any of ``dense``,
+``dense-sft``, ``plain-c``; default all) and an ``ablations`` table (per axis, the values its
+table compares; the base value is added when missing)::
 
-How it runs (in-process, by the library functions the Flower apps call, so no simulation
-engine is needed; the Flower app itself is tested against them):
+    [study.strategyqa]
+    kind = "ppcgpt"
+    model = "smollm2-135m"
+    eps = 3.0
+    [study.strategyqa.ablations]
+    eps = [1.0, 3.0, 10.0]
+
+``fedcompress bench --synth-url URL --synth-model NAME`` override the generator of every
+PPC-GPT study. The cells are planned, stored (``OUT/results.jsonl``), resumed and reported by
+the bench (:mod:`fedcompress.bench.studies`); here is how a cell is computed (in-process, by
+the library functions the Flower apps call, so no simulation engine is needed; the Flower app
+itself is tested against them):
 
 * each client's private data and round-1 text are
   :func:`~fedcompress.methods.ppcgpt.client_data` and
@@ -22,16 +32,14 @@ engine is needed; the Flower app itself is tested against them):
 * synthetic data is generated once per privacy budget and reused by every variant at that
   budget; the base budget is generated at the largest synthetic ratio of Table 3 and a smaller
   integer ratio ``r`` takes the first ``r`` accepted samples of each client example. It is
-  stored under ``OUT/synthetic/<key>/`` and reused by a resumed study;
-* every variant (and baseline) is a *cell*, stored in ``OUT/cells/<id>.json`` as soon as it
-  finishes; a rerun skips finished cells and retries failed ones; a failing cell (for example
-  too few accepted synthetic samples at some ``eps``) is recorded with its error and the study
-  goes on;
+  stored under ``OUT/synthetic/<key>/`` and reused by a resumed study; a cell without enough
+  accepted samples at its ``eps`` fails (recorded) and the others go on;
 * accuracy is lm-eval's log-likelihood multiple-choice accuracy
   (:func:`fedcompress.distill.task_accuracy`) over all clients' test examples.
 
-Output: ``report.md`` (the tables, wall times, the synthetic-data acceptance per budget) and
-``report.json`` (every cell, per client).
+The report has the tables, the privacy of round 1 at the base budget and the synthetic-data
+acceptance per budget; report.json every cell, per client. A folder of the former
+``fedcompress ppcgpt-study`` command (``OUT/cells/<id>.json``) is read and resumed.
 """
 
 from __future__ import annotations
@@ -43,17 +51,21 @@ import json
 import logging
 import math
 import time
-import tomllib
-import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fedcompress.bench.studies import check_keys, stored_cell
+from fedcompress.bench.sweep import BenchConfigError, Cell, Study, bench_record
 from fedcompress.methods import ppcgpt
 from fedcompress.methods.ppcgpt import PPCGPTConfig
 from fedcompress.models import num_layers
-from fedcompress.report import RunReport, atomic_write, markdown_table
+from fedcompress.report import atomic_write, markdown_table
+
+if TYPE_CHECKING:
+    from fedcompress.bench.sweep import BenchRunner
+    from fedcompress.bench.tables import StudyTable
 
 logger = logging.getLogger(__name__)
 
@@ -67,54 +79,53 @@ AXES: dict[str, str] = {
     "prune_ratio": "Table 7: pruning ratio (fraction of decoder layers removed)",
 }
 BASELINES = ("dense", "dense-sft", "plain-c")
-STUDY_KEYS = ("title", "baselines", "device")
-#: Settings that change no result (how long to wait for the generator, how many requests).
-_NO_EFFECT = {"synth_timeout", "synth_workers"}
+#: A study's keys besides the PPC-GPT settings (and ``title``, ``kind``).
+STUDY_KEYS = ("baselines", "ablations")
+#: The bench's cell kind of each method.
+CELL_KINDS = {"ppcgpt": "ppcgpt", **{b: f"ppcgpt-{b}" for b in BASELINES}}
+#: Settings that change no result (how long to wait for the generator, how many requests):
+#: not part of a cell, kept in the study's options.
+_NO_EFFECT = ("synth_timeout", "synth_workers")
 #: Settings that do not change the synthetic data (compression, training and evaluation).
-_NOT_SYNTH = _NO_EFFECT | {
-    "prune_ratio", "prune_policy", "rationales", "server_retrain", "server_epochs",
-    "server_steps", "client_epochs", "client_steps", "lr", "batch_size", "grad_accum",
-    "lora_r", "lora_alpha", "lora_dropout", "max_length", "eval_batch_size", "eval_split",
-    "eval_per_client", "min_synthetic", "min_clients", "synth_ratio", "dtype"}
+_NOT_SYNTH = {*_NO_EFFECT,
+              "prune_ratio", "prune_policy", "rationales", "server_retrain", "server_epochs",
+              "server_steps", "client_epochs", "client_steps", "lr", "batch_size", "grad_accum",
+              "lora_r", "lora_alpha", "lora_dropout", "max_length", "eval_batch_size",
+              "eval_split", "eval_per_client", "min_synthetic", "min_clients", "synth_ratio",
+              "dtype"}
+NAMES = {"dense": "Dense (no training)", "dense-sft": "DenseSFT", "plain-c": "Plain-C",
+         "ppcgpt": "PPC-GPT"}
 
 
-class StudyConfigError(ValueError):
-    """A study config names an unknown setting or an impossible value."""
+def cell_of(method: str, config: PPCGPTConfig) -> Cell:
+    """The bench cell of ``method`` (``ppcgpt`` or a baseline) run with ``config``."""
+    return Cell(CELL_KINDS[method], tuple((k, v) for k, v in config.to_dict().items()
+                                          if k not in _NO_EFFECT))
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One run of the study: PPC-GPT with ``overrides`` of the base, or a baseline."""
-
-    kind: str  # "ppcgpt" or a baseline name
-    config: PPCGPTConfig
-    tables: tuple[str, ...]  # "main" and/or axis names this cell appears in
-
-    @property
-    def id(self) -> str:
-        settings = {k: v for k, v in self.config.to_dict().items() if k not in _NO_EFFECT}
-        return f"{self.kind}-{_digest(settings)}"
+def method_of(cell: Cell) -> str:
+    return next(m for m, kind in CELL_KINDS.items() if kind == cell.kind)
 
 
 @dataclass
-class Study:
+class Layout:
+    """What a PPC-GPT study compares: the base run, the ablation axes (values per axis, the
+    base value included) and the baselines; stored as the study's options."""
+
     base: PPCGPTConfig
     axes: dict[str, list[Any]]
-    title: str
     baselines: list[str]
-    device: str | None
+    runtime: dict[str, Any]  # the _NO_EFFECT settings
 
-    def cells(self) -> list[Cell]:
-        """Every cell once (a variant shared by two tables runs once), baselines first."""
-        cells: dict[str, Cell] = {}
+    def cells(self) -> dict[str, tuple[Cell, tuple[str, ...]]]:
+        """Every cell once (a variant shared by two tables runs once) with the tables it
+        appears in ("main" and/or axis names), baselines first."""
+        cells: dict[str, tuple[Cell, tuple[str, ...]]] = {}
 
-        def add(kind: str, config: PPCGPTConfig, table: str) -> None:
-            cell = Cell(kind, config, (table,))
-            if cell.id in cells:
-                old = cells[cell.id]
-                cells[cell.id] = dataclasses.replace(old, tables=old.tables + (table,))
-            else:
-                cells[cell.id] = cell
+        def add(method: str, config: PPCGPTConfig, table: str) -> None:
+            cell = cell_of(method, config)
+            old = cells.get(cell.id, (cell, ()))[1]
+            cells[cell.id] = (cell, old + (table,))
 
         for name in self.baselines:
             add(name, self.base, "main")
@@ -124,75 +135,96 @@ class Study:
         for axis in sorted(self.axes, key=lambda a: a == "eps"):
             for value in self.axes[axis]:
                 add("ppcgpt", dataclasses.replace(self.base, **{axis: value}), axis)
-        return list(cells.values())
+        return cells
+
+    def config(self, cell: Cell) -> PPCGPTConfig:
+        return PPCGPTConfig.from_dict({**dict(cell.client), **self.runtime})
 
     def generation_ratio(self) -> float:
         """Synthetic ratio generated at the base budget (the largest Table 3 compares)."""
         return max([self.base.synth_ratio, *self.axes.get("synth_ratio", [])])
+
+    def options(self) -> dict[str, Any]:
+        return {"base": self.base.to_dict(), "axes": self.axes, "baselines": self.baselines}
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Layout:
+        base = PPCGPTConfig.from_dict(options["base"])
+        return cls(base, {k: list(v) for k, v in options["axes"].items()},
+                   list(options["baselines"]),
+                   {k: getattr(base, k) for k in _NO_EFFECT})
 
 
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def load_study(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Study:
-    """Read and validate a study config (``overrides``: base settings given on the command
-    line, applied over ``[ppcgpt]``)."""
-    path = Path(path)
+def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
+               overrides: Mapping[str, Any]) -> Study:
+    """A PPC-GPT study of a bench config: its cells (baselines, the base run, one per
+    ablation value), checked before anything runs."""
+    names = PPCGPTConfig.names()
+    check_keys(name, "ppcgpt", table, [*names, *STUDY_KEYS])
+    settings = {k: base[k] for k in names if k in base}
+    settings.update({k: v for k, v in table.items() if k in names})
+    settings.update(overrides)
     try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise StudyConfigError(f"study config {path} does not exist") from None
-    except tomllib.TOMLDecodeError as err:
-        raise StudyConfigError(f"study config {path} is not valid TOML: {err}") from None
-    return study_from_dict(raw, overrides)
-
-
-def study_from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
-                    ) -> Study:
-    unknown = sorted(set(raw) - {"ppcgpt", "ablations", "study"})
-    if unknown:
-        raise StudyConfigError(f"unknown table(s) {unknown}: expected [ppcgpt], [ablations], "
-                               "[study]")
-    try:
-        base = PPCGPTConfig.from_dict({**raw.get("ppcgpt", {}), **(overrides or {})})
+        config = PPCGPTConfig.from_dict(settings)
     except (TypeError, ValueError) as err:
-        raise StudyConfigError(f"[ppcgpt]: {err}") from None
+        raise BenchConfigError(f"study {name!r}: {err}") from None
     axes: dict[str, list[Any]] = {}
-    for axis, values in raw.get("ablations", {}).items():
+    ablations = table.get("ablations", {})
+    if not isinstance(ablations, Mapping):
+        raise BenchConfigError(f"study {name!r}: ablations = {ablations!r}: expected a table "
+                               f"of axis = [values] (axes: {list(AXES)})")
+    for axis, values in ablations.items():
         axis = axis.replace("-", "_")
         if axis not in AXES:
-            raise StudyConfigError(f"[ablations] {axis!r} is not an ablation: expected some of "
-                                   f"{list(AXES)}")
+            raise BenchConfigError(f"study {name!r}: ablations {axis!r} is not an ablation: "
+                                   f"expected some of {list(AXES)}")
         if not isinstance(values, list) or not values:
-            raise StudyConfigError(f"[ablations] {axis} = {values!r}: expected a non-empty list")
-        base_value = getattr(base, axis)
+            raise BenchConfigError(f"study {name!r}: ablations {axis} = {values!r}: expected "
+                                   "a non-empty list")
+        base_value = getattr(config, axis)
         merged = list(values) + ([base_value] if base_value not in values else [])
-        for value in merged:
-            try:
-                PPCGPTConfig.from_dict({**base.to_dict(), axis: value})
-            except (TypeError, ValueError) as err:
-                raise StudyConfigError(f"[ablations] {axis}: {err}") from None
-        axes[axis] = [getattr(PPCGPTConfig.from_dict({**base.to_dict(), axis: v}), axis)
-                      for v in merged]
-    ratios = axes.get("synth_ratio", [])
-    if len(ratios) > 1:
-        bad = [r for r in ratios if not float(r).is_integer()]
-        if bad:
-            raise StudyConfigError(f"[ablations] synth_ratio {bad}: the ratios of Table 3 must "
-                                   "be whole numbers (each is the first r samples of every "
-                                   "client example, from one generation at the largest ratio)")
-    study = raw.get("study", {})
-    unknown = sorted(set(study) - set(STUDY_KEYS))
-    if unknown:
-        raise StudyConfigError(f"[study] unknown key(s) {unknown}: expected some of "
-                               f"{list(STUDY_KEYS)}")
-    baselines = list(study.get("baselines", BASELINES))
+        try:
+            axes[axis] = [getattr(PPCGPTConfig.from_dict({**config.to_dict(), axis: v}), axis)
+                          for v in merged]
+        except (TypeError, ValueError) as err:
+            raise BenchConfigError(f"study {name!r}: ablations {axis}: {err}") from None
+    bad = [r for r in axes.get("synth_ratio", []) if not float(r).is_integer()]
+    if len(axes.get("synth_ratio", [])) > 1 and bad:
+        raise BenchConfigError(f"study {name!r}: ablations synth_ratio {bad}: the ratios of "
+                               "Table 3 must be whole numbers (each is the first r samples of "
+                               "every client example, from one generation at the largest "
+                               "ratio)")
+    baselines = table.get("baselines", list(BASELINES))
+    baselines = [baselines] if isinstance(baselines, str) else list(baselines)
     bad = [b for b in baselines if b not in BASELINES]
     if bad:
-        raise StudyConfigError(f"[study] baselines {bad}: expected some of {list(BASELINES)}")
-    return Study(base=base, axes=axes, title=str(study.get("title", "PPC-GPT study")),
-                 baselines=baselines, device=study.get("device"))
+        raise BenchConfigError(f"study {name!r}: baselines {bad}: expected some of "
+                               f"{list(BASELINES)}")
+    layout = Layout(config, axes, baselines, {k: getattr(config, k) for k in _NO_EFFECT})
+    cells = [cell for cell, _ in layout.cells().values()]
+    return Study(name, str(table.get("title", name)), settings, list(axes), [], None, cells,
+                 kind="ppcgpt", options=layout.options())
+
+
+def record_cell(record: Mapping[str, Any]) -> Cell:
+    return stored_cell(record["kind"], record, PPCGPTConfig, drop=_NO_EFFECT)
+
+
+def legacy_record(old: Mapping[str, Any]) -> dict | None:
+    """A cell of the former ``fedcompress ppcgpt-study`` (``OUT/cells/<id>.json``: its kind,
+    tables, full settings and results) as a bench record; None for another kind's."""
+    if old.get("kind") not in CELL_KINDS or "tables" not in old or "settings" not in old:
+        return None
+    cell = cell_of(old["kind"], PPCGPTConfig.from_dict(
+        {k: v for k, v in old["settings"].items() if k in PPCGPTConfig.names()}))
+    fields = {k: v for k, v in old.items() if k not in ("id", "kind", "tables", "settings",
+                                                         "seconds")}
+    return bench_record(cell, {"name": NAMES[old["kind"]], **fields,
+                               "wall_seconds": old.get("seconds", 0.0)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,39 +257,26 @@ def first_per_source(samples: Sequence[Any], ratio: float) -> list[Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-class StudyRunner:
-    """Runs the pending cells of a study under ``out`` (see the module docstring)."""
+class CellRunner:
+    """Computes the cells of one PPC-GPT study under ``out`` (the model loaded once, each
+    client's data once, the synthetic data once per budget)."""
 
-    def __init__(self, study: Study, out: str | Path, progress: bool = True,
-                 backend_factory: Callable[[PPCGPTConfig, Any, Any], Any] | None = None):
-        self.study = study
+    def __init__(self, layout: Layout, out: str | Path, device: str | None = None,
+                 progress: bool = True):
+        self.layout = layout
         self.out = Path(out)
+        self.device = device
         self.progress = progress
-        self.backend_factory = backend_factory or (
-            lambda config, model, tokenizer: ppcgpt.make_backend(config, model, tokenizer))
-        (self.out / "cells").mkdir(parents=True, exist_ok=True)
-        self.results: dict[str, dict] = {}
-        for path in sorted((self.out / "cells").glob("*.json")):
-            record = json.loads(path.read_text())
-            self.results[record["id"]] = record
-        self.synthetic: dict[str, dict] = {}  # folder -> its generation (this study's)
-        for path in sorted((self.out / "synthetic").glob("*/study.json")):
-            self.synthetic[path.parent.name] = json.loads(path.read_text())
-        self.on_result: Callable[[dict], None] | None = None
         self._model = None
         self._data: dict[tuple, list] = {}
-
-    def pending(self) -> list[Cell]:
-        return [c for c in self.study.cells()
-                if self.results.get(c.id, {}).get("status") != "ok"]
 
     # -- shared state ----------------------------------------------------------------------
     def model(self):
         if self._model is None:
             from fedcompress.models import load_model
 
-            loaded = load_model(self.study.base.model, device=self.study.device,
-                                dtype=self.study.base.dtype)
+            loaded = load_model(self.layout.base.model, device=self.device,
+                                dtype=self.layout.base.dtype)
             self._model = (loaded.model, loaded.tokenizer)
         return self._model
 
@@ -272,8 +291,8 @@ class StudyRunner:
         """The synthetic samples of ``config`` (generated once per budget, then read back)."""
         from fedcompress.synth import SynthConfig, generate_synthetic, load_jsonl
 
-        base_budget = config.eps == self.study.base.eps
-        ratio = self.study.generation_ratio() if base_budget else config.synth_ratio
+        base_budget = config.eps == self.layout.base.eps
+        ratio = self.layout.generation_ratio() if base_budget else config.synth_ratio
         gen_config = dataclasses.replace(config, synth_ratio=ratio)
         key = synth_key(gen_config, ratio)
         folder = self.out / "synthetic" / key
@@ -287,7 +306,7 @@ class StudyRunner:
                 examples += text
                 budgets.append(budget)
             model, tokenizer = self.model()
-            backend = self.backend_factory(gen_config, model, tokenizer)
+            backend = ppcgpt.make_backend(gen_config, model, tokenizer)
             result = generate_synthetic(examples, backend,
                                         SynthConfig(**gen_config.synth_settings()),
                                         progress=self.progress)
@@ -297,7 +316,6 @@ class StudyRunner:
                     "eps_per_example_max": max(b["eps_per_example_max"] for b in budgets),
                     "seconds": time.perf_counter() - start}
             atomic_write(folder / "study.json", json.dumps(meta, indent=2) + "\n")
-        self.synthetic[key] = meta
         samples = load_jsonl(folder / "samples.jsonl")
         if config.synth_ratio != ratio:
             samples = first_per_source(samples, config.synth_ratio)
@@ -310,28 +328,12 @@ class StudyRunner:
         return samples
 
     # -- cells -----------------------------------------------------------------------------
-    def run(self) -> None:
-        for cell in self.pending():
-            self._run_cell(cell)
-
-    def _run_cell(self, cell: Cell) -> None:
-        logger.info("cell %s (%s)", cell.id, ", ".join(cell.tables))
-        start = time.perf_counter()
-        record = {"id": cell.id, "kind": cell.kind, "tables": list(cell.tables),
-                  "settings": cell.config.to_dict()}
-        try:
-            record.update(self._ppcgpt(cell.config) if cell.kind == "ppcgpt"
-                          else self._baseline(cell.kind, cell.config))
-            record["status"] = "ok"
-        except Exception as err:  # recorded; the study goes on
-            logger.error("cell %s failed: %s", cell.id, err)
-            record.update({"status": "failed", "error": f"{type(err).__name__}: {err}",
-                           "traceback": traceback.format_exc(limit=6)})
-        record["seconds"] = time.perf_counter() - start
-        atomic_write(self.out / "cells" / f"{cell.id}.json", json.dumps(record, indent=2) + "\n")
-        self.results[cell.id] = record
-        if self.on_result is not None:
-            self.on_result(record)
+    def compute(self, cell: Cell) -> dict:
+        """One cell's record fields (the bench stores them, or its failure)."""
+        method, config = method_of(cell), self.layout.config(cell)
+        logger.info("PPC-GPT cell %s (%s)", cell.id, method)
+        result = self._ppcgpt(config) if method == "ppcgpt" else self._baseline(method, config)
+        return {"name": NAMES[method], **result}
 
     def _ppcgpt(self, config: PPCGPTConfig) -> dict:
         samples = self.samples(config)
@@ -396,6 +398,10 @@ def _status(record: dict | None) -> str:
     return ""
 
 
+def _wall(record: dict | None) -> str:
+    return f"{record.get('wall_seconds', 0.0):.0f}" if record else "-"
+
+
 def majority_share(data: Sequence[ppcgpt.ClientData]) -> float:
     """Accuracy of always answering the most common label of all clients' test examples (the
     floor a multiple-choice accuracy should be read against)."""
@@ -403,45 +409,40 @@ def majority_share(data: Sequence[ppcgpt.ClientData]) -> float:
     return max(labels.count(v) for v in set(labels)) / len(labels)
 
 
-def study_tables(study: Study, results: Mapping[str, dict], majority: float | None = None
-                 ) -> list[tuple[str, str]]:
-    """The paper-shaped tables as (title, markdown); ``majority``: the majority-label accuracy
-    of the test examples, shown as a reference row of Table 1."""
-    cells = {c.id: c for c in study.cells()}
-    by_id = {i: results.get(i) for i in cells}
-    out = []
+def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
+    """The paper-shaped tables of a PPC-GPT study; Table 1 has the majority-label accuracy of
+    the test examples as a reference row once :func:`study_sections` has computed it."""
+    from fedcompress.bench.tables import StudyTable
+
+    layout = Layout.from_options(study.options)
+    base = layout.base
     main_rows = []
-    names = {"dense": "Dense (no training)", "dense-sft": "DenseSFT", "plain-c": "Plain-C",
-             "ppcgpt": "PPC-GPT"}
-    for cell in cells.values():
-        if "main" not in cell.tables:
+    for cell, tables in layout.cells().values():
+        if "main" not in tables:
             continue
-        r = by_id[cell.id]
+        r = results.get(cell.id)
         ok = r is not None and r.get("status") == "ok"
-        main_rows.append([names[cell.kind], str(r["layers"]) if ok else "-",
-                          _acc(r, "S"), _acc(r, "C"),
-                          f"{r['seconds']:.0f}" if r else "-", _status(r)])
+        main_rows.append([NAMES[method_of(cell)], str(r["layers"]) if ok else "-",
+                          _acc(r, "S"), _acc(r, "C"), _wall(r), _status(r)])
+    majority = study.options.get("majority")
     if majority is not None:
         main_rows.append(["(majority label, reference)", "-", "-", f"{100 * majority:.1f}", "-",
                           ""])
-    out.append((f"Table 1: compression methods on {study.base.task} "
-                f"({study.base.model}, eps={study.base.eps:g}, prune ratio "
-                f"{study.base.prune_ratio:g})",
-                markdown_table(["method", "layers", "S acc %", "C acc %", "wall s", "note"],
-                               main_rows)))
-    for axis, values in study.axes.items():
+    out = [StudyTable(f"Table 1: compression methods on {base.task} ({base.model}, "
+                      f"eps={base.eps:g}, prune ratio {base.prune_ratio:g})", "",
+                      ["method", "layers", "S acc %", "C acc %", "wall s", "note"], main_rows,
+                      first_value=2, best=None)]
+    for axis, values in layout.axes.items():
         rows = []
         for value in values:
-            cell = Cell("ppcgpt", dataclasses.replace(study.base, **{axis: value}), ())
-            r = by_id.get(cell.id)
+            r = results.get(cell_of("ppcgpt", dataclasses.replace(base, **{axis: value})).id)
             ok = r is not None and r.get("status") == "ok"
             rows.append([_axis_label(axis, value), str(r["synthetic"]) if ok else "-",
                          str(r["layers"]) if ok else "-", _acc(r, "S"), _acc(r, "C"),
-                         f"{r['seconds']:.0f}" if r else "-",
-                         _status(r)])
-        out.append((AXES[axis], markdown_table(
-            [axis, "synthetic samples", "layers", "S acc %", "C acc %", "wall s", "note"],
-            rows)))
+                         _wall(r), _status(r)])
+        out.append(StudyTable(AXES[axis], "", [axis, "synthetic samples", "layers", "S acc %",
+                                               "C acc %", "wall s", "note"], rows,
+                              first_value=3, best=None))
     return out
 
 
@@ -458,50 +459,43 @@ def synthetic_table(meta: Mapping[str, dict]) -> str:
                            "acceptance", "rejections", "wall s", "folder"], rows)
 
 
-def run_study(config_path: str | Path, out: str | Path, overrides: Mapping[str, Any] | None = None,
-              progress: bool = True, dry_run: bool = False,
-              backend_factory: Callable | None = None) -> RunReport:
-    """Plan, run the pending cells (resuming ``out``) and write ``report.json``/``report.md``."""
-    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    study = load_study(config_path, overrides)
-    out = Path(out)
-    raw = tomllib.loads(Path(config_path).read_text())
-    saved = {**raw, "ppcgpt": {**raw.get("ppcgpt", {}), **overrides}}
-    runner = StudyRunner(study, out, progress=progress, backend_factory=backend_factory)
-    report = RunReport(out, "ppcgpt-study", saved, seeds={"seed": study.base.seed})
-    report.reproduce = f"fedcompress ppcgpt-study {out / 'config.toml'} --out {out}"
-    report.markdown_results = False
+def study_sections(study: Study, out: Path) -> list[tuple[str, str]]:
+    """What the sites release in round 1 at the base budget (the sanitizer only; computed once
+    and kept under ``OUT/synthetic/``, with the majority-label accuracy of the test examples,
+    which goes into the study's options for Table 1) and the synthetic data per budget."""
+    layout = Layout.from_options(study.options)
+    base = layout.base
+    notes_file = out / "synthetic" / f"notes-{_digest(base.to_dict())}.json"
+    if notes_file.exists():
+        notes = json.loads(notes_file.read_text())
+    else:
+        data = [ppcgpt.client_data(base, p) for p in range(base.clients)]
+        notes = {"majority": majority_share(data),
+                 "privacy": ppcgpt.privacy_notes(base, [ppcgpt.client_text(base, d)[1]
+                                                        for d in data])}
+        notes_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(notes_file, json.dumps(notes, indent=2) + "\n")
+    study.options["majority"] = notes["majority"]
+    sections = [(f"Privacy of `{study.name}` (round 1 at the base eps {base.eps:g})",
+                 notes["privacy"])]
+    meta = {path.parent.name: json.loads(path.read_text())
+            for path in sorted((out / "synthetic").glob("*/study.json"))}
+    budgets = {base.eps, *layout.axes.get("eps", [])}  # the folder's generations at them
+    meta = {k: m for k, m in meta.items() if m.get("eps") in budgets}
+    if meta:
+        sections.append((f"Synthetic data of `{study.name}` per privacy budget",
+                         synthetic_table(meta)))
+    return sections
 
-    majority = majority_share(runner.data(study.base))
-    # what the sites release in round 1 at the base budget (cheap: the sanitizer only)
-    privacy = ppcgpt.privacy_notes(study.base, [ppcgpt.client_text(study.base, data)[1]
-                                                for data in runner.data(study.base)])
 
-    def update(_record: dict | None = None) -> None:
-        cells = study.cells()
-        report.results = [{"name": runner.results[c.id]["kind"], **runner.results[c.id]}
-                          for c in cells if c.id in runner.results]
-        report.sections = [*study_tables(study, runner.results, majority),
-                           (f"Privacy (round 1 at the base eps {study.base.eps:g})", privacy)]
-        if runner.synthetic:
-            report.sections.append(("Synthetic data per privacy budget",
-                                    synthetic_table(runner.synthetic)))
-        report.extra["plan"] = {"cells": len(cells), "pending": len(runner.pending())}
-        report.extra["synthetic"] = runner.synthetic
-        report.write()
-
-    with report:
-        update()
-        if dry_run:
-            report.exit_status = "planned"
-            return report
-        runner.on_result = update
-        try:
-            with report.phase("study"):
-                runner.run()
-        finally:
-            update()  # what finished, also when the study fails
-        failed = [c for c in study.cells()
-                  if runner.results.get(c.id, {}).get("status") != "ok"]
-        report.exit_status = "ok" if not failed else "incomplete"
-    return report
+def run_cells(runner: BenchRunner, cells: list[Cell]) -> None:
+    """Run the pending PPC-GPT cells, study by study (the bench stores each at once)."""
+    by_study: dict[str, list[Cell]] = {}
+    for cell in cells:
+        by_study.setdefault(runner.study_of(cell).name, []).append(cell)
+    studies = {s.name: s for s in runner.studies}
+    for name, pending in by_study.items():
+        computer = CellRunner(Layout.from_options(studies[name].options), runner.out,
+                              runner.device, runner.progress)
+        for cell in pending:
+            runner.run_cell(cell, lambda cell=cell, c=computer: c.compute(cell))

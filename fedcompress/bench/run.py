@@ -9,7 +9,15 @@ import logging
 from pathlib import Path
 
 from fedcompress.bench import plots
-from fedcompress.bench.sweep import BenchConfigError, BenchRunner, Study, load_bench, plan
+from fedcompress.bench.studies import KINDS
+from fedcompress.bench.sweep import (
+    BenchConfigError,
+    BenchRunner,
+    Study,
+    kind_overrides,
+    load_bench,
+    plan,
+)
 from fedcompress.bench.tables import study_markdown
 from fedcompress.report import RunReport, markdown_table
 
@@ -27,7 +35,9 @@ def run_bench(config_path: str | Path, out: str | Path | None = None,
     device = device or raw.get("bench", {}).get("device")
     _check_same_bench(out, raw)
     saved = {"bench": dict(raw.get("bench", {})),
-             "study": {name: {**table, **overrides} for name, table in raw["study"].items()}}
+             "study": {name: {**table, **kind_overrides(table.get("kind", "fedprllm"),
+                                                        overrides)}
+                       for name, table in raw["study"].items()}}
     runner = BenchRunner(studies, out, device=device, progress=progress,
                          cache=raw.get("bench", {}).get("cache"))
     report = RunReport(out, "bench", saved)
@@ -62,9 +72,12 @@ def _check_same_bench(out: Path, raw: dict) -> None:
     if not path.exists():
         return
     try:
-        old = sorted(json.loads(path.read_text()).get("config", {}).get("study", {}))
+        report = json.loads(path.read_text())
     except (OSError, ValueError):
         return  # an unreadable report is rewritten
+    if report.get("command") != "bench":
+        return  # a former study command's folder: its cells are read (load_results)
+    old = sorted(report.get("config", {}).get("study", {}))
     new = sorted(raw.get("study", {}))
     if old and old != new:
         raise BenchConfigError(f"{out} holds the report of studies {old}, this config has "
@@ -76,12 +89,17 @@ def _update(report: RunReport, runner: BenchRunner, studies: list[Study],
     ids = {cell.id for cell in runner.cells()}
     records = [r for i, r in runner.results.items() if i in ids]
     report.results = [{"name": r.get("name", r["kind"]), **r} for r in records]
+    extra: list[tuple[str, str]] = []  # first: a kind's sections may complete its options
+    for study in studies:
+        sections = KINDS[study.kind].sections if study.kind in KINDS else None
+        extra += sections(study, runner.out) if sections else []
     report.extra["studies"] = {s.name: {"title": s.title, "kind": s.kind, "swept": s.swept,
                                         "columns": s.columns, "options": s.options,
                                         "cells": [c.id for c in s.cells]} for s in studies}
     report.extra["mask_stats"] = runner.stats
     report.sections = [(f"Study `{s.name}`", study_markdown(s, runner.results))
                        for s in studies]
+    report.sections += extra
     accuracy = accuracy_table(records)
     if accuracy:
         report.sections.append(("Zero-shot accuracy", accuracy))
@@ -152,15 +170,13 @@ def server_cost(records: list[dict]) -> str:
 
 
 def make_plots(out: Path, runner: BenchRunner, studies: list[Study]) -> list[Path]:
-    pngs = []
+    pngs: list[Path] = []
     for study in studies:
-        if study.kind == "network":
-            path = plots.network_times(study, runner.results, out / f"network-{study.name}.png")
-        elif study.kind == "leakage":
-            path = plots.leakage_distances(study, runner.results,
-                                           out / f"leakage-{study.name}.png")
-        else:
-            path = plots.perplexity_curve(study, runner.results, out / f"ppl-{study.name}.png")
+        if study.kind in KINDS:
+            kind_plots = KINDS[study.kind].plots
+            pngs += kind_plots(study, runner.results, out) if kind_plots else []
+            continue
+        path = plots.perplexity_curve(study, runner.results, out / f"ppl-{study.name}.png")
         if path:
             pngs.append(path)
     labels = {}

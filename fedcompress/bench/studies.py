@@ -1,7 +1,12 @@
-"""Bench studies that are not FedPrLLM sweeps: ``[study.NAME] kind = "network"`` and
-``kind = "leakage"``. They are planned by :func:`fedcompress.bench.sweep.plan`, run (and
-resumed) by its :class:`~fedcompress.bench.sweep.BenchRunner`, and reported by
-:mod:`fedcompress.bench.run` with the other studies: their tables are built here from the cells'
+"""Bench studies that are not FedPrLLM sweeps: ``[study.NAME] kind = "network"``,
+``"leakage"``, ``"ppcgpt"`` (:mod:`fedcompress.bench.ppcgpt_study`), ``"privytune"``
+(:mod:`fedcompress.bench.privytune_study`) and ``"personalize"``
+(:mod:`fedcompress.bench.personalize_study`). Each is a :class:`StudyKind` of :data:`KINDS`:
+planned by :func:`fedcompress.bench.sweep.plan` into cells with the same ids, stored in the
+same ``OUT/results.jsonl`` and resumed by the same
+:class:`~fedcompress.bench.sweep.BenchRunner` (a rerun skips finished cells and retries failed
+ones; a failing cell is recorded with its error and the rest goes on), and reported by
+:mod:`fedcompress.bench.run` with the other studies: their tables are built from the cells'
 records (also by ``fedcompress report``, from ``report.json``).
 
 Network (FedPrLLM Tables 16-17)
@@ -38,8 +43,10 @@ finished cell is appended to ``results.jsonl`` like any cell and skipped on a re
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fedcompress.bench.sweep import (
     EVAL_KEYS,
@@ -50,12 +57,150 @@ from fedcompress.bench.sweep import (
     _study,
 )
 
+if TYPE_CHECKING:
+    from fedcompress.bench.sweep import BenchRunner
+    from fedcompress.bench.tables import StudyTable
+
 NETWORK_DEFAULTS: dict[str, Any] = {
     "profiles": ["datacenter", "lan", "wan", "edge"], "stragglers": [0.2],
     "straggler_transfer": 2.0, "straggler_compute": 2.0, "straggler_seed": 0}
 NETWORK_KEYS = (*NETWORK_DEFAULTS, "studies")
 #: Keys of a study table that describe the study, not its cells.
 META_KEYS = ("title", "kind")
+
+
+# ------------------------------------------------------------------------------------------
+# The kinds of study
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StudyKind:
+    """How the bench plans, runs and reports one kind of study (``[study.NAME] kind = ...``).
+
+    ``plan(name, base, table, overrides)`` -> :class:`Study` (``base``: the ``[bench]`` table;
+    ``overrides``: the command line's, only the keys of ``overrides`` below);
+    ``record_cell(record)`` -> the :class:`Cell` a stored record belongs to, under today's
+    settings (how a rerun finds what finished); ``run(runner, cells)`` runs pending cells, each
+    through :meth:`~fedcompress.bench.sweep.BenchRunner.run_cell` (stored at once, a failure
+    recorded); ``tables(study, results)`` -> its :class:`~fedcompress.bench.tables.StudyTable`
+    list (report.md and the HTML page); ``sections(study, out)`` -> extra report sections
+    ``(title, markdown)``; ``plots(study, results, out)`` -> PNG paths; ``legacy(record)``: a
+    cell of the kind's former store (``OUT/cells/<id>.json``) as a bench record, or None."""
+
+    name: str
+    cell_kinds: tuple[str, ...]
+    plan: Callable[..., Study] | None  # network: fedcompress.bench.sweep.plan's own
+    record_cell: Callable[[dict], Cell] | None
+    run: Callable[[BenchRunner, list[Cell]], None] | None
+    tables: Callable[[Study, Mapping[str, dict]], list[StudyTable]]
+    plots: Callable[[Study, Mapping[str, dict], Path], list[Path]] | None = None
+    sections: Callable[[Study, Path], list[tuple[str, str]]] | None = None
+    overrides: tuple[str, ...] = ()
+    legacy: Callable[[dict], dict | None] | None = None
+
+
+def settings_cells(name: str, kind: str, settings: Mapping[str, Any], config_cls
+                   ) -> tuple[list[str], list[Cell]]:
+    """The swept settings (lists) of ``settings`` and one cell per point of them, each the
+    full settings of ``config_cls`` (a :class:`fedcompress.config.Settings`) in its order."""
+    from fedcompress.config import SettingsError
+
+    swept = [k for k, v in settings.items() if isinstance(v, list)]
+    for key in swept:
+        if not settings[key]:
+            raise BenchConfigError(f"study {name!r}: {key} is an empty list")
+    cells: dict[str, Cell] = {}
+    for values in itertools.product(*(settings[k] for k in swept)):
+        point = {**settings, **dict(zip(swept, values))}
+        try:
+            config = config_cls.from_dict(point)
+        except (SettingsError, TypeError, ValueError) as err:
+            raise BenchConfigError(f"study {name!r}: {err}") from err
+        cell = Cell(kind, tuple(config.to_dict().items()))
+        cells.setdefault(cell.id, cell)
+    return swept, list(cells.values())
+
+
+def check_keys(name: str, kind: str, table: Mapping[str, Any], known, hint: str = "") -> None:
+    """Refuse a study table's unknown keys, naming them and what is expected."""
+    unknown = sorted(set(table) - set(known) - set(META_KEYS))
+    if unknown:
+        raise BenchConfigError(f"study {name!r} (kind {kind}): unknown setting(s) {unknown}"
+                               f"{hint}; expected some of {sorted(set(known) | set(META_KEYS))}")
+
+
+def stored_cell(kind: str, record: Mapping[str, Any], config_cls, drop=()) -> Cell:
+    """The cell of a stored record whose settings are those of ``config_cls`` (settings it
+    lacks, added later, take their default)."""
+    names = [k for k in config_cls.names() if k not in drop]
+    values = {**config_cls.defaults(), **{k: record[k] for k in names if k in record}}
+    return Cell(kind, tuple((k, values[k]) for k in names))
+
+
+def _lazy(module: str, name: str) -> Callable:
+    def call(*args, **kwargs):
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    return call
+
+
+def _run_each(compute: Callable[[Cell, str | None], dict]) -> Callable:
+    def run(runner: BenchRunner, cells: list[Cell]) -> None:
+        for cell in cells:
+            runner.run_cell(cell, lambda cell=cell: compute(cell, runner.device))
+
+    return run
+
+
+def _network_tables(study: Study, results: Mapping[str, dict]) -> list:
+    return [network_table(study, results)]
+
+
+def _network_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Path]:
+    from fedcompress.bench import plots
+
+    path = plots.network_times(study, results, out / f"network-{study.name}.png")
+    return [path] if path else []
+
+
+def _leakage_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Path]:
+    from fedcompress.bench import plots
+
+    path = plots.leakage_distances(study, results, out / f"leakage-{study.name}.png")
+    return [path] if path else []
+
+
+_PPCGPT = "fedcompress.bench.ppcgpt_study"
+_PRIVYTUNE = "fedcompress.bench.privytune_study"
+_PERSONALIZE = "fedcompress.bench.personalize_study"
+
+#: Every kind of study but ``fedprllm`` (the sweep of :mod:`fedcompress.bench.sweep`).
+#: ``network`` studies read other studies' cells: they are planned last and run none of their
+#: own kind.
+KINDS: dict[str, StudyKind] = {k.name: k for k in (
+    StudyKind("network", (), None, None, None, _network_tables, _network_plots,
+              overrides=EVAL_KEYS),
+    StudyKind("leakage", ("leakage",), lambda name, base, table, _o: leakage_study(
+        name, base, table), lambda r: leakage_cell(r), _run_each(
+        lambda cell, device: run_leakage_cell(cell, device)),
+        lambda study, results: leakage_tables(study, results), _leakage_plots),
+    StudyKind("ppcgpt", ("ppcgpt", "ppcgpt-dense", "ppcgpt-dense-sft", "ppcgpt-plain-c"),
+              _lazy(_PPCGPT, "plan_study"), _lazy(_PPCGPT, "record_cell"),
+              _lazy(_PPCGPT, "run_cells"), _lazy(_PPCGPT, "study_tables"),
+              sections=_lazy(_PPCGPT, "study_sections"),
+              overrides=("synth_url", "synth_model"), legacy=_lazy(_PPCGPT, "legacy_record")),
+    StudyKind("privytune", ("privytune-classify", "privytune-attack"),
+              _lazy(_PRIVYTUNE, "plan_study"), _lazy(_PRIVYTUNE, "record_cell"),
+              _lazy(_PRIVYTUNE, "run_cells"), _lazy(_PRIVYTUNE, "study_tables"),
+              _lazy(_PRIVYTUNE, "study_plots"), legacy=_lazy(_PRIVYTUNE, "legacy_record")),
+    StudyKind("personalize", ("personalize",), _lazy(_PERSONALIZE, "plan_study"),
+              _lazy(_PERSONALIZE, "record_cell"), _lazy(_PERSONALIZE, "run_cells"),
+              _lazy(_PERSONALIZE, "study_tables"), _lazy(_PERSONALIZE, "study_plots")),
+)}
+#: The study kind of each kind of cell (``dense`` and the other FedPrLLM cells: none).
+CELL_KINDS = {cell: kind.name for kind in KINDS.values() for cell in kind.cell_kinds}
 
 
 # ------------------------------------------------------------------------------------------
@@ -231,34 +376,16 @@ def network_table(study: Study, results: Mapping[str, dict]):
 def leakage_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any]) -> Study:
     """A leakage study: one cell per point of its swept settings."""
     from fedcompress.bench.leakage import LeakageConfig
-    from fedcompress.config import SettingsError
 
     names = LeakageConfig.names()
-    unknown = sorted(set(table) - set(names) - set(META_KEYS))
-    if unknown:
-        hint = (" (the masks' comparison group is local_group)" if "group" in unknown else "")
-        raise BenchConfigError(f"study {name!r} (kind leakage): unknown setting(s) {unknown}"
-                               f"{hint}; expected some of {sorted(names)}")
+    check_keys(name, "leakage", table, names, " (the masks' comparison group is local_group)"
+               if "group" in table else "")
     # [bench] settings that mean the same here (model, method, clients, ...) apply too
     settings = {k: base[k] for k in names if k in base}
     settings.update({k: table[k] for k in names if k in table})
-    swept = [k for k, v in settings.items() if isinstance(v, list)]
-    for key in swept:
-        if not settings[key]:
-            raise BenchConfigError(f"study {name!r}: {key} is an empty list")
-    study = Study(name, table.get("title", name), settings, swept, [], None, kind="leakage")
-    seen = set()
-    for values in itertools.product(*(settings[k] for k in swept)):
-        point = {**settings, **dict(zip(swept, values))}
-        try:
-            config = LeakageConfig.from_dict(point)
-        except SettingsError as err:
-            raise BenchConfigError(f"study {name!r}: {err}") from err
-        cell = Cell("leakage", tuple(config.to_dict().items()))
-        if cell.id not in seen:
-            seen.add(cell.id)
-            study.cells.append(cell)
-    return study
+    swept, cells = settings_cells(name, "leakage", settings, LeakageConfig)
+    return Study(name, table.get("title", name), settings, swept, [], None, cells,
+                 kind="leakage")
 
 
 def leakage_cell(record: Mapping[str, Any]) -> Cell:
@@ -266,9 +393,7 @@ def leakage_cell(record: Mapping[str, Any]) -> Cell:
     default)."""
     from fedcompress.bench.leakage import LeakageConfig
 
-    values = {**LeakageConfig.defaults(), **{k: record[k] for k in LeakageConfig.names()
-                                              if k in record}}
-    return Cell("leakage", tuple((k, values[k]) for k in LeakageConfig.names()))
+    return stored_cell("leakage", record, LeakageConfig)
 
 
 def run_leakage_cell(cell: Cell, device: str | None = None) -> dict:

@@ -15,9 +15,12 @@ study:
 * ``title``, ``columns`` (the setting shown as table columns; default: the first swept
   client-side setting, e.g. ``sparsity``);
 * ``kind``: ``fedprllm`` (the default: the sweep above), ``network`` (simulated end-to-end
-  time of cells under network profiles, from their measured bytes, rounds and seconds) or
-  ``leakage`` (what a shared mask reveals about a client's windows); see
-  :mod:`fedcompress.bench.studies`.
+  time of cells under network profiles, from their measured bytes, rounds and seconds),
+  ``leakage`` (what a shared mask reveals about a client's windows), ``ppcgpt`` (PPC-GPT's
+  Tables 1-7), ``privytune`` (PrunePrivyTune's Tables 1-4 and 6) or ``personalize``
+  (federated personalized layer pruning and seed 004's ablations); see
+  :mod:`fedcompress.bench.studies`: every kind's cells are planned, stored, resumed and
+  reported the same way.
 
 Every (client setting, server setting) pair is a *cell*, identified by a hash of its settings,
 so cells shared by studies run once. One-shot client masks do not depend on the server's
@@ -72,8 +75,9 @@ TASK_KEYS = tuple(TaskEvalSettings.names())
 CLIENT_KEYS = tuple(k for k in FedPrLLMConfig.names() if k not in SERVER_KEYS)
 STUDY_KEYS = ("title", "baselines", "total_windows", "columns", "kind")
 #: Kinds of study (``[study.NAME] kind = ...``): a FedPrLLM sweep, or the studies of
-#: :mod:`fedcompress.bench.studies` (arithmetic on other cells' records, or their own cells).
-STUDY_KINDS = ("fedprllm", "network", "leakage")
+#: :data:`fedcompress.bench.studies.KINDS` (arithmetic on other cells' records, or their own
+#: cells).
+STUDY_KINDS = ("fedprllm", "network", "leakage", "ppcgpt", "privytune", "personalize")
 #: The wire-format settings: the client masks are the same in every format (only the bytes
 #: differ), so one-shot cells of any format share the cached bit-packed masks.
 WIRE_KEYS = ("wire", "wire_reference")
@@ -134,6 +138,13 @@ class Cell:
         return {"kind": self.kind, **dict(self.client), **dict(self.server)}
 
 
+def bench_record(cell: Cell, fields: dict) -> dict:
+    """A stored record: the cell's id and settings (between ``client_id`` and ``eval``, where
+    ``fedcompress report`` reads them), then what it measured."""
+    return {"id": cell.id, "client_id": cell.client_id, **cell.settings(),
+            "eval": dict(cell.evals), **fields}
+
+
 def _digest(value: Any) -> str:
     return hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -147,8 +158,9 @@ class Study:
     baselines: list[str]
     columns: str | None
     cells: list[Cell] = field(default_factory=list)
-    #: :data:`STUDY_KINDS`; ``options`` are the settings of a network or leakage study that are
-    #: not cell settings (profiles, stragglers, the studies it reads, ...).
+    #: :data:`STUDY_KINDS`; ``options`` are the settings of a study of another kind that are
+    #: not cell settings (profiles, stragglers, the studies it reads, a PPC-GPT study's
+    #: ablation axes, ...; JSON, stored in report.json for its tables).
     kind: str = "fedprllm"
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -176,20 +188,33 @@ def plan(config: dict, overrides: dict | None = None) -> list[Study]:
         raise BenchConfigError("the config has no [study.NAME] table")
     from fedcompress.bench import studies as kinds
 
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     planned: dict[str, Study] = {}
     for name, table in studies.items():  # network studies read the others': planned last
         kind = table.get("kind", "fedprllm")
         if kind not in STUDY_KINDS:
             raise BenchConfigError(f"study {name!r}: unknown kind {kind!r}: expected one of "
                                    f"{', '.join(STUDY_KINDS)}")
-        if kind == "leakage":
-            planned[name] = kinds.leakage_study(name, base, table)
-        elif kind == "fedprllm":
-            planned[name] = _study(name, {**base, **table, **(overrides or {})})
+        if kind == "fedprllm":
+            planned[name] = _study(name, {**base, **table, **kind_overrides(kind, overrides)})
+        elif kind != "network":
+            make = kinds.KINDS[kind].plan
+            assert make is not None
+            planned[name] = make(name, base, table, kind_overrides(kind, overrides))
     for name, table in studies.items():
         if table.get("kind") == "network":
-            planned[name] = kinds.network_study(name, base, table, overrides or {}, planned)
+            planned[name] = kinds.network_study(name, base, table,
+                                                kind_overrides("network", overrides), planned)
     return [planned[name] for name in studies]
+
+
+def kind_overrides(kind: str, overrides: dict) -> dict:
+    """The command line's overrides a study of ``kind`` takes (a FedPrLLM or network study:
+    the evaluation settings; PPC-GPT: its generator's url and model)."""
+    from fedcompress.bench.studies import KINDS
+
+    keys = EVAL_KEYS if kind == "fedprllm" else KINDS[kind].overrides
+    return {k: v for k, v in overrides.items() if k in keys and v is not None}
 
 
 def _study(name: str, settings: dict) -> Study:
@@ -355,8 +380,7 @@ class BenchRunner:
     def _record(self, cell: Cell, record: dict) -> dict:
         if "sparsity" in record:  # the measured fraction; "sparsity" stays the requested one
             record["sparsity_measured"] = record.pop("sparsity")
-        record = {"id": cell.id, "client_id": cell.client_id, **cell.settings(),
-                  "eval": dict(cell.evals), **record}
+        record = bench_record(cell, record)
         self.results[cell.id] = record
         with self.results_file.open("a") as fh:
             fh.write(json.dumps(record, default=float) + "\n")
@@ -364,7 +388,9 @@ class BenchRunner:
             self.on_result(record)
         return record
 
-    def _run_cell(self, cell: Cell, fn) -> None:
+    def run_cell(self, cell: Cell, fn) -> None:
+        """Run one cell (``fn()`` -> its record's fields) and store it at once; an exception
+        is recorded as the cell's failure and the sweep goes on."""
         start = time.perf_counter()
         try:
             record = fn()
@@ -378,21 +404,28 @@ class BenchRunner:
 
     # -- the sweep ---------------------------------------------------------------------------
     def run(self) -> None:
-        from fedcompress.bench.studies import run_leakage_cell
+        from fedcompress.bench.studies import CELL_KINDS, KINDS
 
         pending = self.pending()
         logger.info("%d cells, %d pending", len(self.cells()), len(pending))
         by_model: dict[tuple, list[Cell]] = {}
+        by_kind: dict[str, list[Cell]] = {}
         for cell in pending:
-            if cell.kind == "leakage":
+            if cell.kind in CELL_KINDS:
+                by_kind.setdefault(CELL_KINDS[cell.kind], []).append(cell)
                 continue
             client = dict(cell.client)
             by_model.setdefault((client["model"], client["dtype"]), []).append(cell)
         for (model, dtype), cells in by_model.items():
             self._run_model(model, dtype, cells)
-        for cell in pending:  # each loads its own model (it removes decoder layers)
-            if cell.kind == "leakage":
-                self._run_cell(cell, lambda cell=cell: run_leakage_cell(cell, self.device))
+        for kind, cells in by_kind.items():  # each kind loads its own models
+            run = KINDS[kind].run
+            assert run is not None
+            run(self, cells)
+
+    def study_of(self, cell: Cell) -> Study:
+        """The (first) study that plans ``cell``."""
+        return next(s for s in self.studies if any(c.id == cell.id for c in s.cells))
 
     def _run_model(self, model: str, dtype: str, cells: list[Cell]) -> None:
         from fedcompress.models import load_model
@@ -401,7 +434,7 @@ class BenchRunner:
             loaded = load_model(model, device=self.device, dtype=dtype)
         except Exception as err:
             for cell in cells:
-                self._run_cell(cell, lambda err=err: _raise(err))
+                self.run_cell(cell, lambda err=err: _raise(err))
             return
         groups: dict[str, list[Cell]] = {}
         for cell in cells:
@@ -412,7 +445,7 @@ class BenchRunner:
                                          loaded=loaded)
             except Exception as err:
                 for cell in group:
-                    self._run_cell(cell, lambda err=err: _raise(err))
+                    self.run_cell(cell, lambda err=err: _raise(err))
                 continue
             self._run_group(exp, group)
 
@@ -424,14 +457,14 @@ class BenchRunner:
                 fed.setdefault(cell.vote_id, []).append(cell)
         for cell in cells:
             if cell.kind == "dense":
-                self._run_cell(cell, lambda: exp.evaluate("dense", exp.model))
+                self.run_cell(cell, lambda: exp.evaluate("dense", exp.model))
         for vote_id, variants in fed.items():
             self._run_federated(exp, vote_id, variants)
         for cell in cells:
             if cell.kind == "centralized":
-                self._run_cell(cell, lambda cell=cell: self._centralized(exp, cell))
+                self.run_cell(cell, lambda cell=cell: self._centralized(exp, cell))
             elif cell.kind == "local-only":
-                self._run_cell(cell, lambda cell=cell: self._local_only(exp, cell))
+                self.run_cell(cell, lambda cell=cell: self._local_only(exp, cell))
 
     def _experiment_for(self, exp: Experiment, cell: Cell) -> Experiment:
         view = copy.copy(exp)
@@ -454,27 +487,27 @@ class BenchRunner:
         view = self._experiment_for(exp, variants[0])
         if config.mode == "iterative":
             for cell in variants:
-                self._run_cell(cell, lambda cell=cell: self._iterative(view, cell))
+                self.run_cell(cell, lambda cell=cell: self._iterative(view, cell))
             return
         try:
             aggregator, meta = self._client_masks(view, client_id)
         except Exception as err:
             for cell in variants:
-                self._run_cell(cell, lambda err=err: _raise(err))
+                self.run_cell(cell, lambda err=err: _raise(err))
             return
         if config.wire != "packed":
             try:
                 meta = {**meta, **self._wire_bytes(view, client_id, aggregator.shapes)}
             except Exception as err:
                 for cell in variants:
-                    self._run_cell(cell, lambda err=err: _raise(err))
+                    self.run_cell(cell, lambda err=err: _raise(err))
                 return
         start = time.perf_counter()
         aggregator.counts()  # cached for every variant; timed apart as the counting cost
         meta = {**meta, "count_seconds": time.perf_counter() - start}
         self._mask_stats(vote_id, aggregator)
         for cell in variants:
-            self._run_cell(cell, lambda cell=cell, agg=aggregator: self._oneshot(view, cell, agg,
+            self.run_cell(cell, lambda cell=cell, agg=aggregator: self._oneshot(view, cell, agg,
                                                                                  meta))
         del aggregator
 
@@ -693,10 +726,12 @@ def record_cell(record: dict) -> Cell:
     """The cell a stored record belongs to, under today's settings (keys it lacks from
     :data:`ADDED_LATER` take the value it was made with)."""
     kind = record["kind"]
-    if kind == "leakage":
-        from fedcompress.bench.studies import leakage_cell
+    from fedcompress.bench.studies import CELL_KINDS, KINDS
 
-        return leakage_cell(record)
+    if kind in CELL_KINDS:
+        stored = KINDS[CELL_KINDS[kind]].record_cell
+        assert stored is not None
+        return stored(record)
     client = {k: record[k] for k in CLIENT_KEYS if k in record}
     server = {k: record[k] for k in SERVER_KEYS if k in record}
     if kind != "dense":
@@ -712,8 +747,13 @@ def record_cell(record: dict) -> Cell:
 
 def load_results(path: Path) -> dict[str, dict]:
     """``results.jsonl`` -> the last record of each cell, keyed by the cell's id under today's
-    settings (:func:`record_cell`; an interrupted write is ignored)."""
+    settings (:func:`record_cell`; an interrupted write is ignored). The cells of a study kind's
+    former store beside it (``cells/<id>.json``, the ``ppcgpt-study`` / ``privytune-study``
+    commands' folders) come first: a bench run in such a folder resumes them."""
     results: dict[str, dict] = {}
+    for record in _legacy_records(path.parent / "cells"):
+        cell_id = record_cell(record).id
+        results[cell_id] = {**record, "id": cell_id}
     if not path.exists():
         return results
     for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -727,3 +767,19 @@ def load_results(path: Path) -> dict[str, dict]:
         cell_id = record_cell(record).id
         results[cell_id] = {**record, "id": cell_id} if record["id"] != cell_id else record
     return results
+
+
+def _legacy_records(folder: Path) -> Iterator[dict]:
+    from fedcompress.bench.studies import KINDS
+
+    for file in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        try:
+            old = json.loads(file.read_text())
+        except (OSError, ValueError):
+            logger.warning("%s: unreadable cell skipped", file)
+            continue
+        for kind in KINDS.values():
+            record = kind.legacy(old) if kind.legacy else None
+            if record is not None:
+                yield record
+                break

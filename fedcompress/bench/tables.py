@@ -1,6 +1,6 @@
 """Paper-shaped tables of a bench sweep: one per study; rows are strategies (and the other
 swept settings), columns the study's ``columns`` setting (sparsity, model, clients, ...). A
-network or leakage study has its own tables (:mod:`fedcompress.bench.studies`);
+study of another kind has its own tables (:mod:`fedcompress.bench.studies`);
 :func:`study_tables` gives every study's."""
 
 from __future__ import annotations
@@ -94,15 +94,12 @@ class StudyTable:
 
 
 def study_tables(study: Study, results: dict[str, dict]) -> list[StudyTable]:
-    """Every table of a study, by its kind (perplexity table, network times, leakage)."""
-    if study.kind == "network":
-        from fedcompress.bench.studies import network_table
+    """Every table of a study, by its kind (a FedPrLLM sweep's perplexity table, or those of
+    :data:`fedcompress.bench.studies.KINDS`: network times, leakage, PPC-GPT, ...)."""
+    from fedcompress.bench.studies import KINDS
 
-        return [network_table(study, results)]
-    if study.kind == "leakage":
-        from fedcompress.bench.studies import leakage_tables
-
-        return leakage_tables(study, results)
+    if study.kind in KINDS:
+        return KINDS[study.kind].tables(study, results)
     header, body = study_table(study, results)
     fixed = {k: v for k, v in study.settings.items() if k not in study.swept}
     note = "Perplexity (lower is better). Fixed: " + ", ".join(

@@ -1,7 +1,8 @@
 """Federated personalized layer pruning (seed 004 made federated; the paper has no federated
-design): the settings, the steps as plain functions (used in-process by the benchmark
-``simulations/personalized.py``) and the method's registry entry (its Flower files:
-``clients/personalize.py``, ``strategies/personalize.py``, ``server/personalize.py``).
+design): the settings, the steps as plain functions (used in-process by the bench study
+kind ``personalize``, :mod:`fedcompress.bench.personalize_study`) and the method's registry
+entry (its Flower files: ``clients/personalize.py``, ``strategies/personalize.py``,
+``server/personalize.py``).
 
 1. **Classify** (each site, on its private calibration windows): Alg. 1
    (:func:`fedcompress.layers.personalized.classify_units`); the site sends only the class of
