@@ -155,6 +155,7 @@ def test_small_study_end_to_end_and_resume(tiny_dir, tmp_path, openai_stub, monk
                       "Privacy of `tiny`", "Failed cells"):
             assert title in md
         assert "failed: NotEnoughSyntheticData" in md
+        assert "kind=ppcgpt, clients=2, partition=iid" in md and "eps=5.0" in md  # Failed cells
         assert "(majority label, reference)" in md
         saved = json.loads((out / "report.json").read_text())
         assert saved["plan"] == {"cells": 6, "pending": 6}

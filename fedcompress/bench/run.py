@@ -120,7 +120,11 @@ def _update(report: RunReport, runner: BenchRunner, studies: list[Study],
 
 def _settings_text(record: dict) -> str:
     keys = ("kind", "method", "sparsity", "local_group", "group", "scale", "mode", "clients",
-            "samples_per_client", "partition", "alpha", "calib_text")
+            "samples_per_client", "partition", "alpha", "calib_text",
+            # the other kinds' settings a failed cell is told apart by
+            "task", "objective", "measure", "ratio", "epsilon", "eps", "synth_ratio",
+            "prune_policy", "prune_ratio", "importance", "k", "personalized_factor",
+            "adapt_steps")
     return ", ".join(f"{k}={record[k]}" for k in keys if k in record)
 
 
