@@ -39,6 +39,17 @@ reply when the code reports one, and its ``seconds``: the warm-up's loading, wha
 ``client_startup_seconds`` meant before the split); ``startup_seconds`` is their sum. Writes
 ``report.json`` and ``report.md``; ``--before DIR`` adds the summary of an earlier report (the
 same script run on the code before a change) side by side.
+
+``--site-worker`` measures the same with a warm site worker per site too (``fedcompress
+site-worker``, ``clients/site_worker.py``, started from the measured checkout on the sites'
+cache): the runs alternate without / with it (the SuperNodes restarted between, each keeping
+its key, data and installed app, with ``site-worker`` in its node config for the worker's
+runs), and so do the alone messages (a worker of their own; its first message, which loads the
+model, is reported apart). A worker's rows are labelled ``worker: ...``; ``startup_worker_
+seconds`` is the thin process's exchange with its worker less the worker's ClientApp.
+
+    nice -n 19 python simulations/site_startup.py --site-worker --runs 2 \
+        --out simulations/results/site-startup/worker
 """
 
 from __future__ import annotations
@@ -62,7 +73,8 @@ logger = logging.getLogger("site_startup")
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("warmup", "masks")  # the messages of a one-shot run, in the order a site gets them
 SPLIT = ("startup_runtime_seconds", "startup_import_seconds", "startup_load_seconds",
-         "client_startup_seconds")
+         "client_startup_seconds", "startup_worker_seconds")
+MODES = ("fat", "worker")  # without / with a warm site worker (clients/site_worker.py)
 
 
 def _deploy_module():
@@ -71,6 +83,9 @@ def _deploy_module():
     import test_deploy
 
     test_deploy.RUN_TIMEOUT = 1200.0  # a real model on a busy 2-core machine
+    # and its `flwr ls` (60 s there), which a machine at load 10+ can exceed
+    test_deploy.Deployment.flwr.__kwdefaults__ = {"timeout": 300.0}
+    test_deploy.STARTUP_TIMEOUT = 600.0  # a SuperLink's start-up took over 90 s at load 9
     return test_deploy
 
 
@@ -151,7 +166,8 @@ class ClientAppWatcher:
 
 # One site's warm-up message in a fresh process with no deployment around it (`--alone`): the
 # imports a flwr-clientapp process has made before the ClientApp, the ClientApp module, then the
-# warm-up query through `app` (what Flower calls); run in the measured checkout (cwd).
+# warm-up query (read with Flower's serde, as a flwr-clientapp process receives it) through
+# `app` (what Flower calls), with or without a site worker; run in the measured checkout (cwd).
 ALONE = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -159,44 +175,70 @@ import flwr.cli.install, flwr.clientapp.utils, flwr.supernode.runtime.run_client
 t1 = time.perf_counter()
 import clients.app
 t2 = time.perf_counter()
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, RecordDict
+from flwr.common.serde import message_from_proto
+from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.supercore.task_identity import TaskIdentity
-from fedcompress.methods.fedprllm.config import FedPrLLMConfig
-from strategies.common import settings_record
 
-model, data, sites, samples, seqlen = sys.argv[1:6]
+message_file, data, sites, worker = sys.argv[1:5]
 TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-config = FedPrLLMConfig(model=model, clients=int(sites), samples_per_client=int(samples),
-                        seqlen=int(seqlen), batch_size=4)
-context = Context(run_id=1, node_id=100, node_config={"partition-id": 0, "data-path": data,
-                  "num-partitions": int(sites)}, state=RecordDict(), run_config={},
-                  series_id=0)
-message = Message(RecordDict({"config": settings_record(config)}), 100, "query.warmup")
+node_config = {"partition-id": 0, "data-path": data, "num-partitions": int(sites)}
+if worker:
+    node_config["site-worker"] = worker
+context = Context(run_id=1, node_id=100, node_config=node_config, state=RecordDict(),
+                  run_config={}, series_id=0)
+with open(message_file, "rb") as f:
+    message = message_from_proto(ProtoMessage.FromString(f.read()))
 t3 = time.perf_counter()
 reply = clients.app.app(message, context)
 t4 = time.perf_counter()
 print(json.dumps({"flower_import_seconds": t1 - t0, "app_import_seconds": t2 - t1,
                   "warmup_handler_seconds": t4 - t3, "app": clients.app.__file__,
+                  "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules),
                   "metrics": dict(reply.content["metrics"])}))
 """
 
 
-def _alone(i: int, opts: argparse.Namespace, data: Path, cache: Path, clients: int) -> dict:
-    """One site's warm-up message alone in a fresh process (:data:`ALONE`)."""
+def _warmup_message(opts: argparse.Namespace, clients: int, path: Path) -> None:
+    """The warm-up query of one-shot FedPrLLM with the run's settings, as Flower's protobuf."""
+    from flwr.app import Message, RecordDict
+    from flwr.common.serde import message_to_proto
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+    from strategies.common import settings_record
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    config = FedPrLLMConfig(model=opts.model, clients=clients,
+                            samples_per_client=opts.samples_per_client, seqlen=opts.seqlen,
+                            batch_size=4)
+    message = Message(RecordDict({"config": settings_record(config)}), 100, "query.warmup")
+    path.write_bytes(message_to_proto(message).SerializeToString())
+
+
+def _alone(i: int, opts: argparse.Namespace, data: Path, cache: Path, clients: int,
+           message: Path, worker: Path | None = None, name: str = "") -> dict:
+    """One site's warm-up message alone in a fresh process (:data:`ALONE`), handed to the
+    site worker at ``worker`` if given."""
     env = {**os.environ, "FEDCOMPRESS_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", ALONE, opts.model, str(data), str(clients),
-                          str(opts.samples_per_client), str(opts.seqlen)], cwd=REPO, env=env,
+    out = subprocess.run([sys.executable, "-c", ALONE, str(message), str(data), str(clients),
+                          str(worker or "")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise RuntimeError(f"alone {i}: {out.stderr[-3000:]}")
     found = json.loads(out.stdout.strip().splitlines()[-1])
     metrics = found.pop("metrics")
+    heavy = found.pop("heavy")
     if not Path(found.pop("app")).is_relative_to(REPO):
         raise RuntimeError(f"alone {i}: the ClientApp came from outside {REPO}")
-    record = {"name": f"alone {i}", "run": i, "message": "alone", **found,
-              "startup_seconds": sum(found.values()),
+    if worker and heavy:
+        raise RuntimeError(f"alone {i}: the thin process imported {heavy}")
+    mode = "worker" if worker else "fat"
+    record = {"name": name or f"alone {mode} {i}", "run": i, "message": "alone", "mode": mode,
+              **found, "startup_seconds": sum(found.values()),
               "startup_runtime_seconds": found["flower_import_seconds"],
+              "compute_seconds": float(metrics["compute_seconds"]),
               "warmup_setup_seconds": float(metrics["seconds"])}
     for key in SPLIT:
         if key in metrics:
@@ -239,13 +281,14 @@ def _site_metrics(report: dict, node_ids: list[int]) -> dict[tuple[int, str], di
     return out
 
 
-def _message_record(run: int, kind: str, proc: dict, metrics: dict) -> dict:
+def _message_record(run: int, kind: str, proc: dict, metrics: dict, mode: str = "fat") -> dict:
     process = (proc["end"] or proc["start"]) - proc["start"]
     if "compute_seconds" in metrics:
         compute = float(metrics["compute_seconds"])
     else:  # a ClientApp without the split: the masks' own seconds; the warm-up does no work
         compute = float(metrics.get("seconds", 0.0)) if kind == "masks" else 0.0
-    record = {"name": f"run {run} site {proc['site']} {kind}", "run": run,
+    record = {"name": f"run {run} site {proc['site']} {kind}"
+              + ("" if mode == "fat" else f" ({mode})"), "run": run, "mode": mode,
               "site": proc["site"], "message": kind, "pid": proc["pid"],
               "process_seconds": process, "compute_seconds": compute,
               "startup_seconds": process - compute}
@@ -259,24 +302,151 @@ def _message_record(run: int, kind: str, proc: dict, metrics: dict) -> dict:
     return record
 
 
+def wait_for(procs, name: str, text: str, timeout: float = 600.0) -> None:
+    """Until ``text`` is in the log of the process ``name`` (which must stay alive)."""
+    deadline = time.monotonic() + timeout
+    while text not in procs.log(name):
+        proc = procs.roots[name]
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} (exit {proc.poll()}): no {text!r}:\n"
+                               f"{procs.log(name)[-3000:]}")
+        time.sleep(0.3)
+
+
+def start_worker(procs, name: str, path: Path, env: dict, wait: bool = True) -> None:
+    """``fedcompress site-worker --socket path`` from the measured checkout (cwd), as the
+    process ``name`` of ``procs`` (stopped by PID with them)."""
+    procs.start(name, [sys.executable, "-m", "fedcompress.cli", "site-worker", "--socket",
+                       str(path)], env, cwd=REPO)
+    if wait:
+        wait_for(procs, name, "site worker ready")
+
+
+def _load(report, phase: str) -> None:
+    """The load average (1, 5, 15 min) after ``phase``: the machine is shared."""
+    report.extra.setdefault("load_average", []).append(
+        {"phase": phase, "load": [round(x, 2) for x in os.getloadavg()]})
+
+
+class Sites:
+    """The deployment's SuperNodes, without (``fat``) or with a warm site worker each
+    (``worker``: ``site-worker`` in its node config): :meth:`use` restarts them in the other
+    mode, each site keeping its key, data and FLWR_HOME (its installed app)."""
+
+    def __init__(self, deploy, dep, procs):
+        self.deploy, self.dep, self.procs = deploy, dep, procs
+        self.mode: str | None = None
+        self.names: list[str] = []
+        self.restarts = 0
+        self.workers: dict[int, Path] = {}
+
+    def worker_socket(self, i: int) -> Path:
+        return self.dep.root / f"site-{i}" / "worker.sock"
+
+    def start_workers(self) -> None:
+        """One ``fedcompress site-worker`` per site, on the sites' cache (stopped by PID with
+        the deployment)."""
+        for i in range(len(self.dep.sites)):
+            self.workers[i] = self.worker_socket(i)
+            start_worker(self.procs, self.dep.proc_name(f"worker-{i}"), self.workers[i],
+                         self.dep.env(f"supernode-{i}"), wait=False)
+        for i in self.workers:
+            wait_for(self.procs, self.dep.proc_name(f"worker-{i}"), "site worker ready")
+
+    def worker_pid(self, i: int) -> int:
+        return self.procs.roots[self.dep.proc_name(f"worker-{i}")].pid
+
+    def worker_logs(self) -> dict[int, list[str]]:
+        """Each worker's log lines of the messages it served."""
+        return {i: [line for line in self.dep.log(f"worker-{i}").splitlines()
+                    if "message" in line] for i in self.workers}
+
+    def use(self, mode: str) -> dict[int, int]:
+        """The SuperNodes in ``mode`` (restarted if they are not); their sessions -> site."""
+        if mode != self.mode:
+            for name in self.names:
+                self.procs.stop(self.dep.proc_name(name))
+            self.restarts += self.mode is not None
+            self.names = [f"supernode-{i}-{mode}-{self.restarts}"
+                          for i in range(len(self.dep.sites))]
+            for i, name in enumerate(self.names):
+                config = {**self.dep.node_config(i),
+                          **({"site-worker": str(self.workers[i])} if mode == "worker" else {})}
+                private, _ = self.dep.made["node_keys"][i]
+                self.procs.start(self.dep.proc_name(name), [
+                    str(self.deploy.BIN / "flower-supernode"),
+                    "--superlink", self.dep.address,
+                    "--root-certificates", str(self.dep.made["ca"]),
+                    "--auth-supernode-private-key", str(private),
+                    "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items()),
+                    "--port", str(self.deploy._free_port())], self.dep.env(f"supernode-{i}"))
+            for name in self.names:
+                wait_for(self.procs, self.dep.proc_name(name), "SuperNode ID:")
+            self.procs.track()
+            self.mode = mode
+        return {self.procs.roots[self.dep.proc_name(name)].pid: i
+                for i, name in enumerate(self.names)}
+
+
+def _deployed_run(report, dep, watcher, sites: Sites, settings: dict, run: int, mode: str,
+                  out: Path, poll: float) -> None:
+    """One one-shot run on the deployment; one record per site and message, from the watched
+    flwr-clientapp processes and the replies' metrics."""
+    start = time.time()
+    with report.phase(f"run {run} {mode}"):
+        record, log = dep.run({**settings, "out": str(out)})
+    time.sleep(3 * poll)  # the last processes' exits
+    if record["status"] != "finished:completed":
+        raise RuntimeError(f"run {run} {mode}: {record}\n{log[-3000:]}")
+    run_report = json.loads((out / "report.json").read_text())
+    metrics = _site_metrics(run_report, dep.node_ids)
+    found = watcher.between(start, time.time())
+    mine_now = []
+    for site in range(len(dep.sites)):
+        mine = [p for p in found if p["site"] == site]
+        if len(mine) != len(KINDS):
+            raise RuntimeError(f"run {run} {mode} site {site}: {len(mine)} flwr-clientapp "
+                               f"processes, expected {len(KINDS)} (one per message)")
+        for kind, proc in zip(KINDS, mine):
+            mine_now.append(_message_record(run, kind, proc, metrics.get((site, kind), {}),
+                                            mode))
+    # who computed the masks: the site's own flwr-clientapp process, or its worker
+    masks_pids = {m["pid"] for m in run_report.get("clients", []) if "pid" in m}
+    expected = ({r["pid"] for r in mine_now if r["message"] == "masks"} if mode == "fat" else
+                {sites.worker_pid(i) for i in range(len(dep.sites))})
+    if masks_pids and masks_pids != expected:
+        raise RuntimeError(f"run {run} {mode}: the masks replies came from {masks_pids}, "
+                           f"expected {expected}")
+    for r in mine_now:
+        report.add_result(r)
+    _load(report, f"run {run} {mode}")
+    logger.info("run %d %s: %s", run, mode, ", ".join(
+        f"{r['name']}: {r['startup_seconds']:.2f}+{r['compute_seconds']:.2f} s"
+        for r in mine_now))
+
+
 COLUMNS = ("process_seconds", "compute_seconds", "startup_seconds", *SPLIT,
            "warmup_setup_seconds")
 
 
 def summarize(results: list[dict]) -> dict:
-    """Per message kind, cold (run 1) and warm (later runs), and the warm-ups alone: mean, min,
-    max of each column."""
+    """Per mode (without / with a site worker), message kind, cold (run 1) and warm (later
+    runs), and the warm-ups alone: mean, min, max of each column. The worker's rows are
+    labelled ``worker: ...`` (results without a mode: no worker)."""
     groups = [(f"{phase} {kind}", kind, first) for phase, first in (("cold", True), ("warm", False))
               for kind in KINDS]
+    groups += [("alone warmup", "alone", None),
+               ("alone warmup, the worker's first message", "alone first", None)]
     out: dict = {}
-    for label, kind, first in [*groups, ("alone warmup", "alone", None)]:
-        rows = [r for r in results if r["message"] == kind
-                and (first is None or (r["run"] == 1) == first)]
-        if rows:
-            out[label] = {
-                "messages": len(rows),
-                **{col: {"mean": statistics.mean(v), "min": min(v), "max": max(v)}
-                   for col in COLUMNS if (v := [r[col] for r in rows if col in r])}}
+    for mode in MODES:
+        for label, kind, first in groups:
+            rows = [r for r in results if r["message"] == kind and r.get("mode", "fat") == mode
+                    and (first is None or (r["run"] == 1) == first)]
+            if rows:
+                out[label if mode == "fat" else f"{mode}: {label}"] = {
+                    "messages": len(rows),
+                    **{col: {"mean": statistics.mean(v), "min": min(v), "max": max(v)}
+                       for col in COLUMNS if (v := [r[col] for r in rows if col in r])}}
     return out
 
 
@@ -305,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alone", type=int, default=3,
                         help="Then this many warm-up messages of one site, each in a fresh "
                              "process with nothing else of the deployment running.")
+    parser.add_argument("--site-worker", action="store_true",
+                        help="Measure with a warm site worker too (fedcompress site-worker, "
+                             "one per site): the runs and the alone messages alternate "
+                             "without / with it.")
     parser.add_argument("--poll", type=float, default=0.05,
                         help="Seconds between two looks at the sites' processes.")
     parser.add_argument("--before", default="",
@@ -338,11 +512,11 @@ def main(argv: list[str] | None = None) -> int:
             dep.start_superlink()
             dep.wait_superlink()
             dep.node_ids = [f.result() for f in dep.register(pool)]
-            dep.start_sites()
-            dep.wait_sites()
-            sessions = {procs.roots[dep.proc_name(f"supernode-{i}")].pid: i
-                        for i in range(deploy.CLIENTS)}
-            watcher = ClientAppWatcher(sessions, opts.poll)
+            modes = MODES if opts.site_worker else MODES[:1]
+            sites = Sites(deploy, dep, procs)
+            if opts.site_worker:
+                sites.start_workers()
+            watcher = ClientAppWatcher({}, opts.poll)
             watcher.start()
             settings = {"model": opts.model, "clients": deploy.CLIENTS,
                         "samples-per-client": opts.samples_per_client, "seqlen": opts.seqlen,
@@ -350,33 +524,11 @@ def main(argv: list[str] | None = None) -> int:
                         "device": "cpu", "baselines": "", "save-model": False}
             report.extra["run_settings"] = settings
             for run in range(1, opts.runs + 1):
-                out = work / f"run-{run}"
-                start = time.time()
-                with report.phase(f"run {run}"):
-                    record, log = dep.run({**settings, "out": str(out)})
-                time.sleep(3 * opts.poll)  # the last processes' exits
-                if record["status"] != "finished:completed":
-                    raise RuntimeError(f"run {run}: {record}\n{log[-3000:]}")
-                run_report = json.loads((out / "report.json").read_text())
-                metrics = _site_metrics(run_report, dep.node_ids)
-                found = watcher.between(start, time.time())
-                for site in range(deploy.CLIENTS):
-                    mine = [p for p in found if p["site"] == site]
-                    if len(mine) != len(KINDS):
-                        raise RuntimeError(f"run {run} site {site}: {len(mine)} flwr-clientapp "
-                                           f"processes, expected {len(KINDS)} (one per message)")
-                    for kind, proc in zip(KINDS, mine):
-                        report.add_result(_message_record(run, kind, proc,
-                                                          metrics.get((site, kind), {})))
-                masks_pids = {m["pid"] for m in run_report.get("clients", []) if "pid" in m}
-                seen_pids = {r["pid"] for r in report.results
-                             if r["run"] == run and r["message"] == "masks"}
-                if masks_pids and masks_pids != seen_pids:
-                    raise RuntimeError(f"run {run}: the masks replies came from {masks_pids}, "
-                                       f"the watched processes were {seen_pids}")
-                logger.info("run %d: %s", run, ", ".join(
-                    f"{r['name']}: {r['startup_seconds']:.2f}+{r['compute_seconds']:.2f} s"
-                    for r in report.results if r["run"] == run))
+                for mode in modes:  # interleaved: a change of load hits both alike
+                    watcher.sessions.update(sites.use(mode))
+                    _deployed_run(report, dep, watcher, sites, settings, run, mode,
+                                  work / f"run-{run}-{mode}", opts.poll)
+            report.extra["site_workers"] = sites.worker_logs()
         finally:
             if watcher is not None:
                 watcher.stop()
@@ -385,16 +537,38 @@ def main(argv: list[str] | None = None) -> int:
             report.extra["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
             if left:
                 logger.error("processes left running: %s", [p.pid for p in left])
-        for i in range(1, opts.alone + 1):  # the deployment stopped: one site process alone
-            with report.phase("alone"):
-                report.add_result(_alone(i, opts, dep.sites[0], work / "bench" / "cache",
-                                         deploy.CLIENTS))
+        # The deployment stopped: one site's warm-up alone in fresh processes, without and
+        # (--site-worker) with its worker, interleaved.
+        message, cache = work / "warmup.bin", work / "bench" / "cache"
+        _warmup_message(opts, deploy.CLIENTS, message)
+        alone_procs = deploy.Processes(work)
+        worker = work / "alone-worker.sock" if opts.site_worker else None
+        try:
+            if worker is not None:
+                start_worker(alone_procs, "alone-worker", worker,
+                             {**os.environ, "FEDCOMPRESS_CACHE": str(cache),
+                              **deploy.OFFLINE})
+                with report.phase("alone worker first"):  # the worker loads the model
+                    report.add_result({**_alone(0, opts, dep.sites[0], cache, deploy.CLIENTS,
+                                                message, worker, "alone worker first"),
+                                       "message": "alone first"})
+            for i in range(1, opts.alone + 1):
+                for path in (None, worker) if worker is not None else (None,):
+                    with report.phase("alone"):
+                        report.add_result(_alone(i, opts, dep.sites[0], cache,
+                                                 deploy.CLIENTS, message, path))
+                    _load(report, f"alone {i} {'worker' if path else 'fat'}")
+        finally:
+            left = alone_procs.stop_all()
+            if left:
+                logger.error("processes left running: %s", [p.pid for p in left])
         shutil.rmtree(work, ignore_errors=True)  # kept when the runs failed: the logs
         summary = summarize(report.results)
         report.extra["summary"] = summary
         header = ["code", "runs, message", "messages", "process s", "compute s",
                   "start-up s (process - compute)", "runtime s", "import s", "load s",
-                  "import + load s", "warm-up setup s (the former client_startup_seconds)"]
+                  "import + load s", "site worker s",
+                  "warm-up setup s (the former client_startup_seconds)"]
         rows = summary_table(summary, "this")
         if opts.before:
             path = Path(opts.before)
@@ -414,9 +588,17 @@ def main(argv: list[str] | None = None) -> int:
             "empty window cache); the sites start their processes at the same time on "
             f"{os.cpu_count()} CPU cores. Alone: one site's warm-up in a fresh process, nothing "
             "else of the deployment running (runtime: Flower's imports only; start-up: those, "
-            "the ClientApp module and the warm-up). '-': not reported by that ClientApp. Load "
-            f"average (1, 5, 15 min) before {report.extra['load_average_before']}, after "
-            f"{report.extra['load_average_after']}.")))
+            "the ClientApp module and the warm-up). "
+            + ("worker: each site's SuperNode with site-worker in its node config (its "
+               "flwr-clientapp processes thin, a warm worker per site computing; runs "
+               "alternate without / with, the SuperNodes restarted between); site worker s: "
+               "the exchange with it less its ClientApp; the alone worker's first message "
+               "loads the model, the others find it loaded. " if opts.site_worker else "")
+            + "'-': not reported by that ClientApp. Load average (1, 5, 15 min) before "
+            f"{report.extra['load_average_before']}, after "
+            f"{report.extra['load_average_after']}, after each run: "
+            f"{[x['load'][0] for x in report.extra.get('load_average', [])]}; the machine "
+            "is shared with other jobs.")))
     print(report.markdown())
     print(f"reproduce: {report.reproduce}")
     return 0
