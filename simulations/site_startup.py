@@ -405,8 +405,13 @@ def _deployed_run(report, dep, watcher, sites: Sites, settings: dict, run: int, 
     for site in range(len(dep.sites)):
         mine = [p for p in found if p["site"] == site]
         if len(mine) != len(KINDS):
-            raise RuntimeError(f"run {run} {mode} site {site}: {len(mine)} flwr-clientapp "
-                               f"processes, expected {len(KINDS)} (one per message)")
+            # e.g. a starved process missed Flower's task heartbeats (2 x 30 s): its token was
+            # revoked and the SuperNode started another one; its messages are not attributable
+            logger.warning("run %d %s site %d: %d flwr-clientapp processes for %d messages: "
+                           "not recorded", run, mode, site, len(mine), len(KINDS))
+            report.extra.setdefault("unattributed", []).append(
+                {"run": run, "mode": mode, "site": site, "processes": len(mine)})
+            continue
         for kind, proc in zip(KINDS, mine):
             mine_now.append(_message_record(run, kind, proc, metrics.get((site, kind), {}),
                                             mode))
@@ -414,7 +419,7 @@ def _deployed_run(report, dep, watcher, sites: Sites, settings: dict, run: int, 
     masks_pids = {m["pid"] for m in run_report.get("clients", []) if "pid" in m}
     expected = ({r["pid"] for r in mine_now if r["message"] == "masks"} if mode == "fat" else
                 {sites.worker_pid(i) for i in range(len(dep.sites))})
-    if masks_pids and masks_pids != expected:
+    if masks_pids and masks_pids != expected and not report.extra.get("unattributed"):
         raise RuntimeError(f"run {run} {mode}: the masks replies came from {masks_pids}, "
                            f"expected {expected}")
     for r in mine_now:
