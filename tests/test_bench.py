@@ -229,3 +229,20 @@ def test_curve_axis_follows_the_numeric_columns(tiny_dir):
     assert curve_axis(flat) is None
     rows = study_table(study, {})[1]
     assert any("Hamming defence" in cell for row in rows for cell in row)
+
+
+def test_server_cost_names_the_model_of_each_row():
+    """Two models' one-shot cells are told apart in the server-cost table; baselines and
+    failed cells are not rows."""
+    from fedcompress.bench.run import server_cost
+
+    cell = dict(status="ok", kind="fedprllm", mode="oneshot", clients=16, samples_per_client=4,
+                method="wanda", sparsity=0.5, group="layer", scale=False,
+                client_seconds_mean=4.0, count_seconds=0.5, aggregate_seconds=0.5)
+    records = [dict(cell, model="smollm2-135m"), dict(cell, model="qwen2.5-0.5b", group="row"),
+               dict(cell, model="x", status="failed"), dict(status="ok", kind="dense")]
+    lines = [line for line in server_cost(records).splitlines() if line.startswith("| ")]
+    assert lines[0].startswith("| model | clients |")
+    assert lines[1:] == [
+        "| smollm2-135m | 16 | 4 | wanda | 0.5 | layer | 4.00 | 0.500 | 0.500 | 25.0% |",
+        "| qwen2.5-0.5b | 16 | 4 | wanda | 0.5 | row | 4.00 | 0.500 | 0.500 | 25.0% |"]

@@ -156,7 +156,8 @@ def server_cost(records: list[dict]) -> str:
         if r.get("client_seconds_mean") is None or r.get("aggregate_seconds") is None:
             continue
         total = r["count_seconds"] + r["aggregate_seconds"]
-        rows.append([str(r["clients"]), str(r["samples_per_client"]), r["method"],
+        rows.append([str(r.get("model", "-")), str(r["clients"]), str(r["samples_per_client"]),
+                     r["method"],
                      str(r["sparsity"]),
                      f"{r['group']}{'+scale' if r['scale'] else ''}"
                      + (f", {r['wire']} wire" if r.get("wire", "packed") != "packed" else ""),
@@ -169,7 +170,7 @@ def server_cost(records: list[dict]) -> str:
             "(mean over clients, its own windows); `count` the vote counting of all clients' "
             "packed masks; `select+apply` the global mask by group and pruning of the model "
             "copy, one linear layer at a time.\n\n" + markdown_table(
-                ["clients", "windows/client", "method", "sparsity", "server variant",
+                ["model", "clients", "windows/client", "method", "sparsity", "server variant",
                  "client s", "count s", "select+apply s", "server / client"], rows))
 
 
