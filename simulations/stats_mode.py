@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{fixed_gap:.1e})",
                          f"{ppl['votes']:.3f}" if not opts.no_votes else "-",
                          f"{per_round / 1e6:.2f} MB x {layers}",
-                         f"{central_s:.0f} / {stats_s:.0f} / {votes_s:.0f}"])
+                         f"{central_s:.0f} / {stats_s:.0f} / "
+                         + ("-" if opts.no_votes else f"{votes_s:.0f}")])
             logger.info("%s: centralized %.3f stats %.3f votes %.3f (%d bits differ)", method,
                         ppl["centralized"], ppl["stats"], ppl["votes"], differ)
         report.sections.append(("Statistics mode vs centralized and votes", markdown_table(

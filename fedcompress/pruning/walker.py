@@ -148,10 +148,10 @@ class LayerStats:
     """
 
     def __init__(self, in_features: int, device: torch.device | None = None,
-                 hessian: bool = False, hessian_dtype: torch.dtype = HESSIAN_DTYPE):
+                 hessian: bool = False):
         self.tokens = 0
         self.sq_sum = torch.zeros(in_features, dtype=torch.float64, device=device)
-        self.hessian_sum = (torch.zeros(in_features, in_features, dtype=hessian_dtype,
+        self.hessian_sum = (torch.zeros(in_features, in_features, dtype=HESSIAN_DTYPE,
                                         device=device) if hessian else None)
 
     @property
@@ -168,7 +168,7 @@ class LayerStats:
         if self.hessian_sum is not None:
             if hessian_sum is None:
                 raise ValueError("these statistics hold a Hessian: the sums must include one")
-            self.hessian_sum.add_(hessian_sum.to(self.hessian_sum.dtype))
+            self.hessian_sum.add_(hessian_sum)
         self.tokens += tokens
 
     def merge(self, other: LayerStats) -> LayerStats:
@@ -200,7 +200,7 @@ class LayerStats:
         if self.hessian_sum is None:
             return None
         self._require_tokens()
-        return (self.hessian_sum / self.tokens).to(HESSIAN_DTYPE)
+        return self.hessian_sum / self.tokens
 
 
 def input_sums(x: torch.Tensor, hessian: bool

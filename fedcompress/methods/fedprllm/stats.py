@@ -53,8 +53,8 @@ STATS_METHODS = ("wanda", "sparsegpt")
 DIAG_TOLERANCE = 1e-3
 
 
-#: dtype of a site's Hessian sum on the wire (the upper triangle, HESSIAN_DTYPE)
-_WIRE_HESSIAN = np.dtype(np.float64)
+#: dtype of a site's Hessian sum on the wire (the upper triangle): HESSIAN_DTYPE's
+_WIRE_HESSIAN = torch.empty(0, dtype=HESSIAN_DTYPE).numpy().dtype
 
 
 class InvalidStatsError(ValueError):
@@ -119,8 +119,7 @@ def encode_stats(stats: Mapping[str, LayerStats], layer: int
         arrays[_key(layer, name, "sq")] = st.sq_sum.cpu().numpy().astype(np.float64)
         if st.hessian_sum is not None:
             rows, cols = _triu(st.in_features)
-            arrays[_key(layer, name, "h")] = (st.hessian_sum.to(HESSIAN_DTYPE)[rows, cols]
-                                              .cpu().numpy())
+            arrays[_key(layer, name, "h")] = st.hessian_sum[rows, cols].cpu().numpy()
     return arrays, shared
 
 
