@@ -811,6 +811,12 @@ def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module,
                   reference_wire: dict | None = None, checkpoint: Path | None = None
                   ) -> FedPrLLM:
     if config.aggregate == "stats":
+        if not config.secagg:
+            logger.warning("statistics mode without --secagg: the server sees each site's "
+                           "per-layer input statistics (column square sums%s) in the clear; "
+                           "with --secagg it sees only their sum",
+                           ", and the Hessian X^T X of its activations"
+                           if config.prune.needs_hessian else "")
         return (SecureStatsFedPrLLM if config.secagg else StatsFedPrLLM)(
             config, model, reference_wire=reference_wire, checkpoint=checkpoint)
     if config.secagg and config.mode == "iterative":

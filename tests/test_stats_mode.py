@@ -429,3 +429,16 @@ def test_secure_stats_mode_equals_the_plain_one_up_to_fixed_point(tiny_dir, tiny
     lost.start(Flaky(4), ArrayRecord())
     assert [lost.layer_sites[i] for i in range(3)] == [3, 3, 3]
     assert lost.secagg["sum"]["dropped"] == 3
+
+
+@pytest.mark.parametrize("secagg", [False, True])
+def test_plain_stats_mode_warns_that_the_server_sees_each_sites_statistics(tiny_dir, tiny,
+                                                                           caplog, secagg):
+    config = config_for(tiny_dir, method="sparsegpt", secagg=secagg)
+    with caplog.at_level("WARNING", logger="strategies.fedprllm"):
+        make_strategy(config, tiny.model)
+    warned = [r.getMessage() for r in caplog.records if "in the clear" in r.getMessage()]
+    if secagg:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and "X^T X" in warned[0] and "--secagg" in warned[0]
