@@ -250,14 +250,17 @@ def test_unreachable_ray_address_fails_at_once_by_name(tiny_dir, tmp_path, monke
     from server.simulation import RayAddressError
 
     monkeypatch.setattr(cli, "_setup_logging", lambda level: None)
+
+    def run_simulation(*args, **kwargs):  # "at once": before any Ray work
+        raise AssertionError("Ray work started for an address that answers nothing")
+
+    monkeypatch.setattr("flwr.simulation.run_simulation", run_simulation)
     address = f"127.0.0.1:{_free_port()}"  # nothing listens there
-    start = time.monotonic()
     result = CliRunner().invoke(cli.app, [
         "prune", "--model", tiny_dir, "--clients", "2", "--samples-per-client", "1",
         "--seqlen", "16", "--out", str(tmp_path / "x"), "--ray-address", address])
     assert isinstance(result.exception, RayAddressError), result.output
     assert f"--ray-address {address}: no Ray cluster answers" in str(result.exception)
-    assert time.monotonic() - start < 30
     with pytest.raises(RayAddressError, match="expected 'auto' or HOST:PORT"):
         cli.run_method("fedprllm", dict(model=tiny_dir, clients=2, cpus_per_client=1.0,
                                         out=str(tmp_path / "y"), ray_address="ray://head"))

@@ -99,7 +99,7 @@ def test_every_reply_carries_its_startup_split(site):
         assert masks["startup_load_seconds"] == 0.0
         # the handler module, imported already: a dictionary lookup (relative to the first
         # import, so that a loaded machine's preemptions cannot fail it)
-        assert masks["startup_import_seconds"] < 0.1 * warmup["startup_import_seconds"]
+        assert masks["startup_import_seconds"] < 0.5 * warmup["startup_import_seconds"]
         assert masks["compute_seconds"] >= masks["seconds"] - 1e-6 > 0
 
 

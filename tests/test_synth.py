@@ -761,12 +761,12 @@ def test_http_backend_errors_become_rejections(stub_server):
     assert backend.generate(["a"], n=1, temperature=1, max_new_tokens=4, seed=0) == [
         ["flaky seed=0 #0"]]
     assert backend.stats["retries"] == 1
-    # Too slow: timeout after each of the 2 attempts.
-    start = time.perf_counter()
+    # Too slow: the client's timeout fires on each of the 2 attempts (the reasons say so; the
+    # server would have answered after 1 s), so no wall-clock bound is needed.
     backend = OpenAIBackend(url, "slow", retries=1, backoff=0.01, timeout=0.25)
     out = backend.generate(["a"], n=2, temperature=1, max_new_tokens=4, seed=0)
     assert [c.reason for c in out[0]] == [Rejection.TIMEOUT] * 2
-    assert time.perf_counter() - start < 1.5 and backend.stats["requests"] == 2
+    assert backend.stats["requests"] == 2
     # Nobody listening: a connection error, not a crash.
     dead = OpenAIBackend("http://127.0.0.1:9", "ok", retries=0, timeout=1.0)
     out = dead.generate(["a"], n=1, temperature=1, max_new_tokens=4, seed=0)
