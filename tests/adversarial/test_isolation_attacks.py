@@ -85,7 +85,8 @@ def running_worker(path: Path, **options):
 class Listener:
     """A bare Unix-socket listener (an impostor 'worker') recording every byte it receives."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, hold: bool = False):
+        self.hold = hold  # keep every connection open, never answering (a silent worker)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(4)
@@ -105,9 +106,18 @@ class Listener:
             self.connections += 1
             with conn:
                 conn.settimeout(0.5)
-                with contextlib.suppress(OSError):
-                    while chunk := conn.recv(65536):
-                        self.received += chunk
+                while not self.stop.is_set():
+                    try:
+                        chunk = conn.recv(65536)
+                    except TimeoutError:
+                        if self.hold:
+                            continue
+                        break
+                    except OSError:
+                        break
+                    if not chunk:
+                        break
+                    self.received += chunk
 
     def close(self):
         self.stop.set()
@@ -249,6 +259,87 @@ def test_socket_of_another_owner_is_refused(private_dir):
         assert evil.connections == 0
     finally:
         evil.close()
+
+
+def test_folder_swapped_after_the_check_does_not_redirect(tmp_path, monkeypatch):
+    """Time-of-check/time-of-use: right after the thin process checked the socket's folder,
+    the folder is renamed away and an attacker's folder (with its own listener) takes its
+    name. The connection goes through the checked folder's descriptor (/proc/self/fd/N/NAME),
+    so it still reaches the genuine socket; the attacker gets nothing."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc (Linux)")
+    site = tmp_path / "site"
+    site.mkdir(mode=0o700)
+    genuine = Listener(site / "w.sock")
+    evil_dir = tmp_path / "evil"
+    evil_dir.mkdir(mode=0o700)
+    evil = Listener(evil_dir / "w.sock")
+    real_check = sw._check_socket_file
+
+    def check_then_swap(fd, name, path):
+        real_check(fd, name, path)
+        os.rename(site, tmp_path / "moved")
+        os.rename(evil_dir, site)
+
+    monkeypatch.setattr(sw, "_check_socket_file", check_then_swap)
+    try:
+        with sw._connect(str(site / "w.sock")) as sock:
+            sock.sendall(b"the context")
+        deadline = time.monotonic() + 5
+        while genuine.received != b"the context" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert genuine.received == b"the context"
+        assert evil.connections == 0 and not evil.received
+    finally:
+        genuine.close()
+        evil.close()
+
+
+def test_thin_process_does_not_hang_on_a_silent_worker(private_dir, monkeypatch):
+    """A 'worker' (of the right uid) that accepts and never answers the hello: the thin
+    process gives up after IO_TIMEOUT with a clear error, instead of hanging the SuperNode's
+    ClientApp forever."""
+    monkeypatch.setattr(sw, "IO_TIMEOUT", 0.5)
+    silent = Listener(private_dir / "w.sock", hold=True)
+    try:
+        start = time.monotonic()
+        with pytest.raises(sw.SiteWorkerError, match=r"did not answer within 0\.5 s"):
+            _exchange(private_dir / "w.sock")
+        assert time.monotonic() - start < 5
+    finally:
+        silent.close()
+
+
+def test_a_reply_frame_over_the_limit_is_refused_by_the_thin_process(private_dir,
+                                                                     monkeypatch):
+    """A worker answering its hello with a frame announcing more than MAX_HEADER_BYTES: the
+    thin process refuses it before allocating and sends nothing more (no Message, no
+    Context)."""
+    sock_path = private_dir / "w.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(sock_path))
+    server.listen(1)
+    got = bytearray()
+
+    def answer():
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(5)
+            sw.read_json(conn)
+            conn.sendall(struct.pack(">4sQ", sw.MAGIC, 1 << 40))
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(65536):
+                    got.extend(chunk)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(sw.SiteWorkerError, match="MAX_HEADER_BYTES"):
+            _exchange(sock_path)
+        thread.join(10)
+        assert not got  # neither the Message nor the Context left the thin process
+    finally:
+        server.close()
 
 
 # -- the peer's uid (SO_PEERCRED) ------------------------------------------------------------------
