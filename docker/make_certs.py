@@ -33,6 +33,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -166,6 +167,13 @@ def create(out: Path, nodes: int, extra_names: list[str], prefix: str = "superno
     (out / "keys").mkdir(exist_ok=True, mode=0o700)
     names = list(dict.fromkeys([*DEFAULT_NAMES, *extra_names]))
     if (out / "ca.crt").exists() and (out / "ca.key").exists():
+        mode = stat.S_IMODE((out / "ca.key").lstat().st_mode)
+        if (out / "ca.key").is_symlink() or mode & 0o077:
+            raise SystemExit(f"{out / 'ca.key'}: the existing CA key is "
+                             + ("a symbolic link" if (out / "ca.key").is_symlink()
+                                else f"mode {mode:04o}, readable beyond its owner")
+                             + ": not using it (chmod 600 it, or remove ca.crt and ca.key to "
+                             "make a new CA)")
         logger.info("%s: keeping the existing CA", out)
         ca_cert = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
         ca_key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), None)

@@ -554,6 +554,20 @@ def test_private_keys_are_never_readable_by_others(tmp_path, monkeypatch):
     assert not [p for p in out.rglob(".*.tmp")]
 
 
+def test_an_exposed_existing_ca_key_is_not_reused(tmp_path):
+    """make_certs reuses an existing CA: one whose key is readable by group or others (or a
+    symlink) is refused, naming the file and its mode, instead of signing with it."""
+    certs = _make_certs()
+    out = tmp_path / "certs"
+    certs.create(out, 1, [])
+    (out / "ca.key").chmod(0o644)
+    with pytest.raises(SystemExit, match=r"ca\.key: the existing CA key is mode 0644"):
+        certs.create(out, 1, [], first=1)
+    (out / "ca.key").chmod(0o600)
+    certs.create(out, 1, [], first=1)  # a private one is reused
+    assert (out / "keys" / "supernode-1").is_file()
+
+
 def test_key_writer_is_atomic_and_exclusive(tmp_path, monkeypatch):
     """A failing write leaves neither a partial key nor a temporary file; the temporary file
     is opened O_EXCL|O_NOFOLLOW with mode 0600 from its creation (no chmod after)."""
