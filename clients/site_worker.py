@@ -11,8 +11,32 @@ protobuf serde, over the Unix socket, and the worker runs them through the same 
 (:func:`clients.app.local_app`) the process would have run, then sends back the reply and the
 updated Context (its state holds a site's secrets between messages, e.g. SecAgg+ keys).
 
+What is protected (the Context carries a site's secrets, e.g. its SecAgg+ keys, so the socket
+is a trust boundary between local users of the site's host):
+
+* the socket lives in a folder owned by the site's user with mode 0700 (the worker creates it
+  so, or refuses an existing one that is not); both sides refuse a folder or a socket path
+  that is a symbolic link (the folder is opened with ``O_NOFOLLOW`` and the socket reached
+  through that descriptor, ``/proc/self/fd/N/NAME``, so a swap after the check does not
+  redirect it), a socket path that is not a socket (a FIFO, a regular file) or a socket of
+  another owner, with an error naming the path and what was expected;
+* each side checks the other's uid with ``SO_PEERCRED`` (Linux): the thin process sends
+  nothing to a worker of another uid, the worker serves no client of another uid;
+* a frame's length is checked against a limit BEFORE anything is allocated
+  (:data:`MAX_HEADER_BYTES` for the JSON headers, :data:`MAX_FRAME_BYTES` for a Message or
+  Context) and its payload read in chunks of :data:`RECV_CHUNK` bytes, so memory grows with the
+  bytes that arrived, never with what a header announced;
+* the worker serves at most ``max_connections`` connections at once (more are refused at
+  once) and a connection must deliver its request within ``timeout`` seconds (a stalled or
+  trickling client is dropped: no slow-loris).
+
+Not protected: root, or any process already running as the site's user (it can read the
+worker's memory and the SuperNode's files anyway); the ClientApp code itself (the worker runs
+the FAB's code only when it equals its own, see :meth:`_Worker.check`). ``SO_PEERCRED`` is
+Linux-only: elsewhere the worker and the thin process refuse to run.
+
 Protocol, one connection per message, every frame ``MAGIC + 8-byte big-endian length +
-payload`` (at most :data:`MAX_FRAME_BYTES`):
+payload`` (at most :data:`MAX_FRAME_BYTES`; a JSON header at most :data:`MAX_HEADER_BYTES`):
 
 1. thin -> worker: a JSON hello (protocol, the FAB's fedcompress version, its code hash and
    the sha256 of each of its modules, Flower's task identity); worker -> thin: a JSON answer,
@@ -27,6 +51,7 @@ first. Only the standard library and Flower here: the thin process imports this 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -52,6 +77,21 @@ _HEADER = struct.Struct(">4sQ")
 #: The largest frame either side sends or accepts (a message, a context or a JSON header):
 #: 1 GiB, above any mask message of the embedded models (Qwen2.5-1.5B's are ~190 MB).
 MAX_FRAME_BYTES = 1 << 30
+#: The largest JSON header frame (hello, answer, status): the hello lists the sha256 of each
+#: module (~100 bytes each), far below this.
+MAX_HEADER_BYTES = 1 << 20
+#: A frame's payload is received in pieces of at most this many bytes: its buffer grows with
+#: the data that arrived, never with the length its header announced.
+RECV_CHUNK = 1 << 20
+#: Connections the worker serves at once (one message runs, the others wait for the lock);
+#: one more is refused at once (``fedcompress site-worker --max-connections``).
+MAX_CONNECTIONS = 4
+#: Seconds a client has to deliver its whole request (hello, Message, Context) and the longest
+#: a write to a peer may block (``fedcompress site-worker --timeout``); the thin process waits
+#: as long for the worker's answer to its hello.
+IO_TIMEOUT = 60.0
+#: The mode of the socket's folder: the site's user only.
+FOLDER_MODE = 0o700
 #: The code a ClientApp runs: the worker must hold these modules exactly as the FAB ships them.
 CODE_PACKAGES = ("clients", "fedcompress", "server", "strategies")
 
@@ -74,36 +114,52 @@ def write_frame(sock: socket.socket, payload: bytes) -> None:
         sock.sendall(payload)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytearray:
-    buf = bytearray(size)
-    view, got = memoryview(buf), 0
+def _recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
+    """``size`` bytes, received in pieces of at most :data:`RECV_CHUNK` (memory grows with the
+    bytes that arrived); :class:`TimeoutError` once ``deadline`` (``time.monotonic()``) passes."""
+    pieces, got = [], 0
     while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionResetError(f"connection closed after {got} of {size} bytes")
-        got += n
-    return buf
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"timed out after {got:,} of {size:,} bytes")
+            sock.settimeout(remaining)
+        try:
+            piece = sock.recv(min(RECV_CHUNK, size - got))
+        except TimeoutError:
+            raise TimeoutError(f"timed out after {got:,} of {size:,} bytes") from None
+        if not piece:
+            raise ConnectionResetError(f"connection closed after {got:,} of {size:,} bytes")
+        pieces.append(piece)
+        got += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-def read_frame(sock: socket.socket) -> bytes:
-    """One frame's payload; :class:`ProtocolError` on a bad magic or a length over the limit,
-    :class:`ConnectionError` when the peer closes the connection."""
-    magic, size = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+def read_frame(sock: socket.socket, limit: int | None = None,
+               deadline: float | None = None) -> bytes:
+    """One frame's payload, at most ``limit`` bytes (default :data:`MAX_FRAME_BYTES`).
+    :class:`ProtocolError` on a bad magic or an announced length over the limit (refused before
+    any allocation), :class:`ConnectionError` when the peer closes the connection,
+    :class:`TimeoutError` when ``deadline`` (``time.monotonic()``) passes."""
+    limit = MAX_FRAME_BYTES if limit is None else limit
+    magic, size = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if magic != MAGIC:
         raise ProtocolError(f"not a site-worker frame: header starts {bytes(magic)!r}, "
                             f"expected {MAGIC!r}")
-    if size > MAX_FRAME_BYTES:
+    if size > limit:
+        name = "MAX_FRAME_BYTES" if limit == MAX_FRAME_BYTES else (
+            "MAX_HEADER_BYTES" if limit == MAX_HEADER_BYTES else "limit")
         raise ProtocolError(f"frame of {size:,} bytes announced, over the site worker's limit "
-                            f"MAX_FRAME_BYTES = {MAX_FRAME_BYTES:,}")
-    return bytes(_recv_exact(sock, size))
+                            f"{name} = {limit:,}")
+    return _recv_exact(sock, size, deadline) if size else b""
 
 
 def write_json(sock: socket.socket, value: dict) -> None:
     write_frame(sock, json.dumps(value).encode())
 
 
-def read_json(sock: socket.socket) -> dict:
-    payload = read_frame(sock)
+def read_json(sock: socket.socket, deadline: float | None = None) -> dict:
+    payload = read_frame(sock, MAX_HEADER_BYTES, deadline)
     try:
         value = json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -189,32 +245,144 @@ def _task_identity() -> dict[str, int | None]:
     return {name: getattr(TaskIdentity, f"_{name}") for name in ("run_id", "node_id", "task_id")}
 
 
-# -- the thin side (a flwr-clientapp process) ----------------------------------------------------
-def _connect(path: str) -> socket.socket:
-    where = f"site-worker socket {path!r} (SuperNode --node-config {NODE_CONFIG_KEY})"
+# -- the socket's folder, the socket, the peer ---------------------------------------------------
+def expected_uid() -> int:
+    """The uid both ends must run as: this process's (the site's user)."""
+    return os.geteuid()
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket, from the
+    kernel (``SO_PEERCRED``), not from anything the peer says."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        raise SiteWorkerError("the site worker checks its peer's uid with SO_PEERCRED, which "
+                              "this platform lacks (Linux only): do not use a site worker here")
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def check_peer(sock: socket.socket, what: str) -> None:
+    """Refuse a peer (``what``: who it should be) whose uid is not :func:`expected_uid`."""
+    pid, uid, _ = peer_credentials(sock)
+    if uid != expected_uid():
+        raise SiteWorkerError(f"{what} runs as uid {uid} (pid {pid}), expected uid "
+                              f"{expected_uid()} (this process's, the site's user): refused")
+
+
+def _where(path: str) -> str:
+    return f"site-worker socket {path!r} (SuperNode --node-config {NODE_CONFIG_KEY})"
+
+
+def _open_folder(path: str, create: bool) -> tuple[int, str]:
+    """``(descriptor of the socket's folder, the socket's name)`` after checking the folder: not
+    a symbolic link (``O_NOFOLLOW``), a folder, owned by :func:`expected_uid`, no access for
+    group or others. ``create``: make a missing folder with mode 0700 (its parent must exist).
+    The caller reaches the socket through the descriptor (:func:`_fd_path`) and closes it."""
+    path = os.path.abspath(path)
+    folder, name = os.path.split(path)
+    uid = expected_uid()
+    fix = f"make it a folder of uid {uid} with mode 0700 (mkdir -m 700)"
+    if not name:
+        raise SiteWorkerError(f"{_where(path)}: not a socket path (it ends with '/')")
+    if create:
+        try:
+            os.mkdir(folder, FOLDER_MODE)
+            logger.info("created the socket folder %s (mode 0700)", folder)
+        except FileExistsError:
+            pass
+        except OSError as err:
+            raise SiteWorkerError(f"{_where(path)}: cannot create its folder {folder}: {err}"
+                                  ) from err
     try:
-        mode = os.stat(path).st_mode
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise SiteWorkerError(f"{where} does not exist: start `fedcompress site-worker "
-                              f"--socket {path}` at this site, or remove the key") from None
+        raise SiteWorkerError(f"{_where(path)}: its folder {folder} does not exist: {fix}"
+                              ) from None
     except OSError as err:
-        raise SiteWorkerError(f"{where} cannot be used: {err}") from err
-    if not stat.S_ISSOCK(mode):
-        raise SiteWorkerError(f"{where} is not a Unix socket")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise SiteWorkerError(
+                f"{_where(path)}: its folder {folder} is a symbolic link or not a folder; "
+                f"refusing to follow it: {fix}") from None
+        raise SiteWorkerError(f"{_where(path)}: cannot open its folder {folder}: {err}"
+                              ) from err
     try:
-        sock.connect(path)
-    except OSError as err:
-        sock.close()
-        raise SiteWorkerError(f"no site worker answers at {where}: {err}") from err
-    return sock
+        info = os.fstat(fd)
+        if info.st_uid != uid:
+            raise SiteWorkerError(f"{_where(path)}: its folder {folder} is owned by uid "
+                                  f"{info.st_uid}, expected uid {uid} (the site's user): {fix}")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise SiteWorkerError(
+                f"{_where(path)}: its folder {folder} has mode "
+                f"{stat.S_IMODE(info.st_mode):04o}, expected 0700 (no access for group or "
+                f"others, who could replace the socket): chmod 700 {folder}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, name
+
+
+def _fd_path(fd: int, name: str, path: str) -> str:
+    """The socket's address through the checked folder's descriptor (Linux ``/proc``), so that
+    the folder cannot be swapped between the check and the use; else ``path``."""
+    if os.path.isdir(f"/proc/self/fd/{fd}"):
+        return f"/proc/self/fd/{fd}/{name}"
+    return os.path.abspath(path)
+
+
+def _check_socket_file(fd: int, name: str, path: str) -> None:
+    """The socket file itself (``lstat``): a Unix socket, not a symbolic link, FIFO or regular
+    file, owned by :func:`expected_uid`. :class:`FileNotFoundError` when it is missing."""
+    info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    if stat.S_ISLNK(info.st_mode):
+        raise SiteWorkerError(f"{_where(path)} is a symbolic link: refusing to follow it "
+                              "(give the socket's real path)")
+    if not stat.S_ISSOCK(info.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a regular file"
+                if stat.S_ISREG(info.st_mode) else "a folder" if stat.S_ISDIR(info.st_mode)
+                else "not a socket")
+        raise SiteWorkerError(f"{_where(path)} is not a Unix socket ({kind})")
+    if info.st_uid != expected_uid():
+        raise SiteWorkerError(f"{_where(path)} is owned by uid {info.st_uid}, expected uid "
+                              f"{expected_uid()} (the site's user)")
+
+
+# -- the thin side (a flwr-clientapp process) ----------------------------------------------------
+def _connect(path: str, timeout: float = IO_TIMEOUT) -> socket.socket:
+    """A connection to the worker at ``path`` after every check: the folder, the socket file,
+    then the worker's uid (``SO_PEERCRED``), before anything is sent."""
+    fd, name = _open_folder(path, create=False)
+    try:
+        try:
+            _check_socket_file(fd, name, path)
+        except FileNotFoundError:
+            raise SiteWorkerError(f"{_where(path)} does not exist: start `fedcompress "
+                                  f"site-worker --socket {path}` at this site, or remove the "
+                                  "key") from None
+        except OSError as err:
+            raise SiteWorkerError(f"{_where(path)} cannot be used: {err}") from err
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(_fd_path(fd, name, path))
+            check_peer(sock, f"the site worker at {path}")
+        except OSError as err:
+            sock.close()
+            raise SiteWorkerError(f"no site worker answers at {_where(path)}: {err}") from err
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    finally:
+        os.close(fd)
 
 
 def exchange(path: str, message: Any, context: Any, root: Path | None = None
              ) -> tuple[Any, Any, dict]:
     """Run ``message`` in the worker at ``path``: ``(reply or None, context after the
     ClientApp, status)``. ``root``: the code the worker must equal (default: this process's,
-    the installed FAB). Raises :class:`SiteWorkerError` on a refusal or a broken exchange."""
+    the installed FAB). Raises :class:`SiteWorkerError` on a refusal or a broken exchange
+    (:func:`_connect`'s checks come first: nothing is sent to a worker that fails them)."""
     root = root or code_root()
     files = code_files(root)
     hello = {"protocol": PROTOCOL, "version": code_version(root), "code_hash": code_hash(files),
@@ -222,16 +390,20 @@ def exchange(path: str, message: Any, context: Any, root: Path | None = None
     with _connect(path) as sock:
         try:
             write_json(sock, hello)
-            answer = read_json(sock)
+            answer = read_json(sock, time.monotonic() + IO_TIMEOUT)
             if not answer.get("ok"):
                 raise SiteWorkerError(f"the site worker at {path} refused the message: "
                                       f"{answer.get('error')}")
             write_frame(sock, message_to_bytes(message))
             write_frame(sock, context_to_bytes(context))
+            sock.settimeout(None)  # the ClientApp may run long (and wait for the lock)
             status = read_json(sock)
             reply_bytes, context_bytes = read_frame(sock), read_frame(sock)
         except ProtocolError as err:
             raise SiteWorkerError(f"the site worker at {path}: {err}") from err
+        except TimeoutError as err:
+            raise SiteWorkerError(f"the site worker at {path} did not answer within "
+                                  f"{IO_TIMEOUT:g} s: {err}") from err
         except OSError as err:  # ConnectionError, BrokenPipeError: the worker went away
             raise SiteWorkerError(
                 f"the site worker at {path} closed the connection mid-message (did it stop or "
@@ -336,10 +508,12 @@ class _Worker:
                     status["handler_seconds"])
         return status, reply_bytes, context_to_bytes(context)
 
-    def handle(self, conn: socket.socket) -> None:
-        """One connection: hello, message, reply."""
+    def handle(self, conn: socket.socket, timeout: float = IO_TIMEOUT) -> None:
+        """One connection: hello, message, reply. The request (hello, Message, Context) must
+        arrive within ``timeout`` seconds; each write may block at most ``timeout``."""
+        deadline = time.monotonic() + timeout
         try:
-            hello = read_json(conn)
+            hello = read_json(conn, deadline)
             refusal = self.check(hello)
             if refusal:
                 logger.warning("refused a message: %s", refusal)
@@ -347,50 +521,70 @@ class _Worker:
                 return
             write_json(conn, {"ok": True, "version": self.version, "code_hash": self.hash,
                               "pid": os.getpid()})
-            message_bytes, context_bytes = read_frame(conn), read_frame(conn)
+            message_bytes = read_frame(conn, MAX_FRAME_BYTES, deadline)
+            context_bytes = read_frame(conn, MAX_FRAME_BYTES, deadline)
             with self.lock:  # one message at a time
                 status, reply, context = self.run(hello, message_bytes, context_bytes)
+            conn.settimeout(timeout)
             write_json(conn, status)
             write_frame(conn, reply)
             write_frame(conn, context)
         except ProtocolError as err:
             logger.warning("refused a connection: %s", err)
-            try:
-                write_json(conn, {"ok": False, "error": str(err)})
-            except OSError:
-                pass
+            _try_refuse(conn, str(err))
+        except TimeoutError as err:
+            logger.warning("dropped a connection that did not deliver its request within "
+                           "%g s (--timeout): %s", timeout, err)
         except OSError as err:
             logger.warning("a ClientApp went away mid-message: %s", err)
 
 
-def _listen(path: str) -> socket.socket:
-    """A listening Unix socket at ``path``, mode 0600 from its creation. A stale socket file
-    (nobody listening) is replaced; a live one or any other file is refused."""
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise SiteWorkerError(f"{path} exists and is not a socket: not replacing it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            logger.info("removing the stale socket file %s", path)
-            os.unlink(path)
-        else:
-            raise SiteWorkerError(f"another site worker listens on {path}")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    umask = os.umask(0o177)
+def _try_refuse(conn: socket.socket, error: str) -> None:
+    """Tell a peer why it is refused, if it still listens (never blocks more than 1 s)."""
     try:
-        sock.bind(path)
-    except OSError as err:
-        sock.close()
-        raise SiteWorkerError(f"cannot create the socket {path}: {err}") from err
+        conn.settimeout(1.0)
+        write_json(conn, {"ok": False, "error": error})
+    except OSError:
+        pass
+
+
+def _listen(path: str, backlog: int = MAX_CONNECTIONS) -> socket.socket:
+    """A listening Unix socket at ``path``, mode 0600 from its creation, in a folder of this
+    uid with mode 0700 (created so when missing; :func:`_open_folder`). A stale socket file of
+    this uid (nobody listening) is replaced; a live one, a symbolic link or any other file is
+    refused."""
+    fd, name = _open_folder(path, create=True)
+    try:
+        address = _fd_path(fd, name, path)
+        try:
+            _check_socket_file(fd, name, path)
+        except FileNotFoundError:
+            pass
+        else:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(address)
+            except OSError:
+                logger.info("removing the stale socket file %s", path)
+                os.unlink(name, dir_fd=fd)
+            else:
+                raise SiteWorkerError(f"another site worker listens on {path}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        umask = os.umask(0o177)
+        try:
+            sock.bind(address)
+        except OSError as err:
+            sock.close()
+            raise SiteWorkerError(f"cannot create the socket {path}: {err}") from err
+        finally:
+            os.umask(umask)
+        os.chmod(name, 0o600, dir_fd=fd)  # bound just now, in our 0700 folder
+        sock.listen(backlog)
+        return sock
     finally:
-        os.umask(umask)
-    os.chmod(path, 0o600)
-    sock.listen(8)
-    return sock
+        os.close(fd)
 
 
 def warm_up() -> float:
@@ -414,20 +608,31 @@ def warm_up() -> float:
     return time.perf_counter() - start
 
 
-def serve(path: str, stop: threading.Event | None = None) -> int:
+def serve(path: str, stop: threading.Event | None = None, *,
+          max_connections: int = MAX_CONNECTIONS, timeout: float = IO_TIMEOUT,
+          warm: bool = True) -> int:
     """Serve ClientApp messages on the Unix socket ``path`` until SIGTERM/SIGINT (or
-    ``stop``): the socket is removed at exit. Returns the process's exit code."""
+    ``stop``): the socket is removed at exit. At most ``max_connections`` connections at once
+    (more are refused at once), each from a process of this uid (``SO_PEERCRED``), each
+    delivering its request within ``timeout`` seconds. ``warm``: import everything a message
+    needs first (:func:`warm_up`). Returns the process's exit code."""
     import signal
 
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
+            or max_connections < 1:
+        raise SiteWorkerError(f"max_connections={max_connections!r}: expected an integer >= 1")
+    if not timeout > 0:
+        raise SiteWorkerError(f"timeout={timeout!r}: expected seconds > 0")
     stop = stop or threading.Event()
     path = os.path.abspath(path)
     worker = _Worker(path)
     logger.info("site worker %d: fedcompress %s, code %s (%s, %d modules)", os.getpid(),
                 worker.version, worker.hash[:16], worker.root, len(worker.files))
-    seconds = warm_up()
-    listener = _listen(path)
+    seconds = warm_up() if warm else 0.0
+    listener = _listen(path, max_connections)
     inode = os.stat(path).st_ino
     listener.settimeout(0.2)
+    slots = threading.BoundedSemaphore(max_connections)
 
     def on_signal(signum: int, _frame: Any) -> None:
         if stop.is_set():  # a second signal: no waiting for the message in flight
@@ -439,8 +644,9 @@ def serve(path: str, stop: threading.Event | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, on_signal)
-    logger.info("site worker ready on %s (mode 0600) after %.1f s of imports; one message at "
-                "a time", path, seconds)
+    logger.info("site worker ready on %s (mode 0600, folder 0700, uid %d) after %.1f s of "
+                "imports; one message at a time, at most %d connections, %g s to deliver a "
+                "request", path, expected_uid(), seconds, max_connections, timeout)
     threads: list[threading.Thread] = []
     try:
         while not stop.is_set():
@@ -449,8 +655,15 @@ def serve(path: str, stop: threading.Event | None = None) -> int:
             except TimeoutError:
                 threads = [t for t in threads if t.is_alive()]
                 continue
-            conn.settimeout(None)
-            thread = threading.Thread(target=_serve_one, args=(worker, conn), daemon=True)
+            if not slots.acquire(blocking=False):
+                logger.warning("refused a connection: %d connections open already "
+                               "(--max-connections)", max_connections)
+                _try_refuse(conn, f"the site worker is busy: {max_connections} connections "
+                            "open already (--max-connections)")
+                conn.close()
+                continue
+            thread = threading.Thread(target=_serve_one, args=(worker, conn, slots, timeout),
+                                      daemon=True)
             thread.start()
             threads.append(thread)
     finally:
@@ -462,9 +675,19 @@ def serve(path: str, stop: threading.Event | None = None) -> int:
     return 0
 
 
-def _serve_one(worker: _Worker, conn: socket.socket) -> None:
-    with conn:
-        worker.handle(conn)
+def _serve_one(worker: _Worker, conn: socket.socket, slots: threading.BoundedSemaphore,
+               timeout: float) -> None:
+    try:
+        with conn:
+            try:
+                check_peer(conn, "a client of the site worker")
+            except SiteWorkerError as err:
+                logger.warning("refused a connection: %s", err)
+                _try_refuse(conn, str(err))
+                return
+            worker.handle(conn, timeout)
+    finally:
+        slots.release()
 
 
 def _remove(path: str, inode: int) -> None:

@@ -31,7 +31,9 @@ import datetime as dt
 import ipaddress
 import logging
 import os
+import secrets
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -61,10 +63,28 @@ def _general_name(name: str) -> x509.GeneralName:
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
+    """Write ``path`` atomically: a new file of a temporary name in the same folder (created
+    with ``O_CREAT | O_EXCL | O_NOFOLLOW``, so never an existing file or a symlink's target),
+    then ``os.replace``. A private key's file is created with mode 0600 (group and others never
+    have any access, at no instant: no chmod after the write); a public file gets 0644."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    if private:
-        path.chmod(0o600)
+    mode = 0o600 if private else 0o644
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 mode)
+    try:
+        os.fchmod(fd, mode)  # the umask only removes bits; this sets exactly these
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -140,10 +160,20 @@ def make_node_keys(keys_dir: Path, name: str) -> tuple[Path, Path]:
 
 def create(out: Path, nodes: int, extra_names: list[str], prefix: str = "supernode",
            first: int = 0) -> dict:
-    """CA, SuperLink certificate (if not there yet) and ``nodes`` SuperNode key pairs."""
-    out.mkdir(parents=True, exist_ok=True)
+    """CA, SuperLink certificate (if not there yet) and ``nodes`` SuperNode key pairs. Every
+    private key file (``ca.key``, ``server.key``, ``keys/supernode-I``) is created mode 0600
+    (:func:`_write`); ``OUT`` and ``OUT/keys`` are created mode 0700."""
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (out / "keys").mkdir(exist_ok=True, mode=0o700)
     names = list(dict.fromkeys([*DEFAULT_NAMES, *extra_names]))
     if (out / "ca.crt").exists() and (out / "ca.key").exists():
+        mode = stat.S_IMODE((out / "ca.key").lstat().st_mode)
+        if (out / "ca.key").is_symlink() or mode & 0o077:
+            raise SystemExit(f"{out / 'ca.key'}: the existing CA key is "
+                             + ("a symbolic link" if (out / "ca.key").is_symlink()
+                                else f"mode {mode:04o}, readable beyond its owner")
+                             + ": not using it (chmod 600 it, or remove ca.crt and ca.key to "
+                             "make a new CA)")
         logger.info("%s: keeping the existing CA", out)
         ca_cert = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
         ca_key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), None)

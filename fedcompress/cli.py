@@ -579,8 +579,15 @@ def models_command(
 def site_worker_command(
     socket: Annotated[Path, typer.Option(
         "--socket", metavar="PATH", help="The Unix socket to serve on (created with mode 0600, "
-        "removed at exit); the SuperNode's --node-config names it: site-worker=\"PATH\".",
+        "removed at exit) in a folder of this user with mode 0700 (created so when missing, "
+        "refused otherwise); the SuperNode's --node-config names it: site-worker=\"PATH\".",
         show_default=False)],
+    max_connections: Annotated[int, typer.Option(
+        "--max-connections", min=1, help="Connections served at once (one message runs, the "
+        "others wait); one more is refused at once.")] = 4,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=0.001, help="Seconds a connection has to deliver its request; a "
+        "stalled one is dropped.")] = 60.0,
     log_level: LogOpt = "INFO",
 ) -> None:
     """A warm site worker: run this site's ClientApp messages in one long-lived process.
@@ -589,13 +596,15 @@ def site_worker_command(
     --node-config 'site-worker="PATH"': each flwr-clientapp process then stays thin (no torch,
     no transformers) and hands its message to this worker, which imported Flower, torch and
     fedcompress once and keeps the model and windows cached. One message at a time; a FAB whose
-    fedcompress version or code differs from this worker's is refused. Stops on SIGTERM or
-    Ctrl-C (the message in flight finishes; a second signal stops at once)."""
+    fedcompress version or code differs from this worker's is refused. The socket's folder must
+    be this user's with mode 0700 and no symbolic link; both ends check the other's uid
+    (SO_PEERCRED, Linux). Stops on SIGTERM or Ctrl-C (the message in flight finishes; a second
+    signal stops at once)."""
     _setup_logging(log_level)
     from clients.site_worker import SiteWorkerError, serve
 
     try:
-        code = serve(str(socket))
+        code = serve(str(socket), max_connections=max_connections, timeout=timeout)
     except SiteWorkerError as err:
         raise ConfigError(str(err)) from err
     raise typer.Exit(code)

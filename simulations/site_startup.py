@@ -341,7 +341,7 @@ class Sites:
         self.workers: dict[int, Path] = {}
 
     def worker_socket(self, i: int) -> Path:
-        return self.dep.root / f"site-{i}" / "worker.sock"
+        return self.dep.root / f"site-{i}" / "worker" / "worker.sock"  # a 0700 folder of its own
 
     def start_workers(self) -> None:
         """One ``fedcompress site-worker`` per site, on the sites' cache (stopped by PID with
@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         message, cache = work / "warmup.bin", work / "bench" / "cache"
         _warmup_message(opts, deploy.CLIENTS, message)
         alone_procs = deploy.Processes(work)
-        worker = work / "alone-worker.sock" if opts.site_worker else None
+        worker = work / "alone-worker" / "worker.sock" if opts.site_worker else None
         try:
             if worker is not None:
                 start_worker(alone_procs, "alone-worker", worker,

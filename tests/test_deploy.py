@@ -648,7 +648,9 @@ def test_compose_file_is_the_tested_deployment(tmp_path):
     for name in sites:
         service = services[name]
         assert service["command"][0] == "flower-supernode"
-        args = _parse_args_run_supernode().parse_args(service["command"][1:])
+        # `${SITEi_WORKER:+site-worker="..."}`: Compose's interpolation (unset here)
+        command = [re.sub(r"\$\{[^}]*\}", "", arg) for arg in service["command"]]
+        args = _parse_args_run_supernode().parse_args(command[1:])
         assert args.superlink == "superlink:8000" and not args.insecure
         assert args.root_certificates == "/certs/ca.crt"
         node_config = parse_config_args([args.node_config])
@@ -659,8 +661,13 @@ def test_compose_file_is_the_tested_deployment(tmp_path):
         seen["keys"].add(key)
         assert (tmp_path / Path(key)).is_file(), key  # ./certs/keys/supernode-I
         default_data = re.fullmatch(r"\$\{SITE\d_DATA:-(.+)\}", mounts["/data"]).group(1)
-        assert (REPO / "docker" / default_data / "train.jsonl").is_file()
+        # each site its own data folder, under docker/data (never in git nor in the image)
+        assert default_data == f"./data/site-{node_config['partition-id']}", default_data
+        seen.setdefault("data", set()).add(default_data)
     assert seen["partitions"] == set(range(CLIENTS)) and len(seen["keys"]) == CLIENTS
+    assert len(seen["data"]) == CLIENTS
+    for ignore in (".gitignore", "docker/Dockerfile.dockerignore"):
+        assert "docker/data" in (REPO / ignore).read_text(), ignore
     for volume in services["superlink"]["volumes"] + services["cli"]["volumes"]:
         _, source = _mount(volume)
         if source.startswith("./certs/"):

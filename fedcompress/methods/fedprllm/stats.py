@@ -195,11 +195,13 @@ def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
 
 
 #: Fractional bits of the fixed-point statistics summed by SecAgg+ (``--secagg-frac-bits``
-#: default): a site's value ``v`` travels as ``round(v * 2^f)`` in a 64-bit lane, so each
+#: default): a site's value ``v`` travels as ``q = round(v * 2^f)`` in a 64-bit lane, so each
 #: site's rounding error is at most ``2^-(f+1)`` (1.5e-8 at f = 25) and a sum of ``n`` sites'
-#: at most ``n 2^-(f+1)``; a value must satisfy ``|v| < 2^(63-f) / n`` (1.7e10 for 16 sites
-#: at f = 25) so that no sum can overflow, else the site refuses to send it.
+#: at most ``n 2^-(f+1)``; a site refuses to send a value unless ``n |q| <= 2^63 - 1``
+#: (:func:`fixed_point_limit`; ``|v|`` below about 1.7e10 for 16 sites at f = 25), so that
+#: neither its own lane nor the sum of all ``n`` sites' lanes can wrap.
 FRAC_BITS = 25
+_INT64_MAX = 2**63 - 1
 
 
 def fixed_point_layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, int]]:
@@ -207,35 +209,70 @@ def fixed_point_layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, int]
     return [(key, int(np.asarray(arrays[key]).size)) for key in sorted(arrays)]
 
 
+def _check_fixed_args(frac_bits: int, n_sites: int) -> None:
+    if isinstance(frac_bits, bool) or not isinstance(frac_bits, (int, np.integer)) \
+            or not 0 <= frac_bits <= 52:
+        raise ValueError(f"frac_bits={frac_bits!r}: expected an integer 0..52")
+    if isinstance(n_sites, bool) or not isinstance(n_sites, (int, np.integer)) or n_sites < 1:
+        raise ValueError(f"n_sites={n_sites!r}: expected an integer >= 1 (the number of sites "
+                         "whose fixed-point vectors are summed)")
+
+
+def fixed_point_limit(n_sites: int) -> int:
+    """The largest magnitude of one site's fixed-point integer ``q`` (a lane): ``n_sites``
+    such lanes sum to at most ``2^63 - 1`` in magnitude, so no sum wraps (negative ones
+    included: the sum stays above ``-2^63``)."""
+    _check_fixed_args(0, n_sites)
+    return _INT64_MAX // int(n_sites)
+
+
 def fixed_point_range(frac_bits: int, n_sites: int) -> float:
-    """The largest magnitude a site's statistic may have (:data:`FRAC_BITS`)."""
-    return float(2.0 ** (63 - frac_bits) / max(n_sites, 1))
+    """The largest magnitude a site's float statistic may have (:data:`FRAC_BITS`), as a float
+    (rounded down): :func:`fixed_point_limit` ``/ 2^frac_bits``, less half a unit of the last
+    place for the rounding to the integer lane. The check itself is exact, on the integers."""
+    _check_fixed_args(frac_bits, n_sites)
+    limit = fixed_point_limit(n_sites)
+    value = float(limit)
+    while int(value) > limit:  # float(limit) may round up
+        value = float(np.nextafter(value, 0.0))
+    return float(np.ldexp(value - 0.5, -frac_bits))
 
 
 def encode_fixed(arrays: Mapping[str, np.ndarray], frac_bits: int, n_sites: int
                  ) -> np.ndarray:
     """One site's statistics (:func:`encode_stats`) as one fixed-point vector for SecAgg+'s
     64-bit lanes: token counts as integers, float values as ``round(v * 2^frac_bits)``, both
-    in two's complement (uint64), in :func:`fixed_point_layout` order. A value beyond
-    :func:`fixed_point_range` is refused (a sum could overflow), never clipped."""
-    if not 0 <= frac_bits <= 52:
-        raise ValueError(f"frac_bits={frac_bits}: expected 0..52")
-    limit = fixed_point_range(frac_bits, n_sites)
+    in two's complement (uint64), in :func:`fixed_point_layout` order. A lane whose magnitude
+    exceeds :func:`fixed_point_limit` (``n_sites`` of them could sum past 64 bits) is refused,
+    never clipped: the check is on the rounded integers, exactly, for the largest positive and
+    the most negative value of each statistic."""
+    _check_fixed_args(frac_bits, n_sites)
+    limit = fixed_point_limit(n_sites)
     parts = []
     for key, _ in fixed_point_layout(arrays):
         value = np.asarray(arrays[key]).reshape(-1)
         if value.dtype.kind in "iu":
-            parts.append(value.astype(np.int64))
-            continue
-        value = value.astype(np.float64)
-        if not np.isfinite(value).all():
-            raise ValueError(f"{key}: not finite")
-        peak = float(np.abs(value).max()) if value.size else 0.0
-        if peak >= limit:
-            raise ValueError(f"{key}: a value of magnitude {peak:.4g} exceeds the fixed-point "
-                             f"range {limit:.4g} of {frac_bits} fractional bits for {n_sites} "
-                             "sites (a sum could overflow 64 bits): lower secagg-frac-bits")
-        parts.append(np.rint(np.ldexp(value, frac_bits)).astype(np.int64))
+            lanes = [int(value.max()), int(value.min())] if value.size else []
+            integer = True
+        elif value.dtype.kind == "f":
+            value = value.astype(np.float64)
+            if not np.isfinite(value).all():
+                raise ValueError(f"{key}: not finite")
+            value = np.rint(np.ldexp(value, frac_bits))  # exact integers in float64
+            lanes = [int(value.max()), int(value.min())] if value.size else []
+            integer = False
+        else:
+            raise ValueError(f"{key}: dtype {value.dtype} is neither integer nor float")
+        for lane in lanes:
+            if abs(lane) > limit:
+                shown = str(lane) if integer else f"{np.ldexp(float(lane), -frac_bits):.6g}"
+                raise ValueError(
+                    f"{key}: a value of {shown} ({lane} in its 64-bit lane) "
+                    f"exceeds the fixed-point range of {frac_bits} fractional bits for "
+                    f"{n_sites} sites: |lane| <= {limit} = (2^63 - 1) // {n_sites}, "
+                    f"|value| <= {fixed_point_range(frac_bits, n_sites):.6g} (a sum could "
+                    "overflow 64 bits): lower secagg-frac-bits")
+        parts.append(value.astype(np.int64))
     return np.concatenate(parts).view(np.uint64) if parts else np.zeros(0, np.uint64)
 
 

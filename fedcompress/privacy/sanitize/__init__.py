@@ -96,18 +96,23 @@ as it was, and why each default is what it is (privacy first):
 Tokenisation
 ------------
 A word is a maximal match of :data:`TOKEN_PATTERN`: a URL (``scheme://...`` or ``www....``,
-up to whitespace, trailing punctuation left out), or letters, digits and ``_`` joined by inner
-``-``, ``'``, ``’``, ``.``, ``:``, ``/``, ``@`` or ``+`` (so ``zk1977@mail.com`` and
-``4417-1234-5678-9113`` are one word each); everything between words (whitespace,
-punctuation) is copied unchanged, so the output keeps the layout of the input. A word is looked
-up lower-cased (GloVe is lower-case; ``lowercase=False`` for cased tables) with ``’`` read as
-``'``. A word not in the table is split, Penn-Treebank style, into stem + clitic (``don't`` ->
-``do`` + ``n't``, ``john's`` -> ``john`` + ``'s``); an identifier (a digit, ``.``, ``:``,
-``/``, ``@`` or ``+`` inside, or a URL) is otherwise kept whole; any other word is split at its
-inner ``-``/``'`` (kept as punctuation: ``lion-xyzzy`` -> ``lion`` - ``xyzzy``), and each piece
-is looked up. Outputs are table words (lower-case for GloVe); a perturbed clitic is written as
-a separate word (``do n't`` -> ``did not``). Only table words matching :data:`WORD_PATTERN`
-are candidates, so a word is never replaced by punctuation or an identifier-shaped string.
+up to whitespace, trailing punctuation left out), or letters, digits, ``_`` and combining marks
+joined by inner ``-``, ``'``, ``’``, ``.``, ``:``, ``/``, ``@`` or ``+`` (so
+``zk1977@mail.com`` and ``4417-1234-5678-9113`` are one word each); everything between words
+(whitespace, punctuation) is copied unchanged, so the output keeps the layout of the input. A
+combining mark (a Devanagari or Thai vowel sign, a virama, a decomposed accent such as U+0301,
+a zero-width joiner) is always part of the word it follows, so it goes through the mechanism
+with that word and is never copied to the output; a mark with no letter before it is a word of
+its own (out of vocabulary). A word is looked up in NFC (a decomposed ``e`` + U+0301 is the
+table's ``é``), lower-cased (GloVe is lower-case; ``lowercase=False`` for cased tables) with
+``’`` read as ``'``. A word not in the table is split, Penn-Treebank style, into stem +
+clitic (``don't`` -> ``do`` + ``n't``, ``john's`` -> ``john`` + ``'s``); an identifier (a
+digit, ``.``, ``:``, ``/``, ``@`` or ``+`` inside, or a URL) is otherwise kept whole; any
+other word is split at its inner ``-``/``'`` (kept as punctuation: ``lion-xyzzy`` ->
+``lion`` - ``xyzzy``), and each piece is looked up. Outputs are table words (lower-case for
+GloVe); a perturbed clitic is written as a separate word (``do n't`` -> ``did not``). Only
+table words matching :data:`WORD_PATTERN` are candidates, so a word is never replaced by
+punctuation or an identifier-shaped string.
 Tokenisation of a stream is decided at whitespace (no word spans whitespace), so the output
 does not depend on how the text is cut into pieces.
 

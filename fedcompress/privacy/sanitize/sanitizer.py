@@ -42,6 +42,7 @@ from fedcompress.privacy.sanitize.text import (
     _decode_stream,
     _encoding_message,
     _Run,
+    word_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -237,8 +238,7 @@ class Sanitizer:
         return report
 
     def _key(self, word: str) -> str:
-        key = word.lower() if self.config.lowercase else word
-        return key.replace("’", "'") if "’" in key else key
+        return word_key(word, self.config.lowercase)
 
     def _split(self, word: str) -> list[tuple[str, bool, bool]]:
         """Pieces of an out-of-table word: (text, is_word, is_clitic). See the module doc:

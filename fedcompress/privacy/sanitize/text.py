@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import codecs
 import re
+import sys
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -19,16 +21,49 @@ if TYPE_CHECKING:
 
 
 
-WORD_PATTERN = r"\w+(?:[-'’]\w+)*"
-"""What a candidate looks like: letters, digits and ``_`` joined by inner ``-``, ``'``, ``’``
-(table words of another shape, such as ``3.5`` or ``google.com``, are inputs, never outputs)."""
+def _mark_class() -> str:
+    """Every combining mark (Unicode categories Mn, Mc, Me: Devanagari and Thai vowel signs,
+    viramas, decomposed accents such as U+0301) plus the zero-width (non-)joiners U+200C/D, as
+    the ranges of a regex character class. Python's ``\\w`` matches none of them, so without
+    this a word's marks would fall between words and be copied to the output unchanged."""
+    ranges: list[tuple[int, int]] = []
+    for code in (*range(0x20000), *range(0xE0000, 0xE1000)):  # no marks elsewhere
+        if unicodedata.category(chr(code)) in ("Mn", "Mc", "Me"):
+            if ranges and ranges[-1][1] == code - 1:
+                ranges[-1] = (ranges[-1][0], code)
+            else:
+                ranges.append((code, code))
+    ranges += [(0x200C, 0x200D)]
+    return "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in ranges)
+
+
+assert sys.maxunicode == 0x10FFFF
+MARKS = _mark_class()
+_W = rf"[\w{MARKS}]"  # a word character: \w or a combining mark (a mark is never a separator)
+
+WORD_PATTERN = rf"{_W}+(?:[-'’]{_W}+)*"
+"""What a candidate looks like: letters, digits, ``_`` and combining marks joined by inner
+``-``, ``'``, ``’`` (table words of another shape, such as ``3.5`` or ``google.com``, are
+inputs, never outputs)."""
 
 _URL_PATTERN = (r"(?:[A-Za-z][A-Za-z0-9+.-]*://|www\.)"
                 r"[^\s<>\"'`()\[\]{}]*[^\s<>\"'`()\[\]{}.,;:!?]")
-TOKEN_PATTERN = _URL_PATTERN + r"|\w+(?:[-'’.:/@+]\w+)*"
-"""What counts as a word of the input: a URL, or letters, digits and ``_`` joined by inner
-``-``, ``'``, ``’``, ``.``, ``:``, ``/``, ``@`` or ``+`` (everything else is copied unchanged).
-No word contains whitespace."""
+TOKEN_PATTERN = _URL_PATTERN + rf"|{_W}+(?:[-'’.:/@+]{_W}+)*"
+"""What counts as a word of the input: a URL, or letters, digits, ``_`` and combining marks
+joined by inner ``-``, ``'``, ``’``, ``.``, ``:``, ``/``, ``@`` or ``+`` (everything else is
+copied unchanged). A combining mark is always part of a word, with the letters it modifies (a
+mark with no letter before it is a word of its own, out of vocabulary), so it is drawn by the
+mechanism with its word and never copied through; a word is looked up in its NFC form
+(:func:`word_key`), so a decomposed ``e`` + U+0301 is the table's ``é``. No word contains
+whitespace."""
+
+
+def word_key(word: str, lowercase: bool) -> str:
+    """A word's table key: NFC (composed accents), lower-cased if asked, ``’`` as ``'``."""
+    key = unicodedata.normalize("NFC", word)
+    if lowercase:
+        key = key.lower()
+    return key.replace("’", "'") if "’" in key else key
 
 CHUNK_WORDS = 8192
 """Words sanitised per vectorised step (bounds the memory of a long text)."""
@@ -92,9 +127,7 @@ class _Run:
         parts = self.parts
         parts.append(buf[pos:match.start()])
         word = match.group()
-        key = word.lower() if self.cfg.lowercase else word
-        if "’" in key:
-            key = key.replace("’", "'")
+        key = word_key(word, self.cfg.lowercase)
         if key in self.stop:
             self._add(word, -1, _STOP, False)
         elif (row := self.index.get(key)) is not None:
