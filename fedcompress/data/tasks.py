@@ -219,7 +219,8 @@ def validate_examples(
     source: str | Path | None = None,
     lines: Sequence[int] | None = None,
 ) -> list[TaskExample]:
-    """Check the records of one task split and return their four fields as :class:`TaskExample`s.
+    """Check the records of one task split and return their four fields as
+    :class:`TaskExample` objects.
 
     This is the one validator of task records: :func:`load_task` runs it on files, and
     :func:`fedcompress.eval.zero_shot` on in-memory records. Extra fields are allowed (and

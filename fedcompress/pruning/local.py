@@ -33,9 +33,9 @@ WHOLE_MODEL_METHODS = ("magnitude", "gradient")
 class PruneConfig:
     """A local pruning recipe.
 
-    ``method``: ``magnitude`` (|W|), ``wanda`` (|W| * ||X_j||), ``sparsegpt`` (OBS with weight
-    update) or ``gradient`` (first-order Taylor |W * dL/dW|, the gradient of the mean token loss
-    of the windows through the DENSE model, :func:`weight_gradients`).
+    ``method``: ``magnitude`` (``|W|``), ``wanda`` (``|W| * ||X_j||``), ``sparsegpt`` (OBS with
+    weight update) or ``gradient`` (first-order Taylor ``|W * dL/dW|``, the gradient of the mean
+    token loss of the windows through the DENSE model, :func:`weight_gradients`).
     ``group`` is the *local* comparison group (``layer``/``row``/``column``); ``nm`` an N:M
     pattern like ``"2:4"`` (then ``sparsity`` is implied: N/M). ``layer_sparsity`` is a
     per-layer / per-linear plan (:meth:`~fedcompress.pruning.allocation.SparsityPlan.to_text`;

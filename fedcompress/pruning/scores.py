@@ -25,7 +25,7 @@ SPARSEGPT_MAX_DAMP_RETRIES = 6
 
 
 def magnitude_scores(weight: torch.Tensor) -> torch.Tensor:
-    """|W|."""
+    """``|W|``."""
     return weight.detach().to(CALC_DTYPE).abs()
 
 

@@ -16,7 +16,7 @@ indistinguishable, and a document's ``n`` perturbed words together cost ``n * ep
 :class:`SanitizeReport` gives ``eps`` per word and that total.
 
 Utility (bounded, so the sensitivity is true)
---------------------------------------------
+---------------------------------------------
 ``s(x, y)`` is a base similarity of the word vectors ``e_x, e_y`` (float32):
 ``-||e_x - e_y||_2`` (:attr:`Utility.EUCLIDEAN`, the default, as SanText and CusText) or the
 cosine similarity (:attr:`Utility.COSINE`). For each input ``x`` it is min-max normalised over
