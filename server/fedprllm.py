@@ -127,7 +127,8 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
             "client_seconds_mean": sum(client_seconds) / max(len(client_seconds), 1)}
     secagg = getattr(strategy, "secagg", None)
     if secagg:  # every stage's bytes, not only the masked votes
-        stages = [secagg[k] for k in ("keys", "share", "masked", "unmask") if k in secagg]
+        stages = [secagg[k] for k in ("keys", "share", "masked", "confirm", "unmask")
+                  if k in secagg]
         sites = max(int(secagg["sum"]["sites"]), 1)
         comm["bytes_up_per_client"] = sum(int(st["bytes_up"]) for st in stages) // sites
         comm["bytes_down_per_client"] = sum(int(st["bytes_down"]) for st in stages) // sites

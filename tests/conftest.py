@@ -187,7 +187,8 @@ class InProcessFederation:
 
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
         self.contexts = {100 + i: Context(run_id=1, node_id=100 + i,
-                                          node_config={"partition-id": i, "num-partitions": n},
+                                          node_config={"partition-id": i, "num-partitions": n,
+                                                       "site-mode": "simulation"},
                                           state=RecordDict(), run_config={}, series_id=0)
                          for i in range(n)}
 

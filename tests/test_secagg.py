@@ -1,5 +1,7 @@
-"""SecAgg+ of vote counts: lanes, the four stages in process, dropouts within and beyond the
-threshold, a server that cheats, and exact equality with the plain vote on real masks."""
+"""SecAgg+ of vote counts: lanes, the stages in process (unauthenticated, as in simulation, and
+authenticated with the consistency round), dropouts at every stage within and beyond the
+threshold, a server that cheats, and exact equality with the plain vote on real masks. The
+malicious server's attacks are in ``tests/adversarial/test_secagg_attacks.py``."""
 
 from __future__ import annotations
 
@@ -32,21 +34,22 @@ def test_lanes_round_trip_and_sum_without_carries():
         pack_lanes(np.array([16]), 4)
 
 
-def _run(n=5, t=3, numel=777, drop_before_mask=(), drop_before_unmask=(), seed=0):
+def _run(n=5, t=3, numel=777, drop_before_share=(), drop_before_mask=(),
+         drop_before_unmask=(), seed=0):
     rng = np.random.default_rng(seed)
     nodes = tuple(int(x) for x in rng.choice(10**6, n, replace=False))
     config = SecAggConfig(nodes, t, numel)
     sites = {node: SecAggSite(node, config) for node in nodes}
     server = SecAggServer(config)
     server.public = {node: site.advertise() for node, site in sites.items()}
-    shares = {node: site.share(server.public) for node, site in sites.items()}
+    shares = {node: site.share(server.public) for node, site in sites.items()
+              if node not in drop_before_share}
     inbox = server.relay(shares)
     votes = {node: rng.integers(0, 2, numel) for node in nodes}
     masked = {node: sites[node].masked(votes[node], inbox.get(node, {}))
-              for node in nodes if node not in drop_before_mask}
+              for node in shares if node not in drop_before_mask}
     survivors = sorted(masked)
-    dropped = [n for n in nodes if n not in masked]
-    unmask = {node: sites[node].unmask(survivors, dropped) for node in survivors
+    unmask = {node: sites[node].unmask(survivors) for node in survivors
               if node not in drop_before_unmask}
     counts = server.aggregate(masked, unmask)
     return counts, sum(votes[n] for n in survivors), masked, votes
@@ -61,14 +64,21 @@ def test_the_server_recovers_exactly_the_sum():
 
 
 def test_dropouts_within_the_threshold_keep_the_sum_exact():
-    _, _, _, _ = _run()
-    nodes_run = _run(n=6, t=3, seed=1)
-    nodes = sorted(nodes_run[2])
-    counts, expected, _, _ = _run(n=6, t=3, seed=1, drop_before_mask=nodes[:2])
+    nodes = sorted(_run(n=6, t=4, seed=1)[2])
+    counts, expected, _, _ = _run(n=6, t=4, seed=1, drop_before_mask=nodes[:2])
     assert np.array_equal(counts, expected)  # two sites lost before masking: their pairs undone
-    counts, expected, _, _ = _run(n=6, t=3, seed=1, drop_before_mask=nodes[:1],
-                                  drop_before_unmask=nodes[1:3])
+    seven = sorted(_run(n=7, t=4, seed=1)[2])
+    counts, expected, _, _ = _run(n=7, t=4, seed=1, drop_before_mask=seven[:1],
+                                  drop_before_unmask=seven[1:3])
     assert np.array_equal(counts, expected)  # and two more silent at the last stage
+    # lost between their keys and their shares: not in U2, nobody masks with them
+    counts, expected, masked, _ = _run(n=6, t=4, seed=1, drop_before_share=nodes[:2])
+    assert np.array_equal(counts, expected) and sorted(masked) == nodes[2:]
+    # one at each stage
+    counts, expected, masked, _ = _run(n=7, t=4, seed=1, drop_before_share=seven[:1],
+                                       drop_before_mask=seven[1:2],
+                                       drop_before_unmask=seven[2:3])
+    assert np.array_equal(counts, expected) and sorted(masked) == seven[2:]
 
 
 def test_too_many_dropouts_fail_clearly():
@@ -77,26 +87,37 @@ def test_too_many_dropouts_fail_clearly():
         _run(n=5, t=3, seed=2, drop_before_mask=nodes[:3])  # the sites refuse to unmask
     with pytest.raises(SecAggError, match="shares of node .*below the threshold 3"):
         _run(n=5, t=3, seed=2, drop_before_unmask=nodes[:3])
+    with pytest.raises(SecAggError, match=r"shares of 2 sites \(U2.*below the threshold 3"):
+        _run(n=5, t=3, seed=2, drop_before_share=nodes[:3])
 
 
-def test_sites_refuse_a_cheating_server():
+def _three():
     config = SecAggConfig((1, 2, 3), 2, 10)
     sites = {n: SecAggSite(n, config) for n in (1, 2, 3)}
     public = {n: s.advertise() for n, s in sites.items()}
-    with pytest.raises(SecAggError, match="another public key for this site"):
+    return config, sites, public
+
+
+def test_sites_refuse_a_cheating_server():
+    config, sites, public = _three()
+    with pytest.raises(SecAggError, match="another advertisement for this site"):
         sites[1].share({**public, 1: public[2]})
+    with pytest.raises(SecAggError, match="aborted"):  # a refused stage ends the vote
+        sites[1].share(public)
+    config, sites, public = _three()
     shares = {n: s.share(public) for n, s in sites.items()}
     inbox = SecAggServer(config).relay(shares)
-    with pytest.raises(SecAggError, match="unmask before"):
-        sites[1].unmask([1, 2], [3])
+    with pytest.raises(SecAggError, match="out of order"):
+        sites[1].unmask([1, 2])
     # a share addressed to another site, relayed to site 1
     with pytest.raises(SecAggError, match="do not decrypt|relayed wrongly"):
         sites[1].masked(np.zeros(10, int), {2: inbox[3][2]})
-    sites[1].masked(np.zeros(10, int), inbox[1])
-    with pytest.raises(SecAggError, match="named both survivor and dropped"):
-        sites[1].unmask([1, 2], [2])
+    sites[2].masked(np.zeros(10, int), inbox[2])
+    with pytest.raises(SecAggError, match="a site named twice"):
+        sites[2].unmask([1, 2, 2])
+    sites[3].masked(np.zeros(10, int), inbox[3])
     with pytest.raises(SecAggError, match="expected at least the threshold"):
-        sites[1].unmask([1], [2, 3])
+        sites[3].unmask([3])
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -139,7 +160,7 @@ def test_secure_counts_equal_the_plain_vote_bit_for_bit(tiny_dir):
     server = SecAggServer(config, {s.node: s.advertise() for s in sites})
     inbox = server.relay({s.node: s.share(server.public) for s in sites})
     masked = {s.node: s.masked(v.astype(np.int64), inbox[s.node]) for s, v in zip(sites, flat)}
-    counts = server.aggregate(masked, {s.node: s.unmask(config.nodes, []) for s in sites})
+    counts = server.aggregate(masked, {s.node: s.unmask(config.nodes) for s in sites})
     expected = torch.cat([plain.counts()[k].reshape(-1) for k in sorted(plain.shapes)])
     assert np.array_equal(counts, expected.numpy().astype(np.int64))
     assert config.upload_bytes == 8 * -(-flat[0].size // (64 // 3))
@@ -155,7 +176,7 @@ def test_a_site_resumes_from_its_stored_state():
     votes = {n: np.arange(50) % 2 for n in sites}
     masked = {n: s.masked(votes[n], inbox[n]) for n, s in sites.items()}
     sites = {n: SecAggSite.from_state(s.to_state()) for n, s in sites.items()}
-    counts = server.aggregate(masked, {n: s.unmask([1, 2, 3], []) for n, s in sites.items()})
+    counts = server.aggregate(masked, {n: s.unmask([1, 2, 3]) for n, s in sites.items()})
     assert np.array_equal(counts, 3 * (np.arange(50) % 2))
     with pytest.raises(SecAggError, match="stored SecAgg state unusable"):
         SecAggSite.from_state({"node": 1})
@@ -275,10 +296,17 @@ def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):
     spec.loader.exec_module(module)
     module.main(["--model", tiny_dir, "--clients", "4", "--windows", "2", "--seqlen", "16",
                  "--drop", "1", "--batch-size", "2", "--out", str(tmp_path)])
-    report = json.loads((tmp_path / "results.json").read_text())
-    assert all(r["identical_to_plain"] for r in report["secure"].values())
-    assert report["secure"]["secagg, 1 dropped"]["survivors"] == 3
-    assert "x packed" in (tmp_path / "report.md").read_text()
+    report = json.loads((tmp_path / "report.json").read_text())
+    secure = report["secure"]
+    assert all(r["identical_to_plain"] for r in secure.values())
+    assert secure["secagg, authenticated + consistency, 1 dropped"]["survivors"] == 3
+    auth, plain = secure["secagg, authenticated + consistency"], secure["secagg, unauthenticated"]
+    assert auth["authenticated"] and not plain["authenticated"]
+    assert auth["stages"]["confirm"]["bytes_up"] > 0 == plain["stages"]["confirm"]["bytes_up"]
+    assert auth["stages"]["keys"]["bytes_up"] > plain["stages"]["keys"]["bytes_up"]  # signed
+    text = (tmp_path / "report.md").read_text()
+    assert "x packed" in text and "| confirm |" in text
+    assert "python simulations/secagg_cost.py --model" in report["command_line"]
 
 
 def test_a_site_failing_at_its_masked_votes_is_a_dropout(tiny_dir):
