@@ -183,9 +183,31 @@ def test_a_site_resumes_from_its_stored_state():
 
 
 # -- through the ClientApp and the strategy (in process; and the Simulation Engine) ------------
-def _flower(tiny_dir, drop: dict | None = None, **kw):
+def site_keys(folder, n: int) -> list[dict]:
+    """``n`` sites' SecAgg node config: node-auth style P-384 keys (OpenSSH) and the folder of
+    their public keys, as a deployed site (site-mode deployment) has them."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    peers = folder / "peers"
+    peers.mkdir(parents=True)
+    configs = []
+    for i in range(n):
+        key = ec.generate_private_key(ec.SECP384R1())
+        (folder / f"site-{i}").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption()))
+        (peers / f"site-{i}.pub").write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+        configs.append({"site-mode": "deployment", "secagg-key": str(folder / f"site-{i}"),
+                        "secagg-peers": str(peers)})
+    return configs
+
+
+def _flower(tiny_dir, drop: dict | None = None, keys: list[dict] | None = None, **kw):
     """The secure and the plain strategy over the same in-process federation; ``drop`` maps an
-    action to the partitions whose reply to it is lost."""
+    action to the partitions whose reply to it is lost; ``keys``: each site's SecAgg node
+    config (authenticated sites; default: unauthenticated simulated sites)."""
     from conftest import InProcessFederation
     from flwr.app import ArrayRecord, ConfigRecord
 
@@ -196,6 +218,11 @@ def _flower(tiny_dir, drop: dict | None = None, **kw):
     class Federation(InProcessFederation):
         app = "clients.app"
         errors_as_replies = True
+
+        def __init__(self, n):
+            super().__init__(n)
+            for i, extra in enumerate(keys or []):
+                self.contexts[100 + i].node_config.update(extra)
 
         def send_and_receive(self, messages, timeout=None):
             lost = {100 + p for p in (drop or {}).get(messages[0].metadata.message_type, ())}
@@ -227,6 +254,36 @@ def test_secure_vote_through_flower_equals_the_plain_vote(tiny_dir):
     assert stats["sum"]["threshold"] == 4 and stats["sum"]["dropped"] == 0
     # 5 sites: 3-bit lanes, 21 weights per word
     assert stats["sum"]["bits_per_weight_up"] == pytest.approx(64 / 21)
+
+
+def test_authenticated_secure_vote_through_flower_runs_the_consistency_round(tiny_dir,
+                                                                            tmp_path):
+    """Deployed sites (site-mode deployment, keys in their node config): signed keys and the
+    consistency round, the same counts as the plain vote; a site lost at the confirm stage
+    still counts (4 of 5 signatures >= t); one lost between its keys and its shares is out."""
+    keys = site_keys(tmp_path, 5)
+    secure, plain = _flower(tiny_dir, keys=keys)
+    for key, counts in plain.aggregator.counts().items():
+        assert torch.equal(secure.aggregator.counts()[key], counts)
+    stats = secure.secagg
+    assert set(stats) == {"keys", "share", "masked", "confirm", "unmask", "sum"}
+    assert stats["sum"]["authenticated"] and stats["sum"]["consistency_round"]
+    secure, plain = _flower(tiny_dir, {"query.secagg_confirm": [2]}, keys=keys, min_clients=3)
+    assert secure.aggregator.clients == 5
+    for key, counts in plain.aggregator.counts().items():
+        assert torch.equal(secure.aggregator.counts()[key], counts)
+    secure, plain = _flower(tiny_dir, {"query.secagg_share": [1], "train.secagg_masks": [1]},
+                            keys=keys, min_clients=3)
+    assert secure.aggregator.clients == 4 and secure.secagg["sum"]["dropped"] == 1
+    for key, counts in plain.aggregator.counts().items():
+        assert torch.equal(secure.aggregator.counts()[key], counts)
+
+
+def test_deployed_sites_without_keys_refuse_the_secure_vote(tiny_dir):
+    from strategies.fedprllm import NotEnoughClientsError
+
+    with pytest.raises(NotEnoughClientsError, match="SecAgg keys"):
+        _flower(tiny_dir, keys=[{"site-mode": "deployment"}] * 5)
 
 
 def test_secure_vote_survives_dropouts_within_the_threshold(tiny_dir):
