@@ -539,3 +539,33 @@ def test_packing_is_what_was_summed():
     """Sanity of the helpers the attacks use."""
     x = np.arange(NUMEL) % 2
     assert np.array_equal(unpack_lanes(pack_lanes(x, 3), 3, NUMEL), x)
+
+
+# -- 8. attacks of our own -------------------------------------------------------------------
+def test_different_vote_parameters_per_site_are_refused():
+    """The server tells sites different thresholds (or sizes) in one round, hoping one of them
+    accepts a weaker vote with the others' keys: the vote id differs, so no signature
+    verifies across the two."""
+    identities = {i: ec.generate_private_key(CURVE) for i in range(5)}
+    strong = Federation(n=5, t=4, identities=identities)
+    weak = Federation(n=5, t=3, identities=identities)
+    mixed = {**weak.public, 1: strong.public[1]}
+    with pytest.raises(SecAggError, match="node 1's signature .* does not verify"):
+        weak.sites[0].share(mixed)
+
+
+def test_a_shrunken_u2_does_not_isolate_a_site():
+    """The server forwards to the victim only the shares of two sites (its U2 = {v, 1, 2}),
+    then names 1 and 2 dropped so that the others reveal their mask keys: with the victim's
+    seed that would unmask it. The victim refuses to confirm a survivor set outside its U2, and
+    the others alone are too few to sign it."""
+    fed = Federation(n=5, t=3).share()
+    fed.inbox[0] = {j: fed.inbox[0][j] for j in (1, 2)}
+    fed.mask()
+    survivors = [0, 3, 4]
+    with pytest.raises(SecAggError, match=r"names sites \[3, 4\] whose shares never reached"):
+        fed.sites[0].confirm(survivors)
+    signatures = {i: fed.sites[i].confirm(survivors) for i in (3, 4)}
+    with pytest.raises(SecAggError, match="2 survivors signed the survivor set, below the "
+                                          "threshold 3"):
+        fed.sites[3].unmask(survivors, signatures)
