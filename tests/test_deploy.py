@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -199,6 +200,12 @@ class Deployment:
         self.address = f"127.0.0.1:{self.port}"
         # Key pairs 0-2 for the SuperNodes, 3 never registered.
         self.made = _make_certs().create(self.root / "certs", CLIENTS + 1, [])
+        # SecAgg+ between the registered sites: their node-auth keys sign their SecAgg keys,
+        # and each site holds the federation's public keys (the registered ones only)
+        self.peers = self.root / "certs" / "secagg-peers"
+        self.peers.mkdir()
+        for _, public in self.made["node_keys"][:CLIENTS]:
+            shutil.copy(public, self.peers / public.name)
         self.cli_env = self.env("cli")
         (self.root / "cli" / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
@@ -275,7 +282,9 @@ class Deployment:
         ], self.env(name or f"supernode-{i}"))
 
     def node_config(self, i: int) -> dict:
-        return {"partition-id": i, "num-partitions": CLIENTS, "data-path": str(self.sites[i])}
+        return {"partition-id": i, "num-partitions": CLIENTS, "data-path": str(self.sites[i]),
+                "secagg-key": str(self.made["node_keys"][i][0]),
+                "secagg-peers": str(self.peers)}
 
     def start_sites(self) -> None:
         for i in range(CLIENTS):
@@ -459,8 +468,10 @@ def test_deployed_personalize_equals_in_process(deployments, tiny_model_dir, tmp
 
 def test_deployed_secure_vote_equals_in_process_vote(deployments, tiny_model_dir):
     """SecAgg+ on the deployment: every stage of a site may run in a new ClientApp process
-    (its keys and shares kept in the SuperNode's state between them); the model pruned from
-    the secure sum equals the in-process plain vote."""
+    (its keys and shares kept in the SuperNode's state between them); the sites sign their
+    SecAgg keys with their node-auth keys (node config secagg-key, secagg-peers) and run the
+    consistency round; the model pruned from the secure sum equals the in-process plain
+    vote."""
     from fedcompress.models import load_model
 
     dep = deployments["full"]
@@ -472,8 +483,9 @@ def test_deployed_secure_vote_equals_in_process_vote(deployments, tiny_model_dir
     report = json.loads((out / "report.json").read_text())
     assert report["rejected"] == [], report["rejected"]
     fed = report["results"][0]
-    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 4
+    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 5  # with the consistency round
     assert report["secagg"]["sum"]["dropped"] == 0
+    assert report["secagg"]["sum"]["authenticated"]  # keys signed with the node-auth keys
     reference = _reference_model(tiny_model_dir, {**settings, "secagg": False},
                                  [dep.node_config(i) for i in range(CLIENTS)])
     saved = load_model(str(out / "model"), device="cpu").model
