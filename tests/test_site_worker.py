@@ -319,19 +319,36 @@ def test_thin_process_imports_no_torch_and_gets_the_fat_paths_masks(worker, tiny
 def test_context_state_round_trips_through_the_worker(worker, tiny_dir, tmp_path,
                                                       fedcompress_cache):
     """A SecAgg+ vote keeps each site's keys and shares in its Context's state between its
-    messages: through the worker the pruned model equals the fat path's."""
+    messages: through the worker the pruned model equals the fat path's. The sites are
+    deployed ones (site-mode deployment): authenticated by their P-384 keys (node config
+    secagg-key, secagg-peers), with the consistency round."""
     from conftest import InProcessFederation
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
 
     from fedcompress.models import load_model
     from server.fedprllm import run
+
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    for i in range(3):
+        key = ec.generate_private_key(ec.SECP384R1())
+        (tmp_path / f"site-{i}").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption()))
+        (peers / f"site-{i}.pub").write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
 
     class Federation(InProcessFederation):
         app = "clients.app"
 
         def __init__(self, n: int, path: str | None):
             super().__init__(n)
-            if path:
-                for context in self.contexts.values():
+            for i, context in enumerate(self.contexts.values()):
+                context.node_config.update({"site-mode": "deployment", "models": tiny_dir,
+                                            "secagg-key": str(tmp_path / f"site-{i}"),
+                                            "secagg-peers": str(peers)})
+                if path:
                     context.node_config["site-worker"] = path
 
     models = {}
@@ -345,7 +362,9 @@ def test_context_state_round_trips_through_the_worker(worker, tiny_dir, tmp_path
         assert report["results"][0]["valid_clients"] == 3
         models[name] = load_model(str(out / "model"), device="cpu").model.state_dict()
     assert all(torch.equal(models["worker"][k], models["fat"][k]) for k in models["fat"])
+    assert report["secagg"]["sum"]["authenticated"], report["secagg"]
     assert "train.secagg_masks" in worker.log()  # the secure vote went through the worker
+    assert "query.secagg_confirm" in worker.log()
 
 
 def test_worker_dying_mid_message_is_a_clear_error(tiny_dir, tmp_path):
