@@ -347,7 +347,7 @@ def in_simulation_engine() -> bool:
         return False
     try:
         worker = ray._private.worker.global_worker
-        if worker.mode != ray.WORKER_MODE:
+        if worker.mode != ray._private.worker.WORKER_MODE:
             return False
         return not worker.actor_id.is_nil()
     except Exception:  # noqa: BLE001 - another Ray layout: not recognised, so not simulated
