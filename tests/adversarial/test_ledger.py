@@ -112,3 +112,32 @@ def test_ledger_file_is_private(tmp_path):
     Ledger(tmp_path / "state", 32.0).not_dp("1", "fedprllm", "train.masks")
     assert (tmp_path / "state" / "ledger.json").stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
+
+
+def test_fedcompress_ledger_prints_a_sites_ledger(tmp_path, monkeypatch, capsys):
+    from typer.testing import CliRunner
+
+    from fedcompress.cli import app, main
+
+    ledger = Ledger(tmp_path, 32.0)
+    ledger.dp_sgd("7", "privytune", "train.dplora", mechanism(), STEPS)
+    ledger.not_dp("8", "fedprllm", "train.masks")
+    ledger.text("9", "ppcgpt", "query.perturb", 3.0, 8.0)
+    result = CliRunner().invoke(app, ["ledger", "--state-dir", str(tmp_path)],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for text in ("privytune", "fedprllm", "ppcgpt", "none (not DP)", "1 dp-sgd",
+                 "lifetime epsilon spent", "of 32"):
+        assert text in result.output, result.output
+    as_json = CliRunner().invoke(app, ["ledger", "--state-dir", str(tmp_path), "--json"])
+    assert json.loads(as_json.output)["runs"]["9"]["epsilon"] == 3.0
+    (tmp_path / "ledger.json").write_text("{broken")
+    monkeypatch.setattr(sys, "argv", ["fedcompress", "ledger", "--state-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2 and "cannot be read" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["fedcompress", "ledger", "--state-dir",
+                                      str(tmp_path / "none")])
+    with pytest.raises(SystemExit):
+        main()
+    assert "no ledger.json there" in capsys.readouterr().err
