@@ -281,10 +281,17 @@ class Deployment:
             "--port", str(_free_port()),  # its Runtime API (for its SuperExec), on loopback
         ], self.env(name or f"supernode-{i}"))
 
+    #: the sites' policy keys in their node config (models, corpora, ...; none: the defaults)
+    policy: dict = {}
+
     def node_config(self, i: int) -> dict:
-        return {"partition-id": i, "num-partitions": CLIENTS, "data-path": str(self.sites[i]),
-                "secagg-key": str(self.made["node_keys"][i][0]),
-                "secagg-peers": str(self.peers)}
+        """Site ``i``'s node config: its partition, its data, its own state folder (ledger),
+        its SecAgg+ identity (its node-auth key) and peers, the models its policy accepts."""
+        config = {"partition-id": i, "num-partitions": CLIENTS, "data-path": str(self.sites[i]),
+                  "state-dir": str(self.root / f"site-{i}" / "state"),
+                  "secagg-key": str(self.made["node_keys"][i][0]),
+                  "secagg-peers": str(self.peers)}
+        return {**config, **self.policy}
 
     def start_sites(self) -> None:
         for i in range(CLIENTS):
@@ -359,6 +366,15 @@ def deployments(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("deploy")
     procs = Processes(root)
     deps = {name: Deployment(name, root, procs) for name in ("full", "missing")}
+    from conftest import build_tiny_task
+
+    # The sites' policy accepts the tiny model and task, and (research flag: the tests compare
+    # a deployed run with the in-process one) draws its secrets from the server's seeds.
+    task = build_tiny_task(root / "task")
+    for dep in deps.values():
+        dep.task = task
+        dep.policy = {"models": str(tiny_model_dir), "corpora": f"wiki,strategyqa,{task}",
+                      "research-reproducible-secrets": True}
     # Every site's data: the first documents of the bundled wiki train split (small: each
     # ClientApp process tokenizes it), a private copy per site.
     documents = WIKI.read_text().splitlines(keepends=True)[:20]
@@ -423,7 +439,6 @@ def test_deployed_privytune_equals_in_process(deployments, tiny_model_dir, tmp_p
     """PrunePrivyTune on the same deployment (TLS, registered sites): each site's cosine matrix,
     DP-LoRA rounds under its own accountant, the audit; equal to the in-process pipeline."""
     from conftest import (
-        build_tiny_task,
         privytune_in_process,
         privytune_tiny_settings,
         same_privytune_result,
@@ -431,8 +446,7 @@ def test_deployed_privytune_equals_in_process(deployments, tiny_model_dir, tmp_p
 
     dep = deployments["full"]
     dep.result.result()  # one run at a time on this SuperLink
-    task = build_tiny_task(tmp_path / "task")
-    settings = privytune_tiny_settings(tiny_model_dir, task, dep.root / "privytune",
+    settings = privytune_tiny_settings(tiny_model_dir, dep.task, dep.root / "privytune",
                                        clients=CLIENTS)
     run, log = dep.run(settings, method="privytune")
     assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"

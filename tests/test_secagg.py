@@ -221,8 +221,8 @@ def _flower(tiny_dir, drop: dict | None = None, keys: list[dict] | None = None, 
 
         def __init__(self, n):
             super().__init__(n)
-            for i, extra in enumerate(keys or []):
-                self.contexts[100 + i].node_config.update(extra)
+            for i, extra in enumerate(keys or []):  # deployed sites accept the tiny model
+                self.contexts[100 + i].node_config.update({**extra, "models": tiny_dir})
 
         def send_and_receive(self, messages, timeout=None):
             lost = {100 + p for p in (drop or {}).get(messages[0].metadata.message_type, ())}

@@ -397,6 +397,7 @@ def test_deployed_site_with_a_worker_prunes_as_the_fat_path(tmp_path_factory, ti
     root = tmp_path_factory.mktemp("deploy-worker")
     procs = td.Processes(root)
     dep = td.Deployment("w", root, procs)
+    dep.policy = {"models": str(tiny_dir)}  # the sites' policy accepts the tiny model
     documents = td.WIKI.read_text().splitlines(keepends=True)[:20]
     for site in dep.sites:
         site.parent.mkdir()

@@ -44,10 +44,14 @@ key                             default   meaning
   plays the SuperNodes itself).
 
 ``site-mode="deployment"`` forces False even inside Ray (a site operator who runs its own
-ClientApp on Ray). Simulation relaxes only what is simulated: the fault and attack switches
-are honoured, and without ``state-dir`` the ledger lives in a temporary folder of the
-simulation (the Ray session's folder; else one per process, removed at exit), so simulations
-and tests do not accumulate budget.
+ClientApp on Ray). In simulation the server runs the sites (a Simulation Engine gives its
+virtual sites no node config of their own), so there is nobody to hold a bound against: the
+fault and attack switches are honoured, and the bounds the server chooses (max-epsilon,
+allow-no-dp, max-delta, models, corpora, a known seed) are not enforced; every reply says so
+(:attr:`SitePolicy.enforcement`). The ledger still records every release and still fixes a
+run's DP-SGD mechanism at its first round; without ``state-dir`` it lives in a temporary folder
+of the simulation, one per run (in the Ray session's folder; else one per process, removed at
+exit), with no lifetime budget, so simulations and tests do not accumulate budget.
 
 **Default ``state-dir``** outside simulation: ``$FEDCOMPRESS_STATE``, else
 ``$XDG_STATE_HOME/fedcompress`` (``~/.local/state/fedcompress``), in a subfolder
@@ -128,6 +132,9 @@ class SitePolicy:
     state_dir: str = ""
     reproducible_secrets: bool = False
     simulation: bool = False
+    #: the state folder is a temporary one of a simulation (the ledger then keeps one folder
+    #: per run: simulations and tests do not accumulate budget)
+    ephemeral_state: bool = False
 
     def __post_init__(self) -> None:
         for name, key in (("max_epsilon", "max-epsilon"), ("lifetime_epsilon",
@@ -157,7 +164,10 @@ class SitePolicy:
 
     def check_epsilon(self, epsilon: float | None, what: str = "epsilon") -> float | None:
         """``epsilon`` if this policy allows it for one run: None or 0 (no DP) only with
-        ``allow-no-dp``; else a finite number in ``(0, max-epsilon]``."""
+        ``allow-no-dp``; else a finite number in ``(0, max-epsilon]``. In simulation (the
+        server runs the sites: nobody to protect against) any epsilon >= 0 passes."""
+        if self.simulation and (epsilon is None or (_finite(epsilon) and epsilon >= 0)):
+            return None if not epsilon else float(epsilon)
         if epsilon is None or (_finite(epsilon) and epsilon == 0):
             if not self.allow_no_dp:
                 raise PolicyError(f"{what}={epsilon!r} asks to run without differential "
@@ -172,9 +182,11 @@ class SitePolicy:
         return float(epsilon)
 
     def check_delta(self, delta: float) -> float:
-        """``delta`` if in ``(0, max-delta]``."""
+        """``delta`` if in ``(0, max-delta]`` (in simulation: any delta in (0, 1))."""
         if not _finite(delta) or not 0 < delta < 1:
             raise PolicyError(f"delta={delta!r} is invalid: expected a number in (0, 1)")
+        if self.simulation:
+            return float(delta)
         if delta > self.max_delta:
             raise PolicyError(f"delta={delta:g} exceeds this site's bound max-delta="
                               f"{self.max_delta:g} (node config max-delta)")
@@ -182,16 +194,17 @@ class SitePolicy:
 
     def check_model(self, spec: str) -> str:
         """``spec`` if this site accepts that model (node config ``models``): an embedded name
-        or hub id listed as it is, a path whose resolved location is listed."""
-        if _listed(str(spec), self.models):
+        or hub id listed as it is, a path whose resolved location is listed (in simulation:
+        any)."""
+        if self.simulation or _listed(str(spec), self.models):
             return spec
         raise PolicyError(f"model {spec!r} is not accepted by this site's policy: expected one "
                           f"of {', '.join(self.models) or '(none)'} (node config models)")
 
     def check_corpus(self, name: str) -> str:
         """``name`` (a corpus or task the server chose, the site having no ``data-path``) if
-        this site accepts it (node config ``corpora``)."""
-        if _listed(str(name), self.corpora):
+        this site accepts it (node config ``corpora``; in simulation: any)."""
+        if self.simulation or _listed(str(name), self.corpora):
             return name
         raise PolicyError(f"corpus {name!r} is not accepted by this site's policy: expected one "
                           f"of {', '.join(self.corpora) or '(none)'} (node config corpora)")
@@ -212,6 +225,23 @@ class SitePolicy:
                               "attack model); this site is deployed and refuses it (only the "
                               "Simulation Engine or node config site-mode=\"simulation\" "
                               "honours it)")
+
+    def check_known_seed(self, key: str, seed: Any) -> bool:
+        """Whether a seed the server sent for a secret draw (``key``; None or < 0: none) may be
+        used: only with ``research-reproducible-secrets`` or in simulation; else refused."""
+        if seed is None or (isinstance(seed, int) and seed < 0):
+            return False
+        if self.reproducible_secrets or self.simulation:
+            return True
+        raise PolicyError(f"{key}={seed!r} asks this site to draw its secret randomness from a "
+                          "seed the server knows; this site's policy refuses it (node config "
+                          "research-reproducible-secrets=false)")
+
+    @property
+    def enforcement(self) -> str:
+        """How this site holds its bounds, as a reply says it."""
+        return ("simulation: bounds not enforced (the server runs the sites)" if self.simulation
+                else "enforced")
 
     @property
     def guarantee_note(self) -> str:
@@ -287,9 +317,11 @@ def site_policy(node_config: Mapping[str, Any]) -> SitePolicy:
                           "'deployment' or nothing")
     simulation = mode == "simulation" or (mode == "" and in_simulation_engine())
     kwargs: dict[str, Any] = {POLICY_KEYS[k]: _convert(k, v) for k, v in values.items()}
+    ephemeral = False
     if not kwargs.get("state_dir"):
         kwargs["state_dir"] = _default_state_dir(node_config, simulation)
-    return SitePolicy(simulation=simulation, **kwargs)
+        ephemeral = simulation
+    return SitePolicy(simulation=simulation, ephemeral_state=ephemeral, **kwargs)
 
 
 def _read_file(path: str) -> dict[str, Any]:
@@ -347,7 +379,7 @@ def in_simulation_engine() -> bool:
         return False
     try:
         worker = ray._private.worker.global_worker
-        if worker.mode != ray.WORKER_MODE:
+        if worker.mode != ray._private.worker.WORKER_MODE:
             return False
         return not worker.actor_id.is_nil()
     except Exception:  # noqa: BLE001 - another Ray layout: not recognised, so not simulated
