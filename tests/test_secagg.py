@@ -260,7 +260,8 @@ def test_authenticated_secure_vote_through_flower_runs_the_consistency_round(tin
                                                                             tmp_path):
     """Deployed sites (site-mode deployment, keys in their node config): signed keys and the
     consistency round, the same counts as the plain vote; a site lost at the confirm stage
-    still counts (4 of 5 signatures >= t); one lost between its keys and its shares is out."""
+    still counts (4 of 5 signatures >= t); one lost at its keys or between its keys and its
+    shares is out."""
     keys = site_keys(tmp_path, 5)
     secure, plain = _flower(tiny_dir, keys=keys)
     for key, counts in plain.aggregator.counts().items():
@@ -272,11 +273,13 @@ def test_authenticated_secure_vote_through_flower_runs_the_consistency_round(tin
     assert secure.aggregator.clients == 5
     for key, counts in plain.aggregator.counts().items():
         assert torch.equal(secure.aggregator.counts()[key], counts)
-    secure, plain = _flower(tiny_dir, {"query.secagg_share": [1], "train.secagg_masks": [1]},
-                            keys=keys, min_clients=3)
-    assert secure.aggregator.clients == 4 and secure.secagg["sum"]["dropped"] == 1
-    for key, counts in plain.aggregator.counts().items():
-        assert torch.equal(secure.aggregator.counts()[key], counts)
+    for stage in ("query.secagg_keys", "query.secagg_share"):  # lost before its shares
+        secure, plain = _flower(tiny_dir, {stage: [1], "train.secagg_masks": [1]}, keys=keys,
+                                min_clients=3)
+        assert secure.aggregator.clients == 4  # "dropped": lost after advertising its keys
+        assert secure.secagg["sum"]["dropped"] == (stage == "query.secagg_share")
+        for key, counts in plain.aggregator.counts().items():
+            assert torch.equal(secure.aggregator.counts()[key], counts)
 
 
 def test_deployed_sites_without_keys_refuse_the_secure_vote(tiny_dir):
@@ -422,3 +425,24 @@ def test_iterative_secure_votes_equal_the_plain_iterative_run(tiny_dir):
     flaky.start(Flaky(4), ArrayRecord())
     assert [flaky.layer_aggregators[i].clients for i in range(3)] == [4, 3, 4]
     assert flaky.resynced == {2: [102]}
+
+
+def test_node_auth_keys_are_secagg_identities(tmp_path):
+    """The keys a SuperNode registers for node authentication (what docker/make_certs.py and
+    ``ssh-keygen -t ecdsa -b 384`` write, OpenSSH) are a site's SecAgg identity and peers as
+    they are; Flower's own primitives accept the same keys."""
+    import importlib.util
+
+    from flwr.supercore.primitives.asymmetric import uses_nist_ec_curve
+
+    from fedcompress.privacy.secagg import identity_public, load_identity, load_peers
+
+    spec = importlib.util.spec_from_file_location("make_certs", "docker/make_certs.py")
+    certs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(certs)
+    made = [certs.make_node_keys(tmp_path, f"supernode-{i}") for i in range(3)]
+    peers = load_peers(tmp_path)
+    assert sorted(peers.values()) == [f"supernode-{i}.pub" for i in range(3)]
+    for private, _ in made:
+        key = load_identity(private)
+        assert identity_public(key) in peers and uses_nist_ec_curve(key.public_key())
