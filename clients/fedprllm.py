@@ -172,9 +172,10 @@ SECAGG_STATE = "fedprllm_secagg"
 
 def _vote_of(message: Message) -> tuple[int, int, int]:
     """The vote a SecAgg message belongs to: its run, round (group id) and layer."""
-    group = message.metadata.group_id
-    return (int(message.metadata.run_id), int(group) if group else 0,
-            int(message.content["secagg"]["layer"]))
+    group = message.metadata.group_id or "0"
+    if not group.isdigit():
+        raise SecAggError(f"a SecAgg message of group {group!r}: expected the round number")
+    return (int(message.metadata.run_id), int(group), int(message.content["secagg"]["layer"]))
 
 
 def _credentials(context: Context):

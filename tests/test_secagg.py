@@ -427,6 +427,48 @@ def test_iterative_secure_votes_equal_the_plain_iterative_run(tiny_dir):
     assert flaky.resynced == {2: [102]}
 
 
+def test_iterative_authenticated_votes_one_per_layer(tiny_dir, tmp_path):
+    """Deployed, authenticated sites (keys in their node config): one vote per decoder layer,
+    each with its consistency round, the counts of the plain iterative run; each site's state
+    holds the layers it voted on (a second vote on one is refused)."""
+    from conftest import InProcessFederation
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
+    from fedcompress.models import load_model
+    from fedcompress.privacy.secagg import unpack_blobs
+    from strategies.fedprllm import IterativeFedPrLLM, make_strategy
+
+    keys = site_keys(tmp_path, 4)
+
+    class Federation(InProcessFederation):
+        app = "clients.app"
+
+        def __init__(self, n):
+            super().__init__(n)
+            for i in range(n):
+                self.contexts[100 + i].node_config.update({**keys[i], "models": tiny_dir})
+
+    config = FedPrLLMConfig(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16,
+                            batch_size=2, mode="iterative", secagg=True, min_clients=3)
+    model = load_model(tiny_dir, device="cpu").model
+    secure = make_strategy(config, model)
+    grid = Federation(4)
+    secure.start(grid, ArrayRecord())
+    assert secure.secagg["sum"]["votes"] == 3 and secure.secagg["sum"]["authenticated"]
+    assert secure.secagg["confirm"]["valid"] == 12
+    plain = IterativeFedPrLLM(config.replace(secagg=False), model)
+    other = Federation(4)
+    for rnd in range(1, plain.num_rounds + 1):
+        plain.aggregate_train(rnd, other.send_and_receive(plain.configure_train(
+            rnd, ArrayRecord(), ConfigRecord(), other)))
+    for layer, agg in plain.layer_aggregators.items():
+        for key, counts in agg.counts().items():
+            assert torch.equal(secure.layer_aggregators[layer].counts()[key], counts)
+    state = grid.contexts[100].state["fedprllm_secagg"]
+    assert len(unpack_blobs(state["history"])) == 3 and state["seed"] == b"-"
+
+
 def test_node_auth_keys_are_secagg_identities(tmp_path):
     """The keys a SuperNode registers for node authentication (what docker/make_certs.py and
     ``ssh-keygen -t ecdsa -b 384`` write, OpenSSH) are a site's SecAgg identity and peers as
