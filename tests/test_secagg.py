@@ -285,7 +285,8 @@ def test_authenticated_secure_vote_through_flower_runs_the_consistency_round(tin
 def test_deployed_sites_without_keys_refuse_the_secure_vote(tiny_dir):
     from strategies.fedprllm import NotEnoughClientsError
 
-    with pytest.raises(NotEnoughClientsError, match="SecAgg keys"):
+    with pytest.raises(NotEnoughClientsError, match="SecAgg keys(.|\n)*set the node-config "
+                                                    "keys secagg-key"):
         _flower(tiny_dir, keys=[{"site-mode": "deployment"}] * 5)
 
 
