@@ -137,6 +137,17 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         comm["rounds"] = len(stages)
         comm["valid_clients"] = sites
         report.extra["secagg"] = secagg
+        summary = secagg["sum"]
+        report.sections.append(("Secure aggregation", (
+            f"SecAgg+ over {summary['sites']} sites, threshold {summary['threshold']}, "
+            f"{summary['votes']} vote(s). "
+            + ("The sites signed their keys with their identity keys and confirmed the "
+               "survivor set before unmasking (consistency round): the sum is protected "
+               "against a malicious server with up to threshold - 1 colluding sites."
+               if summary.get("authenticated") else
+               "**Unauthenticated** (simulation without secagg-key/secagg-peers): unsigned "
+               "keys and no consistency round, so only an honest-but-curious server is "
+               "covered."))))
     if config.aggregate == "stats":
         report.extra["stats_layers"] = {str(k): v for k, v in
                                         getattr(strategy, "layer_cost", {}).items()}

@@ -360,6 +360,7 @@ def test_context_state_round_trips_through_the_worker(worker, tiny_dir, tmp_path
         report = json.loads((out / "report.json").read_text())
         assert report["status"] == "ok" and report["rejected"] == [], report
         assert report["results"][0]["valid_clients"] == 3
+        assert "confirmed the survivor set" in (out / "report.md").read_text()
         models[name] = load_model(str(out / "model"), device="cpu").model.state_dict()
     assert all(torch.equal(models["worker"][k], models["fat"][k]) for k in models["fat"])
     assert report["secagg"]["sum"]["authenticated"], report["secagg"]
