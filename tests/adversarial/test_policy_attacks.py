@@ -22,7 +22,7 @@ from fedcompress.privacy.ledger import Ledger
 def tiny_task(tmp_path_factory):
     from conftest import build_tiny_task
 
-    return build_tiny_task(tmp_path_factory.mktemp("task"))
+    return build_tiny_task(tmp_path_factory.mktemp("attack-task"))
 
 
 @pytest.fixture
