@@ -95,10 +95,13 @@ def _message(config, kind: str):
 
 
 def _context(partition: int = 0, **node_config):
+    """A site's Context: a simulated site (its ledger in a temporary folder; these tests are
+    about the worker, the policy has its own in tests/adversarial)."""
     from flwr.app import Context, RecordDict
 
     return Context(run_id=1, node_id=100, node_config={"partition-id": partition,
-                                                       "num-partitions": 2, **node_config},
+                                                       "num-partitions": 2,
+                                                       "site-mode": "simulation", **node_config},
                    state=RecordDict(), run_config={}, series_id=0)
 
 
@@ -277,7 +280,8 @@ from clients.site_worker import message_from_bytes
 TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 socket_path, *messages = sys.argv[1:]
 context = Context(run_id=1, node_id=100, node_config={"partition-id": 0, "num-partitions": 2,
-                  "site-worker": socket_path}, state=RecordDict(), run_config={}, series_id=0)
+                  "site-worker": socket_path, "site-mode": "simulation"}, state=RecordDict(),
+                  run_config={}, series_id=0)
 replies = []
 for path in messages:
     reply = app(message_from_bytes(open(path, "rb").read()), context)

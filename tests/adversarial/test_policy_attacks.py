@@ -22,7 +22,7 @@ from fedcompress.privacy.ledger import Ledger
 def tiny_task(tmp_path_factory):
     from conftest import build_tiny_task
 
-    return build_tiny_task(tmp_path_factory.mktemp("task"))
+    return build_tiny_task(tmp_path_factory.mktemp("attack-task"))
 
 
 @pytest.fixture
@@ -357,3 +357,50 @@ def test_a_corrupted_ledger_refuses_every_release(deployed, tiny_dir, tiny_task)
     _ledger(context).path.write_text("{}")
     _refused(_send("query.cosines", config, context), "not a fedcompress-ledger/1 ledger")
     assert json.loads(_ledger(context).path.read_text()) == {}  # never reset
+
+
+# -- the server's report ---------------------------------------------------------------------------
+
+def _deployed_run(tiny_dir, tiny_task, tmp_path, fails: bool = False, **values) -> dict:
+    """A PrivyTune run whose two sites are deployed ones (their own policy and state folders),
+    the ClientApp called in this process."""
+    from conftest import InProcessFederation, privytune_tiny_settings
+
+    from server.privytune import run
+
+    class Federation(InProcessFederation):
+        app = "clients.app"
+        errors_as_replies = True
+        site_config = {"site-mode": "deployment", "models": tiny_dir,
+                       "corpora": f"wiki,{tiny_task}"}
+
+    settings = privytune_tiny_settings(tiny_dir, tiny_task, tmp_path / "run", attack_samples=0,
+                                       baselines="", dp_noise_seed=-1, **values)
+    if fails:
+        with pytest.raises(Exception, match="refused by the site's policy|valid"):
+            run(Federation(2), settings)
+    else:
+        run(Federation(2), settings)
+    return json.loads((tmp_path / "run" / "report.json").read_text())
+
+
+def test_the_report_shows_the_sites_ledgers(tiny_dir, tiny_task, tmp_path):
+    report = _deployed_run(tiny_dir, tiny_task, tmp_path)
+    assert report["status"] == "ok"
+    ledgers = report["site_ledgers"]
+    assert len(ledgers) == 2 and report["site_refusals"] == []
+    last = {m["node"]: m["epsilon_spent"] for m in report["sites"] if m["round"] == 2}
+    for row in ledgers:
+        assert row["ledger_run_epsilon"] == last[row["node"]] <= 8.0
+        assert row["site_policy_enforced"] == 1 and row["secrets_reproducible"] == 0
+        assert row["ledger_lifetime_budget"] == 32.0
+    markdown = (tmp_path / "run" / "report.md").read_text()
+    assert "Site privacy ledgers" in markdown and "not what the server computed" in markdown
+
+
+def test_the_report_shows_a_sites_refusal(tiny_dir, tiny_task, tmp_path):
+    report = _deployed_run(tiny_dir, tiny_task, tmp_path, fails=True, epsilon=50.0)
+    assert report["status"] == "failed"
+    reasons = [r["reason"] for r in report["site_refusals"]]
+    assert len(reasons) == 2 and all("max-epsilon=8" in r for r in reasons)
+    assert "refused by the site's policy" in (tmp_path / "run" / "report.md").read_text()
