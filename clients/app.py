@@ -14,6 +14,14 @@ Every reply with a ``metrics`` record also carries this process's start-up split
 (:mod:`clients.startup`): the seconds of imports and of loading not reported yet, and the
 handler's compute. Flower 1.41 starts a process per message at a SuperNode, so there each reply
 carries its own message's start-up.
+
+Every message passes the site's policy first (:mod:`fedcompress.privacy.site`: simulation-only
+switches outside simulation, the model, the corpora), and every reply with ``metrics`` carries
+what the site's privacy ledger says (``ledger_run_epsilon``, ``ledger_lifetime_epsilon``,
+``ledger_lifetime_budget``, ``ledger_dp``: 0 for a release that is not DP, which is recorded
+here). A refusal (:class:`~fedcompress.privacy.policy.PolicyError`, or a ledger that cannot be
+read) is an error reply whose reason names the value, the bound and the node-config key; the
+server's report lists it among the rejected replies.
 """
 
 from __future__ import annotations
@@ -23,23 +31,41 @@ from clients import startup  # first: the imports below are timed
 with startup.timed(startup.IMPORT):
     import functools
     import importlib
+    import logging
 
-    from flwr.app import Context, Message
+    from flwr.app import Context, Error, Message
     from flwr.clientapp import ClientApp
+    from flwr.common.constant import ErrorCode
 
     from clients import site_worker
 
+logger = logging.getLogger(__name__)
 
-def _handler(module: str, function: str):
+def _handler(method: str, action: str, module: str, function: str):
     def handle(message: Message, context: Context) -> Message:
         started = startup.message_started()
         with startup.timed(startup.IMPORT):
             handler = getattr(importlib.import_module(module), function)
-        reply = handler(message, context)
-        if not reply.has_error() and "metrics" in reply.content:
-            metrics = reply.content["metrics"]
-            for key, value in startup.message_metrics(started).items():
-                metrics[key] = value
+            from fedcompress.privacy import site
+            from fedcompress.privacy.ledger import LedgerError
+            from fedcompress.privacy.policy import PolicyError
+        try:
+            config = message.content["config"] if "config" in message.content else None
+            policy = site.admit(context.node_config, config)
+            reply = handler(message, context)
+            if not reply.has_error() and "metrics" in reply.content:
+                metrics = reply.content["metrics"]
+                if "ledger_dp" not in metrics:  # a DP release records itself before it happens
+                    for key, value in site.record_release(policy, context.run_id, method,
+                                                          action).items():
+                        metrics[key] = value
+                for key, value in startup.message_metrics(started).items():
+                    metrics[key] = value
+        except (PolicyError, LedgerError) as err:
+            logger.warning("%s refused by this site's policy: %s", action, err)
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                 reason=f"refused by the site's policy: {err}"),
+                           reply_to=message)
         return reply
 
     handle.__name__ = function
@@ -56,7 +82,7 @@ def build_client_app() -> ClientApp:
             kind, _, name = action.partition(".")
             register = {"train": client_app.train, "evaluate": client_app.evaluate,
                         "query": client_app.query}[kind]
-            register(name)(_handler(method.client_module, function))
+            register(name)(_handler(method.name, action, method.client_module, function))
     return client_app
 
 

@@ -45,6 +45,7 @@ from fedcompress.methods.fedprllm.federated import (
 )
 from fedcompress.methods.fedprllm.stats import encode_stats
 from fedcompress.privacy.secagg import (
+    SecAggError,
     SecAggSite,
     pack_blobs,
     pack_ints,
@@ -165,57 +166,103 @@ def oneshot_masks(message: Message, context: Context) -> Message:
                    "partition": partition})
 
 
-# -- secure aggregation (SecAgg+, fedcompress.privacy.secagg): four messages per vote --------
+# -- secure aggregation (SecAgg+, fedcompress.privacy.secagg): five messages per vote --------
 SECAGG_STATE = "fedprllm_secagg"
-_STATE_LISTS = ("nodes", "public_nodes", "received_nodes", "public_c", "public_s",
-                "received_seed", "received_key")
 
 
-def _secagg_site(context: Context):
-    """This site's SecAgg state of the current vote (its lists stored as bytes)."""
+def _vote_of(message: Message) -> tuple[int, int, int]:
+    """The vote a SecAgg message belongs to: its run, round (group id) and layer."""
+    group = message.metadata.group_id or "0"
+    if not group.isdigit():
+        raise SecAggError(f"a SecAgg message of group {group!r}: expected the round number")
+    return (int(message.metadata.run_id), int(group), int(message.content["secagg"]["layer"]))
+
+
+def _credentials(context: Context):
+    """This site's policy, identity key and peers' keys: from its own node config only."""
+    from fedcompress.privacy.policy import site_policy
+    from fedcompress.privacy.secagg import site_credentials
+
+    policy = site_policy(context.node_config)
+    return (policy, *site_credentials(policy.secagg_key, policy.secagg_peers,
+                                      policy.simulation))
+
+
+def _secagg_site(message: Message, context: Context, stage: str) -> SecAggSite:
+    """This site's state of the current vote; refuses (SecAggError) a stage that is not the
+    next one of this very vote."""
+    _, identity, peers = _credentials(context)
     if SECAGG_STATE not in context.state:
-        raise RuntimeError("no SecAgg state at this site: did it miss the key round?")
-    state = dict(context.state[SECAGG_STATE])
-    for key in _STATE_LISTS:
-        state[key] = (unpack_ints(state[key]) if key.endswith("nodes")
-                      else unpack_blobs(state[key]))
-    return SecAggSite.from_state(state)
+        raise SecAggError(f"a SecAgg {stage} stage before any keys stage at this site: refused")
+    site = SecAggSite.from_state(dict(context.state[SECAGG_STATE]), identity, peers)
+    site.expect(stage, *_vote_of(message))
+    return site
 
 
-def _keep_secagg(context: Context, site) -> None:
-    state = site.to_state()
-    for key in _STATE_LISTS:
-        state[key] = (pack_ints(state[key]) if key.endswith("nodes")  # type: ignore[arg-type]
-                      else pack_blobs(state[key]))  # type: ignore[arg-type]
-    context.state[SECAGG_STATE] = ConfigRecord(state)
+def _keep_secagg(context: Context, site: SecAggSite) -> None:
+    context.state[SECAGG_STATE] = ConfigRecord(site.to_state())
+
+
+def _previous_vote(context: Context) -> dict | None:
+    return dict(context.state[SECAGG_STATE]) if SECAGG_STATE in context.state else None
 
 
 def secagg_keys(message: Message, context: Context) -> Message:
-    """Stage 1: fresh key pairs and self-mask seed for this vote; the public keys go out. The
-    server names the sites by their index in this vote (0..n-1)."""
+    """Stage 1: a new vote (bound to this message's run, round and layer; its threshold at
+    least this site's own minimum): fresh key pairs and self-mask seed; the public keys go out,
+    signed with this site's identity key (unsigned only in simulation, and the reply says so).
+    The server names the sites by their index in this vote (0..n-1)."""
     from fedcompress.privacy.secagg import SecAggConfig
 
+    policy, identity, peers = _credentials(context)
     agg = message.content["secagg"]
-    config = SecAggConfig(tuple(range(int(agg["sites"]))), int(agg["threshold"]),
-                          int(agg["numel"]), int(agg["bits"]))
-    site = SecAggSite(int(agg["index"]), config)
+    run, rnd, layer = _vote_of(message)
+    sites = int(agg["sites"])
+    config = SecAggConfig(tuple(range(sites)), int(agg["threshold"]), int(agg["numel"]),
+                          int(agg["bits"]), run, rnd, layer)
+    site = SecAggSite.begin(int(agg["index"]), config, _previous_vote(context),
+                            min_threshold=policy.min_secagg_threshold(
+                                len(peers) if peers else sites),
+                            identity=identity, peers=peers)
     _keep_secagg(context, site)
-    c, s = site.advertise()
-    return Message(RecordDict({"secagg": ConfigRecord({"c": c, "s": s})}), reply_to=message)
+    advert = site.advertise()
+    return Message(RecordDict({"secagg": ConfigRecord({
+        "c": advert.c, "s": advert.s, "signature": advert.signature or b"-",
+        "signer": advert.signer or b"-", "authenticated": site.authenticated,
+        "vote": config.vote_id})}),
+        reply_to=message)
 
 
 def secagg_share(message: Message, context: Context) -> Message:
-    """Stage 2: this site's encrypted shares for every other site (the server relays them)."""
-    site = _secagg_site(context)
+    """Stage 2: check the relayed advertisements, then this site's encrypted shares for every
+    other site (the server relays them)."""
+    from fedcompress.privacy.secagg import Advert
+
+    site = _secagg_site(message, context, "share")
     agg = message.content["secagg"]
-    public = {n: (c, s) for n, c, s in zip(unpack_ints(agg["nodes"]), unpack_blobs(agg["c"]),
-                                           unpack_blobs(agg["s"]), strict=True)}
-    out = site.share(public)
-    _keep_secagg(context, site)
+    public = {n: Advert(c, s, b"" if sig == b"-" else sig, b"" if who == b"-" else who)
+              for n, c, s, sig, who in zip(
+                  unpack_ints(agg["nodes"]), unpack_blobs(agg["c"]), unpack_blobs(agg["s"]),
+                  unpack_blobs(agg["signature"]), unpack_blobs(agg["signer"]), strict=True)}
+    try:
+        out = site.share(public)
+    finally:
+        _keep_secagg(context, site)
     nodes = sorted(out)
     return Message(RecordDict({"secagg": ConfigRecord(
         {"dst": pack_ints(nodes), "blob": pack_blobs([out[n] for n in nodes])})}),
         reply_to=message)
+
+
+def secagg_confirm(message: Message, context: Context) -> Message:
+    """Stage 4 (consistency round): this site's signature on the announced survivor set."""
+    site = _secagg_site(message, context, "confirm")
+    try:
+        signature = site.confirm(unpack_ints(message.content["secagg"]["survivors"]))
+    finally:
+        _keep_secagg(context, site)
+    return Message(RecordDict({"secagg": ConfigRecord({"signature": signature or b"-"})}),
+                   reply_to=message)
 
 
 def _votes(flat: dict[str, torch.Tensor], shapes: dict) -> np.ndarray:
@@ -245,8 +292,12 @@ def _fixed_point_stats(message: Message, context: Context, config: FedPrLLMConfi
 def secagg_masks(message: Message, context: Context) -> Message:
     """Stage 3: this site's masks (or, simulated, its attack; iterative: the round's layer), as
     0/1 votes in the order of the sorted wire keys, masked."""
+    site = _secagg_site(message, context, "masked")  # before any work: a repeat is refused
+    computed = int(message.content["round"]["layer"]) if "round" in message.content else -1
+    if computed != site.config.layer:  # the input summed must be the vote's own
+        raise SecAggError(f"masked votes of layer {computed} asked in the "
+                          f"{site.config.describe()}: refused")
     config, partition, model, windows = _setup(message, context)
-    site = _secagg_site(context)
     start = time.perf_counter()
     if config.aggregate == "stats":  # the round's layer statistics, fixed point
         votes = _fixed_point_stats(message, context, config, model, windows,
@@ -259,8 +310,10 @@ def secagg_masks(message: Message, context: Context) -> Message:
                                                  windows)), expected_shapes(model))
     agg = message.content["secagg"]
     inbox = dict(zip(unpack_ints(agg["src"]), unpack_blobs(agg["blob"]), strict=True))
-    masked = site.masked(votes, inbox)
-    _keep_secagg(context, site)
+    try:
+        masked = site.masked(votes, inbox)
+    finally:
+        _keep_secagg(context, site)
     words = _inject_fault(config, partition, {"words": masked},
                           int(message.content["round"]["layer"])
                           if "round" in message.content else 0)["words"]
@@ -272,11 +325,16 @@ def secagg_masks(message: Message, context: Context) -> Message:
 
 
 def secagg_unmask(message: Message, context: Context) -> Message:
-    """Stage 4: shares of the survivors' seeds and of the dropped sites' mask keys."""
-    site = _secagg_site(context)
+    """Stage 5: shares of the survivors' seeds and of the dropped sites' mask keys, only for
+    the survivor set this site confirmed, signed by at least the threshold of survivors."""
+    site = _secagg_site(message, context, "unmask")
     agg = message.content["secagg"]
-    out = site.unmask(unpack_ints(agg["survivors"]), unpack_ints(agg["dropped"]))
-    del context.state[SECAGG_STATE]  # this vote's secrets are no longer needed
+    signatures = (dict(zip(unpack_ints(agg["signers"]), unpack_blobs(agg["signatures"]),
+                           strict=True)) if "signers" in agg else {})
+    try:
+        out = site.unmask(unpack_ints(agg["survivors"]), signatures)
+    finally:
+        _keep_secagg(context, site)  # its secrets wiped; its history kept
     nodes = sorted(out)
     return Message(RecordDict({"secagg": ConfigRecord(
         {"of": pack_ints(nodes), "share": pack_blobs([out[n] for n in nodes])})}),

@@ -6,7 +6,9 @@ declares (``fedcompress.methods.ppcgpt.METHOD.actions``):
 
 * ``query.perturb``: this node's questions and choices, perturbed by the exponential mechanism
   (``eps`` per word), as a JSON list in a ``ConfigRecord``; the privacy budget spent in a
-  ``MetricRecord``. Labels never leave the node.
+  ``MetricRecord``, with what the site's ledger says (``ledger_*``). Labels never leave the
+  node. The site's policy bounds ``eps`` per word (``max-epsilon``), refuses a seed the server
+  knows, and records the release in its ledger before perturbing anything.
 * ``train.retrain``: the server sends the removal plan and the LoRA adapter; the node rebuilds
   the compressed model from its own copy of the base model, measures its accuracy on its private
   test data, retrains the adapter on its private labelled data and measures again.
@@ -30,6 +32,8 @@ from fedcompress.methods.ppcgpt import (
     client_text,
     rebuild_model,
 )
+from fedcompress.privacy.policy import site_policy
+from fedcompress.privacy.site import ledger as site_ledger
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +48,9 @@ def perturb(message: Message, context: Context) -> Message:
     """Round 1: this node's perturbed questions and choices."""
     start = time.perf_counter()
     config, partition, data = _setup(message, context)
-    examples, budget = client_text(config, data)
+    policy = site_policy(context.node_config)
+    examples, budget = client_text(config, data, policy, site_ledger(policy, context.run_id),
+                                   str(context.run_id))
     text = json.dumps(examples, ensure_ascii=False)
     metrics = {k: float(v) for k, v in budget.items()}
     metrics.update({"partition": partition, "examples": len(examples),

@@ -8,7 +8,10 @@ declares (``fedcompress.methods.privytune.METHOD.actions``):
 * ``train.dplora``: the server's global trainable weights (``arrays``) and the settings with the
   removal plan (``config``); the site trains them on its data with DP-SGD for one round and
   returns its weights, its example count (``num-examples``, FedAvg's weight) and the epsilon its
-  accountant has spent after this round.
+  own ledger has spent in this run (``epsilon_spent``, ``ledger_*``). The site's policy bounds
+  epsilon and delta, refuses DP off, a known noise seed, and rounds beyond the run's budget;
+  its Poisson sampling and noise come from OS entropy (:func:`fedcompress.methods.privytune.
+  site_train`).
   Under client-side central DP (``central_dp="client"``) the reply passes through Flower's
   ``fixedclipping_mod``: the site's update (its weights minus the global ones) is clipped to
   the norm the server's DP wrapper sent.
@@ -30,6 +33,8 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from clients.common import cached_model
 from fedcompress.methods import privytune as ppt
 from fedcompress.models import resolve_model_spec
+from fedcompress.privacy.policy import site_policy
+from fedcompress.privacy.site import ledger as site_ledger
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +89,10 @@ def _train(message: Message, context: Context) -> Message:
     model, tokenizer = _model(config, data, removed, message.content["arrays"])
     encoded = ppt.encode(config, tokenizer, data.train_texts, data.train_labels,
                          data.label_names, not ppt.is_encoder(model))
+    policy = site_policy(context.node_config)
     metrics = ppt.site_train(config, model, encoded, ppt.pad_id(tokenizer), server_round,
-                             partition)
+                             partition, policy, site_ledger(policy, context.run_id),
+                             str(context.run_id))
     arrays = ArrayRecord({k: Array(v) for k, v in ppt.trainable_arrays(model).items()})
     return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(
         {"partition": partition, "round": server_round, **metrics})}), reply_to=message)

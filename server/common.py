@@ -25,9 +25,105 @@ def run_with_report(method: Method, grid: Grid, settings: dict,
     config: dict = {}
     for part in parts:
         config.update(part.to_dict())
+    view = SiteLedgers()
     with RunReport(out, method.command, config, seeds={"seed": parts[0].seed}) as report:
-        body(grid, *parts, report)
+        try:
+            body(ObservedGrid(grid, view), *parts, report)
+        finally:
+            view.add_to(report)
     return report
+
+
+#: Reply metrics a site's privacy ledger fills in (``fedcompress.privacy.site.ledger_metrics``).
+_LEDGER_KEYS = ("ledger_run_epsilon", "ledger_lifetime_epsilon", "ledger_lifetime_budget",
+                "ledger_dp", "site_policy_enforced", "secrets_reproducible")
+_REFUSED = "refused by the site's policy"
+
+
+class SiteLedgers:
+    """What the sites' own ledgers said in their replies (never the server's computation), and
+    the sites' policy refusals."""
+
+    def __init__(self) -> None:
+        self.sites: dict[int, dict] = {}
+        self.refusals: list[dict] = []
+
+    def see(self, reply) -> None:
+        node = int(reply.metadata.src_node_id)
+        if reply.has_error():
+            if _REFUSED in reply.error.reason:
+                self.refusals.append({"node": node, "action": reply.metadata.message_type,
+                                      "reason": reply.error.reason})
+            return
+        if "metrics" not in reply.content:
+            return
+        metrics = reply.content["metrics"]
+        seen = {k: metrics[k] for k in _LEDGER_KEYS if k in metrics}
+        if not seen:
+            return
+        entry = self.sites.setdefault(node, {"node": node, "replies": 0, "dp_releases": 0})
+        entry["replies"] += 1
+        entry["dp_releases"] += int(seen.get("ledger_dp", 0))
+        for key in ("ledger_run_epsilon", "ledger_lifetime_epsilon"):  # the ledger only grows
+            if key in seen:
+                entry[key] = max(float(seen[key]), float(entry.get(key, 0.0)))
+        for key in ("ledger_lifetime_budget", "site_policy_enforced", "secrets_reproducible"):
+            if key in seen:
+                entry[key] = seen[key]
+
+    def add_to(self, report: RunReport) -> None:
+        """The report's ``site_ledgers`` / ``site_refusals`` and a section of both."""
+        if not self.sites and not self.refusals:
+            return
+        rows = sorted(self.sites.values(), key=lambda r: r["node"])
+        report.extra["site_ledgers"] = rows
+        report.extra["site_refusals"] = self.refusals
+
+        def cell(row: dict, key: str) -> str:
+            return f"{row[key]:.4g}" if key in row else "-"
+
+        table = markdown_table(
+            ["site (node)", "replies", "DP releases", "run epsilon", "lifetime epsilon",
+             "lifetime budget", "policy", "secret draws"],
+            [[str(r["node"]), str(r["replies"]), str(r["dp_releases"]),
+              cell(r, "ledger_run_epsilon") if r["dp_releases"] else "none: not DP",
+              cell(r, "ledger_lifetime_epsilon"), cell(r, "ledger_lifetime_budget"),
+              "enforced" if r.get("site_policy_enforced") else "simulation (not enforced)",
+              "no: research seed, guarantee does NOT hold" if r.get("secrets_reproducible")
+              else "yes"] for r in rows])
+        text = (table + "\n\nWhat each site's own privacy ledger said in its last replies "
+                "(its accountant over all of this run's steps at the mechanism it fixed at the "
+                "run's first round; lifetime: the sum over every run at that site), not what "
+                "the server computed.")
+        if self.refusals:
+            text += "\n\nRefused by a site's policy:\n\n" + "\n".join(
+                f"- node {r['node']} ({r['action']}): {r['reason']}" for r in self.refusals)
+        report.sections.append(("Site privacy ledgers", text))
+
+
+class ObservedGrid:
+    """A Grid whose replies :class:`SiteLedgers` sees on their way to the strategy (every other
+    attribute is the Grid's own)."""
+
+    def __init__(self, grid: Grid, view: SiteLedgers) -> None:
+        self._grid = grid
+        self._view = view
+
+    def __getattr__(self, name: str):
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages, *args, **kwargs):
+        replies = self._grid.send_and_receive(messages, *args, **kwargs)
+        replies = list(replies)
+        for reply in replies:
+            self._view.see(reply)
+        return replies
+
+    def pull_messages(self, *args, **kwargs):
+        replies = list(self._grid.pull_messages(*args, **kwargs))
+        for reply in replies:
+            self._view.see(reply)
+        return replies
 
 
 def make_server_app(method: Method, run: Callable[[Grid, dict], object],

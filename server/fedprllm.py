@@ -127,7 +127,8 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
             "client_seconds_mean": sum(client_seconds) / max(len(client_seconds), 1)}
     secagg = getattr(strategy, "secagg", None)
     if secagg:  # every stage's bytes, not only the masked votes
-        stages = [secagg[k] for k in ("keys", "share", "masked", "unmask") if k in secagg]
+        stages = [secagg[k] for k in ("keys", "share", "masked", "confirm", "unmask")
+                  if k in secagg]
         sites = max(int(secagg["sum"]["sites"]), 1)
         comm["bytes_up_per_client"] = sum(int(st["bytes_up"]) for st in stages) // sites
         comm["bytes_down_per_client"] = sum(int(st["bytes_down"]) for st in stages) // sites
@@ -136,6 +137,17 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         comm["rounds"] = len(stages)
         comm["valid_clients"] = sites
         report.extra["secagg"] = secagg
+        summary = secagg["sum"]
+        report.sections.append(("Secure aggregation", (
+            f"SecAgg+ over {summary['sites']} sites, threshold {summary['threshold']}, "
+            f"{summary['votes']} vote(s). "
+            + ("The sites signed their keys with their identity keys and confirmed the "
+               "survivor set before unmasking (consistency round): the sum is protected "
+               "against a malicious server with up to threshold - 1 colluding sites."
+               if summary.get("authenticated") else
+               "**Unauthenticated** (simulation without secagg-key/secagg-peers): unsigned "
+               "keys and no consistency round, so only an honest-but-curious server is "
+               "covered."))))
     if config.aggregate == "stats":
         report.extra["stats_layers"] = {str(k): v for k, v in
                                         getattr(strategy, "layer_cost", {}).items()}

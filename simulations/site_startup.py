@@ -169,7 +169,7 @@ class ClientAppWatcher:
 # warm-up query (read with Flower's serde, as a flwr-clientapp process receives it) through
 # `app` (what Flower calls), with or without a site worker; run in the measured checkout (cwd).
 ALONE = r"""
-import json, sys, time
+import json, os, sys, time
 t0 = time.perf_counter()
 import flwr.cli.install, flwr.clientapp.utils, flwr.supernode.runtime.run_clientapp
 t1 = time.perf_counter()
@@ -182,7 +182,9 @@ from flwr.supercore.task_identity import TaskIdentity
 
 message_file, data, sites, worker = sys.argv[1:5]
 TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-node_config = {"partition-id": 0, "data-path": data, "num-partitions": int(sites)}
+# the site's own state folder (its privacy ledger), beside its data
+node_config = {"partition-id": 0, "data-path": data, "num-partitions": int(sites),
+               "state-dir": os.path.join(os.path.dirname(os.path.abspath(data)), "state")}
 if worker:
     node_config["site-worker"] = worker
 context = Context(run_id=1, node_id=100, node_config=node_config, state=RecordDict(),
@@ -502,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     procs = deploy.Processes(work)
     dep = deploy.Deployment("bench", work, procs)
+    dep.policy = {"models": opts.model}  # the sites' policy accepts the measured model
     watcher = None
     pool = ThreadPoolExecutor(4)
     with report:

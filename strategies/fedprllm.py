@@ -439,12 +439,14 @@ class IterativeFedPrLLM(FedPrLLM):
 
 
 class _SecureVote:
-    """SecAgg+ of one vote (:mod:`fedcompress.privacy.secagg`): four exchanges (keys, shares,
-    masked votes, unmasking); the server ends with the vote counts of the linear layers in
-    ``shapes`` and no site's mask. A site lost before its masked votes is left out of the sum
-    (its pairwise masks undone from the others' shares); one lost later still counts; fewer
-    than ``max(threshold, required clients)`` end the run clearly. Mixed into a FedPrLLM
-    strategy (its config, nodes, outcome)."""
+    """SecAgg+ of one vote (:mod:`fedcompress.privacy.secagg`): five exchanges (keys, shares,
+    masked votes, the consistency round when the sites are authenticated, unmasking); the
+    server ends with the vote counts of the linear layers in ``shapes`` and no site's mask. A
+    site lost before its shares is not in the vote (nobody masks with it); one lost before its
+    masked votes is left out of the sum (its pairwise masks undone from the others' shares);
+    one lost later still counts; fewer than ``max(threshold, required clients)`` at any stage
+    end the run clearly. The sites check everything a guarantee depends on themselves. Mixed
+    into a FedPrLLM strategy (its config, nodes, outcome)."""
 
     config: FedPrLLMConfig
     model: torch.nn.Module
@@ -482,14 +484,14 @@ class _SecureVote:
         return {reply.metadata.src_node_id: value for reply, value in valid}
 
     def _secure_counts(self, grid: Grid, nodes: list[int], shapes: dict[str, tuple],
-                       mask_content, timeout: float, server_round: int
+                       mask_content, timeout: float, server_round: int, layer: int = -1
                        ) -> tuple[dict[str, torch.Tensor], list[int]]:
         """The vote counts of ``shapes``' layers over ``nodes`` (``mask_content(node)``: the
         request of a site's masked votes); and the nodes whose votes count."""
         keys = sorted(shapes)
         numel = sum(int(np.prod(shapes[k])) for k in keys)
         total, sites = self._secure_sum(grid, nodes, numel, 0, mask_content, timeout,
-                                        server_round)
+                                        server_round, layer)
         counts, offset = {}, 0
         for key in keys:
             size = int(np.prod(shapes[key]))
@@ -498,12 +500,15 @@ class _SecureVote:
         return counts, sites
 
     def _secure_sum(self, grid: Grid, nodes: list[int], numel: int, bits: int,
-                    mask_content, timeout: float, server_round: int
+                    mask_content, timeout: float, server_round: int, layer: int = -1
                     ) -> tuple[np.ndarray, list[int]]:
         """The sum (int64, ``numel``) of the sites' vectors over ``nodes`` in ``bits``-bit
         lanes (0: wide enough for 0/1 votes; 64: fixed-point statistics), each site's request
-        ``mask_content(node)``; and the nodes whose vectors count."""
+        ``mask_content(node)``, for decoder layer ``layer`` (-1: every layer); and the nodes
+        whose vectors count. Five exchanges: keys, shares, masked vectors, the consistency
+        round (authenticated sites only) and the unmasking shares."""
         from fedcompress.privacy.secagg import (
+            Advert,
             SecAggConfig,
             SecAggError,
             SecAggServer,
@@ -524,18 +529,35 @@ class _SecureVote:
             require_valid(got, need, f"SecAgg {stage}", server_round, self.outcome.reasons(
                 f"secagg-{stage}"))
 
+        def unset(value: bytes) -> bytes:
+            return b"" if value == b"-" else value
+
+        def advert_of(reply: Message) -> tuple[Advert, bool, bytes]:
+            rec = reply.content["secagg"]
+            return (Advert(bytes(rec["c"]), bytes(rec["s"]), unset(bytes(rec["signature"])),
+                           unset(bytes(rec["signer"]))), bool(rec["authenticated"]),
+                    bytes(rec["vote"]))
+
         base = {"sites": len(nodes), "threshold": threshold, "numel": numel,
-                "bits": agg_config.bits}
-        public = self._exchange(grid, "keys", "query.secagg_keys", {
+                "bits": agg_config.bits, "layer": layer}
+        keyed = self._exchange(grid, "keys", "query.secagg_keys", {
             n: RecordDict({"secagg": ConfigRecord({**base, "index": index[n]})}) for n in nodes},
-            timeout, lambda r: (bytes(r.content["secagg"]["c"]), bytes(r.content["secagg"]["s"])),
-            server_round)
-        enough("keys", len(public))
-        server.public = {index[n]: pk for n, pk in public.items()}
+            timeout, advert_of, server_round)
+        enough("keys", len(keyed))
+        votes = {vote for _, _, vote in keyed.values()}
+        if len(votes) != 1:
+            raise NotEnoughClientsError(f"round {server_round}: the sites derived "
+                                        f"{len(votes)} different SecAgg vote ids")
+        server.vote_id = votes.pop()
+        authenticated = all(auth for _, auth, _ in keyed.values())
+        server.public = {index[n]: advert for n, (advert, _, _) in keyed.items()}
         listed = sorted(server.public)
-        advert = ConfigRecord({"nodes": pack_ints(listed),
-                               "c": pack_blobs([server.public[i][0] for i in listed]),
-                               "s": pack_blobs([server.public[i][1] for i in listed])})
+        adverts = [Advert(*server.public[i]) for i in listed]
+        advert = ConfigRecord({"nodes": pack_ints(listed), "layer": layer,
+                               "c": pack_blobs([a.c for a in adverts]),
+                               "s": pack_blobs([a.s for a in adverts]),
+                               "signature": pack_blobs([a.signature or b"-" for a in adverts]),
+                               "signer": pack_blobs([a.signer or b"-" for a in adverts])})
 
         def pairs(ids: str, blobs: str):
             """A reply's ``{site index: bytes}`` from its packed ids and byte strings."""
@@ -546,7 +568,7 @@ class _SecureVote:
             return read
 
         shares = self._exchange(grid, "share", "query.secagg_share",
-                                {n: RecordDict({"secagg": advert}) for n in public},
+                                {n: RecordDict({"secagg": advert}) for n in keyed},
                                 timeout, pairs("dst", "blob"), server_round)
         enough("share", len(shares))
         inbox = server.relay({index[n]: s for n, s in shares.items()})
@@ -561,19 +583,28 @@ class _SecureVote:
         def request(n: int) -> RecordDict:
             mine = inbox.get(index[n], {})
             return RecordDict({**mask_content(n), "secagg": ConfigRecord({
-                "src": pack_ints(sorted(mine)), "blob": pack_blobs([mine[s] for s in
-                                                                    sorted(mine)])})})
+                "layer": layer, "src": pack_ints(sorted(mine)),
+                "blob": pack_blobs([mine[s] for s in sorted(mine)])})})
 
         masked = self._exchange(grid, "masked", "train.secagg_masks",
                                 {n: request(n) for n in shares}, timeout, masked_of,
                                 server_round)
         enough("masked", len(masked))
         survivors = sorted(index[n] for n in masked)
-        dropped = [i for i in listed if i not in set(survivors)]
-        ask = ConfigRecord({"survivors": pack_ints(survivors), "dropped": pack_ints(dropped)})
-
+        ask = {"layer": layer, "survivors": pack_ints(survivors)}
+        asked = list(masked)
+        if authenticated:  # the consistency round: every survivor signs the survivor set
+            signed = self._exchange(
+                grid, "confirm", "query.secagg_confirm",
+                {n: RecordDict({"secagg": ConfigRecord(ask)}) for n in masked}, timeout,
+                lambda r: bytes(r.content["secagg"]["signature"]), server_round)
+            enough("confirm", len(signed))
+            signers = sorted(signed)
+            ask.update(signers=pack_ints([index[n] for n in signers]),
+                       signatures=pack_blobs([signed[n] for n in signers]))
+            asked = signers
         unmask = self._exchange(grid, "unmask", "query.secagg_unmask",
-                                {n: RecordDict({"secagg": ask}) for n in masked},
+                                {n: RecordDict({"secagg": ConfigRecord(ask)}) for n in asked},
                                 timeout, pairs("of", "share"), server_round)
         start = time.monotonic()
         try:
@@ -584,11 +615,17 @@ class _SecureVote:
         summary = self.secagg.setdefault("sum", {"seconds": 0.0, "votes": 0, "dropped": 0})
         summary["seconds"] += time.monotonic() - start
         summary["votes"] += 1
-        summary["dropped"] += len(dropped)
+        summary["dropped"] += len(set(listed) - set(survivors))
         summary.update({"sites": len(masked), "threshold": threshold,
+                        "authenticated": authenticated,
+                        "consistency_round": authenticated,
                         "bits_per_weight_up": 64 / (64 // agg_config.bits)})
         summary["bytes_up_per_site"] = summary.get("bytes_up_per_site", 0) \
             + agg_config.upload_bytes
+        if not authenticated:
+            logger.warning("SecAgg+ without authenticated sites (simulation): the keys are "
+                           "unsigned and there is no consistency round, so only an "
+                           "honest-but-curious server is covered")
         return total, sorted(masked)
 
 
@@ -626,7 +663,7 @@ class SecureIterativeFedPrLLM(_SecureVote, IterativeFedPrLLM):
             contents = self._layer_contents(server_round, self._nodes(grid))
             counts, sites = self._secure_counts(
                 grid, list(contents), MaskAggregator(self.model, 1, [layer]).shapes,
-                contents.__getitem__, timeout, layer + 1)
+                contents.__getitem__, timeout, layer + 1, layer)
             self.site_nodes[layer + 1] = sites
             self._finish_layer(layer, MaskAggregator.from_counts(self.model, counts, len(sites),
                                                                  [layer]))
@@ -792,7 +829,7 @@ class SecureStatsFedPrLLM(_SecureVote, StatsFedPrLLM):
                 content["shared"] = ConfigRecord(dict(shared))
             numel = sum(size for _, size in layout)
             total, sites = self._secure_sum(grid, list(contents), numel, 64,
-                                            contents.__getitem__, timeout, layer + 1)
+                                            contents.__getitem__, timeout, layer + 1, layer)
             summed = decode_fixed(total, layout, frac_bits, dtypes)
             try:
                 stats = decode_stats(summed, shared, features, layer, hessian)

@@ -181,13 +181,23 @@ class InProcessFederation:
 
     app = ""
 
+    #: the sites' own node config beyond their partition: by default simulated sites (this
+    #: harness plays the Simulation Engine) whose ledgers live in this federation's temporary
+    #: folder; a test of a deployed site sets ``{"site-mode": "deployment", ...}``
+    site_config: dict = {"site-mode": "simulation"}
+
     def __init__(self, n: int):
+        import tempfile
+
         from flwr.app import Context, RecordDict
         from flwr.supercore.task_identity import TaskIdentity
 
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        self.state = tempfile.TemporaryDirectory(prefix="fedcompress-test-state-")
         self.contexts = {100 + i: Context(run_id=1, node_id=100 + i,
-                                          node_config={"partition-id": i, "num-partitions": n},
+                                          node_config={"partition-id": i, "num-partitions": n,
+                                                       "state-dir": f"{self.state.name}/site-{i}",
+                                                       **self.site_config},
                                           state=RecordDict(), run_config={}, series_id=0)
                          for i in range(n)}
 

@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -199,6 +200,12 @@ class Deployment:
         self.address = f"127.0.0.1:{self.port}"
         # Key pairs 0-2 for the SuperNodes, 3 never registered.
         self.made = _make_certs().create(self.root / "certs", CLIENTS + 1, [])
+        # SecAgg+ between the registered sites: their node-auth keys sign their SecAgg keys,
+        # and each site holds the federation's public keys (the registered ones only)
+        self.peers = self.root / "certs" / "secagg-peers"
+        self.peers.mkdir()
+        for _, public in self.made["node_keys"][:CLIENTS]:
+            shutil.copy(public, self.peers / public.name)
         self.cli_env = self.env("cli")
         (self.root / "cli" / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
@@ -274,8 +281,17 @@ class Deployment:
             "--port", str(_free_port()),  # its Runtime API (for its SuperExec), on loopback
         ], self.env(name or f"supernode-{i}"))
 
+    #: the sites' policy keys in their node config (models, corpora, ...; none: the defaults)
+    policy: dict = {}
+
     def node_config(self, i: int) -> dict:
-        return {"partition-id": i, "num-partitions": CLIENTS, "data-path": str(self.sites[i])}
+        """Site ``i``'s node config: its partition, its data, its own state folder (ledger),
+        its SecAgg+ identity (its node-auth key) and peers, the models its policy accepts."""
+        config = {"partition-id": i, "num-partitions": CLIENTS, "data-path": str(self.sites[i]),
+                  "state-dir": str(self.root / f"site-{i}" / "state"),
+                  "secagg-key": str(self.made["node_keys"][i][0]),
+                  "secagg-peers": str(self.peers)}
+        return {**config, **self.policy}
 
     def start_sites(self) -> None:
         for i in range(CLIENTS):
@@ -350,6 +366,15 @@ def deployments(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("deploy")
     procs = Processes(root)
     deps = {name: Deployment(name, root, procs) for name in ("full", "missing")}
+    from conftest import build_tiny_task
+
+    # The sites' policy accepts the tiny model and task, and (research flag: the tests compare
+    # a deployed run with the in-process one) draws its secrets from the server's seeds.
+    task = build_tiny_task(root / "task")
+    for dep in deps.values():
+        dep.task = task
+        dep.policy = {"models": str(tiny_model_dir), "corpora": f"wiki,strategyqa,{task}",
+                      "research-reproducible-secrets": True}
     # Every site's data: the first documents of the bundled wiki train split (small: each
     # ClientApp process tokenizes it), a private copy per site.
     documents = WIKI.read_text().splitlines(keepends=True)[:20]
@@ -414,7 +439,6 @@ def test_deployed_privytune_equals_in_process(deployments, tiny_model_dir, tmp_p
     """PrunePrivyTune on the same deployment (TLS, registered sites): each site's cosine matrix,
     DP-LoRA rounds under its own accountant, the audit; equal to the in-process pipeline."""
     from conftest import (
-        build_tiny_task,
         privytune_in_process,
         privytune_tiny_settings,
         same_privytune_result,
@@ -422,8 +446,7 @@ def test_deployed_privytune_equals_in_process(deployments, tiny_model_dir, tmp_p
 
     dep = deployments["full"]
     dep.result.result()  # one run at a time on this SuperLink
-    task = build_tiny_task(tmp_path / "task")
-    settings = privytune_tiny_settings(tiny_model_dir, task, dep.root / "privytune",
+    settings = privytune_tiny_settings(tiny_model_dir, dep.task, dep.root / "privytune",
                                        clients=CLIENTS)
     run, log = dep.run(settings, method="privytune")
     assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"
@@ -459,8 +482,10 @@ def test_deployed_personalize_equals_in_process(deployments, tiny_model_dir, tmp
 
 def test_deployed_secure_vote_equals_in_process_vote(deployments, tiny_model_dir):
     """SecAgg+ on the deployment: every stage of a site may run in a new ClientApp process
-    (its keys and shares kept in the SuperNode's state between them); the model pruned from
-    the secure sum equals the in-process plain vote."""
+    (its keys and shares kept in the SuperNode's state between them); the sites sign their
+    SecAgg keys with their node-auth keys (node config secagg-key, secagg-peers) and run the
+    consistency round; the model pruned from the secure sum equals the in-process plain
+    vote."""
     from fedcompress.models import load_model
 
     dep = deployments["full"]
@@ -472,8 +497,9 @@ def test_deployed_secure_vote_equals_in_process_vote(deployments, tiny_model_dir
     report = json.loads((out / "report.json").read_text())
     assert report["rejected"] == [], report["rejected"]
     fed = report["results"][0]
-    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 4
+    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 5  # with the consistency round
     assert report["secagg"]["sum"]["dropped"] == 0
+    assert report["secagg"]["sum"]["authenticated"]  # keys signed with the node-auth keys
     reference = _reference_model(tiny_model_dir, {**settings, "secagg": False},
                                  [dep.node_config(i) for i in range(CLIENTS)])
     saved = load_model(str(out / "model"), device="cpu").model

@@ -143,11 +143,12 @@ def test_same_seed_same_weights(tiny_model, tiny_tokenizer):
 
 
 def test_dp_noise_is_secret_by_default(tiny_model, tiny_tokenizer):
-    """Without a noise seed the DP noise comes from fresh OS entropy: the same config (same
-    batches, same initialisation, so the same first loss) ends with different weights, and no
-    seed is reported (a reader who could replay the noise could subtract it)."""
+    """Without a noise seed the DP noise and the Poisson batches come from fresh OS entropy: the
+    same config (same initialisation) samples other batches (other losses) and ends with
+    different weights, and no seed is reported (a reader who could replay the noise could
+    subtract it; one who knew the batches would lose the amplification by subsampling)."""
     runs = _dp_runs(tiny_model, tiny_tokenizer, noise_seed=None)
-    assert runs[0][0][0] == runs[1][0][0]
+    assert runs[0][0] != runs[1][0]
     assert not all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
     assert not any("noise_seed" in n for n in runs[0][2])
     assert noise_seed(None) != noise_seed(None)

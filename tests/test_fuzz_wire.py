@@ -208,7 +208,7 @@ def test_garbled_shares_and_masked_votes_are_refused(secagg_round, share, words)
     config, sites, server, inbox = secagg_round
     copies = {n: SecAggSite.from_state(s.to_state()) for n, s in sites.items()}
     masked = {n: s.masked(np.ones(40, dtype=np.int64), inbox[n]) for n, s in copies.items()}
-    shares = {n: s.unmask([0, 1, 2], []) for n, s in copies.items()}
+    shares = {n: s.unmask([0, 1, 2]) for n, s in copies.items()}
     bad_words = np.frombuffer(words[:len(words) // 8 * 8], dtype=np.uint64).copy()
     for garbled_masked, garbled_shares in (
             ({**masked, 1: bad_words}, shares),

@@ -507,7 +507,7 @@ def _run_main(monkeypatch, capsys, *args):
     (["--eps", "nan"], "got nan"),
     (["--mechanism", "foo"], "mechanism must be one of 'santext', 'custext', got 'foo'"),
     (["--oov", "drop"], "oov must be one of 'keep', 'error', 'random', got 'drop'"),
-    (["--seed", "-1"], "seed must be a non-negative integer, got -1"),
+    (["--research-seed", "-1"], "seed must be a non-negative integer, got -1"),
     (["--top-k", "1"], "top_k must be an integer >= 2, got 1"),
 ])
 def test_cli_bad_options_fail_before_any_work(monkeypatch, capsys, tmp_path, args, message):
@@ -532,7 +532,7 @@ def test_cli_sanitize(monkeypatch, capsys, tmp_path):
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["sanitize", str(src), "--eps", "3", "--mechanism",
                                       "custext", "--top-k", "10", "--candidates", "3000",
-                                      "--seed", "1", "--out", str(out)])
+                                      "--research-seed", "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     (row,) = report["results"]
@@ -542,6 +542,7 @@ def test_cli_sanitize(monkeypatch, capsys, tmp_path):
     assert text.endswith(".\n") and len(text.split()) == 5
     (doc,) = [json.loads(line) for line in (out / "documents.jsonl").read_text().splitlines()]
     assert doc["eps_total"] == 15.0 and doc["mechanism"] == "custext"
+    assert report["seeds"] == {"research_seed": 1} and "does not hold" in report["draws"]
     # the same config reproduces the same text
     again = CliRunner().invoke(app, ["sanitize", "--config", str(out / "config.toml"),
                                      "--out", str(tmp_path / "again")])

@@ -1,5 +1,7 @@
-"""SecAgg+ of vote counts: lanes, the four stages in process, dropouts within and beyond the
-threshold, a server that cheats, and exact equality with the plain vote on real masks."""
+"""SecAgg+ of vote counts: lanes, the stages in process (unauthenticated, as in simulation, and
+authenticated with the consistency round), dropouts at every stage within and beyond the
+threshold, a server that cheats, and exact equality with the plain vote on real masks. The
+malicious server's attacks are in ``tests/adversarial/test_secagg_attacks.py``."""
 
 from __future__ import annotations
 
@@ -32,21 +34,22 @@ def test_lanes_round_trip_and_sum_without_carries():
         pack_lanes(np.array([16]), 4)
 
 
-def _run(n=5, t=3, numel=777, drop_before_mask=(), drop_before_unmask=(), seed=0):
+def _run(n=5, t=3, numel=777, drop_before_share=(), drop_before_mask=(),
+         drop_before_unmask=(), seed=0):
     rng = np.random.default_rng(seed)
     nodes = tuple(int(x) for x in rng.choice(10**6, n, replace=False))
     config = SecAggConfig(nodes, t, numel)
     sites = {node: SecAggSite(node, config) for node in nodes}
     server = SecAggServer(config)
     server.public = {node: site.advertise() for node, site in sites.items()}
-    shares = {node: site.share(server.public) for node, site in sites.items()}
+    shares = {node: site.share(server.public) for node, site in sites.items()
+              if node not in drop_before_share}
     inbox = server.relay(shares)
     votes = {node: rng.integers(0, 2, numel) for node in nodes}
     masked = {node: sites[node].masked(votes[node], inbox.get(node, {}))
-              for node in nodes if node not in drop_before_mask}
+              for node in shares if node not in drop_before_mask}
     survivors = sorted(masked)
-    dropped = [n for n in nodes if n not in masked]
-    unmask = {node: sites[node].unmask(survivors, dropped) for node in survivors
+    unmask = {node: sites[node].unmask(survivors) for node in survivors
               if node not in drop_before_unmask}
     counts = server.aggregate(masked, unmask)
     return counts, sum(votes[n] for n in survivors), masked, votes
@@ -61,14 +64,21 @@ def test_the_server_recovers_exactly_the_sum():
 
 
 def test_dropouts_within_the_threshold_keep_the_sum_exact():
-    _, _, _, _ = _run()
-    nodes_run = _run(n=6, t=3, seed=1)
-    nodes = sorted(nodes_run[2])
-    counts, expected, _, _ = _run(n=6, t=3, seed=1, drop_before_mask=nodes[:2])
+    nodes = sorted(_run(n=6, t=4, seed=1)[2])
+    counts, expected, _, _ = _run(n=6, t=4, seed=1, drop_before_mask=nodes[:2])
     assert np.array_equal(counts, expected)  # two sites lost before masking: their pairs undone
-    counts, expected, _, _ = _run(n=6, t=3, seed=1, drop_before_mask=nodes[:1],
-                                  drop_before_unmask=nodes[1:3])
+    seven = sorted(_run(n=7, t=4, seed=1)[2])
+    counts, expected, _, _ = _run(n=7, t=4, seed=1, drop_before_mask=seven[:1],
+                                  drop_before_unmask=seven[1:3])
     assert np.array_equal(counts, expected)  # and two more silent at the last stage
+    # lost between their keys and their shares: not in U2, nobody masks with them
+    counts, expected, masked, _ = _run(n=6, t=4, seed=1, drop_before_share=nodes[:2])
+    assert np.array_equal(counts, expected) and sorted(masked) == nodes[2:]
+    # one at each stage
+    counts, expected, masked, _ = _run(n=7, t=4, seed=1, drop_before_share=seven[:1],
+                                       drop_before_mask=seven[1:2],
+                                       drop_before_unmask=seven[2:3])
+    assert np.array_equal(counts, expected) and sorted(masked) == seven[2:]
 
 
 def test_too_many_dropouts_fail_clearly():
@@ -77,26 +87,37 @@ def test_too_many_dropouts_fail_clearly():
         _run(n=5, t=3, seed=2, drop_before_mask=nodes[:3])  # the sites refuse to unmask
     with pytest.raises(SecAggError, match="shares of node .*below the threshold 3"):
         _run(n=5, t=3, seed=2, drop_before_unmask=nodes[:3])
+    with pytest.raises(SecAggError, match=r"shares of 2 sites \(U2.*below the threshold 3"):
+        _run(n=5, t=3, seed=2, drop_before_share=nodes[:3])
 
 
-def test_sites_refuse_a_cheating_server():
+def _three():
     config = SecAggConfig((1, 2, 3), 2, 10)
     sites = {n: SecAggSite(n, config) for n in (1, 2, 3)}
     public = {n: s.advertise() for n, s in sites.items()}
-    with pytest.raises(SecAggError, match="another public key for this site"):
+    return config, sites, public
+
+
+def test_sites_refuse_a_cheating_server():
+    config, sites, public = _three()
+    with pytest.raises(SecAggError, match="another advertisement for this site"):
         sites[1].share({**public, 1: public[2]})
+    with pytest.raises(SecAggError, match="aborted"):  # a refused stage ends the vote
+        sites[1].share(public)
+    config, sites, public = _three()
     shares = {n: s.share(public) for n, s in sites.items()}
     inbox = SecAggServer(config).relay(shares)
-    with pytest.raises(SecAggError, match="unmask before"):
-        sites[1].unmask([1, 2], [3])
+    with pytest.raises(SecAggError, match="out of order"):
+        sites[1].unmask([1, 2])
     # a share addressed to another site, relayed to site 1
     with pytest.raises(SecAggError, match="do not decrypt|relayed wrongly"):
         sites[1].masked(np.zeros(10, int), {2: inbox[3][2]})
-    sites[1].masked(np.zeros(10, int), inbox[1])
-    with pytest.raises(SecAggError, match="named both survivor and dropped"):
-        sites[1].unmask([1, 2], [2])
+    sites[2].masked(np.zeros(10, int), inbox[2])
+    with pytest.raises(SecAggError, match="a site named twice"):
+        sites[2].unmask([1, 2, 2])
+    sites[3].masked(np.zeros(10, int), inbox[3])
     with pytest.raises(SecAggError, match="expected at least the threshold"):
-        sites[1].unmask([1], [2, 3])
+        sites[3].unmask([3])
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -139,7 +160,7 @@ def test_secure_counts_equal_the_plain_vote_bit_for_bit(tiny_dir):
     server = SecAggServer(config, {s.node: s.advertise() for s in sites})
     inbox = server.relay({s.node: s.share(server.public) for s in sites})
     masked = {s.node: s.masked(v.astype(np.int64), inbox[s.node]) for s, v in zip(sites, flat)}
-    counts = server.aggregate(masked, {s.node: s.unmask(config.nodes, []) for s in sites})
+    counts = server.aggregate(masked, {s.node: s.unmask(config.nodes) for s in sites})
     expected = torch.cat([plain.counts()[k].reshape(-1) for k in sorted(plain.shapes)])
     assert np.array_equal(counts, expected.numpy().astype(np.int64))
     assert config.upload_bytes == 8 * -(-flat[0].size // (64 // 3))
@@ -155,16 +176,38 @@ def test_a_site_resumes_from_its_stored_state():
     votes = {n: np.arange(50) % 2 for n in sites}
     masked = {n: s.masked(votes[n], inbox[n]) for n, s in sites.items()}
     sites = {n: SecAggSite.from_state(s.to_state()) for n, s in sites.items()}
-    counts = server.aggregate(masked, {n: s.unmask([1, 2, 3], []) for n, s in sites.items()})
+    counts = server.aggregate(masked, {n: s.unmask([1, 2, 3]) for n, s in sites.items()})
     assert np.array_equal(counts, 3 * (np.arange(50) % 2))
     with pytest.raises(SecAggError, match="stored SecAgg state unusable"):
         SecAggSite.from_state({"node": 1})
 
 
 # -- through the ClientApp and the strategy (in process; and the Simulation Engine) ------------
-def _flower(tiny_dir, drop: dict | None = None, **kw):
+def site_keys(folder, n: int) -> list[dict]:
+    """``n`` sites' SecAgg node config: node-auth style P-384 keys (OpenSSH) and the folder of
+    their public keys, as a deployed site (site-mode deployment) has them."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    peers = folder / "peers"
+    peers.mkdir(parents=True)
+    configs = []
+    for i in range(n):
+        key = ec.generate_private_key(ec.SECP384R1())
+        (folder / f"site-{i}").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption()))
+        (peers / f"site-{i}.pub").write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+        configs.append({"site-mode": "deployment", "secagg-key": str(folder / f"site-{i}"),
+                        "secagg-peers": str(peers)})
+    return configs
+
+
+def _flower(tiny_dir, drop: dict | None = None, keys: list[dict] | None = None, **kw):
     """The secure and the plain strategy over the same in-process federation; ``drop`` maps an
-    action to the partitions whose reply to it is lost."""
+    action to the partitions whose reply to it is lost; ``keys``: each site's SecAgg node
+    config (authenticated sites; default: unauthenticated simulated sites)."""
     from conftest import InProcessFederation
     from flwr.app import ArrayRecord, ConfigRecord
 
@@ -175,6 +218,11 @@ def _flower(tiny_dir, drop: dict | None = None, **kw):
     class Federation(InProcessFederation):
         app = "clients.app"
         errors_as_replies = True
+
+        def __init__(self, n):
+            super().__init__(n)
+            for i, extra in enumerate(keys or []):  # deployed sites accept the tiny model
+                self.contexts[100 + i].node_config.update({**extra, "models": tiny_dir})
 
         def send_and_receive(self, messages, timeout=None):
             lost = {100 + p for p in (drop or {}).get(messages[0].metadata.message_type, ())}
@@ -206,6 +254,40 @@ def test_secure_vote_through_flower_equals_the_plain_vote(tiny_dir):
     assert stats["sum"]["threshold"] == 4 and stats["sum"]["dropped"] == 0
     # 5 sites: 3-bit lanes, 21 weights per word
     assert stats["sum"]["bits_per_weight_up"] == pytest.approx(64 / 21)
+
+
+def test_authenticated_secure_vote_through_flower_runs_the_consistency_round(tiny_dir,
+                                                                            tmp_path):
+    """Deployed sites (site-mode deployment, keys in their node config): signed keys and the
+    consistency round, the same counts as the plain vote; a site lost at the confirm stage
+    still counts (4 of 5 signatures >= t); one lost at its keys or between its keys and its
+    shares is out."""
+    keys = site_keys(tmp_path, 5)
+    secure, plain = _flower(tiny_dir, keys=keys)
+    for key, counts in plain.aggregator.counts().items():
+        assert torch.equal(secure.aggregator.counts()[key], counts)
+    stats = secure.secagg
+    assert set(stats) == {"keys", "share", "masked", "confirm", "unmask", "sum"}
+    assert stats["sum"]["authenticated"] and stats["sum"]["consistency_round"]
+    secure, plain = _flower(tiny_dir, {"query.secagg_confirm": [2]}, keys=keys, min_clients=3)
+    assert secure.aggregator.clients == 5
+    for key, counts in plain.aggregator.counts().items():
+        assert torch.equal(secure.aggregator.counts()[key], counts)
+    for stage in ("query.secagg_keys", "query.secagg_share"):  # lost before its shares
+        secure, plain = _flower(tiny_dir, {stage: [1], "train.secagg_masks": [1]}, keys=keys,
+                                min_clients=3)
+        assert secure.aggregator.clients == 4  # "dropped": lost after advertising its keys
+        assert secure.secagg["sum"]["dropped"] == (stage == "query.secagg_share")
+        for key, counts in plain.aggregator.counts().items():
+            assert torch.equal(secure.aggregator.counts()[key], counts)
+
+
+def test_deployed_sites_without_keys_refuse_the_secure_vote(tiny_dir):
+    from strategies.fedprllm import NotEnoughClientsError
+
+    with pytest.raises(NotEnoughClientsError, match="SecAgg keys(.|\n)*set the node-config "
+                                                    "keys secagg-key"):
+        _flower(tiny_dir, keys=[{"site-mode": "deployment"}] * 5)
 
 
 def test_secure_vote_survives_dropouts_within_the_threshold(tiny_dir):
@@ -275,10 +357,17 @@ def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):
     spec.loader.exec_module(module)
     module.main(["--model", tiny_dir, "--clients", "4", "--windows", "2", "--seqlen", "16",
                  "--drop", "1", "--batch-size", "2", "--out", str(tmp_path)])
-    report = json.loads((tmp_path / "results.json").read_text())
-    assert all(r["identical_to_plain"] for r in report["secure"].values())
-    assert report["secure"]["secagg, 1 dropped"]["survivors"] == 3
-    assert "x packed" in (tmp_path / "report.md").read_text()
+    report = json.loads((tmp_path / "report.json").read_text())
+    secure = report["secure"]
+    assert all(r["identical_to_plain"] for r in secure.values())
+    assert secure["secagg, authenticated + consistency, 1 dropped"]["survivors"] == 3
+    auth, plain = secure["secagg, authenticated + consistency"], secure["secagg, unauthenticated"]
+    assert auth["authenticated"] and not plain["authenticated"]
+    assert auth["stages"]["confirm"]["bytes_up"] > 0 == plain["stages"]["confirm"]["bytes_up"]
+    assert auth["stages"]["keys"]["bytes_up"] > plain["stages"]["keys"]["bytes_up"]  # signed
+    text = (tmp_path / "report.md").read_text()
+    assert "x packed" in text and "| confirm |" in text
+    assert "python simulations/secagg_cost.py --model" in report["command_line"]
 
 
 def test_a_site_failing_at_its_masked_votes_is_a_dropout(tiny_dir):
@@ -337,3 +426,66 @@ def test_iterative_secure_votes_equal_the_plain_iterative_run(tiny_dir):
     flaky.start(Flaky(4), ArrayRecord())
     assert [flaky.layer_aggregators[i].clients for i in range(3)] == [4, 3, 4]
     assert flaky.resynced == {2: [102]}
+
+
+def test_iterative_authenticated_votes_one_per_layer(tiny_dir, tmp_path):
+    """Deployed, authenticated sites (keys in their node config): one vote per decoder layer,
+    each with its consistency round, the counts of the plain iterative run; each site's state
+    holds the layers it voted on (a second vote on one is refused)."""
+    from conftest import InProcessFederation
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
+    from fedcompress.models import load_model
+    from fedcompress.privacy.secagg import unpack_blobs
+    from strategies.fedprllm import IterativeFedPrLLM, make_strategy
+
+    keys = site_keys(tmp_path, 4)
+
+    class Federation(InProcessFederation):
+        app = "clients.app"
+
+        def __init__(self, n):
+            super().__init__(n)
+            for i in range(n):
+                self.contexts[100 + i].node_config.update({**keys[i], "models": tiny_dir})
+
+    config = FedPrLLMConfig(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16,
+                            batch_size=2, mode="iterative", secagg=True, min_clients=3)
+    model = load_model(tiny_dir, device="cpu").model
+    secure = make_strategy(config, model)
+    grid = Federation(4)
+    secure.start(grid, ArrayRecord())
+    assert secure.secagg["sum"]["votes"] == 3 and secure.secagg["sum"]["authenticated"]
+    assert secure.secagg["confirm"]["valid"] == 12
+    plain = IterativeFedPrLLM(config.replace(secagg=False), model)
+    other = Federation(4)
+    for rnd in range(1, plain.num_rounds + 1):
+        plain.aggregate_train(rnd, other.send_and_receive(plain.configure_train(
+            rnd, ArrayRecord(), ConfigRecord(), other)))
+    for layer, agg in plain.layer_aggregators.items():
+        for key, counts in agg.counts().items():
+            assert torch.equal(secure.layer_aggregators[layer].counts()[key], counts)
+    state = grid.contexts[100].state["fedprllm_secagg"]
+    assert len(unpack_blobs(state["history"])) == 3 and state["seed"] == b"-"
+
+
+def test_node_auth_keys_are_secagg_identities(tmp_path):
+    """The keys a SuperNode registers for node authentication (what docker/make_certs.py and
+    ``ssh-keygen -t ecdsa -b 384`` write, OpenSSH) are a site's SecAgg identity and peers as
+    they are; Flower's own primitives accept the same keys."""
+    import importlib.util
+
+    from flwr.supercore.primitives.asymmetric import uses_nist_ec_curve
+
+    from fedcompress.privacy.secagg import identity_public, load_identity, load_peers
+
+    spec = importlib.util.spec_from_file_location("make_certs", "docker/make_certs.py")
+    certs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(certs)
+    made = [certs.make_node_keys(tmp_path, f"supernode-{i}") for i in range(3)]
+    peers = load_peers(tmp_path)
+    assert sorted(peers.values()) == [f"supernode-{i}.pub" for i in range(3)]
+    for private, _ in made:
+        key = load_identity(private)
+        assert identity_public(key) in peers and uses_nist_ec_curve(key.public_key())

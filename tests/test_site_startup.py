@@ -39,8 +39,8 @@ after_app = sorted(sys.modules)
 TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 config = FedPrLLMConfig(model=sys.argv[1], clients=2, samples_per_client=2, seqlen=16,
                         batch_size=2)
-context = Context(run_id=1, node_id=100, node_config={"partition-id": 0, "num-partitions": 2},
-                  state=RecordDict(), run_config={}, series_id=0)
+context = Context(run_id=1, node_id=100, node_config={"partition-id": 0, "num-partitions": 2,
+                  "site-mode": "simulation"}, state=RecordDict(), run_config={}, series_id=0)
 replies = []
 for kind in ("query.warmup", "train.masks"):
     reply = app(Message(RecordDict({"config": settings_record(config)}), 100, kind), context)

@@ -95,10 +95,13 @@ def _message(config, kind: str):
 
 
 def _context(partition: int = 0, **node_config):
+    """A site's Context: a simulated site (its ledger in a temporary folder; these tests are
+    about the worker, the policy has its own in tests/adversarial)."""
     from flwr.app import Context, RecordDict
 
     return Context(run_id=1, node_id=100, node_config={"partition-id": partition,
-                                                       "num-partitions": 2, **node_config},
+                                                       "num-partitions": 2,
+                                                       "site-mode": "simulation", **node_config},
                    state=RecordDict(), run_config={}, series_id=0)
 
 
@@ -277,7 +280,8 @@ from clients.site_worker import message_from_bytes
 TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 socket_path, *messages = sys.argv[1:]
 context = Context(run_id=1, node_id=100, node_config={"partition-id": 0, "num-partitions": 2,
-                  "site-worker": socket_path}, state=RecordDict(), run_config={}, series_id=0)
+                  "site-worker": socket_path, "site-mode": "simulation"}, state=RecordDict(),
+                  run_config={}, series_id=0)
 replies = []
 for path in messages:
     reply = app(message_from_bytes(open(path, "rb").read()), context)
@@ -319,19 +323,36 @@ def test_thin_process_imports_no_torch_and_gets_the_fat_paths_masks(worker, tiny
 def test_context_state_round_trips_through_the_worker(worker, tiny_dir, tmp_path,
                                                       fedcompress_cache):
     """A SecAgg+ vote keeps each site's keys and shares in its Context's state between its
-    messages: through the worker the pruned model equals the fat path's."""
+    messages: through the worker the pruned model equals the fat path's. The sites are
+    deployed ones (site-mode deployment): authenticated by their P-384 keys (node config
+    secagg-key, secagg-peers), with the consistency round."""
     from conftest import InProcessFederation
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
 
     from fedcompress.models import load_model
     from server.fedprllm import run
+
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    for i in range(3):
+        key = ec.generate_private_key(ec.SECP384R1())
+        (tmp_path / f"site-{i}").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption()))
+        (peers / f"site-{i}.pub").write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
 
     class Federation(InProcessFederation):
         app = "clients.app"
 
         def __init__(self, n: int, path: str | None):
             super().__init__(n)
-            if path:
-                for context in self.contexts.values():
+            for i, context in enumerate(self.contexts.values()):
+                context.node_config.update({"site-mode": "deployment", "models": tiny_dir,
+                                            "secagg-key": str(tmp_path / f"site-{i}"),
+                                            "secagg-peers": str(peers)})
+                if path:
                     context.node_config["site-worker"] = path
 
     models = {}
@@ -343,9 +364,12 @@ def test_context_state_round_trips_through_the_worker(worker, tiny_dir, tmp_path
         report = json.loads((out / "report.json").read_text())
         assert report["status"] == "ok" and report["rejected"] == [], report
         assert report["results"][0]["valid_clients"] == 3
+        assert "confirmed the survivor set" in (out / "report.md").read_text()
         models[name] = load_model(str(out / "model"), device="cpu").model.state_dict()
     assert all(torch.equal(models["worker"][k], models["fat"][k]) for k in models["fat"])
+    assert report["secagg"]["sum"]["authenticated"], report["secagg"]
     assert "train.secagg_masks" in worker.log()  # the secure vote went through the worker
+    assert "query.secagg_confirm" in worker.log()
 
 
 def test_worker_dying_mid_message_is_a_clear_error(tiny_dir, tmp_path):
@@ -378,6 +402,7 @@ def test_deployed_site_with_a_worker_prunes_as_the_fat_path(tmp_path_factory, ti
     root = tmp_path_factory.mktemp("deploy-worker")
     procs = td.Processes(root)
     dep = td.Deployment("w", root, procs)
+    dep.policy = {"models": str(tiny_dir)}  # the sites' policy accepts the tiny model
     documents = td.WIKI.read_text().splitlines(keepends=True)[:20]
     for site in dep.sites:
         site.parent.mkdir()

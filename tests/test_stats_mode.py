@@ -378,7 +378,7 @@ def test_secagg_sums_signed_64_bit_lanes_exactly():
     inbox = server.relay({s.node: s.share(server.public) for s in sites})
     values = {i: rng.integers(-2**40, 2**40, 9).view(np.uint64) for i in range(3)}
     masked = {i: sites[i].masked(values[i], inbox.get(i, {})) for i in range(3)}
-    shares = {i: sites[i].unmask([0, 1, 2], [3]) for i in range(3)}
+    shares = {i: sites[i].unmask([0, 1, 2]) for i in range(3)}
     total = server.aggregate(masked, shares)
     assert total.dtype == np.int64
     assert total.tolist() == sum(v.view(np.int64) for v in values.values()).tolist()

@@ -38,10 +38,11 @@ import copy
 import functools
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -72,6 +73,10 @@ from fedcompress.layers import (
 from fedcompress.methods.base import Method
 from fedcompress.methods.evaluation import TaskEvalSettings, accuracy_cells, accuracy_columns
 from fedcompress.models import num_layers, remove_layers
+
+if TYPE_CHECKING:
+    from fedcompress.privacy.ledger import Ledger
+    from fedcompress.privacy.policy import SitePolicy
 
 __all__ = [
     "METHOD",
@@ -291,19 +296,40 @@ def sanitizer_for(mechanism: str, top_k: int, keep_stopwords: bool) -> Any:
                                            oov=OOVPolicy.RANDOM))
 
 
-def client_text(config: PPCGPTConfig, data: ClientData) -> tuple[list[dict[str, Any]],
-                                                                  dict[str, Any]]:
+def client_text(config: PPCGPTConfig, data: ClientData, policy: SitePolicy | None = None,
+                ledger: Ledger | None = None, run: str = ""
+                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Round 1 on a client: its training questions (and open choices) perturbed at
     ``config.eps`` per word, ids ``client<partition>-<i>``; and the privacy budget spent
     (:func:`perturb_records`). The draws come from a fresh secret seed unless
     ``config.noise_seed >= 0`` (then mixed with the partition): the run seed is known to the
-    server, and whoever knows the draws can narrow down the words that produced the output."""
-    from fedcompress.privacy.accounting import noise_seed
+    server, and whoever knows the draws can narrow down the words that produced the output.
 
+    A deployed site passes its ``policy`` and ``ledger`` (run id ``run``): ``eps`` per word is
+    bounded by ``max-epsilon``, a seed from the server is refused unless the site allows
+    reproducible secrets, and the release is checked against and recorded in the ledger (its
+    epsilon per word; privacy unit: one word) BEFORE anything is perturbed; the budget then
+    carries the ledger's values (``ledger_*``)."""
+    from fedcompress.privacy.accounting import noise_seed
+    from fedcompress.privacy.site import ledger_metrics
+
+    seeded = config.noise_seed >= 0
+    grant = None
+    if policy is not None and ledger is not None:
+        policy.check_epsilon(config.eps, "eps (per word)")
+        seeded = policy.check_known_seed("noise_seed", config.noise_seed)
+        bound = math.inf if policy.simulation else policy.max_epsilon
+        grant = ledger.text(run, "ppcgpt", "query.perturb", float(config.eps), bound,
+                            detail={"mechanism": config.mechanism,
+                                    "examples": len(data.train)})
     sanitizer = sanitizer_for(config.mechanism, config.top_k, config.keep_stopwords)
-    seed = noise_seed(None if config.noise_seed < 0 else config.noise_seed, data.partition)
-    return perturb_records(data.train, sanitizer, config.eps, seed=seed,
-                           prefix=f"client{data.partition}")
+    seed = noise_seed(config.noise_seed if seeded else None, data.partition)
+    examples, budget = perturb_records(data.train, sanitizer, config.eps, seed=seed,
+                                       prefix=f"client{data.partition}")
+    if grant is not None and policy is not None:
+        budget.update(ledger_metrics(policy, grant, dp=True))
+        budget["secrets_reproducible"] = 1 if seeded else 0
+    return examples, budget
 
 
 def privacy_notes(config: PPCGPTConfig, budgets: Sequence[Mapping[str, Any]]) -> str:

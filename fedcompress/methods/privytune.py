@@ -84,6 +84,9 @@ from fedcompress.privacy.extraction import (
     sequence_log_perplexities,
 )
 from fedcompress.privacy.finetune import MODES, FinetuneConfig, train_prepared
+from fedcompress.privacy.ledger import DpSgdMechanism, Ledger
+from fedcompress.privacy.policy import SitePolicy
+from fedcompress.privacy.site import ledger_metrics
 
 __all__ = [
     "METHOD",
@@ -533,17 +536,48 @@ def site_steps(config: PrivyTuneConfig, n: int) -> int:
 
 
 def site_train(config: PrivyTuneConfig, model: nn.Module, train: Encoded, pad: int,
-               server_round: int, partition: int) -> dict[str, Any]:
+               server_round: int, partition: int, policy: SitePolicy | None = None,
+               ledger: Ledger | None = None, run: str = "") -> dict[str, Any]:
     """One round at a site: DP-SGD on its data for ``local_epochs``, with the noise multiplier
     of its whole planned run; returns the metrics (epsilon spent after this round included).
-    ``model`` holds the global trainable weights on entry and the site's on return."""
+    ``model`` holds the global trainable weights on entry and the site's on return.
+
+    A deployed site passes its ``policy`` and ``ledger`` (run id ``run``): then epsilon and
+    delta are bounded by the policy (no DP only with ``allow-no-dp``), a seed the server sent
+    for the noise is refused unless the site allows reproducible secrets, and the round is
+    checked against and recorded in the ledger BEFORE training: the run's first round fixes
+    sigma, q, delta and the target; a round beyond the run's budget, or one that changes them,
+    is refused (:class:`~fedcompress.privacy.policy.PolicyError`). ``epsilon_spent`` is then the
+    ledger's run epsilon (the site's own accountant over all the run's steps), not a value
+    derived from the server's round number. The Poisson sampling and the noise come from OS
+    entropy unless a seed is allowed (the metrics' ``secrets_reproducible`` then says 1)."""
     n = len(train)
     steps = site_steps(config, n)
     sigma = None
+    grant = None
+    epsilon: float | None = config.epsilon if config.private else None
+    seeded = config.dp_noise_seed >= 0
+    if policy is not None:
+        epsilon = policy.check_epsilon(epsilon, "epsilon")
+        if epsilon is not None:
+            policy.check_delta(config.dp_delta)
+        seeded = policy.check_known_seed("dp_noise_seed", config.dp_noise_seed)
+        config = config.replace(epsilon=epsilon or 0.0,
+                                dp_noise_seed=config.dp_noise_seed if seeded else -1)
+    q = min(1.0, config.batch_size / n)
     if config.private:
-        q = min(1.0, config.batch_size / n)
         sigma = noise_multiplier(config.epsilon, config.dp_delta, q, steps * config.rounds,
                                  config.accountant)
+        if ledger is not None:
+            grant = ledger.dp_sgd(run, "privytune", "train.dplora",
+                                  DpSgdMechanism(sigma=sigma, sample_rate=q,
+                                                 delta=config.dp_delta,
+                                                 accountant=config.accountant,
+                                                 target_epsilon=float(config.epsilon)),
+                                  steps, detail={"round": server_round})
+    elif ledger is not None and policy is not None:
+        grant = ledger.not_dp(run, "privytune", "train.dplora",
+                              detail={"round": server_round, "note": "trained without DP"})
     seed = config.seed + 1000 * server_round + partition
     result = train_prepared(model, train, config.finetune_config(config.local_epochs, seed),
                              pad, sigma=sigma, progress=False)
@@ -553,10 +587,14 @@ def site_train(config: PrivyTuneConfig, model: nn.Module, train: Encoded, pad: i
                                "loss_first": result.losses[0], "loss_last": result.losses[-1],
                                "seconds": result.seconds}
     if sigma is not None:
-        q = min(1.0, config.batch_size / n)
         metrics.update({"sigma": sigma, "sample_rate": q,
                         "epsilon_spent": epsilon_spent(sigma, q, steps * server_round,
                                                        config.dp_delta, config.accountant)})
+    if grant is not None and policy is not None:
+        if sigma is not None:
+            metrics["epsilon_spent"] = grant.run_epsilon
+        metrics.update(ledger_metrics(policy, grant, dp=sigma is not None))
+        metrics["secrets_reproducible"] = 1 if seeded else 0
     return metrics
 
 

@@ -30,10 +30,13 @@ runs see the same expected number of examples.
 **Optimiser.** AdamW (``lr``, no weight decay on the LoRA factors by default) on the trainable
 parameters, constant learning rate. Loss: cross-entropy of the class logits in ``CALC_DTYPE``.
 
-**Seeds.** LoRA initialisation, the encoder head, dropout and the batches (permutations or Poisson
-masks) derive from ``seed``; the caller's RNG state is restored afterwards. The DP noise does NOT:
-by default it is drawn from a fresh secret seed (OS entropy, never recorded), because anyone who
-knows the noise can subtract it and the guarantee is gone; ``noise_seed`` makes it reproducible
+**Seeds.** LoRA initialisation, the encoder head, dropout and the batches without DP
+(permutations) derive from ``seed``; the caller's RNG state is restored afterwards. The DP noise
+and the DP batches (Poisson samples) do NOT: by default both are drawn from fresh secret seeds
+(OS entropy, never recorded), because anyone who knows the noise can subtract it and the
+guarantee is gone, and anyone who knows which examples each step sampled loses the
+amplification by subsampling (a claimed epsilon 8 becomes about 32 for the worst example);
+``noise_seed`` makes both reproducible
 for research (:func:`fedcompress.privacy.accounting.noise_seed`), and the result's notes then say
 that the epsilon does not hold against whoever knows that seed. With ``noise_seed`` set (or
 without DP), same inputs and config give the same losses and weights on the CPU.
@@ -114,9 +117,10 @@ class FinetuneConfig:
             ``signal_skip_step``, as its ``BatchMemoryManager`` does) and the noise is added
             once; without DP the chunks' gradients are accumulated. Memory then grows with this
             size, not the batch: DP per-example gradients cost ``trainable x chunk x 4`` bytes.
-        noise_seed: Seed of the DP noise: None (default) a fresh secret one; an int >= 0
-            reproducible noise, mixed with ``seed`` (so a federated site's rounds differ;
-            research only: the epsilon does not hold against whoever knows it).
+        noise_seed: Seed of the DP noise and of the DP Poisson sampling: None (default)
+            fresh secret ones; an int >= 0 reproducible draws, mixed with ``seed`` (so a
+            federated site's rounds differ; research only: the epsilon does not hold against
+            whoever knows it).
     """
 
     mode: str = "lora"
@@ -313,7 +317,9 @@ def train_prepared(model: nn.Module, train: Encoded, config: FinetuneConfig, pad
             noise = torch.Generator(device=device).manual_seed(
                 noise_seed(config.noise_seed, config.seed))
             runner, optimizer = _make_private(model, optimizer, sigma, config, noise)
-        generator = torch.Generator().manual_seed(config.seed)
+        # DP's Poisson sampling is secret too (module docstring); a salt apart from the noise's
+        generator = torch.Generator().manual_seed(
+            noise_seed(config.noise_seed, config.seed, 1) if config.private else config.seed)
         losses: list[float] = []
         runner.train()
         start = time.perf_counter()
@@ -349,7 +355,8 @@ def train_prepared(model: nn.Module, train: Encoded, config: FinetuneConfig, pad
                 f", epsilon spent {budget.spent:.3f}" if budget else "")
     notes = []
     if config.private and config.noise_seed is not None:
-        notes.append(f"DP noise reproducible from noise_seed={config.noise_seed}: the epsilon "
+        notes.append(f"DP noise and sampling reproducible from noise_seed={config.noise_seed}: "
+                     "the epsilon "
                      "does NOT hold against anyone who knows that seed (research only)")
     return FinetuneResult(model, losses, steps, trainable, seconds, budget, notes)
 

@@ -1,7 +1,8 @@
-"""Secure aggregation of vote counts (SecAgg+, Bell et al. 2020, on the complete graph): the
-server learns the SUM of the sites' integer vectors and nothing else, also when sites drop out
-(up to ``n - threshold``). Plain functions and per-party state, no Flower: the Flower layer
-carries the four stages' messages.
+"""Secure aggregation of vote counts (SecAgg+, Bell et al. 2020, on the complete graph, with the
+authenticated key agreement and the consistency round of Bonawitz et al. CCS'17 §4): the server
+learns the SUM of the sites' integer vectors and nothing else, also when sites drop out (up to
+``n - threshold``), and also when it deviates from the protocol. Plain functions and per-party
+state, no Flower: the Flower layer carries the five stages' messages.
 
 **What is summed.** Each site's vector is small non-negative integers (a prune mask: 0/1 per
 weight). The sum of ``n`` sites fits in ``b = bit_length(n)`` bits per coordinate, so ``64 // b``
@@ -11,53 +12,99 @@ carry crosses lanes (:func:`unpack_lanes`). A site uploads ``b`` bits per weight
 for the plain bit-packed mask: ``log2(n + 1)`` bits per coordinate is the least any masking
 scheme can send, since a masked value must be uniform over a group that holds the sum.
 
-**Stages** (``i``, ``j``: sites by node id; ``t``: threshold):
+**One vote** (:class:`SecAggConfig`): the run, round and layer, the sites' number ``n`` (indices
+``0..n-1``), the threshold ``t``, the vector length and lane width; its digest
+(:attr:`SecAggConfig.vote_id`) is in every signature, share plaintext and mask stream of the
+vote. **Stages** (each once, in this order, at a site: :class:`SecAggSite` is a state machine
+that refuses a repeated, out-of-order or other-vote stage; ``i``, ``j``: site indices):
 
-1. *advertise keys*: each site makes two P-384 key pairs, ``c`` (channel) and ``s`` (masks), and
-   sends both public keys; the server broadcasts them all.
-2. *share keys*: each site draws a 32-byte self-mask seed ``b_i``, splits ``b_i`` and its ``s``
-   private key into ``n`` Shamir shares of threshold ``t`` (:func:`create_shares`), and sends
-   site ``j``'s pair of shares encrypted under the ECDH key of ``c_i`` and ``c_j``
-   (:func:`agree`, Fernet); the server forwards them (it cannot read them).
-3. *masked input*: ``y_i = x_i + PRG(b_i) + sum_{j > i} PRG(s_ij) - sum_{j < i} PRG(s_ij)``
-   mod 2^64 per word, with ``s_ij`` the ECDH key of ``s_i`` and ``s_j``.
-4. *unmask*: the server names the sites whose ``y`` arrived (survivors, at least ``t``) and the
-   others (dropped); each survivor returns its share of ``b_j`` for every survivor ``j`` and of
-   ``s_j``'s private key for every dropped ``j`` (never both for one site: checked); from ``t``
-   shares the server rebuilds the seeds, removes ``PRG(b_j)`` of the survivors and the dropped
-   sites' pairwise masks, and has the sum of the survivors' vectors.
+1. *keys* (U1): each site checks ``t`` against its own minimum (its policy, from the size of
+   the federation), makes two fresh P-384 key pairs, ``c`` (channel) and ``s`` (masks), and a
+   fresh 32-byte self-mask seed ``b_i`` (OS entropy; never recorded, never sent), and sends
+   ``c_pub, s_pub`` signed with its long-term identity key (ECDSA-SHA384 over the vote id, its
+   index and both keys; :class:`Advert`).
+2. *share* (U2): each site verifies every relayed advertisement against the federation's public
+   keys that it holds itself (an unknown, unsigned, duplicated or swapped key refuses the
+   vote; its own must come back unchanged), splits ``b_i`` and its ``s`` private key into
+   Shamir shares of threshold ``t`` (:func:`create_shares`) and sends site ``j``'s pair
+   encrypted under the ECDH key of ``c_i`` and ``c_j`` (Fernet; the plaintext names the vote,
+   source and destination).
+3. *masked input* (U3): the sites whose shares reached a site form its U2 (a subset of U1 of at
+   least ``t`` sites, itself included); ``y_i = x_i + PRG(b_i) + sum_{j in U2, j > i}
+   PRG(s_ij) - sum_{j in U2, j < i} PRG(s_ij)`` mod 2^64 per word, every stream keyed by HKDF of
+   its secret with the vote id and its purpose as info (:func:`mask_stream`), so no two
+   uploads of any vote share a stream.
+4. *confirm* (consistency round): the server announces the survivor set U3 (the sites whose
+   ``y`` arrived); each survivor checks it (a subset of its U2, at least ``t``, itself in it)
+   and signs (vote id, U3).
+5. *unmask*: the server relays the signatures; a site reveals shares only after at least ``t``
+   valid signatures on the SAME U3 from distinct authenticated survivors; it returns its share
+   of ``b_j`` for every ``j`` in U3 and of ``s_j``'s private key for every ``j`` in U2 \\ U3
+   (it computes U2 \\ U3 itself, so never both for one site); from ``t`` shares the server
+   rebuilds the seeds, removes ``PRG(b_j)`` of the survivors and the dropped sites' pairwise
+   masks, and has the sum of the survivors' vectors.
+
+A site lost between *keys* and *share* is simply not in U2 (nobody masks with it); one lost
+between *share* and *masked* is in U2 \\ U3 (its pairwise masks undone from the others'
+shares); one lost after *masked* still counts (its seed rebuilt from ``t`` shares).
 
 **Primitives.** The same constructions as Flower's secure-aggregation primitives
 (``flwr.common.secure_aggregation``), called on the libraries those wrap, since the library
 imports no Flower (tests check the interoperability: keys, shares): ECDH on P-384 then
-HKDF-SHA256 to 32 bytes; Fernet for the channel; Shamir's scheme over GF(2^128) on 16-byte chunks
-of the padded secret (``pycryptodome``), a share being its 4-byte index and the chunks' shares.
-**PRG**: AES-256 in counter mode keyed by the 32-byte seed or derived key, NOT Flower's
-``pseudo_rand_gen``, whose numpy generator is seeded with 32 bits folded from the key (2^32
-candidate masks: searchable by the server).
+HKDF-SHA256 to 32 bytes (:func:`agree`); Fernet for the channel; Shamir's scheme over GF(2^128)
+on 16-byte chunks of the padded secret (``pycryptodome``), a share being its 4-byte index and the
+chunks' shares. **PRG**: AES-256 in counter mode keyed by an HKDF-SHA256 expansion of the seed
+or pairwise key with the vote id as info, NOT Flower's ``pseudo_rand_gen``, whose numpy
+generator is seeded with 32 bits folded from the key (2^32 candidate masks: searchable).
 
-**Protects against** an honest-but-curious server, and up to ``t - 1`` colluding sites with
-it: no coalition below the threshold learns a site's vector beyond what the sum reveals. **Does
-not protect against** a malicious server that lies about who dropped in a way sites cannot
-check (the SecAgg+ paper's consistency round is not implemented), sites that send a wrong
-vector (the sum is exact, but of whatever was sent: sparsity or range proofs are out of scope,
-so the Hamming defence of :mod:`fedcompress.masks.robust` is impossible here), or what the sum
-itself reveals (with two sites, each learns the other's mask from the sum and its own).
+**Protects against** a malicious server (it may drop, reorder, replay, forge or withhold any
+message) when the sites are authenticated (a PKI of the sites' long-term P-384 keys, e.g. the
+keys SuperNodes register for node authentication, reaching each site by its own node config),
+together with up to ``t - 1`` colluding sites: the server learns at most one sum per vote, over
+at least ``t`` sites that all confirmed the same survivor set. In particular: a second masked
+request, a split view of the survivors, swapped or invented (Sybil) keys, a threshold below the
+site's own minimum, a stage replayed from or addressed to another vote or layer, each refused.
+A site takes nothing of this from the server: its threshold floor comes from its policy, its
+peers' keys from its own folder, its secrets from OS entropy.
+
+**Does not protect against**: sites that send a wrong vector (the sum is exact, but of whatever
+was sent: no range or sparsity proofs, so the Hamming defence of :mod:`fedcompress.masks.robust`
+is impossible here); what the sum itself reveals (with ``t`` sites of which ``t - 1`` collude,
+the sum gives away the last one's vector; with two sites, each learns the other's); a server
+that controls the distribution of the peers' public keys (then it can be every peer); more
+than ``t - 1`` colluding sites; votes repeated over different runs on the same input (a site
+refuses a second vote on a layer within a run, but a new run is a new vote: differencing sums
+over different survivor sets across runs is a policy question of how many runs a site answers);
+traffic analysis (who dropped). **In simulation** (no keys configured) the advertisements are
+unsigned and there is no consistency round: then only an honest-but-curious server is
+covered, and :attr:`SecAggSite.authenticated` says so for the report.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
-from cryptography.hazmat.primitives import serialization
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 CURVE = ec.SECP384R1()
 SEED_BYTES = 32
+#: The protocol's name and version, first in everything a site signs or derives
+DOMAIN = b"fedcompress-secagg+/2"
+#: The stages of one vote at a site, in order
+STAGES = ("keys", "share", "masked", "confirm", "unmask")
+
+logger = logging.getLogger(__name__)
 
 
 class SecAggError(ValueError):
@@ -167,11 +214,26 @@ def unpack_blobs(data: bytes, what: str = "blobs") -> list[bytes]:
 
 # -- primitives -----------------------------------------------------------------------------------
 def prg(seed: bytes, n_words: int) -> np.ndarray:
-    """``n_words`` pseudo-random uint64 from a 32-byte seed: AES-256-CTR of zeros."""
+    """``n_words`` pseudo-random uint64 from a 32-byte key: AES-256-CTR of zeros. Never called
+    on a raw seed or pairwise key, only on the per-vote, per-purpose key of
+    :func:`mask_stream` (so the zero nonce is never reused under one key)."""
     if len(seed) != SEED_BYTES:
         raise SecAggError(f"a PRG seed of {len(seed)} bytes: expected {SEED_BYTES}")
     stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
     return np.frombuffer(stream.update(bytes(8 * n_words)), dtype="<u8").astype(np.uint64)
+
+
+def mask_stream(secret: bytes, vote_id: bytes, purpose: bytes, n_words: int) -> np.ndarray:
+    """The mask words of one purpose (``b"self"``: a self-mask seed; ``b"pair"``: a pairwise
+    key) in one vote: :func:`prg` keyed by HKDF-SHA256 of ``secret`` with the protocol, the
+    purpose and the vote id as info. Another vote (or purpose) gives an independent stream,
+    even from the same secret."""
+    if len(secret) != SEED_BYTES or len(vote_id) != 32:
+        raise SecAggError(f"a mask secret of {len(secret)} bytes and a vote id of "
+                          f"{len(vote_id)}: expected {SEED_BYTES} and 32")
+    key = HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None,
+               info=DOMAIN + b"/mask/" + purpose + b"/" + vote_id).derive(secret)
+    return prg(key, n_words)
 
 
 def _public_bytes(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -203,9 +265,6 @@ def _load_private(data: bytes, what: str) -> ec.EllipticCurvePrivateKey:
 
 def agree(private: ec.EllipticCurvePrivateKey, public: ec.EllipticCurvePublicKey) -> bytes:
     """32 bytes from an ECDH exchange: HKDF-SHA256 (no salt, no info) of the shared secret."""
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
                 info=None).derive(private.exchange(ec.ECDH(), public))
 
@@ -252,33 +311,141 @@ def combine_shares(shares: Sequence[bytes]) -> bytes:
         raise SecAggError(f"shares do not combine to a padded secret: {err}") from None
 
 
-def _pack_shares(src: int, dst: int, seed_share: bytes, key_share: bytes) -> bytes:
-    """The plaintext of a pair of shares: source and destination (8 bytes each), the seed
-    share's length (4 bytes), the seed share, the key share."""
-    return (src.to_bytes(8, "little") + dst.to_bytes(8, "little")
+def _pack_shares(vote_id: bytes, src: int, dst: int, seed_share: bytes, key_share: bytes
+                 ) -> bytes:
+    """The plaintext of a pair of shares: the vote id (32 bytes), source and destination (8
+    bytes each), the seed share's length (4 bytes), the seed share, the key share."""
+    return (vote_id + src.to_bytes(8, "little") + dst.to_bytes(8, "little")
             + len(seed_share).to_bytes(4, "little") + seed_share + key_share)
 
 
-def _unpack_shares(plain: bytes) -> tuple[int, int, bytes, bytes]:
-    if len(plain) < 20:
-        raise SecAggError("a share plaintext of fewer than 20 bytes")
-    n = int.from_bytes(plain[16:20], "little")
-    if 20 + n > len(plain):
+def _unpack_shares(plain: bytes) -> tuple[bytes, int, int, bytes, bytes]:
+    if len(plain) < 52:
+        raise SecAggError("a share plaintext of fewer than 52 bytes")
+    n = int.from_bytes(plain[48:52], "little")
+    if 52 + n > len(plain):
         raise SecAggError("a share plaintext shorter than its seed share")
-    return (int.from_bytes(plain[:8], "little"), int.from_bytes(plain[8:16], "little"),
-            plain[20:20 + n], plain[20 + n:])
+    return (plain[:32], int.from_bytes(plain[32:40], "little"),
+            int.from_bytes(plain[40:48], "little"), plain[52:52 + n], plain[52 + n:])
+
+
+# -- identities: the federation's long-term keys (a PKI the server does not control) -----------
+def identity_public(key: ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey) -> bytes:
+    """A long-term key's public point (X9.62 uncompressed): how a site names a peer."""
+    public = key.public_key() if isinstance(key, ec.EllipticCurvePrivateKey) else key
+    return public.public_bytes(serialization.Encoding.X962,
+                               serialization.PublicFormat.UncompressedPoint)
+
+
+def _check_p384(key, what: str) -> None:
+    if not isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey) \
+            or key.curve.name != CURVE.name:
+        raise SecAggError(f"{what}: expected a P-384 (secp384r1) elliptic-curve key")
+
+
+def load_identity(path: str | Path) -> ec.EllipticCurvePrivateKey:
+    """This site's long-term signing key: a P-384 private key file, OpenSSH (what ``ssh-keygen
+    -t ecdsa -b 384`` and the SuperNode node-auth keys are) or PEM, unencrypted."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise SecAggError(f"SecAgg identity key {str(path)!r}: {err.strerror}") from None
+    key = None
+    for loader in (serialization.load_ssh_private_key, serialization.load_pem_private_key):
+        try:
+            key = loader(data, None)
+            break
+        except (ValueError, TypeError, UnsupportedAlgorithm):
+            continue
+    if key is None:
+        raise SecAggError(f"SecAgg identity key {str(path)!r}: not an unencrypted OpenSSH or "
+                          "PEM private key")
+    _check_p384(key, f"SecAgg identity key {str(path)!r}")
+    return key  # type: ignore[return-value]
+
+
+def load_public_key(data: bytes, what: str) -> ec.EllipticCurvePublicKey:
+    """A P-384 public key, OpenSSH (``ecdsa-sha2-nistp384 AAAA... comment``) or PEM."""
+    text = bytes(data).strip()
+    try:
+        key = (serialization.load_ssh_public_key(text.split(b"\n")[0]) if text.startswith(
+            b"ecdsa-sha2-") else serialization.load_pem_public_key(text))
+    except (ValueError, TypeError, UnsupportedAlgorithm) as err:
+        raise SecAggError(f"{what}: not an OpenSSH or PEM public key ({err})") from None
+    _check_p384(key, what)
+    return key  # type: ignore[return-value]
+
+
+def load_peers(folder: str | Path) -> dict[bytes, str]:
+    """The federation's public keys (every ``*.pub`` in ``folder``, this site's own included)
+    by their public point, each with its file name. A key in two files is refused (one
+    identity, one site)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SecAggError(f"SecAgg peers folder {str(folder)!r} does not exist")
+    peers: dict[bytes, str] = {}
+    for path in sorted(folder.glob("*.pub")):
+        point = identity_public(load_public_key(path.read_bytes(), f"peer key {path.name}"))
+        if point in peers:
+            raise SecAggError(f"peer keys {peers[point]} and {path.name} are the same key")
+        peers[point] = path.name
+    if not peers:
+        raise SecAggError(f"SecAgg peers folder {str(folder)!r} holds no *.pub key")
+    return peers
+
+
+def _sign(key: ec.EllipticCurvePrivateKey, payload: bytes) -> bytes:
+    return key.sign(payload, ec.ECDSA(hashes.SHA384()))
+
+
+def _verifies(signer: bytes, signature: bytes, payload: bytes) -> bool:
+    try:
+        ec.EllipticCurvePublicKey.from_encoded_point(CURVE, signer).verify(
+            bytes(signature), payload, ec.ECDSA(hashes.SHA384()))
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+    return True
+
+
+def _blob(b: bytes) -> bytes:
+    return len(b).to_bytes(4, "little") + bytes(b)
+
+
+def advert_payload(vote_id: bytes, index: int, c: bytes, s: bytes) -> bytes:
+    """What a site signs at the keys stage: the vote, its index in the vote and both keys."""
+    return DOMAIN + b"/advert/" + vote_id + int(index).to_bytes(8, "little") + _blob(c) + _blob(s)
+
+
+def survivors_payload(vote_id: bytes, survivors: Iterable[int]) -> bytes:
+    """What a survivor signs in the consistency round: the vote and the sorted survivor set."""
+    return DOMAIN + b"/survivors/" + vote_id + pack_ints(sorted(int(n) for n in survivors))
+
+
+class Advert(NamedTuple):
+    """A site's keys stage: its channel and mask public keys, and (authenticated) their
+    signature and the signer's long-term public key (empty: unauthenticated)."""
+
+    c: bytes
+    s: bytes
+    signature: bytes = b""
+    signer: bytes = b""
 
 
 # -- the parties ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SecAggConfig:
-    """One aggregation: the sites (node ids), the threshold ``t``, the vector length and the
-    lane width (default: enough for the sum of the sites' 0/1 votes)."""
+    """One vote: the sites (indices or node ids), the threshold ``t``, the vector length and
+    the lane width (default: enough for the sum of the sites' 0/1 votes), and the run, round
+    and layer it belongs to (``layer=-1``: every layer at once)."""
 
     nodes: tuple[int, ...]
     threshold: int
     numel: int
     bits: int = 0
+    run: int = 0
+    round: int = 0
+    layer: int = -1
 
     def __post_init__(self) -> None:
         nodes = tuple(int(n) for n in self.nodes)
@@ -305,149 +472,417 @@ class SecAggConfig:
         """Bytes of one site's masked vector."""
         return 8 * self.n_words
 
+    @property
+    def vote_id(self) -> bytes:
+        """32 bytes naming this vote (every field): in every signature, share and mask stream."""
+        text = (f"{self.run}|{self.round}|{self.layer}|{','.join(map(str, self.nodes))}|"
+                f"{self.threshold}|{self.numel}|{self.bits}")
+        return hashlib.sha256(DOMAIN + b"/vote/" + text.encode()).digest()
+
+    @property
+    def slot(self) -> bytes:
+        """The input this vote sums: (run, layer). A site takes part in one vote per slot."""
+        return hashlib.sha256(DOMAIN + b"/slot/" + f"{self.run}|{self.layer}".encode()
+                              ).digest()[:16]
+
+    def describe(self) -> str:
+        return (f"vote of run {self.run}, round {self.round}, "
+                f"{'every layer' if self.layer < 0 else f'layer {self.layer}'}")
+
+
+def majority(sites: int) -> int:
+    """The smallest threshold a site accepts by default: more than half the sites (>= 2)."""
+    return max(2, sites // 2 + 1)
+
 
 @dataclass
 class SecAggSite:
-    """One site's side of the protocol (its secrets never leave it except as shares)."""
+    """One site's side of one vote: a state machine over :data:`STAGES` (each stage once, in
+    order; the consistency round may be skipped only unauthenticated); a refused stage aborts
+    the vote. Constructing it is the keys stage: fresh keys and seed from OS entropy.
+
+    ``min_threshold``: the site's own floor (default :func:`majority` of the vote's sites);
+    ``identity`` and ``peers`` (both or neither): its long-term P-384 key and the federation's
+    public keys (:func:`load_identity`, :func:`load_peers`): the vote is then authenticated;
+    ``history``: the slots of the votes this site already began in this run."""
 
     node: int
     config: SecAggConfig
-    _c: ec.EllipticCurvePrivateKey = field(init=False, repr=False)
-    _s: ec.EllipticCurvePrivateKey = field(init=False, repr=False)
-    _seed: bytes = field(init=False, repr=False)
-    _public: dict[int, tuple[bytes, bytes]] = field(init=False, default_factory=dict)
-    _received: dict[int, tuple[bytes, bytes]] = field(init=False, default_factory=dict)
-    _sent_masked: bool = field(init=False, default=False)
+    min_threshold: int | None = None
+    identity: ec.EllipticCurvePrivateKey | None = field(default=None, repr=False)
+    peers: Mapping[bytes, str] | None = field(default=None, repr=False)
+    history: tuple[bytes, ...] = ()
+    _c: ec.EllipticCurvePrivateKey | None = field(init=False, repr=False, default=None)
+    _s: ec.EllipticCurvePrivateKey | None = field(init=False, repr=False, default=None)
+    _seed: bytes = field(init=False, repr=False, default=b"")
+    _advert: Advert = field(init=False, repr=False, default=Advert(b"", b""))
+    _u1: dict[int, Advert] = field(init=False, repr=False, default_factory=dict)
+    _u2: tuple[int, ...] = field(init=False, default=())
+    _received: dict[int, tuple[bytes, bytes]] = field(init=False, repr=False,
+                                                      default_factory=dict)
+    _survivors: tuple[int, ...] = field(init=False, default=())
+    _done: list[str] = field(init=False, default_factory=list)
+    _aborted: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
-        if self.node not in self.config.nodes:
-            raise SecAggError(f"node {self.node} is not one of the aggregation's sites")
+        cfg = self.config
+        if self.node not in cfg.nodes:
+            raise SecAggError(f"node {self.node} is not one of the vote's sites")
+        if (self.identity is None) != (self.peers is None):
+            raise SecAggError("an authenticated vote needs both this site's identity key and "
+                              "the federation's public keys")
+        federation = len(cfg.nodes)
+        if self.identity is not None:
+            assert self.peers is not None
+            _check_p384(self.identity, "this site's identity key")
+            if identity_public(self.identity) not in self.peers:
+                raise SecAggError("this site's own identity key is not among the federation's "
+                                  "public keys: refused")
+            federation = len(self.peers)
+            if len(cfg.nodes) > federation:
+                raise SecAggError(f"a vote of {len(cfg.nodes)} sites in a federation of "
+                                  f"{federation} authenticated sites: refused (Sybil sites)")
+        floor = majority(federation) if self.min_threshold is None else int(self.min_threshold)
+        self.min_threshold = floor
+        if cfg.threshold < floor:
+            raise SecAggError(f"threshold={cfg.threshold} is below this site's minimum "
+                              f"{floor} for a federation of {federation} sites: refused (fewer "
+                              "colluders could unmask a site; its policy: node config "
+                              "secagg-min-fraction)")
+        if cfg.slot in self.history:
+            raise SecAggError(f"{cfg.describe()}: this site already took part in a vote on "
+                              "this input: refused (a second vote lets the server difference "
+                              "the sums or the masked uploads)")
+        self.history = (*self.history, cfg.slot)
         self._c = ec.generate_private_key(CURVE)
         self._s = ec.generate_private_key(CURVE)
         self._seed = secrets.token_bytes(SEED_BYTES)
-
-    def to_state(self) -> dict[str, bytes | int | bool | list[int] | list[bytes]]:
-        """Everything this site holds between stages (its private keys included), as a flat
-        record of bytes and ints: kept in the site's own state store between messages (a
-        deployed site may run each message in a new process); never sent."""
-        nodes = sorted(self._public)
-        received = sorted(self._received)
-        return {"node": self.node, "nodes": list(self.config.nodes),
-                "threshold": self.config.threshold, "numel": self.config.numel,
-                "bits": self.config.bits, "c": _private_bytes(self._c),
-                "s": _private_bytes(self._s), "seed": self._seed,
-                "public_nodes": nodes, "public_c": [self._public[n][0] for n in nodes],
-                "public_s": [self._public[n][1] for n in nodes], "received_nodes": received,
-                "received_seed": [self._received[n][0] for n in received],
-                "received_key": [self._received[n][1] for n in received],
-                "sent_masked": self._sent_masked}
+        c, s = _public_bytes(self._c), _public_bytes(self._s)
+        if self.identity is None:
+            self._advert = Advert(c, s)
+        else:
+            self._advert = Advert(c, s, _sign(self.identity, advert_payload(
+                cfg.vote_id, self.node, c, s)), identity_public(self.identity))
+        self._done = ["keys"]
 
     @classmethod
-    def from_state(cls, state: Mapping) -> SecAggSite:
-        """Inverse of :meth:`to_state`."""
+    def begin(cls, node: int, config: SecAggConfig, previous: Mapping | None = None,
+              **kw) -> SecAggSite:
+        """The keys stage of a new vote, after ``previous`` (the stored state of this site's
+        last vote in this run, or None): its history carries over; a vote still open there
+        is abandoned (its secrets dropped)."""
+        history = _unpack_history(previous["history"]) if previous else ()
+        if previous and not previous.get("done", "").endswith("unmask"):
+            logger.info("SecAgg: abandoning an unfinished vote for a new one")
+        return cls(node, config, history=history, **kw)
+
+    @property
+    def authenticated(self) -> bool:
+        return self.identity is not None
+
+    @property
+    def stage(self) -> str:
+        """The last stage this site completed."""
+        return self._done[-1]
+
+    # -- the state machine -----------------------------------------------------------------
+    def expect(self, stage: str, run: int | None = None, round: int | None = None,
+               layer: int | None = None) -> None:
+        """Refuse (SecAggError) a ``stage`` that is repeated, out of order, or (any of run,
+        round, layer given) for another vote than this one."""
+        cfg = self.config
+        asked = (cfg.run if run is None else int(run), cfg.round if round is None else int(round),
+                 cfg.layer if layer is None else int(layer))
+        if asked != (cfg.run, cfg.round, cfg.layer):
+            raise SecAggError(f"a {stage} stage for the vote of run {asked[0]}, round "
+                              f"{asked[1]}, layer {asked[2]}; this site is in the "
+                              f"{cfg.describe()}: refused")
+        if self._aborted:
+            raise SecAggError(f"{cfg.describe()} was aborted at this site ({self._aborted}): "
+                              f"no {stage} stage")
+        if stage not in STAGES:
+            raise SecAggError(f"stage {stage!r}: expected one of {STAGES}")
+        if stage in self._done:
+            raise SecAggError(f"a repeated {stage} stage in the {cfg.describe()}: refused "
+                              "(each stage runs once per vote)")
+        following = STAGES[STAGES.index(self._done[-1]) + 1:]
+        allowed = following[:2] if following[:1] == ("confirm",) and not self.authenticated \
+            else following[:1]
+        if stage not in allowed:
+            raise SecAggError(f"a {stage} stage after {self._done[-1]!r} in the "
+                              f"{cfg.describe()}: expected {' or '.join(allowed) or 'none'} "
+                              "(refused: out of order)")
+
+    def _enter(self, stage: str) -> None:
+        self.expect(stage)
+        self._done.append(stage)
+
+    def _abort(self, err: Exception) -> None:
+        self._aborted = f"{self._done[-1]}: {err}"
+        self._wipe()
+
+    def _wipe(self) -> None:
+        self._c = self._s = None
+        self._seed = b""
+        self._received = {}
+
+    def _check_set(self, survivors: Sequence[int], what: str) -> tuple[int, ...]:
+        got = [int(n) for n in survivors]
+        out = tuple(sorted(set(got)))
+        if len(out) != len(got):
+            raise SecAggError(f"{what}: a site named twice")
+        if set(out) - set(self._u2):
+            raise SecAggError(f"{what} names sites {sorted(set(out) - set(self._u2))} whose "
+                              "shares never reached this site (not in its U2)")
+        if self.node not in out or len(out) < self.config.threshold:
+            raise SecAggError(f"{what}: {len(out)} sites (this site "
+                              f"{'in' if self.node in out else 'not in'} them): expected at "
+                              f"least the threshold {self.config.threshold}, this site among "
+                              "them")
+        return out
+
+    # -- the stages ---------------------------------------------------------------------------
+    def advertise(self) -> Advert:
+        """Stage 1 (done at construction): this site's signed public keys."""
+        return self._advert
+
+    def share(self, public: Mapping[int, Advert | tuple]) -> dict[int, bytes]:
+        """Stage 2: check every relayed advertisement (authenticated: signed by a distinct
+        peer of the federation; this site's own unchanged), then every other site's encrypted
+        pair of shares (of ``b_i`` and of ``s_i``)."""
+        self._enter("share")
         try:
-            config = SecAggConfig(tuple(int(n) for n in state["nodes"]), int(state["threshold"]),
-                                  int(state["numel"]), int(state["bits"]))
-            site = cls.__new__(cls)
-            site.node, site.config = int(state["node"]), config
-            site._c = _load_private(bytes(state["c"]), "stored channel key")
-            site._s = _load_private(bytes(state["s"]), "stored mask key")
-            site._seed = bytes(state["seed"])
-            site._public = {int(n): (bytes(c), bytes(s)) for n, c, s in zip(
-                state["public_nodes"], state["public_c"], state["public_s"], strict=True)}
-            site._received = {int(n): (bytes(a), bytes(b)) for n, a, b in zip(
-                state["received_nodes"], state["received_seed"], state["received_key"],
-                strict=True)}
-            site._sent_masked = bool(state["sent_masked"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise SecAggError(f"stored SecAgg state unusable: {err}") from None
-        return site
+            return self._share({int(n): Advert(*a) for n, a in public.items()})
+        except SecAggError as err:
+            self._abort(err)
+            raise
 
-    def advertise(self) -> tuple[bytes, bytes]:
-        """Stage 1: the channel and mask public keys."""
-        return _public_bytes(self._c), _public_bytes(self._s)
-
-    def share(self, public: Mapping[int, tuple[bytes, bytes]]) -> dict[int, bytes]:
-        """Stage 2: every other site's encrypted pair of shares (of ``b_i`` and of ``s_i``)."""
-        if set(public) - set(self.config.nodes) or self.node not in public:
+    def _share(self, public: dict[int, Advert]) -> dict[int, bytes]:
+        cfg = self.config
+        if set(public) - set(cfg.nodes) or self.node not in public:
             raise SecAggError(f"public keys of nodes {sorted(public)[:5]}: expected this site "
-                              "and only the aggregation's sites")
-        if len(public) < self.config.threshold:
+                              "and only the vote's sites")
+        if len(public) < cfg.threshold:
             raise SecAggError(f"{len(public)} sites advertised keys, below the threshold "
-                              f"{self.config.threshold}")
-        if tuple(public[self.node]) != self.advertise():
-            raise SecAggError("the server relayed another public key for this site")
-        for node, (c, s) in public.items():
-            _load_public(c, f"node {node}'s channel key")
-            _load_public(s, f"node {node}'s mask key")
-        self._public = {n: (bytes(c), bytes(s)) for n, (c, s) in public.items()}
-        order = sorted(self._public)
-        seed_shares = create_shares(self._seed, self.config.threshold, len(order))
-        key_shares = create_shares(_private_bytes(self._s), self.config.threshold, len(order))
+                              f"{cfg.threshold}")
+        if public[self.node] != self._advert:
+            raise SecAggError("the server relayed another advertisement for this site: refused")
+        points = [k for a in public.values() for k in (a.c, a.s)]
+        if len(set(points)) != len(points):
+            raise SecAggError("one public key advertised twice: refused (replayed keys)")
+        for node, advert in public.items():
+            _load_public(advert.c, f"node {node}'s channel key")
+            _load_public(advert.s, f"node {node}'s mask key")
+        if self.authenticated:
+            assert self.peers is not None
+            signers: dict[bytes, int] = {}
+            for node, advert in sorted(public.items()):
+                if not advert.signature or not advert.signer:
+                    raise SecAggError(f"node {node}'s keys are not signed: refused (an "
+                                      "authenticated vote)")
+                if advert.signer not in self.peers:
+                    raise SecAggError(f"node {node}'s keys are signed by a key that is not one "
+                                      "of the federation's: refused")
+                if advert.signer in signers:
+                    raise SecAggError(f"nodes {signers[advert.signer]} and {node} are one "
+                                      f"identity ({self.peers[advert.signer]}): refused")
+                signers[advert.signer] = node
+                if not _verifies(advert.signer, advert.signature,
+                                 advert_payload(cfg.vote_id, node, advert.c, advert.s)):
+                    raise SecAggError(f"node {node}'s signature ({self.peers[advert.signer]}) "
+                                      "does not verify on its keys for this vote: refused "
+                                      "(swapped or replayed keys)")
+        assert self._c is not None and self._s is not None
+        self._u1 = public
+        order = sorted(public)
+        seed_shares = create_shares(self._seed, cfg.threshold, len(order))
+        key_shares = create_shares(_private_bytes(self._s), cfg.threshold, len(order))
         out: dict[int, bytes] = {}
         for k, node in enumerate(order):
-            plain = _pack_shares(self.node, node, seed_shares[k], key_shares[k])
             if node == self.node:
                 self._received[node] = (seed_shares[k], key_shares[k])
                 continue
-            out[node] = _fernet(self._c, _load_public(self._public[node][0],
-                                                      f"node {node}")).encrypt(plain)
+            plain = _pack_shares(cfg.vote_id, self.node, node, seed_shares[k], key_shares[k])
+            out[node] = _fernet(self._c, _load_public(public[node].c, f"node {node}")
+                                ).encrypt(plain)
         return out
 
     def masked(self, values: np.ndarray, ciphertexts: Mapping[int, bytes]) -> np.ndarray:
-        """Stage 3: decrypt the shares addressed to this site, then the masked vector."""
+        """Stage 3: decrypt the shares addressed to this site (their senders and this site:
+        U2), then the masked vector (self mask, and pairwise masks with U2 only)."""
+        self._enter("masked")
+        try:
+            return self._masked(values, ciphertexts)
+        except SecAggError as err:
+            self._abort(err)
+            raise
+
+    def _masked(self, values: np.ndarray, ciphertexts: Mapping[int, bytes]) -> np.ndarray:
         from cryptography.fernet import InvalidToken
 
-        if not self._public:
-            raise SecAggError("masked input before the key shares (stage 2)")
+        cfg = self.config
+        assert self._c is not None and self._s is not None
+        received = {}
         for src, blob in ciphertexts.items():
-            if src not in self._public or src == self.node:
-                raise SecAggError(f"shares from node {src}, which shared no keys")
-            channel = _fernet(self._c, _load_public(self._public[src][0], f"node {src}"))
+            src = int(src)
+            if src not in self._u1 or src == self.node:
+                raise SecAggError(f"shares from node {src}, which advertised no keys")
+            channel = _fernet(self._c, _load_public(self._u1[src].c, f"node {src}"))
             try:
-                s, d, seed_share, key_share = _unpack_shares(channel.decrypt(bytes(blob)))
+                vote, s, d, seed_share, key_share = _unpack_shares(
+                    channel.decrypt(bytes(blob)))
             except (InvalidToken, ValueError, TypeError) as err:
                 raise SecAggError(f"shares from node {src} do not decrypt: {err!r}") from None
-            if (s, d) != (src, self.node):
-                raise SecAggError(f"shares from node {src} name ({s} -> {d}): relayed wrongly")
-            self._received[src] = (seed_share, key_share)
-        words = pack_lanes(np.asarray(values), self.config.bits)
-        if words.size != self.config.n_words:
+            if (vote, s, d) != (cfg.vote_id, src, self.node):
+                raise SecAggError(f"shares from node {src} name ({s} -> {d}) of another vote "
+                                  "or pair: relayed wrongly")
+            received[src] = (seed_share, key_share)
+        u2 = tuple(sorted({*received, self.node}))
+        if len(u2) < cfg.threshold:
+            raise SecAggError(f"shares of {len(u2)} sites (U2, this site included) reached this "
+                              f"site, below the threshold {cfg.threshold}: refused")
+        words = pack_lanes(np.asarray(values), cfg.bits)
+        if words.size != cfg.n_words:
             raise SecAggError(f"a vector of {np.asarray(values).size} coordinates: expected "
-                              f"{self.config.numel}")
+                              f"{cfg.numel}")
         with np.errstate(over="ignore"):
-            words = words + prg(self._seed, words.size)
-            for node, (_, s_pub) in self._public.items():
+            words = words + mask_stream(self._seed, cfg.vote_id, b"self", words.size)
+            for node in u2:
                 if node == self.node:
                     continue
-                mask = prg(agree(self._s, _load_public(s_pub, f"node {node}")), words.size)
+                pair = agree(self._s, _load_public(self._u1[node].s, f"node {node}"))
+                mask = mask_stream(pair, cfg.vote_id, b"pair", words.size)
                 words = words + mask if self.node < node else words - mask
-        self._sent_masked = True
+        self._received.update(received)
+        self._u2 = u2
         return words
 
-    def unmask(self, survivors: Sequence[int], dropped: Sequence[int]) -> dict[int, bytes]:
-        """Stage 4: this site's share of ``b_j`` for every survivor and of ``s_j`` for every
-        dropped site (a site named in both is refused: its vector would be exposed)."""
-        survivors, dropped = set(survivors), set(dropped)
-        if not self._sent_masked:
-            raise SecAggError("unmask before this site sent its masked vector")
-        if survivors & dropped:
-            raise SecAggError(f"nodes {sorted(survivors & dropped)} named both survivor and "
-                              "dropped: refused (their vector would be exposed)")
-        if self.node not in survivors or len(survivors) < self.config.threshold:
-            raise SecAggError(f"{len(survivors)} survivors (this site "
-                              f"{'in' if self.node in survivors else 'not in'} them): expected "
-                              f"at least the threshold {self.config.threshold}")
-        if (survivors | dropped) - set(self._public):
-            raise SecAggError(f"nodes {sorted((survivors | dropped) - set(self._public))} "
-                              "shared no keys")
-        out = {}
-        for node in survivors | dropped:
-            if node not in self._received:
-                continue  # its shares never reached this site
-            seed_share, key_share = self._received[node]
-            out[node] = seed_share if node in survivors else key_share
+    def confirm(self, survivors: Sequence[int]) -> bytes:
+        """Stage 4 (consistency round): check the announced survivor set (a subset of U2, at
+        least ``t``, this site in it) and sign it with the vote (unauthenticated: b"")."""
+        self._enter("confirm")
+        try:
+            self._survivors = self._check_set(survivors, "the survivor set")
+        except SecAggError as err:
+            self._abort(err)
+            raise
+        if self.identity is None:
+            return b""
+        return _sign(self.identity, survivors_payload(self.config.vote_id, self._survivors))
+
+    def unmask(self, survivors: Sequence[int], signatures: Mapping[int, bytes] | None = None
+               ) -> dict[int, bytes]:
+        """Stage 5: this site's share of ``b_j`` for every survivor and of ``s_j`` for every
+        site of U2 that is not a survivor. Authenticated, only after the consistency round, on
+        the survivor set this site confirmed, with at least ``t`` valid signatures on it from
+        distinct survivors (``signatures``: survivor -> its signature)."""
+        self._enter("unmask")
+        try:
+            out = self._unmask(survivors, signatures or {})
+        except SecAggError as err:
+            self._abort(err)
+            raise
+        self._wipe()  # this vote's secrets are no longer needed
         return out
+
+    def _unmask(self, survivors: Sequence[int], signatures: Mapping[int, bytes]
+                ) -> dict[int, bytes]:
+        cfg = self.config
+        announced = self._check_set(survivors, "the survivor set")
+        if self.authenticated:
+            if announced != self._survivors:
+                raise SecAggError(f"unmasking asked for survivors {list(announced)[:8]}, but "
+                                  f"this site confirmed {list(self._survivors)[:8]}: refused "
+                                  "(split view)")
+            extra = sorted(set(int(n) for n in signatures) - set(announced))
+            if extra:
+                raise SecAggError(f"survivor-set signatures of nodes {extra}, which are not "
+                                  "survivors: refused")
+            payload = survivors_payload(cfg.vote_id, announced)
+            valid = set()
+            for node, sig in signatures.items():
+                if not _verifies(self._u1[int(node)].signer, sig, payload):
+                    raise SecAggError(f"node {node}'s signature on the survivor set does not "
+                                      "verify: refused (another set, or forged)")
+                valid.add(self._u1[int(node)].signer)
+            if len(valid) < cfg.threshold:
+                raise SecAggError(f"{len(valid)} survivors signed the survivor set, below the "
+                                  f"threshold {cfg.threshold}: refused (the consistency round "
+                                  "did not hold)")
+        dropped = set(self._u2) - set(announced)
+        out = {}
+        for node in (*announced, *sorted(dropped)):
+            seed_share, key_share = self._received[node]
+            out[node] = seed_share if node in announced else key_share
+        return out
+
+    # -- stored state ------------------------------------------------------------------------
+    def to_state(self) -> dict[str, bytes | int | str | bool]:
+        """Everything this site holds between stages (its private keys included), as a flat
+        record of scalars and bytes: kept in the site's own state store between messages (a
+        deployed site may run each message in a new process); never sent. The identity key
+        and the peers are not in it: the site reloads them from its own files."""
+        cfg = self.config
+        u1 = sorted(self._u1)
+        received = sorted(self._received)
+        return {
+            "node": self.node, "nodes": pack_ints(cfg.nodes), "threshold": cfg.threshold,
+            "numel": cfg.numel, "bits": cfg.bits, "run": cfg.run, "round": cfg.round,
+            "layer": cfg.layer, "min_threshold": int(self.min_threshold or 0),
+            "authenticated": self.authenticated,
+            "history": pack_blobs(self.history),
+            "c": _private_bytes(self._c) if self._c else b"-",
+            "s": _private_bytes(self._s) if self._s else b"-",
+            "seed": self._seed or b"-",
+            "advert": pack_blobs(self._advert),
+            "u1": pack_ints(u1), "u1_adverts": pack_blobs([pack_blobs(self._u1[n]) for n in u1]),
+            "u2": pack_ints(self._u2), "survivors": pack_ints(self._survivors),
+            "received": pack_ints(received),
+            "received_seed": pack_blobs([self._received[n][0] for n in received]),
+            "received_key": pack_blobs([self._received[n][1] for n in received]),
+            "done": ",".join(self._done), "aborted": self._aborted or "-",
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping, identity: ec.EllipticCurvePrivateKey | None = None,
+                   peers: Mapping[bytes, str] | None = None) -> SecAggSite:
+        """Inverse of :meth:`to_state`, with this site's own identity and peers (the same as
+        when the vote began: checked)."""
+        try:
+            config = SecAggConfig(tuple(unpack_ints(state["nodes"])), int(state["threshold"]),
+                                  int(state["numel"]), int(state["bits"]), int(state["run"]),
+                                  int(state["round"]), int(state["layer"]))
+            site = cls.__new__(cls)
+            site.node, site.config = int(state["node"]), config
+            site.min_threshold = int(state["min_threshold"])
+            site.identity, site.peers = identity, peers
+            site.history = tuple(_unpack_history(state["history"]))
+            site._c = (None if bytes(state["c"]) == b"-"
+                       else _load_private(bytes(state["c"]), "stored channel key"))
+            site._s = (None if bytes(state["s"]) == b"-"
+                       else _load_private(bytes(state["s"]), "stored mask key"))
+            site._seed = b"" if bytes(state["seed"]) == b"-" else bytes(state["seed"])
+            site._advert = Advert(*unpack_blobs(state["advert"]))
+            site._u1 = {n: Advert(*unpack_blobs(a)) for n, a in zip(
+                unpack_ints(state["u1"]), unpack_blobs(state["u1_adverts"]), strict=True)}
+            site._u2 = tuple(unpack_ints(state["u2"]))
+            site._survivors = tuple(unpack_ints(state["survivors"]))
+            site._received = {n: (a, b) for n, a, b in zip(
+                unpack_ints(state["received"]), unpack_blobs(state["received_seed"]),
+                unpack_blobs(state["received_key"]), strict=True)}
+            site._done = str(state["done"]).split(",")
+            site._aborted = "" if state["aborted"] == "-" else str(state["aborted"])
+            stored_auth = bool(state["authenticated"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise SecAggError(f"stored SecAgg state unusable: {err}") from None
+        if stored_auth != (identity is not None) or (identity is not None and (
+                peers is None or site._advert.signer != identity_public(identity))):
+            raise SecAggError("this site's SecAgg identity changed during the vote: refused")
+        return site
+
+
+def _unpack_history(data) -> tuple[bytes, ...]:
+    return tuple(unpack_blobs(data, "vote history"))
 
 
 @dataclass
@@ -455,23 +890,30 @@ class SecAggServer:
     """The server's side: relays, and rebuilds the sum from the masked vectors and shares."""
 
     config: SecAggConfig
-    public: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    public: dict[int, Advert | tuple] = field(default_factory=dict)
+    #: U2: the sites whose shares were relayed (set by :meth:`relay`)
+    shared: set[int] | None = None
+    #: the vote id the sites derived (they name it in their keys replies); default the config's
+    vote_id: bytes = b""
 
     def relay(self, shares: Mapping[int, Mapping[int, bytes]]) -> dict[int, dict[int, bytes]]:
-        """Stage 2 -> 3: ``shares[src][dst]`` regrouped per destination."""
+        """Stage 2 -> 3: ``shares[src][dst]`` regrouped per destination; the sources are U2."""
+        self.shared = {int(n) for n in shares}
         out: dict[int, dict[int, bytes]] = {}
         for src, per_dst in shares.items():
             for dst, blob in per_dst.items():
-                out.setdefault(dst, {})[src] = blob
+                if dst in self.shared:
+                    out.setdefault(dst, {})[src] = blob
         return out
 
     def aggregate(self, masked: Mapping[int, np.ndarray], shares: Mapping[int, Mapping[int, bytes]]
                   ) -> np.ndarray:
-        """Stage 4: the sum of the survivors' vectors (int64, ``numel``) from their masked
+        """Stage 5: the sum of the survivors' vectors (int64, ``numel``) from their masked
         vectors (``masked[node]``) and the survivors' shares (``shares[holder][node]``)."""
         cfg = self.config
+        vote_id = self.vote_id or cfg.vote_id
         survivors = sorted(masked)
-        keyed = sorted(self.public)
+        keyed = sorted(self.shared if self.shared is not None else self.public)
         dropped = [n for n in keyed if n not in masked]
         if len(survivors) < cfg.threshold:
             raise SecAggError(f"{len(survivors)} masked vectors: below the threshold "
@@ -499,13 +941,37 @@ class SecAggServer:
                 except (ValueError, TypeError) as err:  # SecAggError is a ValueError
                     raise SecAggError(f"node {node}'s shares do not combine: {err}") from None
                 if node in masked:
-                    total -= prg(secret, cfg.n_words)
+                    if len(secret) != SEED_BYTES:
+                        raise SecAggError(f"node {node}'s rebuilt seed has {len(secret)} bytes")
+                    total -= mask_stream(secret, vote_id, b"self", cfg.n_words)
                     continue
                 key = _load_private(secret, f"node {node}'s rebuilt key")
-                if _public_bytes(key) != self.public[node][1]:
+                if _public_bytes(key) != Advert(*self.public[node]).s:
                     raise SecAggError(f"node {node}'s rebuilt key does not match its public key")
                 for other in survivors:  # undo the dropped site's pairwise masks
-                    mask = prg(agree(key, _load_public(self.public[other][1], f"node {other}")),
-                               cfg.n_words)
+                    pair = agree(key, _load_public(Advert(*self.public[other]).s,
+                                                   f"node {other}"))
+                    mask = mask_stream(pair, vote_id, b"pair", cfg.n_words)
                     total = total + mask if node < other else total - mask
         return unpack_lanes(total, cfg.bits, cfg.numel)
+
+
+# -- a site's credentials, from its own configuration ------------------------------------------
+def site_credentials(key: str, peers: str, simulation: bool
+                     ) -> tuple[ec.EllipticCurvePrivateKey | None, dict[bytes, str] | None]:
+    """This site's identity key and the federation's public keys, from the paths of its own
+    configuration (node config ``secagg-key``, ``secagg-peers``); both or neither. Neither:
+    unauthenticated SecAgg, allowed only in simulation (``simulation``: derived by the site,
+    never from the server); elsewhere refused."""
+    if key and peers:
+        return load_identity(key), load_peers(peers)
+    if key or peers:
+        raise SecAggError(f"node config secagg-key={key!r} and secagg-peers={peers!r}: set "
+                          "both (this site's P-384 private key and the folder of the "
+                          "federation's *.pub keys) or neither")
+    if not simulation:
+        raise SecAggError("SecAgg+ outside the Simulation Engine needs authenticated sites: set "
+                          "the node-config keys secagg-key (this site's P-384 private key, e.g. "
+                          "its SuperNode auth key) and secagg-peers (the folder of the "
+                          "federation's *.pub keys, this site's own included): refused")
+    return None, None

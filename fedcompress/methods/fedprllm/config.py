@@ -164,7 +164,9 @@ class FedPrLLMConfig(Settings):
                            "learns only their sum (bit-packed wire; no Hamming defence: no "
                            "site's mask is visible).")
     secagg_threshold: int = setting(0, "SecAgg+ Shamir threshold: sites needed to unmask the "
-                                    "sum (0: ceil(2n/3), at least 2).", ge=0)
+                                    "sum (0: ceil(2n/3), at least 2). Each site refuses one "
+                                    "below its own minimum (node config secagg-min-fraction: "
+                                    "by default more than half the federation).", ge=0)
     secagg_frac_bits: int = setting(25, "SecAgg+ of statistics (aggregate stats): fractional "
                                     "bits of their fixed-point encoding in 64-bit lanes (a "
                                     "site's rounding error <= 2^-(f+1); its values must stay "

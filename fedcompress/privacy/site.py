@@ -1,0 +1,83 @@
+"""What a site does around every message, whatever its method (no Flower): admit the request
+under the site's policy, open its ledger, record a release that is not DP, and say in the reply
+what the ledger says.
+
+The ClientApp's handler wrapper (``clients/app.py``) calls :func:`admit` before a handler runs
+and :func:`record_release` after it (unless the handler recorded a DP release itself, which a
+method's DP code does through :func:`ledger` before it trains or perturbs anything). The generic
+checks here: simulation-only switches (fault injection, attack models) outside simulation; the
+model spec; the corpora or tasks the server names (always for ``task`` and ``corpus``, which no
+``data-path`` replaces; for ``calib_text`` and ``wire_reference`` when the site has no
+``data-path``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fedcompress.privacy.ledger import Grant, Ledger
+from fedcompress.privacy.policy import SitePolicy, site_policy
+
+__all__ = ["CORPUS_KEYS", "admit", "ledger", "ledger_metrics", "record_release"]
+
+#: Settings naming a corpus or task a site loads: (key, replaced by the site's data-path)
+CORPUS_KEYS: tuple[tuple[str, bool], ...] = (("calib_text", True), ("wire_reference", True),
+                                             ("task", False), ("corpus", False))
+
+
+def _flat(settings: Mapping[str, Any]) -> dict[str, Any]:
+    return {str(k).replace("-", "_"): v for k, v in settings.items()}
+
+
+def admit(node_config: Mapping[str, Any], settings: Mapping[str, Any] | None) -> SitePolicy:
+    """This site's policy, after checking the generic parts of a request's ``settings`` (the
+    message's ``config`` record): raises :class:`~fedcompress.privacy.policy.PolicyError`."""
+    policy = site_policy(node_config)
+    if settings is None:
+        return policy
+    flat = _flat(settings)
+    policy.check_simulation_switches(flat)
+    if flat.get("model"):
+        policy.check_model(str(flat["model"]))
+    has_data = bool(node_config.get("data-path"))
+    for key, replaced in CORPUS_KEYS:
+        value = str(flat.get(key) or "")
+        if replaced and has_data:
+            continue
+        for name in value.split("+"):
+            if name.strip() and name.strip() != "none":
+                policy.check_corpus(name.strip())
+    return policy
+
+
+def ledger(policy: SitePolicy, run_id: int | str) -> Ledger:
+    """The site's ledger (a simulation's temporary state: one folder per run, no lifetime
+    budget)."""
+    if policy.ephemeral_state:
+        return Ledger(Path(policy.state_dir) / f"run-{run_id}", math.inf)
+    return Ledger(policy.state_dir, policy.lifetime_epsilon)
+
+
+def ledger_metrics(policy: SitePolicy, grant: Grant, dp: bool) -> dict[str, float]:
+    """What a reply carries of the site's ledger: the run's and the lifetime epsilon (and the
+    budget when there is one), whether this release was DP (``ledger_dp`` 0: not DP, its
+    epsilon is "none"), whether the site enforced its bounds and kept its draws secret."""
+    out = {"ledger_run_epsilon": float(grant.run_epsilon),
+           "ledger_lifetime_epsilon": float(grant.lifetime_epsilon),
+           "ledger_dp": 1 if dp else 0,
+           "site_policy_enforced": 0 if policy.simulation else 1,
+           "secrets_reproducible": 1 if policy.reproducible_secrets else 0}
+    if math.isfinite(grant.lifetime_budget):
+        out["ledger_lifetime_budget"] = float(grant.lifetime_budget)
+    return out
+
+
+def record_release(policy: SitePolicy, run_id: int | str, method: str, action: str
+                   ) -> dict[str, float]:
+    """Record a release that is not DP (masks, statistics, scores, a model's accuracy) and
+    return the reply's ledger metrics."""
+    grant = ledger(policy, run_id).not_dp(str(run_id), method, action)
+    return ledger_metrics(policy, grant, dp=False)
