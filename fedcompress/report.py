@@ -81,6 +81,8 @@ def machine() -> dict[str, Any]:
         found["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     except AttributeError:
         pass
+    with contextlib.suppress(OSError, AttributeError):  # what else ran: timings need it
+        found["load_average_start"] = [round(x, 2) for x in os.getloadavg()]
     found.update({"torch_threads": torch.get_num_threads(),
                   "torch_interop_threads": torch.get_num_interop_threads(),
                   "mkl": torch.backends.mkl.is_available(),
@@ -106,6 +108,14 @@ def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _loads(found: dict[str, Any]) -> str:
+    """The load averages a report recorded, at its start and (once finished) its end."""
+    text = f"{' / '.join(map(str, found['load_average_start']))} at the start"
+    if "load_average_end" in found:
+        text += f", {' / '.join(map(str, found['load_average_end']))} at the end"
+    return text
 
 
 def _fmt(value: Any) -> str:
@@ -247,6 +257,8 @@ class RunReport:
             "",
             f"Status: **{self.status}**, started {self.started.isoformat(timespec='seconds')}.",
             "",
+            *([f"Load average (1, 5, 15 min): {_loads(self.machine)}.", ""]
+              if "load_average_start" in self.machine else []),
             "Command line:",
             "",
             f"    {self.command_line}",
@@ -287,6 +299,8 @@ class RunReport:
 
     def finish(self, status: str = "ok") -> None:
         self.status = status
+        with contextlib.suppress(OSError, AttributeError):
+            self.machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
         self.write()
         logger.info("report written to %s", self.out_dir / "report.json")
 

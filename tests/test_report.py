@@ -24,3 +24,19 @@ def test_script_report_spells_out_every_option(tmp_path):
         f"python simulations/local_methods.py --model smollm2-135m --seeds 0 1 --fast "
         f"--out {tmp_path / 'r'}")
     assert "--model smollm2-135m" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_report_records_the_load_average_at_start_and_end(tmp_path, monkeypatch):
+    import json
+    import os
+
+    loads = iter([(3.5, 2.25, 1.0), (0.5, 1.0, 1.5)])
+    monkeypatch.setattr(os, "getloadavg", lambda: next(loads))
+    report = RunReport(tmp_path, "prune", {"x": 1})
+    assert "3.5 / 2.25 / 1.0 at the start" in (tmp_path / "report.md").read_text()
+    report.finish()
+    machine = json.loads((tmp_path / "report.json").read_text())["machine"]
+    assert machine["load_average_start"] == [3.5, 2.25, 1.0]
+    assert machine["load_average_end"] == [0.5, 1.0, 1.5]
+    assert "3.5 / 2.25 / 1.0 at the start, 0.5 / 1.0 / 1.5 at the end" in (
+        tmp_path / "report.md").read_text()
