@@ -650,7 +650,7 @@ def ledger_command(
                        ] = False,
     lifetime_epsilon: Annotated[Optional[float], typer.Option(
         "--lifetime-epsilon", help="The site's lifetime budget, shown beside what is spent "
-                                   "(its node config's lifetime-epsilon). [default: 32]",
+                                   "(its node config's lifetime-epsilon; default 32).",
         show_default=False)] = None,
 ) -> None:
     """Print a site's privacy ledger: per run, its method, releases (DP and not DP), DP-SGD

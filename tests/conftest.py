@@ -370,7 +370,9 @@ def personalize_in_process(settings: dict, node_configs: list[dict] | None = Non
         def __init__(self, n: int):
             super().__init__(n)
             for context, node_config in zip(self.contexts.values(), node_configs or []):
-                context.node_config.update(node_config)
+                # the site's data, not its state folder: the reference keeps its own ledger
+                context.node_config.update({k: v for k, v in node_config.items()
+                                            if k != "state-dir"})
 
     run(Federation(settings["clients"]), settings)
     return json.loads((Path(settings["out"]) / "report.json").read_text())

@@ -559,7 +559,9 @@ def _reference_model(model_dir: Path, settings: dict, node_configs: list[dict]):
         def __init__(self, n: int):
             super().__init__(n)
             for context, node_config in zip(self.contexts.values(), node_configs):
-                context.node_config.update(node_config)
+                # the site's data, not its state folder: the reference keeps its own ledger
+                context.node_config.update({k: v for k, v in node_config.items()
+                                            if k != "state-dir"})
 
     defaults = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     config, _, _ = split_settings({**defaults["config"]["fedprllm"], **settings})

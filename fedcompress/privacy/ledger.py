@@ -175,9 +175,8 @@ class Ledger:
         entry = data["runs"].setdefault(run, {"method": method, "started": _now(),
                                               "epsilon": 0.0, "delta": 0.0, "steps": 0,
                                               "text_epsilon": 0.0, "releases": 0})
-        if entry["method"] != method:
-            raise PolicyError(f"run {run} of this site's ledger belongs to method "
-                              f"{entry['method']!r}; a {method!r} release in it is refused")
+        if method not in entry["method"].split("+"):  # a run id reused by another method:
+            entry["method"] += f"+{method}"  # its releases compose in the same run
         return entry
 
     def _check_lifetime(self, data: dict[str, Any], run: str, new_run_epsilon: float) -> float:

@@ -23,8 +23,9 @@ key                             default   meaning
 ``models``                      embedded  model specs accepted (comma-separated in node config,
                                           a list or a string in the file): embedded names, local
                                           paths, hub ids; default the embedded names only
-``corpora``                     bundled   corpus / task names (or folders) accepted when the site
-                                          has no ``data-path``; default the bundled names
+``corpora``                     bundled   corpus / task names (or folders) the server may choose
+                                          (``calib_text`` only when the site has no ``data-path``;
+                                          ``task`` and ``corpus`` always); default the bundled ones
 ``state-dir``                   see below the site's persistent folder (its privacy ledger)
 ``research-reproducible-secrets`` false   seeded secret draws (research only: every reply and
                                           report then says the guarantee does not hold)
@@ -48,10 +49,11 @@ ClientApp on Ray). In simulation the server runs the sites (a Simulation Engine 
 virtual sites no node config of their own), so there is nobody to hold a bound against: the
 fault and attack switches are honoured, and the bounds the server chooses (max-epsilon,
 allow-no-dp, max-delta, models, corpora, a known seed) are not enforced; every reply says so
-(:attr:`SitePolicy.enforcement`). The ledger still records every release and still fixes a
-run's DP-SGD mechanism at its first round; without ``state-dir`` it lives in a temporary folder
-of the simulation, one per run (in the Ray session's folder; else one per process, removed at
-exit), with no lifetime budget, so simulations and tests do not accumulate budget.
+(its ``site_policy_enforced`` metric is 0; :attr:`SitePolicy.enforcement`). The ledger still
+records every release and still fixes a run's DP-SGD mechanism at its first round; without
+``state-dir`` it lives in a temporary folder of the simulation, one per run (in the Ray
+session's folder; else one per process, removed at exit), with no lifetime budget, so
+simulations and tests do not accumulate budget.
 
 **Default ``state-dir``** outside simulation: ``$FEDCOMPRESS_STATE``, else
 ``$XDG_STATE_HOME/fedcompress`` (``~/.local/state/fedcompress``), in a subfolder

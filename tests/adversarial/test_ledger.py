@@ -104,8 +104,9 @@ def test_text_and_not_dp_releases(tmp_path):
     grant = ledger.not_dp("2", "fedprllm", "train.masks")
     assert grant.run_epsilon == 0.0 and grant.lifetime_epsilon == 6.0
     assert ledger.read()["releases"][-1]["epsilon"] == NOT_DP
-    with pytest.raises(PolicyError, match="belongs to method 'fedprllm'"):
-        ledger.text("2", "ppcgpt", "query.perturb", 1.0, 8.0)
+    # a run id reused by another method: its releases compose with the run's
+    assert ledger.text("2", "ppcgpt", "query.perturb", 1.0, 8.0).run_epsilon == 1.0
+    assert ledger.read()["runs"]["2"]["method"] == "fedprllm+ppcgpt"
 
 
 def test_ledger_file_is_private(tmp_path):
