@@ -8,30 +8,31 @@ message. The defaults are the private ones.
 
 Node-config keys (the SuperNode operator's, ``flower-supernode --node-config '...'``):
 
-=============================== ========= ===================================================
-key                             default   meaning
-=============================== ========= ===================================================
-``policy``                      ""        path of a TOML file holding any of the keys below
-                                          (node-config keys override it)
-``max-epsilon``                 8.0       most epsilon one run may spend at this site
-``lifetime-epsilon``            32.0      most epsilon all runs together may spend (ledger)
-``max-delta``                   1e-5      largest delta a run may ask for
-``allow-no-dp``                 false     may a DP-capable method run without DP
-``secagg-min-fraction``         0.5       a SecAgg threshold must exceed this fraction of sites
-``secagg-key``                  ""        this site's P-384 private key (PEM) for SecAgg+
-``secagg-peers``                ""        folder of the federation's public keys (``*.pub``)
-``models``                      embedded  model specs accepted (comma-separated in node config,
-                                          a list or a string in the file): embedded names, local
-                                          paths, hub ids; default the embedded names only
-``corpora``                     bundled   corpus / task names (or folders) the server may choose
-                                          (``calib_text`` only when the site has no ``data-path``;
-                                          ``task`` and ``corpus`` always); default the bundled ones
-``state-dir``                   see below the site's persistent folder (its privacy ledger)
-``research-reproducible-secrets`` false   seeded secret draws (research only: every reply and
-                                          report then says the guarantee does not hold)
-``site-mode``                   ""        ``"simulation"``: this site is a simulated one (an
-                                          in-process harness); ``"deployment"``: never simulated
-=============================== ========= ===================================================
+=================================== ========= ===================================================
+key                                 default   meaning
+=================================== ========= ===================================================
+``policy``                          ""        path of a TOML file holding any of the keys below
+                                              (node-config keys override it)
+``max-epsilon``                     8.0       most epsilon one run may spend at this site
+``lifetime-epsilon``                32.0      most epsilon all runs together may spend (ledger)
+``max-delta``                       1e-5      largest delta a run may ask for
+``allow-no-dp``                     false     may a DP-capable method run without DP
+``secagg-min-fraction``             0.5       a SecAgg threshold must exceed this fraction of sites
+``secagg-key``                      ""        this site's P-384 private key (PEM) for SecAgg+
+``secagg-peers``                    ""        folder of the federation's public keys (``*.pub``)
+``models``                          embedded  model specs accepted (comma-separated in node config,
+                                              a list or a string in the file): embedded names, local
+                                              paths, hub ids; default the embedded names only
+``corpora``                         bundled   corpus / task names (or folders) the server may
+                                              choose (``calib_text`` only when the site has no
+                                              ``data-path``; ``task`` and ``corpus`` always);
+                                              default the bundled ones
+``state-dir``                       see below the site's persistent folder (its privacy ledger)
+``research-reproducible-secrets``   false     seeded secret draws (research only: every reply and
+                                              report then says the guarantee does not hold)
+``site-mode``                       ""        ``"simulation"``: this site is a simulated one (an
+                                              in-process harness); ``"deployment"``: never simulated
+=================================== ========= ===================================================
 
 **How ``simulation`` is derived (never from the server).** True when
 
