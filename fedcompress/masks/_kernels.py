@@ -138,10 +138,46 @@ def _pick_small_row(counts, key, use_key, r, k, mask):
 
 
 @numba.njit(**_JIT)
-def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
+def _kth_smallest(a, kth):
+    """The ``kth`` smallest (0-based) of ``a`` (reordered in place): quickselect with a
+    median-of-three pivot and Hoare partitioning (runs of equal keys split evenly), no
+    allocation (``np.partition`` allocates a copy per call: per row, that was most of a row
+    group's selection time)."""
+    lo, hi = 0, a.shape[0] - 1
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        x, y, z = a[lo], a[mid], a[hi]
+        if x > y:
+            x, y = y, x
+        if y > z:
+            y = z
+        if x > y:
+            y = x
+        pivot = y
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < pivot:
+                i += 1
+            while a[j] > pivot:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if kth <= j:
+            hi = j
+        elif kth >= i:
+            lo = i
+        else:
+            return a[kth]
+    return a[kth]
+
+
+@numba.njit(**_JIT)
+def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset, scratch):
     """Of the tied entries ``idx`` (ascending) with keys ``keys``, mark the ``need`` first in
     (``|key|``, index) order at ``out_mask_flat[idx[i] * stride + offset]``; False when a key is
-    not finite."""
+    not finite. ``scratch``: float32, at least as long as ``keys``."""
     n = idx.shape[0]
     if not use_key:
         for i in range(need):
@@ -150,7 +186,9 @@ def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
     for i in range(n):
         if not np.isfinite(keys[i]):
             return False
-    cut = np.partition(keys, need - 1)[need - 1]
+    work = scratch[:n]
+    work[:] = keys
+    cut = _kth_smallest(work, need - 1)
     quota = need
     for i in range(n):
         if keys[i] < cut:
@@ -165,14 +203,14 @@ def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
 
 
 @numba.njit(**_JIT)
-def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, out):
+def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, scratch, out):
     """Mark in ``out`` the ``k`` highest of the counts ``vals`` (one comparison group, 1-D);
     ties among equal counts by ``|keys|`` (when ``use_key``) then index. A histogram of the
     counts (``hist``: ``[4, n_values]``, 4 interleaved so that no increment waits on the
     previous one) gives the threshold count ``t`` (the largest with ``#(count >= t) >= k``); the
     mask is ``count > t`` plus, of the entries tied at ``t``, all of them or the ``need`` first
-    in (``|key|``, index) order, found by a partition of the tied keys (not a sort). False when
-    a tied key is NaN or infinite."""
+    in (``|key|``, index) order, found by a quickselect of the tied keys (not a sort). False
+    when a tied key is NaN or infinite."""
     n = vals.shape[0]
     n_values = hist.shape[1]
     hist[:, :] = 0
@@ -191,15 +229,15 @@ def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, out):
             out[i] = vals[i] >= t
         return True
     tied = 0
-    for i in range(n):
+    for i in range(n):  # without a branch: the tied indices compacted as they come
         x = vals[i]
         out[i] = x > t
-        if x == t:
-            tied_idx[tied] = i
-            if use_key:
-                tied_keys[tied] = abs(keys[i])
-            tied += 1
-    return _take_tied(tied_keys[:tied], tied_idx[:tied], need, use_key, out, 1, 0)
+        tied_idx[tied] = i
+        tied += x == t
+    if use_key:
+        for j in range(tied):
+            tied_keys[j] = abs(keys[tied_idx[j]])
+    return _take_tied(tied_keys[:tied], tied_idx[:tied], need, use_key, out, 1, 0, scratch)
 
 
 @numba.njit(**_JIT)
@@ -221,14 +259,94 @@ def select_rows(counts, key, use_key, k, n_values, mask):
         return 0
     hist = np.zeros((4, n_values), dtype=np.int64)
     tied_keys = np.empty(cols, dtype=np.float32)
-    tied_idx = np.empty(cols, dtype=np.int64)
+    tied_idx = np.empty(cols + 1, dtype=np.int64)  # + 1: the branch-free compaction's slot
+    scratch = np.empty(cols, dtype=np.float32)
     for r in range(rows):
         if cols < n_values:
             _pick_small_row(counts, key, use_key, r, k, mask)
         elif not _select_line(counts[r], key[r if use_key else 0], use_key, k, hist, tied_keys,
-                              tied_idx, mask[r]):
+                              tied_idx, scratch, mask[r]):
             return -1
     return k * rows
+
+
+@numba.njit(**_JIT)
+def select_columns(counts, key, use_key, k, n_values, mask):
+    """:func:`select_rows` for every *column* of the row-major ``counts`` ``[rows, cols]``
+    (``k`` per column), without a transposed copy: one pass builds every column's histogram
+    (``[n_values, cols]``, in cache), which gives each column's threshold count; a second pass
+    writes the mask row by row, every column's outright selections (``count >= thr``), and
+    gathers only the entries tied at a column's threshold (when the column takes some of them)
+    into per-column segments, in row order; a quickselect of each segment's keys then marks its
+    ``need`` first by (``|key|``, row). Equal to a stable sort of each column by (count
+    descending, ``|key|`` ascending, row ascending). Returns the number of selected weights, or
+    -1 when a tied key is NaN or infinite.
+    """
+    rows, cols = counts.shape
+    if k < 0 or k > rows:
+        return -2
+    if k == 0:
+        mask[:, :] = 0
+        return 0
+    hist = np.zeros((n_values, cols), dtype=np.int64)
+    for r in range(rows):
+        for c in range(cols):
+            hist[counts[r, c], c] += 1
+    thr = np.empty(cols, dtype=np.int64)  # count >= thr[c]: selected outright
+    tie = np.full(cols, -1, dtype=np.int64)  # the count tied at the threshold (-1: none)
+    need = np.zeros(cols, dtype=np.int64)
+    start = np.zeros(cols + 1, dtype=np.int64)  # segments of the tied entries, per column
+    for c in range(cols):
+        ge = 0
+        for v in range(n_values - 1, -1, -1):
+            h = hist[v, c]
+            ge += h
+            if ge >= k:
+                nd = k - (ge - h)
+                if nd == h:
+                    thr[c] = v
+                else:
+                    thr[c] = v + 1
+                    tie[c] = v
+                    need[c] = nd
+                    start[c + 1] = h
+                break
+    for c in range(cols):
+        start[c + 1] += start[c]
+    flat = mask.reshape(-1)
+    if not use_key:  # index order: a column's first ``need`` tied rows, as they come
+        taken = np.zeros(cols, dtype=np.int64)
+        for r in range(rows):
+            for c in range(cols):
+                x = counts[r, c]
+                sel = x >= thr[c]
+                if x == tie[c] and taken[c] < need[c]:
+                    sel = True
+                    taken[c] += 1
+                mask[r, c] = sel
+        return k * cols
+    pos = start[:-1].copy()
+    tied_keys = np.empty(start[cols], dtype=np.float32)
+    tied_rows = np.empty(start[cols], dtype=np.int64)
+    for r in range(rows):
+        for c in range(cols):
+            x = counts[r, c]
+            mask[r, c] = x >= thr[c]
+            if x == tie[c]:
+                p = pos[c]
+                tied_keys[p] = abs(key[r, c])
+                tied_rows[p] = r
+                pos[c] = p + 1
+    longest = 0
+    for c in range(cols):
+        longest = max(longest, start[c + 1] - start[c])
+    scratch = np.empty(longest, dtype=np.float32)
+    for c in range(cols):
+        if tie[c] >= 0 and not _take_tied(tied_keys[start[c]:start[c + 1]],
+                                          tied_rows[start[c]:start[c + 1]], need[c], True,
+                                          flat, cols, c, scratch):
+            return -1
+    return k * cols
 
 
 # ---- applying the global mask ------------------------------------------------------------
