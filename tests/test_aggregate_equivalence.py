@@ -211,3 +211,19 @@ def test_pruned_model_equals_reference(tiny, m, workers):
             assert fractions[key] == mask.sum().item() / mask.numel()
     # the global model itself is untouched
     assert all(torch.equal(v, original[k]) for k, v in tiny.model.state_dict().items())
+
+
+def test_apply_scaling_is_exact_for_every_count_and_extreme_weights():
+    """The compiled one-pass apply multiplies by exactly torch's ``(m - c) / m`` for every
+    count value, also on subnormal, huge, signed-zero and infinite weights."""
+    special = torch.tensor([1e-45, -1e-40, 3.4e38, -3.4e38, -0.0, 0.0, float("inf"), 1 / 3,
+                            -2.5, 7.0], dtype=torch.float32)
+    for m in list(range(1, 41)) + [255, 300]:
+        counts = torch.arange(m + 1).repeat_interleave(len(special)).to(count_dtype(m))
+        w = special.repeat(m + 1).reshape(1, -1)
+        counts = counts.reshape(1, -1)
+        for mask in (torch.zeros_like(w, dtype=torch.bool), torch.rand(w.shape) < 0.3):
+            got = w.clone()
+            apply_global_mask(got, mask, counts, m, True)
+            want = ref_apply(w, mask, counts, m, True)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), m

@@ -354,22 +354,19 @@ def select_columns(counts, key, use_key, k, n_values, mask):
 @numba.njit(**_JIT)
 def apply_mask(weight, mask, counts, n_clients, scale):
     """In place on float32 ``weight``: zero the masked weights; with ``scale``, multiply each
-    kept weight by ``(n_clients - count) / n_clients`` (float32; one factor per count value,
-    computed once, so no division per weight). Counts must be in ``0..n_clients``, the mask
-    0 or 1."""
+    kept weight by ``(n_clients - count) / n_clients`` (float32), in one pass. Counts must be
+    in ``0..n_clients``, the mask 0 or 1. A pruned weight becomes +0.0 (as ``masked_fill``)."""
     flat_w = weight.reshape(-1)
     flat_m = mask.reshape(-1)
     flat_c = counts.reshape(-1)
-    if scale:
+    zero = np.float32(0)
+    if scale:  # one pass, scale and zero together, vectorised: the factor computed per weight
+        # (one division, exactly the factor of its count: no table gather) and a select, no
+        # branch (masks are random bits)
         m = np.float32(n_clients)
-        factor = np.empty(n_clients + 1, dtype=np.float32)
-        for c in range(n_clients + 1):
-            factor[c] = (m - np.float32(c)) / m
         for i in range(flat_w.shape[0]):
-            flat_w[i] = flat_w[i] * factor[flat_c[i]]
-    # Zeroing without a branch (masks are random bit patterns: a branch would mispredict half
-    # the time): the weight's bits AND 0 (pruned: +0.0 exactly) or AND all ones (kept).
-    bits = flat_w.view(np.uint32)
-    one = np.uint32(1)
-    for i in range(bits.shape[0]):
-        bits[i] = bits[i] & (np.uint32(flat_m[i]) - one)
+            scaled = flat_w[i] * ((m - np.float32(flat_c[i])) / m)
+            flat_w[i] = zero if flat_m[i] else scaled
+        return
+    for i in range(flat_w.shape[0]):
+        flat_w[i] = zero if flat_m[i] else flat_w[i]
