@@ -227,3 +227,10 @@ def test_apply_scaling_is_exact_for_every_count_and_extreme_weights():
             apply_global_mask(got, mask, counts, m, True)
             want = ref_apply(w, mask, counts, m, True)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), m
+
+
+def test_load_kernels_runs_for_narrow_and_wide_counts():
+    from fedcompress.masks.aggregate import load_kernels
+
+    load_kernels(16)
+    load_kernels(300)

@@ -69,6 +69,23 @@ def _words_type():
     return numba.types.Array(numba.types.uint64, 1, "C", readonly=True)
 
 
+def load_kernels(n_clients: int = 2) -> None:
+    """Load (or, the first time on a machine, compile and cache) every compiled kernel of the
+    aggregation for counts of ``n_clients`` sites, on a tiny input: a one-off cost of the server
+    process (numba's import and its disk cache), which benchmarks time apart from the
+    aggregation itself. The aggregation loads them on first use without this call."""
+    rng = np.random.default_rng(0)
+    masks = [np.packbits(rng.random(64) < 0.5) for _ in range(max(n_clients, 1))]
+    counts = count_packed(masks, 64).reshape(8, 8)
+    weight = torch.from_numpy(rng.standard_normal((8, 8)).astype(np.float32))
+    for group in ("layer", "row", "column"):
+        for tie_break in ("magnitude", "index"):
+            mask = global_mask(counts, 0.5, group, tie_break, weight)
+    global_mask(counts, 0.0, nm=(2, 4), weight=weight)
+    for scale in (False, True):
+        apply_global_mask(weight.clone(), mask, counts, max(n_clients, 1), scale)
+
+
 def payload_words(payload: np.ndarray, nbytes: int) -> np.ndarray:
     """A bit-packed payload of ``nbytes`` bytes as read-only little-endian uint64 words, the
     input of :func:`count_words`: a view of the payload itself (no copy) when its length is a

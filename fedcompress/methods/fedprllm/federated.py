@@ -390,7 +390,9 @@ class MaskAggregator:
         return counts
 
     def counts(self) -> dict[str, torch.Tensor]:
-        return {k: self.layer_counts(k) for k in self.shapes}
+        """Every layer's vote counts (:meth:`layer_counts`), counted by the worker threads."""
+        keys = list(self.shapes)
+        return dict(zip(keys, self._map(self.layer_counts, keys)))
 
     @classmethod
     def from_counts(cls, model: nn.Module, counts: Mapping[str, torch.Tensor], clients: int,
