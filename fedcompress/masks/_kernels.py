@@ -288,7 +288,7 @@ def select_columns(counts, key, use_key, k, n_values, mask):
     if k == 0:
         mask[:, :] = 0
         return 0
-    hist = np.zeros((n_values, cols), dtype=np.int64)
+    hist = np.zeros((n_values, cols), dtype=np.int32)
     for r in range(rows):
         for c in range(cols):
             hist[counts[r, c], c] += 1
