@@ -17,7 +17,8 @@ Per model (one after the other, in one run):
    ``count`` (vote counts of every layer from the packed masks), ``select`` (the global masks
    from the counts), ``apply`` (scale and zero a copy of the model's weights in place); then
    ``prune``, the server's real path end to end from the held payloads (count, select and
-   apply fused per layer, one layer at a time per worker). Medians of ``--repeats`` runs. The
+   apply per layer, one layer at a time per worker; its weights are checked bit-identical to
+   the steps'). Medians of ``--repeats`` runs. The
    compiled kernels' one-off load (or first compilation) is timed apart, before the runs.
 3. The floor of each step: the bytes it must read and write at least, divided by this
    machine's measured memory bandwidth (the best of a one-thread and a ``workers``-thread
@@ -82,7 +83,7 @@ def site_payloads(model, tokenizer, config: FedPrLLMConfig, cache: Path | None
     return payloads, seconds, False
 
 
-def memory_bandwidth(workers: int, mib: int = 512, repeats: int = 5) -> dict:
+def memory_bandwidth(workers: int, mib: int, repeats: int = 5) -> dict:
     """Bytes read + written per second by a numpy copy of a ``mib`` MiB array: one thread, and
     ``workers`` threads each copying its own slice (numpy releases the GIL)."""
     src = np.ones(mib * 2**20 // 8, dtype=np.float64)
@@ -107,15 +108,16 @@ def memory_bandwidth(workers: int, mib: int = 512, repeats: int = 5) -> dict:
             "bytes_per_s": max(one, many)}
 
 
-def _median_time(fn, repeats: int, setup=None) -> tuple[float, list[float]]:
-    runs = []
+def _median_time(fn, repeats: int, setup=None) -> tuple[float, list[float], object]:
+    """Median seconds of ``repeats`` calls ``fn(setup())`` (setup untimed), every run's
+    seconds, and the last run's argument."""
+    runs, arg = [], None
     for _ in range(repeats):
         arg = setup() if setup is not None else None
         start = time.perf_counter()
         fn(arg)
         runs.append(time.perf_counter() - start)
-        del arg
-    return statistics.median(runs), runs
+    return statistics.median(runs), runs, arg
 
 
 def server_steps(model, payloads, sites: int, sparsity: float, layers: list[int] | None,
@@ -135,7 +137,7 @@ def server_steps(model, payloads, sites: int, sparsity: float, layers: list[int]
     def count(_):
         return aggregator._map(aggregator.layer_counts, keys)
 
-    count_s, count_runs = _median_time(count, repeats)
+    count_s, count_runs, _ = _median_time(count, repeats)
     counts = dict(zip(keys, count(None)))
     rows = []
     for group in GROUPS:
@@ -145,23 +147,27 @@ def server_steps(model, payloads, sites: int, sparsity: float, layers: list[int]
             return aggregator._map(lambda k: aggregator.global_mask(k, server, sparsity,
                                                                     counts=counts[k]), keys)
 
-        select_s, select_runs = _median_time(select, repeats)
+        select_s, select_runs, _ = _median_time(select, repeats)
         masks = dict(zip(keys, select(None)))
 
         def apply(target, masks=masks):
             aggregator._map(lambda k: apply_global_mask(aggregator._weight(k, target), masks[k],
                                                         counts[k], sites, True), keys)
 
-        apply_s, apply_runs = _median_time(apply, repeats, lambda: copy.deepcopy(model))
-        prune_s, prune_runs = _median_time(
+        apply_s, apply_runs, stepwise = _median_time(apply, repeats,
+                                                     lambda: copy.deepcopy(model))
+        prune_s, prune_runs, pruned = _median_time(
             lambda target, server=server: aggregator.prune(target, server, sparsity), repeats,
             lambda: copy.deepcopy(model))
+        # the real path and the steps give the same weights, bit for bit
+        same = all(torch.equal(a, b) for a, b in zip(stepwise.state_dict().values(),
+                                                     pruned.state_dict().values()))
+        del stepwise, pruned
         rows.append({"group": group, "scale": True, "count_seconds": count_s,
                      "select_seconds": select_s, "apply_seconds": apply_s,
-                     "prune_seconds": prune_s, "runs": {"count": count_runs,
-                                                         "select": select_runs,
-                                                         "apply": apply_runs,
-                                                         "prune": prune_runs}})
+                     "prune_seconds": prune_s, "prune_equals_steps": same,
+                     "runs": {"count": count_runs, "select": select_runs, "apply": apply_runs,
+                              "prune": prune_runs}})
     return rows, {"kernel_warmup_seconds": warmup, "workers": aggregator.workers
                   or torch.get_num_threads(), "numel": sum(int(np.prod(s)) for s in
                                                            aggregator.shapes.values()),
@@ -189,44 +195,49 @@ def cost_table(rows: list[dict]) -> str:
             s = r[f"{step}_seconds"]
             cells.append(f"{s:.3f} ({100 * s / site:.1f}%; {s / f[step]:.1f}x floor)")
         cells.append(f"{100 * r['prune_seconds'] / site:.1f}%")
+        cells.append("yes" if r["prune_equals_steps"] else "**NO**")
         out.append(cells)
     return markdown_table(
         ["model", "server group", "site mask pass s (median)", "count s", "select s",
-         "apply s", "prune s (count+select+apply, the real path)", "server / site"], out)
+         "apply s", "prune s (count+select+apply, the real path)", "server / site",
+         "prune's weights = the steps'"], out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="simulations/results/aggregation_cost")
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"])
     parser.add_argument("--sites", type=int, default=16)
     parser.add_argument("--windows", type=int, default=4, help="windows of 256 tokens per site")
+    parser.add_argument("--seqlen", type=int, default=256, help="tokens per window")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bandwidth-mib", type=int, default=512,
+                        help="MiB of the array whose copy measures the memory bandwidth")
     parser.add_argument("--layers", type=int, default=0,
                         help="aggregate only the first N decoder layers (0: all; development)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--payloads", default="",
                         help="folder caching the sites' packed masks (computed once, reused; "
                              "the site timings are then the cached ones)")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     with RunReport.for_script(__file__, opts, seeds={"seed": FedPrLLMConfig().seed}) as report:
         report.markdown_results = False  # the section's table shows them, with the ratios
         with report.phase("bandwidth"):
             workers = torch.get_num_threads()  # the aggregator's default worker threads
-            bandwidth = memory_bandwidth(workers)
+            bandwidth = memory_bandwidth(workers, opts.bandwidth_mib)
         report.extra["memory_bandwidth"] = bandwidth
         bw = bandwidth["bytes_per_s"]
         sections, all_rows = [], []
         for name in opts.models:
             config = FedPrLLMConfig(model=name, clients=opts.sites,
-                                    samples_per_client=opts.windows)
+                                    samples_per_client=opts.windows, seqlen=opts.seqlen)
             with report.phase(f"{name}:load"):
                 loaded = load_model(name, device="cpu")
             model = loaded.model
-            cache = (Path(opts.payloads) / f"{name}-{opts.sites}x{opts.windows}.npz"
-                     if opts.payloads else None)
+            cache = (Path(opts.payloads) / f"{Path(name).name}-{opts.sites}x{opts.windows}x"
+                     f"{opts.seqlen}.npz" if opts.payloads else None)
             with report.phase(f"{name}:sites"):
                 payloads, site_s, cached = site_payloads(model, loaded.tokenizer, config, cache)
             site = statistics.median(site_s)
@@ -259,7 +270,8 @@ def main() -> None:
             del model, loaded, payloads
         report.sections.append((
             f"Server aggregation vs one site's mask pass ({opts.sites} sites)",
-            f"Memory bandwidth (numpy copy of 512 MiB, read + written bytes/s): one thread "
+            f"Memory bandwidth (numpy copy of {opts.bandwidth_mib} MiB, read + written bytes/s, "
+            f"best of 5): one thread "
             f"{bandwidth['one_thread_bytes_per_s'] / 1e9:.1f} GB/s, {workers} threads "
             f"{bandwidth['threads_bytes_per_s'] / 1e9:.1f} GB/s.\n\n"
             + "\n\n".join(sections) + "\n\n"

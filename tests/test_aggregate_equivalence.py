@@ -234,3 +234,28 @@ def test_load_kernels_runs_for_narrow_and_wide_counts():
 
     load_kernels(16)
     load_kernels(300)
+
+
+def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):
+    """simulations/aggregation_cost.py runs for two models in one command: a row per model
+    and group with every step's seconds, floor and the real path's weights equal to the
+    steps'."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("aggregation_cost",
+                                                  "simulations/aggregation_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "out"
+    module.main(["--models", tiny_dir, tiny_dir, "--sites", "3", "--windows", "1",
+                 "--seqlen", "16", "--repeats", "1", "--bandwidth-mib", "8", "--out", str(out),
+                 "--payloads", str(tmp_path / "cache")])
+    report = json.loads((out / "report.json").read_text())
+    rows = report["results"]
+    assert len(rows) == 6 and {r["group"] for r in rows} == {"layer", "row", "column"}
+    assert all(r["prune_equals_steps"] for r in rows)
+    assert all(r["floor_seconds"][s] > 0 and r[f"{s}_seconds"] > 0
+               for r in rows for s in ("count", "select", "apply", "prune"))
+    assert rows[3]["payloads_from_cache"] and not rows[0]["payloads_from_cache"]
+    assert "x floor" in (out / "report.md").read_text()
