@@ -137,79 +137,77 @@ def _pick_small_row(counts, key, use_key, r, k, mask):
         mask[r, best] = 1
 
 
-@numba.njit(**_JIT)
-def _kth_smallest(a, kth):
-    """The ``kth`` smallest (0-based) of ``a`` (reordered in place): quickselect with a
-    median-of-three pivot and Hoare partitioning (runs of equal keys split evenly), no
-    allocation (``np.partition`` allocates a copy per call: per row, that was most of a row
-    group's selection time)."""
-    lo, hi = 0, a.shape[0] - 1
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        x, y, z = a[lo], a[mid], a[hi]
-        if x > y:
-            x, y = y, x
-        if y > z:
-            y = z
-        if x > y:
-            y = x
-        pivot = y
-        i, j = lo, hi
-        while i <= j:
-            while a[i] < pivot:
-                i += 1
-            while a[j] > pivot:
-                j -= 1
-            if i <= j:
-                a[i], a[j] = a[j], a[i]
-                i += 1
-                j -= 1
-        if kth <= j:
-            hi = j
-        elif kth >= i:
-            lo = i
-        else:
-            return a[kth]
-    return a[kth]
+_NON_FINITE = np.uint32(0x7F800000)  # |x|'s float32 bits at or above this: infinite or NaN
+_SMALL_TIES = 48  # up to this many tied entries, ranks by counting; above, a bitwise search
 
 
 @numba.njit(**_JIT)
-def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset, scratch):
-    """Of the tied entries ``idx`` (ascending) with keys ``keys``, mark the ``need`` first in
-    (``|key|``, index) order at ``out_mask_flat[idx[i] * stride + offset]``; False when a key is
-    not finite. ``scratch``: float32, at least as long as ``keys``."""
+def _kth_smallest_bits(bits, kth):
+    """The ``kth`` smallest (0-based) of ``bits``, the float32 bits of non-negative finite keys
+    (whose order is their bits' order as unsigned integers): the largest ``v`` with
+    ``#(bits < v) <= kth``, built bit by bit from the top (31 counting passes without a
+    branch, which the compiler vectorises). A quickselect's comparisons mispredict half the
+    time on random keys: this took a third of a row group's selection."""
+    prefix = np.uint32(0)
+    for b in range(30, -1, -1):  # bit 31 (the sign) is 0 for |key|
+        cand = prefix | np.uint32(1 << b)
+        below = 0
+        for i in range(bits.shape[0]):
+            below += bits[i] < cand
+        if below <= kth:
+            prefix = cand
+    return prefix
+
+
+@numba.njit(**_JIT)
+def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
+    """Of the tied entries ``idx`` (ascending) with keys ``keys`` (``|key|``, float32), mark
+    the ``need`` first in (``|key|``, index) order at ``out_mask_flat[idx[i] * stride +
+    offset]``: the ones below the ``need``-th smallest key (the cut), then the first ones at
+    the cut, in index order (few entries: those whose rank in that order is below ``need``).
+    Writes 0 or 1 at every tied entry. False when a key is not finite."""
     n = idx.shape[0]
     if not use_key:
         for i in range(need):
             out_mask_flat[idx[i] * stride + offset] = 1
         return True
+    bits = keys.view(np.uint32)
+    bad = False
     for i in range(n):
-        if not np.isfinite(keys[i]):
-            return False
-    work = scratch[:n]
-    work[:] = keys
-    cut = _kth_smallest(work, need - 1)
+        bad |= bits[i] >= _NON_FINITE
+    if bad:
+        return False
+    if n <= _SMALL_TIES:  # each entry's rank in (key, index) order, counted: n^2 compares
+        for i in range(n):  # without a branch (vectorised), cheaper than 31 passes here
+            a = bits[i]
+            rank = 0
+            for j in range(i):
+                rank += bits[j] <= a
+            for j in range(i + 1, n):
+                rank += bits[j] < a
+            out_mask_flat[idx[i] * stride + offset] = rank < need
+        return True
+    cut = _kth_smallest_bits(bits, need - 1)
     quota = need
     for i in range(n):
-        if keys[i] < cut:
-            quota -= 1
-    for i in range(n):
-        a = keys[i]
-        if a < cut or (a == cut and quota > 0):
-            out_mask_flat[idx[i] * stride + offset] = 1
-            if a == cut:
-                quota -= 1
+        quota -= bits[i] < cut
+    for i in range(n):  # without a branch: the entries are tied, in random key order
+        a = bits[i]
+        at_cut = a == cut
+        take = (a < cut) | (at_cut & (quota > 0))
+        out_mask_flat[idx[i] * stride + offset] = take
+        quota -= at_cut & take
     return True
 
 
 @numba.njit(**_JIT)
-def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, scratch, out):
+def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, out):
     """Mark in ``out`` the ``k`` highest of the counts ``vals`` (one comparison group, 1-D);
     ties among equal counts by ``|keys|`` (when ``use_key``) then index. A histogram of the
     counts (``hist``: ``[4, n_values]``, 4 interleaved so that no increment waits on the
     previous one) gives the threshold count ``t`` (the largest with ``#(count >= t) >= k``); the
     mask is ``count > t`` plus, of the entries tied at ``t``, all of them or the ``need`` first
-    in (``|key|``, index) order, found by a quickselect of the tied keys (not a sort). False
+    in (``|key|``, index) order, found by a bitwise search of the tied keys (not a sort). False
     when a tied key is NaN or infinite."""
     n = vals.shape[0]
     n_values = hist.shape[1]
@@ -237,7 +235,7 @@ def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, scratch, out
     if use_key:
         for j in range(tied):
             tied_keys[j] = abs(keys[tied_idx[j]])
-    return _take_tied(tied_keys[:tied], tied_idx[:tied], need, use_key, out, 1, 0, scratch)
+    return _take_tied(tied_keys[:tied], tied_idx[:tied], need, use_key, out, 1, 0)
 
 
 @numba.njit(**_JIT)
@@ -260,12 +258,11 @@ def select_rows(counts, key, use_key, k, n_values, mask):
     hist = np.zeros((4, n_values), dtype=np.int64)
     tied_keys = np.empty(cols, dtype=np.float32)
     tied_idx = np.empty(cols + 1, dtype=np.int64)  # + 1: the branch-free compaction's slot
-    scratch = np.empty(cols, dtype=np.float32)
     for r in range(rows):
         if cols < n_values:
             _pick_small_row(counts, key, use_key, r, k, mask)
         elif not _select_line(counts[r], key[r if use_key else 0], use_key, k, hist, tied_keys,
-                              tied_idx, scratch, mask[r]):
+                              tied_idx, mask[r]):
             return -1
     return k * rows
 
@@ -277,7 +274,7 @@ def select_columns(counts, key, use_key, k, n_values, mask):
     (``[n_values, cols]``, in cache), which gives each column's threshold count; a second pass
     writes the mask row by row, every column's outright selections (``count >= thr``), and
     gathers only the entries tied at a column's threshold (when the column takes some of them)
-    into per-column segments, in row order; a quickselect of each segment's keys then marks its
+    into per-column segments, in row order; a bitwise search of each segment's keys then marks its
     ``need`` first by (``|key|``, row). Equal to a stable sort of each column by (count
     descending, ``|key|`` ascending, row ascending). Returns the number of selected weights, or
     -1 when a tied key is NaN or infinite.
@@ -337,14 +334,10 @@ def select_columns(counts, key, use_key, k, n_values, mask):
                 tied_keys[p] = abs(key[r, c])
                 tied_rows[p] = r
                 pos[c] = p + 1
-    longest = 0
-    for c in range(cols):
-        longest = max(longest, start[c + 1] - start[c])
-    scratch = np.empty(longest, dtype=np.float32)
     for c in range(cols):
         if tie[c] >= 0 and not _take_tied(tied_keys[start[c]:start[c + 1]],
                                           tied_rows[start[c]:start[c + 1]], need[c], True,
-                                          flat, cols, c, scratch):
+                                          flat, cols, c):
             return -1
     return k * cols
 
