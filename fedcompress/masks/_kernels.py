@@ -267,13 +267,21 @@ def select_rows(counts, key, use_key, k, n_values, mask):
     return k * rows
 
 
+# the index of a word's lowest set bit: (bit * magic) >> 58 through a de Bruijn table
+_DEBRUIJN_MAGIC = np.uint64(0x03F79D71B4CB0A89)
+_DEBRUIJN = np.zeros(64, dtype=np.int64)
+for _i in range(64):
+    _DEBRUIJN[((1 << _i) * 0x03F79D71B4CB0A89 & (2**64 - 1)) >> 58] = _i
+
+
 @numba.njit(**_JIT)
 def select_columns(counts, key, use_key, k, n_values, mask):
     """:func:`select_rows` for every *column* of the row-major ``counts`` ``[rows, cols]``
     (``k`` per column), without a transposed copy: one pass builds every column's histogram
     (``[n_values, cols]``, in cache), which gives each column's threshold count; a second pass
     writes the mask row by row, every column's outright selections (``count >= thr``), and
-    gathers only the entries tied at a column's threshold (when the column takes some of them)
+    gathers only the entries tied at a column's threshold (when the column takes some of them,
+    64 rows at a time as bit words, without a branch per weight)
     into per-column segments, in row order; a bitwise search of each segment's keys then marks its
     ``need`` first by (``|key|``, row). Equal to a stable sort of each column by (count
     descending, ``|key|`` ascending, row ascending). Returns the number of selected weights, or
@@ -325,15 +333,30 @@ def select_columns(counts, key, use_key, k, n_values, mask):
     pos = start[:-1].copy()
     tied_keys = np.empty(start[cols], dtype=np.float32)
     tied_rows = np.empty(start[cols], dtype=np.int64)
-    for r in range(rows):
+    # 64 rows at a time: every column's tied rows as the bits of one word (without a branch,
+    # vectorised over the columns), then each column's set bits, lowest first (a branch per
+    # tied entry, not per weight: ties are random, a branch per weight mispredicts)
+    tied_bits = np.zeros(cols, dtype=np.uint64)
+    one = np.uint64(1)
+    for r0 in range(0, rows, 64):
+        tied_bits[:] = 0
+        for r in range(r0, min(r0 + 64, rows)):
+            shift = np.uint64(r - r0)
+            for c in range(cols):
+                x = counts[r, c]
+                mask[r, c] = x >= thr[c]
+                tied_bits[c] |= np.uint64(x == tie[c]) << shift
         for c in range(cols):
-            x = counts[r, c]
-            mask[r, c] = x >= thr[c]
-            if x == tie[c]:
-                p = pos[c]
+            word = tied_bits[c]
+            p = pos[c]
+            while word:
+                low = word & (~word + one)
+                r = r0 + _DEBRUIJN[(low * _DEBRUIJN_MAGIC) >> np.uint64(58)]
                 tied_keys[p] = abs(key[r, c])
                 tied_rows[p] = r
-                pos[c] = p + 1
+                p += 1
+                word ^= low
+            pos[c] = p
     for c in range(cols):
         if tie[c] >= 0 and not _take_tied(tied_keys[start[c]:start[c + 1]],
                                           tied_rows[start[c]:start[c + 1]], need[c], True,
