@@ -271,8 +271,13 @@ def apply_global_mask(weight: torch.Tensor, mask: torch.Tensor, counts: torch.Te
                          f"the weight {tuple(weight.shape)}")
     if n_clients <= 0:
         raise ValueError(f"number of clients must be positive, got {n_clients}")
-    if scale and counts.numel() and not 0 <= int(counts.min()) <= int(counts.max()) <= n_clients:
-        raise ValueError(f"vote counts outside [0, {n_clients}] for {n_clients} clients")
+    if scale and counts.numel():
+        # numpy's min/max (one thread, vectorised), not torch's: inside the aggregator's worker
+        # threads, torch's parallel reductions cost more than the apply itself
+        c = counts.detach().cpu().numpy()
+        low = 0 if np.issubdtype(c.dtype, np.unsignedinteger) else int(c.min())
+        if not 0 <= low or int(c.max()) > n_clients:
+            raise ValueError(f"vote counts outside [0, {n_clients}] for {n_clients} clients")
     if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
         _kernels().apply_mask(weight.detach().numpy(),
                               np.ascontiguousarray(mask.numpy()).view(np.uint8),
