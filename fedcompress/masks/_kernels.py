@@ -96,22 +96,25 @@ def count_words(words, nwords, ops, planes, n_slots, lanes, chunk, out, wide):
     """
     buf = np.empty((n_slots, chunk), dtype=np.uint64)
     n_planes = planes.shape[0]
+    plane_words = np.empty(n_planes, dtype=np.uint64)  # one word of every plane, loaded once
     for start in range(0, nwords, chunk):
         n = min(chunk, nwords - start)
         _add_chunk(words, start, n, ops, buf)
         for w in range(n):
+            for j in range(n_planes):
+                plane_words[j] = buf[planes[j], w]
             for byte in range(8):
                 if wide:
                     for bit in range(8):  # MSB first inside each byte
                         shift = np.uint64(8 * byte + 7 - bit)
                         total = 0
                         for j in range(n_planes):
-                            total += np.int64((buf[planes[j], w] >> shift) & np.uint64(1)) << j
+                            total += np.int64((plane_words[j] >> shift) & np.uint64(1)) << j
                         out[(start + w) * 64 + byte * 8 + bit] = total
                 else:
                     acc = np.uint64(0)
                     for j in range(n_planes):
-                        v = (buf[planes[j], w] >> np.uint64(8 * byte)) & np.uint64(255)
+                        v = (plane_words[j] >> np.uint64(8 * byte)) & np.uint64(255)
                         acc |= lanes[v] << np.uint64(j)
                     out[(start + w) * 8 + byte] = acc
 
