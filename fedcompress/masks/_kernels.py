@@ -229,12 +229,12 @@ def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, out):
         for i in range(n):
             out[i] = vals[i] >= t
         return True
+    for i in range(n):  # vectorised
+        out[i] = vals[i] > t
     tied = 0
     for i in range(n):  # without a branch: the tied indices compacted as they come
-        x = vals[i]
-        out[i] = x > t
         tied_idx[tied] = i
-        tied += x == t
+        tied += vals[i] == t
     if use_key:
         for j in range(tied):
             tied_keys[j] = abs(keys[tied_idx[j]])
