@@ -204,7 +204,8 @@ def cost_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="simulations/results/aggregation_cost")
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"])
+    parser.add_argument("--models", "--model", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"],
+                        help="model specs, measured one after the other in this run")
     parser.add_argument("--sites", type=int, default=16)
     parser.add_argument("--windows", type=int, default=4, help="windows of 256 tokens per site")
     parser.add_argument("--seqlen", type=int, default=256, help="tokens per window")
