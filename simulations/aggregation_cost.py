@@ -1,23 +1,36 @@
-"""Server cost of FedPrLLM aggregation next to one client's mask computation, side by side in
-one process (same threads), and the server's extra memory while it aggregates.
+"""Server cost of FedPrLLM aggregation (count, select, apply) next to one site's mask pass, side
+by side in one process, per model, with the memory-traffic floor of each step.
 
     python simulations/aggregation_cost.py --out simulations/results/aggregation_cost \\
-        [--repeats 3] [--payloads DIR]
+        --models smollm2-135m qwen2.5-0.5b [--sites 16] [--windows 4] [--repeats 3] \\
+        [--payloads DIR]
 
-1. One client's mask computation (Wanda 50%, row-local, 4 windows of 256 tokens): timed.
-2. 64 real client masks (64 clients, one window each, wiki train): computed, kept bit-packed.
-3. Aggregation of the 64 payloads for each server variant (layer/row/column x scaling), timed
-   from the first received payload to the pruned model: keeping the payloads as received
-   (``MaskAggregator.add_packed``: read-only word views, no copy), vote counting on the packed
-   masks + global mask + pruning of a model copy, one linear layer at a time per worker thread
-   (``MaskAggregator.prune``); the peak of the memory numpy allocates meanwhile, receiving
-   included (tracemalloc, in a separate untimed run: tracing slows allocations; the counts and
-   selection are numpy) next to one layer's and the whole model's counts.
-The compiled kernels' one-off load (or first compilation) is timed and reported separately,
-like the simulation engine's start-up. Repeated ``--repeats`` times; medians reported.
+Per model (one after the other, in one run):
 
-Writes ``report.json`` (a result per server variant; the client timings and byte counts as
-top-level fields), ``report.md`` and ``config.toml`` to ``--out`` (:class:`RunReport`).
+1. Every site's mask pass (Wanda 50%, row-local, ``--windows`` windows of 256 tokens of its own
+   wiki share; ``local_masks``): timed; the **median over the sites** is the reference. The
+   sites' masks are kept bit-packed, as the server receives them (``--payloads``: cached there,
+   and the cached timings reused).
+2. The server, from the held payloads (``MaskAggregator.add_packed``: read-only word views), for
+   each comparison group (layer/row/column, with scaling: the most work), each step timed apart
+   and run over the linear layers by the aggregator's worker threads, as ``prune`` runs them:
+   ``count`` (vote counts of every layer from the packed masks), ``select`` (the global masks
+   from the counts), ``apply`` (scale and zero a copy of the model's weights in place); then
+   ``prune``, the server's real path end to end from the held payloads (count, select and
+   apply per layer, one layer at a time per worker; its weights are checked bit-identical to
+   the steps'). Medians of ``--repeats`` runs. The
+   compiled kernels' one-off load (or first compilation) is timed apart, before the runs.
+3. The floor of each step: the bytes it must read and write at least, divided by this
+   machine's measured memory bandwidth (the best of a one-thread and a ``workers``-thread
+   numpy copy of a 512 MiB array; read + written bytes per second). ``count`` reads every
+   site's packed mask and writes the counts; ``select`` reads the counts and writes a one-byte
+   mask; ``apply`` reads and writes the weights and reads the mask and counts; the whole
+   aggregation can do no better than reading the packed masks and the weights and writing the
+   weights once (``prune``'s floor). The keys read at ties are not counted (a lower bound).
+
+``--layers N`` aggregates only the first N decoder layers (development runs on a busy machine;
+the ratios are then not the model's). Writes ``report.json`` (a result per model and group),
+``report.md`` and ``config.toml`` to ``--out`` (:class:`RunReport`).
 """
 
 from __future__ import annotations
@@ -26,12 +39,13 @@ import argparse
 import copy
 import statistics
 import time
-import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fedcompress.masks.aggregate import apply_global_mask, count_dtype, load_kernels
 from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig,
     MaskAggregator,
@@ -43,21 +57,23 @@ from fedcompress.models import load_model
 from fedcompress.pruning.local import local_masks
 from fedcompress.report import RunReport, markdown_table
 
+GROUPS = ("layer", "row", "column")
 
-def client_payloads(model, tokenizer, many: FedPrLLMConfig, cache: Path | None
-                    ) -> tuple[list[dict[str, np.ndarray]], list[float], bool]:
-    """The clients' bit-packed masks, their computation times and whether they come from
+
+def site_payloads(model, tokenizer, config: FedPrLLMConfig, cache: Path | None
+                  ) -> tuple[list[dict[str, np.ndarray]], list[float], bool]:
+    """Every site's bit-packed masks and mask-pass seconds, and whether they come from
     ``cache`` (computed, and cached when ``cache`` is given, if it does not hold them)."""
     if cache is not None and cache.exists():
         with np.load(cache) as stored:
             seconds = stored["seconds"].tolist()
             payloads = [{k[len(f"{i}/"):]: stored[k] for k in stored.files
-                         if k.startswith(f"{i}/")} for i in range(many.clients)]
+                         if k.startswith(f"{i}/")} for i in range(config.clients)]
         return payloads, seconds, True
     payloads, seconds = [], []
-    for w in federation_windows(tokenizer, many)[0]:
+    for windows in federation_windows(tokenizer, config)[0]:
         start = time.perf_counter()
-        result = local_masks(model, w, many.prune, batch_size=many.batch_size)
+        result = local_masks(model, windows, config.prune, batch_size=config.batch_size)
         seconds.append(time.perf_counter() - start)
         payloads.append(encode_masks(result.masks))
     if cache is not None:
@@ -67,126 +83,200 @@ def client_payloads(model, tokenizer, many: FedPrLLMConfig, cache: Path | None
     return payloads, seconds, False
 
 
-def aggregation_costs(model, payloads, many: FedPrLLMConfig, group: str, scale: bool,
-                      repeats: int) -> dict:
-    """Median seconds (receive + count + select + prune, and receive alone) of ``repeats`` timed
-    runs, then the numpy peak of one traced run."""
-    server = ServerConfig(group, scale)
-    seconds, receive, peaks = [], [], []
-    # Timed runs without tracemalloc (it slows every allocation), then one run traced for the
-    # memory peak.
-    for traced in [False] * repeats + [True]:
-        target = copy.deepcopy(model)
-        aggregator = MaskAggregator(model, many.clients)
-        if traced:
-            tracemalloc.start()
+def memory_bandwidth(workers: int, mib: int, repeats: int = 5) -> dict:
+    """Bytes read + written per second by a numpy copy of a ``mib`` MiB array: one thread, and
+    ``workers`` threads each copying its own slice (numpy releases the GIL)."""
+    src = np.ones(mib * 2**20 // 8, dtype=np.float64)
+    dst = np.zeros_like(src)
+    moved = 2 * src.nbytes
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return moved / min(times)
+
+    one = best(lambda: np.copyto(dst, src))
+    bounds = np.linspace(0, src.size, workers + 1).astype(int)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        many = best(lambda: list(pool.map(lambda i: np.copyto(dst[bounds[i]:bounds[i + 1]],
+                                                              src[bounds[i]:bounds[i + 1]]),
+                                          range(workers))))
+    return {"one_thread_bytes_per_s": one, "threads_bytes_per_s": many, "threads": workers,
+            "bytes_per_s": max(one, many)}
+
+
+def _median_time(fn, repeats: int, setup=None) -> tuple[float, list[float], object]:
+    """Median seconds of ``repeats`` calls ``fn(setup())`` (setup untimed), every run's
+    seconds, and the last run's argument."""
+    runs, arg = [], None
+    for _ in range(repeats):
+        arg = setup() if setup is not None else None
         start = time.perf_counter()
-        for payload in payloads:
-            aggregator.add_packed(payload)
-        received = time.perf_counter()
-        aggregator.prune(target, server, many.prune.target_sparsity)
-        if traced:
-            peaks.append(tracemalloc.get_traced_memory()[1])
-            tracemalloc.stop()
-        else:
-            seconds.append(time.perf_counter() - start)
-            receive.append(received - start)
-        del target, aggregator
-    return {"name": server.label, "seconds": statistics.median(seconds),
-            "receive_seconds": statistics.median(receive), "peak_numpy_bytes": max(peaks),
-            "runs_seconds": seconds, "runs_receive_seconds": receive}
+        fn(arg)
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs), runs, arg
 
 
-def cost_table(rows: list[dict], client: float, layer_counts: int) -> str:
+def server_steps(model, payloads, sites: int, sparsity: float, layers: list[int] | None,
+                 repeats: int) -> tuple[list[dict], dict]:
+    """Per group: the seconds of count, select, apply and the real ``prune`` (medians), and the
+    kernels' one-off load."""
+    aggregator = MaskAggregator(model, sites, layers)
+    for payload in payloads:
+        aggregator.add_packed({k: v for k, v in payload.items() if k in aggregator.shapes})
+    keys = list(aggregator.shapes)
+    start = time.perf_counter()  # the compiled kernels' one-off load / compilation
+    load_kernels(sites)
+    warmup = time.perf_counter() - start
+
+    def count(_):
+        return aggregator._map(aggregator.layer_counts, keys)
+
+    count_s, count_runs, _ = _median_time(count, repeats)
+    counts = dict(zip(keys, count(None)))
+    rows = []
+    for group in GROUPS:
+        server = ServerConfig(group, scale=True)
+
+        def select(_, server=server):
+            return aggregator._map(lambda k: aggregator.global_mask(k, server, sparsity,
+                                                                    counts=counts[k]), keys)
+
+        select_s, select_runs, _ = _median_time(select, repeats)
+        masks = dict(zip(keys, select(None)))
+
+        def apply(target, masks=masks):
+            aggregator._map(lambda k: apply_global_mask(aggregator._weight(k, target), masks[k],
+                                                        counts[k], sites, True), keys)
+
+        apply_s, apply_runs, stepwise = _median_time(apply, repeats,
+                                                     lambda: copy.deepcopy(model))
+        prune_s, prune_runs, pruned = _median_time(
+            lambda target, server=server: aggregator.prune(target, server, sparsity), repeats,
+            lambda: copy.deepcopy(model))
+        # the real path and the steps give the same weights, bit for bit
+        same = all(torch.equal(a, b) for a, b in zip(stepwise.state_dict().values(),
+                                                     pruned.state_dict().values()))
+        del stepwise, pruned
+        rows.append({"group": group, "scale": True, "count_seconds": count_s,
+                     "select_seconds": select_s, "apply_seconds": apply_s,
+                     "prune_seconds": prune_s, "prune_equals_steps": same,
+                     "runs": {"count": count_runs, "select": select_runs, "apply": apply_runs,
+                              "prune": prune_runs}})
+    return rows, {"kernel_warmup_seconds": warmup, "workers": aggregator.workers
+                  or torch.get_num_threads(), "numel": sum(int(np.prod(s)) for s in
+                                                           aggregator.shapes.values()),
+                  "linear_layers": len(keys)}
+
+
+def floors(numel: int, sites: int, bandwidth: float) -> dict[str, float]:
+    """Seconds of the least memory traffic of each step at ``bandwidth`` bytes/s."""
+    cb = torch.tensor([], dtype=count_dtype(sites)).element_size()
+    packed = sites * numel / 8
+    moved = {"count": packed + numel * cb,
+             "select": numel * cb + numel,
+             "apply": 4 * numel * 2 + numel + numel * cb,
+             "prune": packed + 4 * numel * 2}
+    return {k: v / bandwidth for k, v in moved.items()} | {f"{k}_bytes": v
+                                                            for k, v in moved.items()}
+
+
+def cost_table(rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        f, site = r["floor_seconds"], r["site_seconds_median"]
+        cells = [r["model"], r["group"] + "+scale", f"{site:.2f}"]
+        for step in ("count", "select", "apply", "prune"):
+            s = r[f"{step}_seconds"]
+            cells.append(f"{s:.3f} ({100 * s / site:.1f}%; {s / f[step]:.1f}x floor)")
+        cells.append(f"{100 * r['prune_seconds'] / site:.1f}%")
+        cells.append("yes" if r["prune_equals_steps"] else "**NO**")
+        out.append(cells)
     return markdown_table(
-        ["server variant", "aggregation s (receive + count + select + prune)",
-         "of which receive s", "/ one client", "after the last payload s (count + select + "
-         "prune)", "/ one client", "extra numpy memory while aggregating",
-         "/ one layer's counts"],
-        [[r["name"], f"{r['seconds']:.3f}", f"{r['receive_seconds']:.3f}",
-          f"{100 * r['seconds'] / client:.1f}%", f"{r['after_last_payload_seconds']:.3f}",
-          f"{100 * r['after_last_payload_seconds'] / client:.1f}%",
-          f"{r['peak_numpy_bytes'] / 2**20:.1f} MiB",
-          f"{r['peak_numpy_bytes'] / layer_counts:.1f}x"] for r in rows])
+        ["model", "server group", "site mask pass s (median)", "count s", "select s",
+         "apply s", "prune s (count+select+apply, the real path)", "server / site",
+         "prune's weights = the steps'"], out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="simulations/results/aggregation_cost")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--models", "--model", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"],
+                        help="model specs, measured one after the other in this run")
+    parser.add_argument("--sites", type=int, default=16)
+    parser.add_argument("--windows", type=int, default=4, help="windows of 256 tokens per site")
+    parser.add_argument("--seqlen", type=int, default=256, help="tokens per window")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bandwidth-mib", type=int, default=512,
+                        help="MiB of the array whose copy measures the memory bandwidth")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="aggregate only the first N decoder layers (0: all; development)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--payloads", default="",
-                        help="folder caching the clients' packed masks (computed once, reused; "
-                             "the client timings are then the cached ones)")
-    opts = parser.parse_args()
+                        help="folder caching the sites' packed masks (computed once, reused; "
+                             "the site timings are then the cached ones)")
+    opts = parser.parse_args(argv)
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    one = FedPrLLMConfig(model=opts.model)  # the default client: 4 windows of 256 tokens
-    many = FedPrLLMConfig(model=opts.model, clients=opts.clients, samples_per_client=1)
-    cache = Path(opts.payloads) / f"{opts.model}-{opts.clients}.npz" if opts.payloads else None
-    with RunReport.for_script(__file__, opts, seeds={"seed": many.seed}) as report:
+    with RunReport.for_script(__file__, opts, seeds={"seed": FedPrLLMConfig().seed}) as report:
         report.markdown_results = False  # the section's table shows them, with the ratios
-        with report.phase("load"):
-            loaded = load_model(opts.model, device="cpu")
-        model = loaded.model
-        client_s = []
-        with report.phase("client_4_windows"):
-            windows = federation_windows(loaded.tokenizer, one)[0][0]
-            for _ in range(opts.repeats):
-                start = time.perf_counter()
-                local_masks(model, windows, one.prune, batch_size=one.batch_size)
-                client_s.append(time.perf_counter() - start)
-        with report.phase("client_payloads"):
-            payloads, one_window_s, cached = client_payloads(model, loaded.tokenizer, many, cache)
-
-        with report.phase("kernel_warmup"):  # the kernels' one-off load/compilation
-            warm = MaskAggregator(model, 2)
-            start = time.perf_counter()
-            warm.add_packed(payloads[0])
-            warm.add_packed(payloads[1])
-            for group in ("layer", "row", "column"):
-                warm.global_mask(next(iter(warm.shapes)), ServerConfig(group, True),
-                                 many.prune.target_sparsity)
-            warmup_s = time.perf_counter() - start
-        client = statistics.median(client_s)
-        rows = []
-        with report.phase("aggregation"):
-            for group in ("layer", "row", "column"):
-                for scale in (False, True):
-                    row = aggregation_costs(model, payloads, many, group, scale, opts.repeats)
-                    row["after_last_payload_seconds"] = row["seconds"] - row["receive_seconds"]
-                    row["of_one_client"] = row["seconds"] / client
-                    rows.append(row)
-                    report.add_result(row)
-        shapes = MaskAggregator(model, 1).shapes
-        layer_counts = max(int(np.prod(s)) for s in shapes.values())  # uint8 counts
-        model_counts = sum(int(np.prod(s)) for s in shapes.values())
-        workers = MaskAggregator(model, 1).workers or torch.get_num_threads()
-        held = sum(int(a.nbytes) for p in payloads for a in p.values())
-        report.extra.update({
-            "model": opts.model, "torch_threads": torch.get_num_threads(),
-            "client_seconds_4_windows": client_s, "client_seconds_4_windows_median": client,
-            "client_seconds_1_window_mean": float(np.mean(one_window_s)),
-            "client_seconds_1_window": one_window_s, "payloads_from_cache": cached,
-            "clients": opts.clients,
-            "kernel_warmup_seconds": warmup_s, "workers": workers,
-            "largest_layer_counts_bytes": layer_counts, "model_counts_bytes": model_counts,
-            "payload_bytes_held": held})
+        with report.phase("bandwidth"):
+            workers = torch.get_num_threads()  # the aggregator's default worker threads
+            bandwidth = memory_bandwidth(workers, opts.bandwidth_mib)
+        report.extra["memory_bandwidth"] = bandwidth
+        bw = bandwidth["bytes_per_s"]
+        sections, all_rows = [], []
+        for name in opts.models:
+            config = FedPrLLMConfig(model=name, clients=opts.sites,
+                                    samples_per_client=opts.windows, seqlen=opts.seqlen)
+            with report.phase(f"{name}:load"):
+                loaded = load_model(name, device="cpu")
+            model = loaded.model
+            cache = (Path(opts.payloads) / f"{Path(name).name}-{opts.sites}x{opts.windows}x"
+                     f"{opts.seqlen}.npz" if opts.payloads else None)
+            with report.phase(f"{name}:sites"):
+                payloads, site_s, cached = site_payloads(model, loaded.tokenizer, config, cache)
+            site = statistics.median(site_s)
+            layers = list(range(opts.layers)) if opts.layers else None
+            with report.phase(f"{name}:server"):
+                rows, info = server_steps(model, payloads, opts.sites,
+                                          config.prune.target_sparsity, layers, opts.repeats)
+            floor = floors(info["numel"], opts.sites, bw)
+            for row in rows:
+                row.update(name=f"{name}:{row['group']}+scale", model=name, sites=opts.sites,
+                           windows=opts.windows,
+                           site_seconds_median=site, site_seconds=site_s,
+                           payloads_from_cache=cached, floor_seconds=floor,
+                           server_over_site=row["prune_seconds"] / site, **info)
+                report.add_result(row)
+            all_rows += rows
+            sections.append(
+                f"**{name}**: {info['numel'] / 1e6:.1f} M prunable weights in "
+                f"{info['linear_layers']} linear layers"
+                + (f" (the first {opts.layers} decoder layers only)" if opts.layers else "")
+                + f"; site mask pass {site:.2f} s (median of {len(site_s)} sites, "
+                f"{opts.windows} windows each"
+                + (f", measured before and cached in {cache}" if cached else "")
+                + f"); kernels' one-off load {info['kernel_warmup_seconds']:.2f} s (not in the "
+                f"steps); {info['workers']} worker threads. Floors at "
+                f"{bw / 1e9:.1f} GB/s: count {floor['count']:.3f} s "
+                f"({floor['count_bytes'] / 2**20:.0f} MiB), select {floor['select']:.3f} s, "
+                f"apply {floor['apply']:.3f} s, prune {floor['prune']:.3f} s "
+                f"({floor['prune_bytes'] / 2**20:.0f} MiB).")
+            del model, loaded, payloads
         report.sections.append((
-            f"Aggregation cost: {opts.clients} client masks of {opts.model}",
-            f"One client's mask computation (Wanda 50%, 4 windows x 256 tokens): "
-            f"**{client:.2f} s** (median of {opts.repeats}); one-window clients "
-            f"{np.mean(one_window_s):.2f} s on average"
-            + (f" (measured before, cached in {cache})" if cached else "")
-            + f". torch threads: {torch.get_num_threads()}.\n\n"
-            f"Aggregation: {workers} worker threads; the kernels' one-off load (first "
-            f"compilation when not cached) took {warmup_s:.2f} s before the runs.\n\n"
-            + cost_table(rows, client, layer_counts) + "\n\n"
-            f"Counts of the largest linear layer: {layer_counts / 2**20:.2f} MiB (uint8); of "
-            f"the whole model: {model_counts / 2**20:.1f} MiB. The packed payloads held (the "
-            f"messages as received): {held / 2**20:.0f} MiB."))
+            f"Server aggregation vs one site's mask pass ({opts.sites} sites)",
+            f"Memory bandwidth (numpy copy of {opts.bandwidth_mib} MiB, read + written bytes/s, "
+            f"best of 5): one thread "
+            f"{bandwidth['one_thread_bytes_per_s'] / 1e9:.1f} GB/s, {workers} threads "
+            f"{bandwidth['threads_bytes_per_s'] / 1e9:.1f} GB/s.\n\n"
+            + "\n\n".join(sections) + "\n\n"
+            + "Each step: seconds (of the site's mask pass; times its memory-traffic floor). "
+            "`prune` is the server's real path from the held payloads (counting included).\n\n"
+            + cost_table(all_rows)))
     print(report.markdown())
 
 

@@ -169,7 +169,8 @@ def server_cost(records: list[dict]) -> str:
     return ("Seconds on this machine, the same run: `client` is one client's mask computation "
             "(mean over clients, its own windows); `count` the vote counting of all clients' "
             "packed masks; `select+apply` the global mask by group and pruning of the model "
-            "copy, one linear layer at a time.\n\n" + markdown_table(
+            "copy, one linear layer at a time per worker thread (the compiled kernels' one-off "
+            "load is timed apart, not in these).\n\n" + markdown_table(
                 ["model", "clients", "windows/client", "method", "sparsity", "server variant",
                  "client s", "count s", "select+apply s", "server / client"], rows))
 

@@ -96,22 +96,25 @@ def count_words(words, nwords, ops, planes, n_slots, lanes, chunk, out, wide):
     """
     buf = np.empty((n_slots, chunk), dtype=np.uint64)
     n_planes = planes.shape[0]
+    plane_words = np.empty(n_planes, dtype=np.uint64)  # one word of every plane, loaded once
     for start in range(0, nwords, chunk):
         n = min(chunk, nwords - start)
         _add_chunk(words, start, n, ops, buf)
         for w in range(n):
+            for j in range(n_planes):
+                plane_words[j] = buf[planes[j], w]
             for byte in range(8):
                 if wide:
                     for bit in range(8):  # MSB first inside each byte
                         shift = np.uint64(8 * byte + 7 - bit)
                         total = 0
                         for j in range(n_planes):
-                            total += np.int64((buf[planes[j], w] >> shift) & np.uint64(1)) << j
+                            total += np.int64((plane_words[j] >> shift) & np.uint64(1)) << j
                         out[(start + w) * 64 + byte * 8 + bit] = total
                 else:
                     acc = np.uint64(0)
                     for j in range(n_planes):
-                        v = (buf[planes[j], w] >> np.uint64(8 * byte)) & np.uint64(255)
+                        v = (plane_words[j] >> np.uint64(8 * byte)) & np.uint64(255)
                         acc |= lanes[v] << np.uint64(j)
                     out[(start + w) * 8 + byte] = acc
 
@@ -137,30 +140,66 @@ def _pick_small_row(counts, key, use_key, r, k, mask):
         mask[r, best] = 1
 
 
+_NON_FINITE = np.uint32(0x7F800000)  # |x|'s float32 bits at or above this: infinite or NaN
+_SMALL_TIES = 48  # up to this many tied entries, ranks by counting; above, a bitwise search
+
+
+@numba.njit(**_JIT)
+def _kth_smallest_bits(bits, kth):
+    """The ``kth`` smallest (0-based) of ``bits``, the float32 bits of non-negative finite keys
+    (whose order is their bits' order as unsigned integers): the largest ``v`` with
+    ``#(bits < v) <= kth``, built bit by bit from the top (31 counting passes without a
+    branch, which the compiler vectorises). A quickselect's comparisons mispredict half the
+    time on random keys: this took a third of a row group's selection."""
+    prefix = np.uint32(0)
+    for b in range(30, -1, -1):  # bit 31 (the sign) is 0 for |key|
+        cand = prefix | np.uint32(1 << b)
+        below = 0
+        for i in range(bits.shape[0]):
+            below += bits[i] < cand
+        if below <= kth:
+            prefix = cand
+    return prefix
+
+
 @numba.njit(**_JIT)
 def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
-    """Of the tied entries ``idx`` (ascending) with keys ``keys``, mark the ``need`` first in
-    (``|key|``, index) order at ``out_mask_flat[idx[i] * stride + offset]``; False when a key is
-    not finite."""
+    """Of the tied entries ``idx`` (ascending) with keys ``keys`` (``|key|``, float32), mark
+    the ``need`` first in (``|key|``, index) order at ``out_mask_flat[idx[i] * stride +
+    offset]``: the ones below the ``need``-th smallest key (the cut), then the first ones at
+    the cut, in index order (few entries: those whose rank in that order is below ``need``).
+    Writes 0 or 1 at every tied entry. False when a key is not finite."""
     n = idx.shape[0]
     if not use_key:
         for i in range(need):
             out_mask_flat[idx[i] * stride + offset] = 1
         return True
+    bits = keys.view(np.uint32)
+    bad = False
     for i in range(n):
-        if not np.isfinite(keys[i]):
-            return False
-    cut = np.partition(keys, need - 1)[need - 1]
+        bad |= bits[i] >= _NON_FINITE
+    if bad:
+        return False
+    if n <= _SMALL_TIES:  # each entry's rank in (key, index) order, counted: n^2 compares
+        for i in range(n):  # without a branch (vectorised), cheaper than 31 passes here
+            a = bits[i]
+            rank = 0
+            for j in range(i):
+                rank += bits[j] <= a
+            for j in range(i + 1, n):
+                rank += bits[j] < a
+            out_mask_flat[idx[i] * stride + offset] = rank < need
+        return True
+    cut = _kth_smallest_bits(bits, need - 1)
     quota = need
     for i in range(n):
-        if keys[i] < cut:
-            quota -= 1
-    for i in range(n):
-        a = keys[i]
-        if a < cut or (a == cut and quota > 0):
-            out_mask_flat[idx[i] * stride + offset] = 1
-            if a == cut:
-                quota -= 1
+        quota -= bits[i] < cut
+    for i in range(n):  # without a branch: the entries are tied, in random key order
+        a = bits[i]
+        at_cut = a == cut
+        take = (a < cut) | (at_cut & (quota > 0))
+        out_mask_flat[idx[i] * stride + offset] = take
+        quota -= at_cut & take
     return True
 
 
@@ -171,8 +210,8 @@ def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, out):
     counts (``hist``: ``[4, n_values]``, 4 interleaved so that no increment waits on the
     previous one) gives the threshold count ``t`` (the largest with ``#(count >= t) >= k``); the
     mask is ``count > t`` plus, of the entries tied at ``t``, all of them or the ``need`` first
-    in (``|key|``, index) order, found by a partition of the tied keys (not a sort). False when
-    a tied key is NaN or infinite."""
+    in (``|key|``, index) order, found by a bitwise search of the tied keys (not a sort). False
+    when a tied key is NaN or infinite."""
     n = vals.shape[0]
     n_values = hist.shape[1]
     hist[:, :] = 0
@@ -190,15 +229,15 @@ def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, out):
         for i in range(n):
             out[i] = vals[i] >= t
         return True
+    for i in range(n):  # vectorised
+        out[i] = vals[i] > t
     tied = 0
-    for i in range(n):
-        x = vals[i]
-        out[i] = x > t
-        if x == t:
-            tied_idx[tied] = i
-            if use_key:
-                tied_keys[tied] = abs(keys[i])
-            tied += 1
+    for i in range(n):  # without a branch: the tied indices compacted as they come
+        tied_idx[tied] = i
+        tied += vals[i] == t
+    if use_key:
+        for j in range(tied):
+            tied_keys[j] = abs(keys[tied_idx[j]])
     return _take_tied(tied_keys[:tied], tied_idx[:tied], need, use_key, out, 1, 0)
 
 
@@ -221,7 +260,7 @@ def select_rows(counts, key, use_key, k, n_values, mask):
         return 0
     hist = np.zeros((4, n_values), dtype=np.int64)
     tied_keys = np.empty(cols, dtype=np.float32)
-    tied_idx = np.empty(cols, dtype=np.int64)
+    tied_idx = np.empty(cols + 1, dtype=np.int64)  # + 1: the branch-free compaction's slot
     for r in range(rows):
         if cols < n_values:
             _pick_small_row(counts, key, use_key, r, k, mask)
@@ -231,27 +270,122 @@ def select_rows(counts, key, use_key, k, n_values, mask):
     return k * rows
 
 
+# the index of a word's lowest set bit: (bit * magic) >> 58 through a de Bruijn table
+_DEBRUIJN_MAGIC = np.uint64(0x03F79D71B4CB0A89)
+_DEBRUIJN = np.zeros(64, dtype=np.int64)
+for _i in range(64):
+    _DEBRUIJN[((1 << _i) * 0x03F79D71B4CB0A89 & (2**64 - 1)) >> 58] = _i
+
+
+@numba.njit(**_JIT)
+def select_columns(counts, key, use_key, k, n_values, mask):
+    """:func:`select_rows` for every *column* of the row-major ``counts`` ``[rows, cols]``
+    (``k`` per column), without a transposed copy: one pass builds every column's histogram
+    (``[n_values, cols]``, in cache), which gives each column's threshold count; a second pass
+    writes the mask row by row, every column's outright selections (``count >= thr``), and
+    gathers only the entries tied at a column's threshold (when the column takes some of them,
+    64 rows at a time as bit words, without a branch per weight)
+    into per-column segments, in row order; a bitwise search of each segment's keys then marks its
+    ``need`` first by (``|key|``, row). Equal to a stable sort of each column by (count
+    descending, ``|key|`` ascending, row ascending). Returns the number of selected weights, or
+    -1 when a tied key is NaN or infinite.
+    """
+    rows, cols = counts.shape
+    if k < 0 or k > rows:
+        return -2
+    if k == 0:
+        mask[:, :] = 0
+        return 0
+    hist = np.zeros((n_values, cols), dtype=np.int32)
+    for r in range(rows):
+        for c in range(cols):
+            hist[counts[r, c], c] += 1
+    thr = np.empty(cols, dtype=np.int64)  # count >= thr[c]: selected outright
+    tie = np.full(cols, -1, dtype=np.int64)  # the count tied at the threshold (-1: none)
+    need = np.zeros(cols, dtype=np.int64)
+    start = np.zeros(cols + 1, dtype=np.int64)  # segments of the tied entries, per column
+    for c in range(cols):
+        ge = 0
+        for v in range(n_values - 1, -1, -1):
+            h = hist[v, c]
+            ge += h
+            if ge >= k:
+                nd = k - (ge - h)
+                if nd == h:
+                    thr[c] = v
+                else:
+                    thr[c] = v + 1
+                    tie[c] = v
+                    need[c] = nd
+                    start[c + 1] = h
+                break
+    for c in range(cols):
+        start[c + 1] += start[c]
+    flat = mask.reshape(-1)
+    if not use_key:  # index order: a column's first ``need`` tied rows, as they come
+        taken = np.zeros(cols, dtype=np.int64)
+        for r in range(rows):
+            for c in range(cols):
+                x = counts[r, c]
+                sel = x >= thr[c]
+                if x == tie[c] and taken[c] < need[c]:
+                    sel = True
+                    taken[c] += 1
+                mask[r, c] = sel
+        return k * cols
+    pos = start[:-1].copy()
+    tied_keys = np.empty(start[cols], dtype=np.float32)
+    tied_rows = np.empty(start[cols], dtype=np.int64)
+    # 64 rows at a time: every column's tied rows as the bits of one word (without a branch,
+    # vectorised over the columns), then each column's set bits, lowest first (a branch per
+    # tied entry, not per weight: ties are random, a branch per weight mispredicts)
+    tied_bits = np.zeros(cols, dtype=np.uint64)
+    one = np.uint64(1)
+    for r0 in range(0, rows, 64):
+        tied_bits[:] = 0
+        for r in range(r0, min(r0 + 64, rows)):
+            shift = np.uint64(r - r0)
+            for c in range(cols):
+                x = counts[r, c]
+                mask[r, c] = x >= thr[c]
+                tied_bits[c] |= np.uint64(x == tie[c]) << shift
+        for c in range(cols):
+            word = tied_bits[c]
+            p = pos[c]
+            while word:
+                low = word & (~word + one)
+                r = r0 + _DEBRUIJN[(low * _DEBRUIJN_MAGIC) >> np.uint64(58)]
+                tied_keys[p] = abs(key[r, c])
+                tied_rows[p] = r
+                p += 1
+                word ^= low
+            pos[c] = p
+    for c in range(cols):
+        if tie[c] >= 0 and not _take_tied(tied_keys[start[c]:start[c + 1]],
+                                          tied_rows[start[c]:start[c + 1]], need[c], True,
+                                          flat, cols, c):
+            return -1
+    return k * cols
+
+
 # ---- applying the global mask ------------------------------------------------------------
 
 @numba.njit(**_JIT)
 def apply_mask(weight, mask, counts, n_clients, scale):
     """In place on float32 ``weight``: zero the masked weights; with ``scale``, multiply each
-    kept weight by ``(n_clients - count) / n_clients`` (float32; one factor per count value,
-    computed once, so no division per weight). Counts must be in ``0..n_clients``, the mask
-    0 or 1."""
+    kept weight by ``(n_clients - count) / n_clients`` (float32), in one pass. Counts must be
+    in ``0..n_clients``, the mask 0 or 1. A pruned weight becomes +0.0 (as ``masked_fill``)."""
     flat_w = weight.reshape(-1)
     flat_m = mask.reshape(-1)
     flat_c = counts.reshape(-1)
-    if scale:
+    zero = np.float32(0)
+    if scale:  # one pass, scale and zero together, vectorised: the factor computed per weight
+        # (one division, exactly the factor of its count: no table gather) and a select, no
+        # branch (masks are random bits)
         m = np.float32(n_clients)
-        factor = np.empty(n_clients + 1, dtype=np.float32)
-        for c in range(n_clients + 1):
-            factor[c] = (m - np.float32(c)) / m
         for i in range(flat_w.shape[0]):
-            flat_w[i] = flat_w[i] * factor[flat_c[i]]
-    # Zeroing without a branch (masks are random bit patterns: a branch would mispredict half
-    # the time): the weight's bits AND 0 (pruned: +0.0 exactly) or AND all ones (kept).
-    bits = flat_w.view(np.uint32)
-    one = np.uint32(1)
-    for i in range(bits.shape[0]):
-        bits[i] = bits[i] & (np.uint32(flat_m[i]) - one)
+            scaled = flat_w[i] * ((m - np.float32(flat_c[i])) / m)
+            flat_w[i] = zero if flat_m[i] else scaled
+        return
+    for i in range(flat_w.shape[0]):
+        flat_w[i] = zero if flat_m[i] else flat_w[i]

@@ -390,7 +390,9 @@ class MaskAggregator:
         return counts
 
     def counts(self) -> dict[str, torch.Tensor]:
-        return {k: self.layer_counts(k) for k in self.shapes}
+        """Every layer's vote counts (:meth:`layer_counts`), counted by the worker threads."""
+        keys = list(self.shapes)
+        return dict(zip(keys, self._map(self.layer_counts, keys)))
 
     @classmethod
     def from_counts(cls, model: nn.Module, counts: Mapping[str, torch.Tensor], clients: int,
@@ -468,16 +470,32 @@ class MaskAggregator:
         adapter = ModelAdapter(model if model is not None else self.model)
         return weight_matrix(ModelAdapter.linear_layers(adapter.layers[int(layer)])[name])
 
+    def _weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every aggregated layer's weight matrix in ``model``, through one adapter (building
+        one per layer walked the whole model each time: Python time the workers share)."""
+        layers = ModelAdapter(model).layers
+        linears: dict[int, dict[str, nn.Module]] = {}
+        out = {}
+        for key in self.shapes:
+            _, layer, name = key.split(".", 2)
+            if int(layer) not in linears:
+                linears[int(layer)] = ModelAdapter.linear_layers(layers[int(layer)])
+            out[key] = weight_matrix(linears[int(layer)][name])
+        return out
+
     def global_mask(self, key: str, server: ServerConfig, sparsity: float | SparsityPlan,
                     nm: tuple[int, int] | None = None,
-                    counts: torch.Tensor | None = None) -> torch.Tensor:
+                    counts: torch.Tensor | None = None,
+                    weight: torch.Tensor | None = None) -> torch.Tensor:
         """The global mask of linear layer ``key``: the highest counts in each group, at the
-        layer's ratio (``sparsity``: one ratio, or a per-layer plan)."""
+        layer's ratio (``sparsity``: one ratio, or a per-layer plan); ties by the global
+        model's weight (``weight``: that weight matrix, when the caller has it)."""
         counts = self.layer_counts(key) if counts is None else counts
         if server.trims:
             counts = trimmed_counts(counts, self.clients, server.trims)
+        weight = self._weight(key) if weight is None else weight
         return global_mask(counts, _ratio_at(sparsity, key), server.group, server.tie_break,
-                           self._weight(key).detach().cpu(), server.seed, nm)
+                           weight.detach().cpu(), server.seed, nm)
 
     def _map(self, fn, keys):
         workers = self.workers or torch.get_num_threads()
@@ -506,10 +524,12 @@ class MaskAggregator:
             return agg.prune(model, server.replace_defence("trim" if server.trims else "none"),
                              sparsity, nm)
 
+        globals_, targets = self._weights(self.model), self._weights(model)
+
         def one(key: str) -> float:
             counts = self.layer_counts(key)
-            mask = self.global_mask(key, server, sparsity, nm, counts)
-            apply_global_mask(self._weight(key, model), mask, counts, self.clients, server.scale)
+            mask = self.global_mask(key, server, sparsity, nm, counts, globals_[key])
+            apply_global_mask(targets[key], mask, counts, self.clients, server.scale)
             # numpy's count, not torch's bool sum: the latter took 4 of 8 s for 64 clients.
             return int(np.count_nonzero(mask.numpy())) / mask.numel()
 

@@ -1,0 +1,261 @@
+"""The server's compiled aggregation (counting, selection, applying) equals a plain reference,
+bit for bit, on random counts and on a tiny model: every comparison group (layer, row, column),
+N:M, every tie-break, with and without weight scaling.
+
+The references below are the obvious definitions (numpy sums of unpacked masks, a stable sort
+per group by count descending, ``|key|`` ascending, index ascending; scale then zero in torch):
+they are what the kernels of :mod:`fedcompress.masks._kernels` must compute, however they are
+optimised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedcompress.masks.aggregate import (
+    apply_global_mask,
+    count_dtype,
+    count_words,
+    global_mask,
+    payload_words,
+)
+from fedcompress.methods.fedprllm.federated import MaskAggregator, ServerConfig, expected_shapes
+from fedcompress.models import load_model
+
+# ---- references ----------------------------------------------------------------------------
+
+
+def ref_counts(masks: np.ndarray) -> np.ndarray:
+    """``sum_i M_i`` of bool masks ``[m, numel]``."""
+    return masks.sum(0, dtype=np.int64)
+
+
+def ref_key(counts: torch.Tensor, tie_break: str, weight: torch.Tensor, seed: int) -> np.ndarray:
+    """The tie key of each weight (ascending ``|key|`` pruned first among equal counts)."""
+    if tie_break == "magnitude":
+        return weight.float().abs().numpy()
+    if tie_break == "random":
+        gen = torch.Generator().manual_seed(seed)
+        return torch.rand(counts.shape, generator=gen, dtype=torch.float32).abs().numpy()
+    return np.zeros(tuple(counts.shape), dtype=np.float32)
+
+
+def ref_top(counts: np.ndarray, key: np.ndarray, k: int) -> np.ndarray:
+    """Bool mask of the ``k`` first of each row by (count desc, key asc, index asc)."""
+    mask = np.zeros(counts.shape, dtype=bool)
+    idx = np.arange(counts.shape[1])
+    for r in range(counts.shape[0]):
+        order = np.lexsort((idx, key[r], -counts[r].astype(np.int64)))
+        mask[r, order[:k]] = True
+    return mask
+
+
+def ref_global_mask(counts: torch.Tensor, sparsity: float, group: str, tie_break: str,
+                    weight: torch.Tensor, seed: int = 0,
+                    nm: tuple[int, int] | None = None) -> torch.Tensor:
+    c = counts.numpy().astype(np.int64)
+    key = ref_key(counts, tie_break, weight, seed)
+    rows, cols = c.shape
+    if nm is not None:
+        n, m = nm
+        mask = ref_top(c.reshape(-1, m), key.reshape(-1, m), n).reshape(rows, cols)
+    elif group == "layer":
+        mask = ref_top(c.reshape(1, -1), key.reshape(1, -1),
+                       int(sparsity * c.size)).reshape(rows, cols)
+    elif group == "row":
+        mask = ref_top(c, key, int(sparsity * cols))
+    else:
+        mask = ref_top(c.T, key.T, int(sparsity * rows)).T
+    return torch.from_numpy(np.ascontiguousarray(mask))
+
+
+def ref_apply(weight: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor, m: int,
+              scale: bool) -> torch.Tensor:
+    w = weight.clone()
+    if scale:
+        factor = (m - counts.to(torch.float32)) / m
+        w = (w.to(torch.float32) * factor).to(weight.dtype)
+    return w.masked_fill(mask, 0)
+
+
+# ---- random counts ----------------------------------------------------------------------
+
+
+def _counts(kind: str, m: int, shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    dtype = count_dtype(m)
+    if kind == "uniform":
+        return torch.randint(0, m + 1, shape, generator=gen).to(dtype)
+    if kind == "extremes":  # real votes: most weights near 0 or m
+        p = torch.rand(shape, generator=gen)
+        c = torch.where(p < 0.4, 0, torch.where(p < 0.8, m, torch.randint(0, m + 1, shape,
+                                                                           generator=gen)))
+        return c.to(dtype)
+    return torch.full(shape, m // 2, dtype=dtype)  # "equal": every weight tied
+
+
+SHAPES = [(1, 97), (97, 1), (3, 200), (200, 3), (17, 33), (64, 48), (5, 16), (16, 5)]
+
+
+@pytest.mark.parametrize("tie_break", ["magnitude", "random", "index"])
+@pytest.mark.parametrize("group", ["layer", "row", "column"])
+@pytest.mark.parametrize("m", [1, 2, 16, 300])
+@pytest.mark.parametrize("kind", ["uniform", "extremes", "equal"])
+def test_global_mask_equals_reference_on_random_counts(tie_break, group, m, kind):
+    gen = torch.Generator().manual_seed(m * 7 + len(kind))
+    for shape in SHAPES:
+        counts = _counts(kind, m, shape, gen)
+        # weights with many equal magnitudes (and signs), so key ties happen too
+        weight = (torch.randn(shape, generator=gen) * 4).round() / 4
+        for sparsity in (0.0, 0.05, 0.3, 0.5, 0.75, 0.99):
+            got = global_mask(counts, sparsity, group, tie_break, weight, seed=3)
+            want = ref_global_mask(counts, sparsity, group, tie_break, weight, seed=3)
+            assert torch.equal(got, want), (shape, sparsity)
+
+
+@pytest.mark.parametrize("tie_break", ["magnitude", "index"])
+@pytest.mark.parametrize("nm", [(2, 4), (1, 4), (4, 8), (3, 4)])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_nm_mask_equals_reference(tie_break, nm, m):
+    gen = torch.Generator().manual_seed(m + nm[1])
+    for kind in ("uniform", "extremes", "equal"):
+        counts = _counts(kind, m, (12, 64), gen)
+        weight = (torch.randn(12, 64, generator=gen) * 2).round() / 2
+        got = global_mask(counts, 0.0, "layer", tie_break, weight, nm=nm)
+        assert torch.equal(got, ref_global_mask(counts, 0.0, "layer", tie_break, weight,
+                                                nm=nm)), kind
+
+
+@pytest.mark.parametrize("group", ["layer", "row", "column"])
+def test_global_mask_refuses_non_finite_tied_weights_in_every_group(group):
+    counts = torch.full((8, 8), 2, dtype=torch.uint8)  # all tied: the key decides
+    weight = torch.randn(8, 8)
+    weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        global_mask(counts, 0.5, group, "magnitude", weight)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 255, 256])
+def test_counts_equal_reference(m):
+    rng = np.random.default_rng(m)
+    for numel in (64, 100, 4096, 70_001):
+        score = rng.standard_normal(numel)
+        masks = (score + rng.standard_normal((m, numel))) < 0  # correlated, like real votes
+        words = [payload_words(np.packbits(x), (numel + 7) // 8) for x in masks]
+        got = count_words(words, numel)
+        assert got.dtype == count_dtype(m)
+        assert np.array_equal(got.numpy().astype(np.int64), ref_counts(masks))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [False, True])
+def test_apply_equals_reference(dtype, scale):
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 7, 16, 300):
+        shape = (33, 70)
+        w = torch.randn(shape, generator=gen).to(dtype)
+        counts = _counts("uniform", m, shape, gen)
+        mask = torch.rand(shape, generator=gen) < 0.5
+        got = w.clone()
+        apply_global_mask(got, mask, counts, m, scale)
+        want = ref_apply(w, mask, counts, m, scale)
+        assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+# ---- a tiny model, end to end ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(tiny_dir, device="cpu")
+
+
+def _site_masks(shapes, m: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    base = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    return [{k: (b + torch.randn(b.shape, generator=gen)) < 0 for k, b in base.items()}
+            for _ in range(m)]
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pruned_model_equals_reference(tiny, m, workers):
+    """``MaskAggregator.prune`` gives, bit for bit, the weights of the reference pipeline
+    (counts, stable-sort selection on the global model's weights, scale then zero), for every
+    group, N:M, scaling and tie-break, and the pruned fractions of the reference masks."""
+    shapes = expected_shapes(tiny.model)
+    sites = _site_masks(shapes, m, seed=m)
+    agg = MaskAggregator(tiny.model, m, workers=workers)
+    for masks in sites:
+        agg.add(masks)
+    original = {k: v.clone() for k, v in tiny.model.state_dict().items()}
+    weights = {k: agg._weight(k).detach().clone() for k in shapes}
+    counts = {k: torch.from_numpy(ref_counts(np.stack([s[k].reshape(-1).numpy() for s in sites]))
+                                  .reshape(shapes[k])) for k in shapes}
+    variants = [(g, s, t, None) for g in ("layer", "row", "column") for s in (False, True)
+                for t in ("magnitude", "random", "index")]
+    variants += [("layer", s, "magnitude", (2, 4)) for s in (False, True)]
+    for group, scale, tie_break, nm in variants:
+        server = ServerConfig(group, scale, tie_break, seed=11)
+        target = load_model(tiny.path, device="cpu").model
+        fractions = agg.prune(target, server, 0.5, nm)
+        for key in shapes:
+            c = counts[key].to(count_dtype(m))
+            mask = ref_global_mask(c, 0.5, group, tie_break, weights[key], seed=11, nm=nm)
+            want = ref_apply(weights[key], mask, c, m, scale)
+            got = agg._weight(key, target)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), \
+                (key, group, scale, tie_break, nm)
+            assert fractions[key] == mask.sum().item() / mask.numel()
+    # the global model itself is untouched
+    assert all(torch.equal(v, original[k]) for k, v in tiny.model.state_dict().items())
+
+
+def test_apply_scaling_is_exact_for_every_count_and_extreme_weights():
+    """The compiled one-pass apply multiplies by exactly torch's ``(m - c) / m`` for every
+    count value, also on subnormal, huge, signed-zero and infinite weights."""
+    special = torch.tensor([1e-45, -1e-40, 3.4e38, -3.4e38, -0.0, 0.0, float("inf"), 1 / 3,
+                            -2.5, 7.0], dtype=torch.float32)
+    for m in list(range(1, 41)) + [255, 300]:
+        counts = torch.arange(m + 1).repeat_interleave(len(special)).to(count_dtype(m))
+        w = special.repeat(m + 1).reshape(1, -1)
+        counts = counts.reshape(1, -1)
+        for mask in (torch.zeros_like(w, dtype=torch.bool), torch.rand(w.shape) < 0.3):
+            got = w.clone()
+            apply_global_mask(got, mask, counts, m, True)
+            want = ref_apply(w, mask, counts, m, True)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), m
+
+
+def test_load_kernels_runs_for_narrow_and_wide_counts():
+    from fedcompress.masks.aggregate import load_kernels
+
+    load_kernels(16)
+    load_kernels(300)
+
+
+def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):
+    """simulations/aggregation_cost.py runs for two models in one command: a row per model
+    and group with every step's seconds, floor and the real path's weights equal to the
+    steps'."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("aggregation_cost",
+                                                  "simulations/aggregation_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "out"
+    module.main(["--models", tiny_dir, tiny_dir, "--sites", "3", "--windows", "1",
+                 "--seqlen", "16", "--repeats", "1", "--bandwidth-mib", "8", "--out", str(out),
+                 "--payloads", str(tmp_path / "cache")])
+    report = json.loads((out / "report.json").read_text())
+    rows = report["results"]
+    assert len(rows) == 6 and {r["group"] for r in rows} == {"layer", "row", "column"}
+    assert all(r["prune_equals_steps"] for r in rows)
+    assert all(r["floor_seconds"][s] > 0 and r[f"{s}_seconds"] > 0
+               for r in rows for s in ("count", "select", "apply", "prune"))
+    assert rows[3]["payloads_from_cache"] and not rows[0]["payloads_from_cache"]
+    assert "x floor" in (out / "report.md").read_text()
