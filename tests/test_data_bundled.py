@@ -268,14 +268,45 @@ def test_fab_ships_every_module_its_code_imports() -> None:
     assert not missing, "\n".join(missing)
 
 
-def test_fab_files_leave_room_under_the_fab_limit() -> None:
-    """Every bundled task ships in the FAB (a ClientApp may be configured with any of them),
-    and the FAB that flwr builds from this checkout (its own include/exclude rules; a FAB stores
-    its files uncompressed) stays at least 512 KiB under flwr's limit."""
+def test_fab_carries_code_not_data_and_leaves_room_under_the_fab_limit() -> None:
+    """The FAB that flwr builds from this checkout (its own include/exclude rules; a FAB stores
+    its files uncompressed) carries the app's code and the bundled data's manifest, no data file
+    (sites read those from their installed fedcompress), and stays at least 512 KiB under
+    flwr's limit."""
     from flwr.common.constant import FAB_MAX_SIZE
 
     fab = _fab(BUNDLED_DIR.parents[2])
-    tasks = {f"fedcompress/data/bundled/tasks/{t}/{s}.jsonl"
-             for t in BUNDLED_TASKS for s in TASK_SPLITS}
-    assert tasks <= set(fab)
+    data = [name for name in fab if name.startswith("fedcompress/data/bundled/")]
+    assert data == ["fedcompress/data/bundled/manifest.json"], data
     assert len(fab[""]) <= FAB_MAX_SIZE - FAB_CODE_ROOM, f"{len(fab['']):,} bytes"
+
+
+def test_a_fab_without_data_reads_the_installed_bundled_data(tmp_path) -> None:
+    """A copy of the package holding only the bundled data's manifest (what a FAB unpacks)
+    finds the bundled corpora and tasks in the installed fedcompress, and refuses an installed
+    fedcompress whose data differs from the manifest it was built with."""
+    import subprocess
+    import sys
+
+    for root in ("fedcompress", "clients", "server", "strategies"):
+        shutil.copytree(BUNDLED_DIR.parents[2] / root, tmp_path / root,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.jsonl", "SOURCES.md"))
+    probe = ("import fedcompress.data.corpora as c, fedcompress.data as d; "
+             "print(c.__file__); print(c.BUNDLED_DIR); "
+             "print(len(d.load_corpus('wiki', 'train')), len(d.load_task('social_iqa', 'test')))")
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+
+    out = run()
+    assert out.returncode == 0, out.stderr
+    module, folder, sizes = out.stdout.split("\n")[:3]
+    assert module.startswith(str(tmp_path))  # the copy's code ran
+    assert Path(folder) == BUNDLED_DIR  # the installed data was read
+    assert sizes.split() == [str(len(load_corpus("wiki", "train"))),
+                             str(len(load_task("social_iqa", "test")))]
+    manifest = tmp_path / "fedcompress/data/bundled/manifest.json"
+    manifest.write_text(manifest.read_text().replace('"bytes"', '"bytes" ', 1))
+    out = run()
+    assert out.returncode != 0 and "is not the data this app was built with" in out.stderr
