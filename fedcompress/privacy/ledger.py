@@ -218,14 +218,17 @@ class Ledger:
             total_steps = int(entry["steps"]) + steps
             dp_epsilon = epsilon_spent(mechanism.sigma, mechanism.sample_rate, total_steps,
                                        mechanism.delta, mechanism.accountant)
-            if dp_epsilon > mechanism.target_epsilon * (1 + 1e-6):
+            run_epsilon = dp_epsilon + float(entry["text_epsilon"])
+            # The run's text releases count against the same target: text then DP-SGD in one
+            # run must not exceed it together (DP-SGD then text is bounded in :meth:`text`).
+            if run_epsilon > mechanism.target_epsilon * (1 + 1e-6):
                 raise PolicyError(
                     f"{steps} more DP-SGD steps would bring run {run}'s epsilon to "
-                    f"{dp_epsilon:.4g} ({total_steps} steps at sigma={mechanism.sigma:.4g}, "
-                    f"q={mechanism.sample_rate:.4g}), above the run's target "
+                    f"{run_epsilon:.4g} (DP-SGD {dp_epsilon:.4g}: {total_steps} steps at "
+                    f"sigma={mechanism.sigma:.4g}, q={mechanism.sample_rate:.4g}; text "
+                    f"{float(entry['text_epsilon']):.4g}), above the run's target "
                     f"{mechanism.target_epsilon:g} (bounded by node config max-epsilon): the "
                     "run's budget is spent; no more rounds")
-            run_epsilon = dp_epsilon + float(entry["text_epsilon"])
             lifetime = self._check_lifetime(data, run, run_epsilon)
             entry.update(epsilon=run_epsilon, delta=mechanism.delta, steps=total_steps,
                          releases=int(entry["releases"]) + 1)

@@ -18,6 +18,10 @@ key                                 default   meaning
 ``max-delta``                       1e-5      largest delta a run may ask for
 ``allow-no-dp``                     false     may a DP-capable method run without DP
 ``secagg-min-fraction``             0.5       a SecAgg threshold must exceed this fraction of sites
+``secagg-max-colluders``            0         sites that may collude with a malicious server: the
+                                              threshold must exceed (sites + colluders) / 2, so
+                                              that no split view of the survivors can be
+                                              confirmed twice (Bonawitz et al. 2017)
 ``secagg-key``                      ""        this site's P-384 private key (PEM) for SecAgg+
 ``secagg-peers``                    ""        folder of the federation's public keys (``*.pub``)
 ``models``                          embedded  model specs accepted (comma-separated in node config,
@@ -128,6 +132,7 @@ class SitePolicy:
     max_delta: float = 1e-5
     allow_no_dp: bool = False
     secagg_min_fraction: float = 0.5
+    secagg_max_colluders: int = 0
     secagg_key: str = ""
     secagg_peers: str = ""
     models: tuple[str, ...] = field(default_factory=default_models)
@@ -155,15 +160,25 @@ class SitePolicy:
         if not _finite(self.secagg_min_fraction) or not 0 <= self.secagg_min_fraction < 1:
             raise PolicyError(f"node config secagg-min-fraction={self.secagg_min_fraction!r} "
                               "is invalid: expected a number in [0, 1)")
+        if isinstance(self.secagg_max_colluders, bool) \
+                or not isinstance(self.secagg_max_colluders, int) or self.secagg_max_colluders < 0:
+            raise PolicyError(f"node config secagg-max-colluders={self.secagg_max_colluders!r} "
+                              "is invalid: expected an integer >= 0")
 
     # -- checks a handler calls -------------------------------------------------------------
 
     def min_secagg_threshold(self, sites: int) -> int:
         """The smallest SecAgg threshold this site accepts among ``sites`` sites:
-        ``floor(secagg_min_fraction * sites) + 1``, at least 2."""
+        ``floor(secagg_min_fraction * sites) + 1`` and ``floor((sites + k) / 2) + 1`` for
+        ``k = secagg_max_colluders``, at least 2. The second bound is what the consistency round
+        needs against a malicious server with ``k`` colluding sites: two disjoint groups of
+        ``t - k`` honest sites (each completed by the colluders' signatures) can confirm two
+        different survivor sets, and so reveal both a victim's seed and its mask key, whenever
+        ``sites >= 2 t - k``."""
         if isinstance(sites, bool) or not isinstance(sites, int) or sites < 1:
             raise PolicyError(f"sites={sites!r} is invalid: expected an int >= 1")
-        return max(2, math.floor(self.secagg_min_fraction * sites) + 1)
+        return max(2, math.floor(self.secagg_min_fraction * sites) + 1,
+                   (sites + self.secagg_max_colluders) // 2 + 1)
 
     def check_epsilon(self, epsilon: float | None, what: str = "epsilon") -> float | None:
         """``epsilon`` if this policy allows it for one run: None or 0 (no DP) only with
@@ -279,7 +294,8 @@ def _listed(value: str, allowed: Iterable[str]) -> bool:
 POLICY_KEYS: dict[str, str] = {
     "max-epsilon": "max_epsilon", "lifetime-epsilon": "lifetime_epsilon",
     "max-delta": "max_delta", "allow-no-dp": "allow_no_dp",
-    "secagg-min-fraction": "secagg_min_fraction", "secagg-key": "secagg_key",
+    "secagg-min-fraction": "secagg_min_fraction",
+    "secagg-max-colluders": "secagg_max_colluders", "secagg-key": "secagg_key",
     "secagg-peers": "secagg_peers", "models": "models", "corpora": "corpora",
     "state-dir": "state_dir", "research-reproducible-secrets": "reproducible_secrets",
 }
@@ -364,6 +380,16 @@ def _convert(key: str, value: Any) -> Any:
             return float(value)
         except (TypeError, ValueError):
             raise bad from None
+    if kind == "int":
+        if isinstance(value, bool):
+            raise bad
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if not number.is_integer():
+            raise bad
+        return int(number)
     if kind == "tuple[str, ...]":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):

@@ -628,13 +628,14 @@ def test_fixed_point_at_the_edge_never_wraps():
             with pytest.raises(ValueError, match=rf"exceeds the fixed-point range of {f} "
                                                  rf"fractional bits for {n} sites"):
                 encode_fixed({"s.0.a.sq": np.array([value])}, f, n)
-        with pytest.raises(ValueError, match=rf"s\.0\.tokens: a value of "
-                                             rf"{fixed_point_limit(n) + 1} .* for {n} sites"):
+        with pytest.raises(ValueError, match=rf"s\.0\.tokens: a value exceeds .* for {n} "
+                                             "sites") as refused:
             encode_fixed({"s.0.tokens": np.array([fixed_point_limit(n) + 1], np.uint64)}, f, n)
-    with pytest.raises(ValueError, match=r"a value of 9223372036854775808"):  # uint64 lane
-        encode_fixed({"t": np.array([2**63], np.uint64)}, 25, 1)
-    with pytest.raises(ValueError, match=r"a value of -9223372036854775808"):  # int64 min
-        encode_fixed({"t": np.array([-2**63], np.int64)}, 25, 1)
+        assert str(fixed_point_limit(n) + 1) not in str(refused.value)  # private: log only
+    for value, dtype in ((2**63, np.uint64), (-2**63, np.int64)):  # uint64 lane, int64 min
+        with pytest.raises(ValueError, match=r"t: a value exceeds") as refused:
+            encode_fixed({"t": np.array([value], dtype)}, 25, 1)
+        assert str(abs(value)) not in str(refused.value)
     with pytest.raises(ValueError, match=r"n_sites=0: expected an integer >= 1"):
         encode_fixed({"t": np.array([1], np.int64)}, 25, 0)
     with pytest.raises(ValueError, match=r"frac_bits=53"):

@@ -32,6 +32,18 @@ def test_extra_rounds_refused(tmp_path):
     assert ledger.read()["runs"]["1"]["steps"] == 3 * STEPS  # the refusal recorded nothing
 
 
+def test_text_then_dp_sgd_in_one_run_stays_within_its_target(tmp_path):
+    """A server that sends a text release (eps 8 per word, max-epsilon 8) and then DP-SGD rounds
+    (target 8) in ONE run: together they must not exceed the run's target (they reached 16)."""
+    ledger = Ledger(tmp_path, 32.0)
+    ledger.text("1", "ppcgpt", "query.perturb", 4.0, max_epsilon=8.0)
+    fixed = mechanism()
+    with pytest.raises(PolicyError, match=r"above the run's target 8 .*the run's budget is spent"):
+        for _ in range(3):
+            ledger.dp_sgd("1", "privytune", "train.dplora", fixed, STEPS)
+    assert ledger.read()["runs"]["1"]["epsilon"] <= 8.0 + 1e-6
+
+
 def test_mechanism_fixed_at_the_first_round(tmp_path):
     ledger = Ledger(tmp_path, 32.0)
     ledger.dp_sgd("1", "privytune", "train.dplora", mechanism(rounds=3), STEPS)

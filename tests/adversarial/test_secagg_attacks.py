@@ -569,3 +569,68 @@ def test_a_shrunken_u2_does_not_isolate_a_site():
     with pytest.raises(SecAggError, match="2 survivors signed the survivor set, below the "
                                           "threshold 3"):
         fed.sites[3].unmask(survivors, signatures)
+
+
+# -- split views with colluding sites (Bonawitz et al. 2017: t must exceed (n + k) / 2) ------
+def _split_view_attack(t: int, min_threshold: int | None = None) -> bool:
+    """n = 5 authenticated sites, site 4 colludes with the server; the server tells {0, 1, 4}
+    that victim 0 survived and {2, 3, 4} that it dropped, and completes each group's signatures
+    with the colluder's. True when the victim's vector comes out alone."""
+    import numpy as np
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from fedcompress.privacy import secagg as sa
+
+    n, numel, victim, colluder = 5, 64, 0, 4
+    ids = {i: ec.generate_private_key(sa.CURVE) for i in range(n)}
+    peers = {sa.identity_public(k): f"s{i}.pub" for i, k in ids.items()}
+    cfg = sa.SecAggConfig(tuple(range(n)), t, numel, run=7, round=1, layer=0)
+    sites = {i: sa.SecAggSite(i, cfg, identity=ids[i], peers=peers, min_threshold=min_threshold)
+             for i in range(n)}
+    values = {i: np.random.default_rng(i).integers(0, 2, numel) for i in range(n)}
+    public = {i: s.advertise() for i, s in sites.items()}
+    inbox = sa.SecAggServer(cfg, dict(public)).relay({i: s.share(public)
+                                                      for i, s in sites.items()})
+    masked = {i: sites[i].masked(values[i], inbox.get(i, {})) for i in sites}
+    honest = [i for i in range(n) if i != colluder]
+    group_a = [victim, *[i for i in honest if i != victim][:t - 2]]  # victim survived
+    group_b = [i for i in honest if i not in group_a][:t - 1]  # victim dropped
+    if len(group_b) < t - 1:
+        return False  # not enough honest sites for a second, disjoint confirmation
+    seeds, keys = [], []
+    for group, out in ((group_a, seeds), (group_b, keys)):
+        survivors = sorted([*group, colluder])
+        signatures = {i: sites[i].confirm(survivors) for i in group}
+        signatures[colluder] = sa._sign(ids[colluder], sa.survivors_payload(cfg.vote_id,
+                                                                            survivors))
+        out += [sites[i].unmask(survivors, signatures)[victim] for i in group]
+    seeds.append(sites[colluder]._received[victim][0])
+    keys.append(sites[colluder]._received[victim][1])
+    seed = sa.combine_shares(seeds[:t])
+    key = serialization.load_der_private_key(sa.combine_shares(keys[:t]), None)
+    words = masked[victim].copy()
+    with np.errstate(over="ignore"):
+        words -= sa.mask_stream(seed, cfg.vote_id, b"self", words.size)
+        for j in sites:
+            if j != victim:
+                pair = sa.mask_stream(sa.agree(key, ec.EllipticCurvePublicKey.from_encoded_point(
+                    sa.CURVE, public[j].s)), cfg.vote_id, b"pair", words.size)
+                words = words - pair if victim < j else words + pair
+    return np.array_equal(sa.unpack_lanes(words, cfg.bits, numel), values[victim])
+
+
+def test_split_view_with_one_colluder_needs_the_colluder_bound():
+    """With one colluding site, a majority threshold (t = 3 of 5) is NOT enough: the split view
+    unmasks the victim (the control: the attack is real). A site whose policy declares one
+    colluder (secagg-max-colluders = 1) asks for t >= 4 and refuses t = 3; at t = 4 no two
+    disjoint groups of honest sites exist, so the split view cannot be confirmed."""
+    from fedcompress.privacy.policy import SitePolicy, site_policy
+
+    assert _split_view_attack(t=3)  # the default majority floor admits it
+    policy = site_policy({"site-mode": "deployment", "secagg-max-colluders": 1,
+                          "state-dir": "/nonexistent-not-used"})
+    assert policy.min_secagg_threshold(5) == 4 == SitePolicy().min_secagg_threshold(5) + 1
+    with pytest.raises(SecAggError, match="below this site's minimum 4"):
+        _split_view_attack(t=3, min_threshold=4)
+    assert not _split_view_attack(t=4, min_threshold=4)

@@ -265,13 +265,17 @@ def encode_fixed(arrays: Mapping[str, np.ndarray], frac_bits: int, n_sites: int
             raise ValueError(f"{key}: dtype {value.dtype} is neither integer nor float")
         for lane in lanes:
             if abs(lane) > limit:
+                # The value itself is private (a site's exact statistic, which the server would
+                # read in the error reply, outside SecAgg+): logged here only, never raised.
                 shown = str(lane) if integer else f"{np.ldexp(float(lane), -frac_bits):.6g}"
+                logger.error("%s: a value of %s (%d in its 64-bit lane) exceeds the fixed-point "
+                             "range", key, shown, lane)
                 raise ValueError(
-                    f"{key}: a value of {shown} ({lane} in its 64-bit lane) "
-                    f"exceeds the fixed-point range of {frac_bits} fractional bits for "
-                    f"{n_sites} sites: |lane| <= {limit} = (2^63 - 1) // {n_sites}, "
+                    f"{key}: a value exceeds the fixed-point range of {frac_bits} fractional "
+                    f"bits for {n_sites} sites: |lane| <= {limit} = (2^63 - 1) // {n_sites}, "
                     f"|value| <= {fixed_point_range(frac_bits, n_sites):.6g} (a sum could "
-                    "overflow 64 bits): lower secagg-frac-bits")
+                    "overflow 64 bits): lower secagg-frac-bits (the value is in this site's "
+                    "log, not in this message)")
         parts.append(value.astype(np.int64))
     return np.concatenate(parts).view(np.uint64) if parts else np.zeros(0, np.uint64)
 
