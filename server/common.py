@@ -113,8 +113,7 @@ class ObservedGrid:
         return getattr(self._grid, name)
 
     def send_and_receive(self, messages, *args, **kwargs):
-        replies = self._grid.send_and_receive(messages, *args, **kwargs)
-        replies = list(replies)
+        replies = list(self._grid.send_and_receive(messages, *args, **kwargs))
         for reply in replies:
             self._view.see(reply)
         return replies

@@ -586,13 +586,12 @@ def site_train(config: PrivyTuneConfig, model: nn.Module, train: Encoded, pad: i
     metrics: dict[str, Any] = {"num-examples": n, "site-weight": 1, "steps": result.steps,
                                "loss_first": result.losses[0], "loss_last": result.losses[-1],
                                "seconds": result.seconds}
-    if sigma is not None:
-        metrics.update({"sigma": sigma, "sample_rate": q,
-                        "epsilon_spent": epsilon_spent(sigma, q, steps * server_round,
-                                                       config.dp_delta, config.accountant)})
+    if sigma is not None:  # with a ledger, its run epsilon (not derived from the round number)
+        metrics.update({"sigma": sigma, "sample_rate": q, "epsilon_spent": (
+            grant.run_epsilon if grant is not None
+            else epsilon_spent(sigma, q, steps * server_round, config.dp_delta,
+                               config.accountant))})
     if grant is not None and policy is not None:
-        if sigma is not None:
-            metrics["epsilon_spent"] = grant.run_epsilon
         metrics.update(ledger_metrics(policy, grant, dp=sigma is not None))
         metrics["secrets_reproducible"] = 1 if seeded else 0
     return metrics
