@@ -1,0 +1,92 @@
+"""The README's two commands as a new user runs them: a fresh clone, make install, make test.
+
+    python simulations/make_test_time.py --out simulations/results/make-test
+
+Clones this repository at its HEAD (``--source``, default: the checkout the script is in) into
+a temporary folder, runs ``make install`` and then ``make test`` there (the same target CI runs
+through ``.ci/run``), and records each command's wall time, its exit status and pytest's summary
+(passed, failed, skipped), with the load average before and after. A timing measurement: run
+it on an idle machine, alone. pip's cache is the user's (a warm cache makes ``make install``
+fast; the time says which). Writes ``report.json``, ``report.md`` and ``config.toml`` to
+``--out``; the clone is removed at the end unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from fedcompress.report import RunReport, markdown_table
+
+ROOT = Path(__file__).resolve().parent.parent
+SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+
+
+def pytest_summary(output: str) -> dict[str, int]:
+    """Counts of pytest's last summary line (``1585 passed, 1 skipped in ...``)."""
+    lines = [line for line in output.splitlines() if " in " in line and "passed" in line]
+    counts: dict[str, int] = {}
+    for number, word in SUMMARY.findall(lines[-1] if lines else ""):
+        counts[word.rstrip("s") if word.startswith("error") else word] = int(number)
+    return counts
+
+
+def timed(report: RunReport, name: str, argv: list[str], cwd: Path, log: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    start = time.perf_counter()
+    with report.phase(name), log.open("w") as out:
+        code = subprocess.run(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                              env=env).returncode
+    seconds = time.perf_counter() - start
+    record = {"name": name, "command": " ".join(argv), "exit_status": code, "seconds": seconds,
+              "load_average_after": list(os.getloadavg())}
+    if name == "make test":
+        record.update(pytest_summary(log.read_text(errors="replace")))
+    report.add_result(record)
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--source", default=str(ROOT), help="repository to clone (its HEAD)")
+    parser.add_argument("--out", default="simulations/results/make-test")
+    parser.add_argument("--keep", action="store_true", help="keep the clone (path in the report)")
+    opts = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="fedcompress-clone-"))
+    clone = work / "fedcompress"
+    with RunReport.for_script(__file__, opts) as report:
+        try:
+            subprocess.run(["git", "clone", "--quiet", opts.source, str(clone)], check=True)
+            head = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+            report.extra["clone_commit"] = head
+            records = []
+            for name in ("make install", "make test"):
+                records.append(timed(report, name, name.split(), clone, work / f"{name[5:]}.log"))
+                if records[-1]["exit_status"] != 0:
+                    tail = (work / f"{name[5:]}.log").read_text(errors="replace")[-3000:]
+                    report.extra["failure_tail"] = tail
+                    raise SystemExit(f"{name} failed (exit {records[-1]['exit_status']}):\n{tail}")
+            rows = [[r["name"], f"{r['seconds'] / 60:.1f}", str(r["exit_status"]),
+                     f"{r['load_average_after'][0]:.2f}"] for r in records]
+            test = records[-1]
+            report.sections.append(("A new user's two commands", markdown_table(
+                ["command", "minutes", "exit", "load (1 min) after"], rows) + (
+                f"\n\nIn a fresh clone of {head}: pytest reported {test.get('passed', 0)} passed, "
+                f"{test.get('failed', 0)} failed, {test.get('skipped', 0)} skipped.")))
+        finally:
+            if opts.keep:
+                report.extra["clone"] = str(clone)
+            else:
+                shutil.rmtree(work, ignore_errors=True)
+    report.print_table()
+
+
+if __name__ == "__main__":
+    main()

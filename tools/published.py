@@ -1,0 +1,416 @@
+"""Published numbers, generated from the committed results (``simulations/results/*/report.json``).
+
+Every measured number in ``README.md`` and ``docs/*.md`` is either
+
+* a **span** ``<!--n:KEY-->TEXT<!--/n-->``, whose TEXT this tool writes from the value that
+  ``docs/numbers.toml`` names for KEY (a result folder, a path into its ``report.json``, a
+  format), or
+* inside a **generated result page** (``docs/results/<name>.md``, which includes the result's own
+  ``report.md``: the tables a run wrote).
+
+``python tools/published.py --write`` rewrites every span and the result pages;
+``python tools/published.py --check`` (run by ``tests/test_published.py``, so by ``make test``)
+fails
+when
+
+* a span's text differs from its value, or names a key the table does not define;
+* a span's result has no command to reproduce it, no commit, was made from a tree with
+  uncommitted changes (``+dirty``), or is older than the code it describes (a commit after the
+  result's touched one of the paths the result ``depends`` on);
+* a result page is missing or differs from what the results give;
+* a page holds a measured-looking number (a decimal with a unit, a ratio such as ``1.22x``, a
+  perplexity-like ``48.17``) outside a span, a code block or a result page.
+
+Results that are dirty or stale stay in the repository, marked as such on their page and in the
+results index; no span may cite them.
+
+The path syntax of a value: dotted keys into ``report.json``, ``[3]`` for a list index and
+``[name=wanda-stats]`` for the element of a list whose ``name`` (or any other field) equals the
+text. A value may instead be an ``expr``: a Python arithmetic expression over ``v("path")``
+(and ``v("path", "other-result")``), for ratios and differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "simulations" / "results"
+TABLE = ROOT / "docs" / "numbers.toml"
+RESULT_PAGES = ROOT / "docs" / "results"
+FIX = "run python tools/published.py --write"
+SPAN = re.compile(r"<!--n:([A-Za-z0-9_.-]+)-->(.*?)<!--/n-->", re.S)
+
+# A measured-looking number: with a unit or a ratio sign, or a decimal with two or more places
+# (perplexities, seconds). Round configuration values ("50%", "16 sites", "4 windows") are
+# settings, not measurements; a decimal percentage or ratio is a measurement.
+MEASURED = re.compile(
+    r"(?<![\w.^/-])(?<!Flower\s)(?<!flwr\s)(?<!Python )(?<!python )(?<!torch )(?<!version )("
+    r"\d+\.\d+\s?(?:%|x\b|×|s\b|ms\b|min\b|h\b|kB|MB|MiB|GB|GiB|GB/s|bits?\b)"
+    r"|\d+(?:\.\d+)?x(?=[\s,;:.)])"
+    r"|\d+\.\d{2,}(?![\d.])"
+    r"|\d+\s?(?:ms|s|min|h|MiB|GiB|kB|MB|GB)\b"
+    r")"
+)
+
+
+class NumbersError(Exception):
+    """A span, a result or a page that does not agree with the committed results."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """One committed result folder and what its report says about its origin."""
+
+    name: str
+    report: dict[str, Any]
+
+    @property
+    def commit(self) -> str:
+        return str(self.report.get("versions", {}).get("git_commit", ""))
+
+    @property
+    def dirty(self) -> bool:
+        return self.commit.endswith("+dirty")
+
+    @property
+    def reproduce(self) -> str:
+        return str(self.report.get("reproduce") or self.report.get("command_line") or "")
+
+    @property
+    def load(self) -> str:
+        machine = self.report.get("machine", {})
+        start, end = machine.get("load_average_start"), machine.get("load_average_end")
+        if not start:
+            return "not recorded"
+        text = f"{start[0]:.2f}"
+        return text + (f" -> {end[0]:.2f}" if end else "")
+
+
+def load_result(name: str, results: Path = RESULTS) -> Result:
+    path = results / name / "report.json"
+    if not path.is_file():
+        raise NumbersError(f"result {name!r}: {path} does not exist")
+    return Result(name, json.loads(path.read_text()))
+
+
+def all_results() -> list[Result]:
+    return [load_result(p.parent.name) for p in sorted(RESULTS.glob("*/report.json"))]
+
+
+_STEP = re.compile(r"([^.\[\]']+)|\[(\d+)\]|\['([^']*)'\]|\[([^=\]']+)=([^\]]+)\]")
+
+
+def lookup(data: Any, path: str, where: str) -> Any:
+    """The value at ``path`` (``a.b[2].c``, ``results[name=x].y``, ``summary['qwen2.5-0.5b']``)."""
+    pos, node = 0, data
+    while pos < len(path):
+        if path[pos] == ".":
+            pos += 1
+            continue
+        m = _STEP.match(path, pos)
+        if not m:
+            raise NumbersError(f"{where}: cannot parse {path!r} at {path[pos:]!r}")
+        key, index, quoted, field, want = m.groups()
+        try:
+            if key is not None or quoted is not None:
+                node = node[key if key is not None else quoted]
+            elif index is not None:
+                node = node[int(index)]
+            else:
+                hits = [e for e in node if isinstance(e, dict) and str(e.get(field)) == want]
+                if len(hits) != 1:
+                    raise NumbersError(
+                        f"{where}: [{field}={want}] matches {len(hits)} elements of the list"
+                        f" at {path[:pos]!r}, expected exactly one"
+                    )
+                node = hits[0]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise NumbersError(
+                f"{where}: {path!r} not found at {path[: m.end()]!r} ({exc!r})"
+            ) from None
+        pos = m.end()
+    return node
+
+
+def fmt(value: Any, spec: str, where: str) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise NumbersError(f"{where}: value is {value}, not a finite number")
+    try:
+        return spec.format(value)
+    except (ValueError, TypeError) as exc:
+        raise NumbersError(f"{where}: format {spec!r} does not apply to {value!r}: {exc}") from None
+
+
+class Numbers:
+    """The table of named numbers (``docs/numbers.toml``) and the results they come from."""
+
+    def __init__(self, table: Path = TABLE, results: Path = RESULTS) -> None:
+        self.results_dir = results
+        raw = tomllib.loads(table.read_text())
+        self.results_meta: dict[str, dict[str, Any]] = raw.pop("result", {})
+        self.keys: dict[str, dict[str, Any]] = raw
+        self._results: dict[str, Result] = {}
+
+    def result(self, name: str) -> Result:
+        if name not in self._results:
+            self._results[name] = load_result(name, self.results_dir)
+        return self._results[name]
+
+    def value(self, key: str) -> tuple[str, list[str]]:
+        """The formatted text of ``key`` and the results it reads."""
+        if key not in self.keys:
+            raise NumbersError(f"span key {key!r} is not defined in docs/numbers.toml")
+        spec = self.keys[key]
+        where = f"number {key!r}"
+        default = spec.get("result")
+        used: list[str] = []
+
+        def v(path: str, result: str | None = None) -> Any:
+            name = result or default
+            if not name:
+                raise NumbersError(f"{where}: no result named (key 'result')")
+            used.append(name)
+            return lookup(self.result(name).report, path, f"{where} ({name})")
+
+        if "expr" in spec:
+            names = {"v": v, "abs": abs, "min": min, "max": max}
+            value = eval(spec["expr"], {"__builtins__": {}}, names)  # noqa: S307
+        elif "value" in spec:
+            value = v(spec["value"])
+        else:
+            raise NumbersError(f"{where}: needs 'value' (a path) or 'expr'")
+        return fmt(value, spec.get("format", "{}"), where), sorted(set(used))
+
+    def result_problems(self, name: str) -> list[str]:
+        """Why a span may not cite result ``name`` (empty when it may)."""
+        res = self.result(name)
+        problems = []
+        if not res.reproduce:
+            problems.append(f"result {name!r} records no command (reproduce/command_line)")
+        if not res.commit:
+            problems.append(f"result {name!r} records no commit (versions.git_commit)")
+        elif res.dirty:
+            problems.append(f"result {name!r} was made from a dirty tree ({res.commit})")
+        meta = self.results_meta.get(name)
+        if meta is None or not meta.get("depends"):
+            problems.append(
+                f"result {name!r} declares no 'depends' in docs/numbers.toml, so whether later code"
+                " changed it is unchecked"
+            )
+            return problems
+        stale = stale_since(res, meta["depends"], meta.get("unaffected", []))
+        if stale:
+            problems.append(f"result {name!r} is older than the code it describes: {stale}")
+        return problems
+
+    def state(self, name: str) -> str:
+        """``current``, ``dirty``, ``stale``, ``no commit``, ``no command`` or ``unchecked``."""
+        res = self.result(name)
+        if not res.commit:
+            return "no commit"
+        if res.dirty:
+            return "dirty"
+        if not res.reproduce:
+            return "no command"
+        meta = self.results_meta.get(name)
+        if meta is None or not meta.get("depends"):
+            return "unchecked"
+        stale = stale_since(res, meta["depends"], meta.get("unaffected", []))
+        return "stale" if stale else "current"
+
+
+def git(*args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise NumbersError(f"git {' '.join(args)} failed: {out.stderr.strip()}"
+                           " (the check needs the repository's history: a clone, not an export)")
+    return out.stdout.strip()
+
+
+def stale_since(res: Result, depends: list[str], unaffected: list[str] = ()) -> str:  # type: ignore[assignment]
+    """The first commit after the result's that touched one of ``depends`` ('' if none).
+
+    ``unaffected``: ``"<short hash>: why"`` entries, later commits checked not to change what the
+    result measures (a move of code, a comment); they do not make it stale."""
+    if not depends or not res.commit or res.dirty:
+        return ""
+    skip = [u.split(":", 1)[0].strip() for u in unaffected]
+    changed = [
+        line
+        for line in git("log", "--format=%H %s", f"{res.commit}..HEAD", "--", *depends).splitlines()
+        if line and not any(line.startswith(h) for h in skip)
+    ]
+    if not changed:
+        return ""
+    first = changed[-1]
+    return f"commit {first[:10]} {first[41:100]!r}"
+
+
+# ---- pages --------------------------------------------------------------------------------------
+
+def pages() -> list[Path]:
+    found = [ROOT / "README.md"]
+    for p in sorted((ROOT / "docs").rglob("*.md")):
+        if "_build" in p.parts or p.parent == RESULT_PAGES:
+            continue
+        found.append(p)
+    return found
+
+
+def write_spans(numbers: Numbers, text: str, where: str) -> tuple[str, list[str]]:
+    """``text`` with every span's value refreshed, and the problems found."""
+    problems: list[str] = []
+
+    def repl(m: re.Match[str]) -> str:
+        key = m.group(1)
+        try:
+            value, used = numbers.value(key)
+        except NumbersError as exc:
+            problems.append(f"{where}: {exc}")
+            return m.group(0)
+        for name in used:
+            problems.extend(f"{where}: span {key!r}: {p}" for p in numbers.result_problems(name))
+        return f"<!--n:{key}-->{value}<!--/n-->"
+
+    return SPAN.sub(repl, text), problems
+
+
+def strip_unmeasured(text: str) -> str:
+    """``text`` without spans, code (fenced and inline), links' targets and HTML comments."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.S | re.M)
+    text = SPAN.sub("", text)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return text
+
+
+def typed_numbers(text: str) -> list[str]:
+    return [m.group(1) for m in MEASURED.finditer(strip_unmeasured(text))]
+
+
+def result_page(res: Result, numbers: Numbers) -> str:
+    problems = numbers.result_problems(res.name)
+    rel = f"../../simulations/results/{res.name}"
+    lines = [f"# {res.name}", ""]
+    if problems:
+        lines += ["```{warning}", "Not citable: " + "; ".join(problems) + ".", "```", ""]
+    lines += [
+        f"- Reproduce: `{res.reproduce or 'not recorded'}`",
+        f"- Commit: `{res.commit or 'not recorded'}`",
+        f"- Load average (1 min) at start -> end: {res.load}",
+        f"- Files: `simulations/results/{res.name}/` (`report.json`, `report.md`)",
+        "",
+    ]
+    if (RESULTS / res.name / "report.md").is_file():
+        lines += [f"```{{include}} {rel}/report.md", ":relative-images:", ":heading-offset: 1",
+                  "```", ""]
+    return "\n".join(lines)
+
+
+def results_index(results: list[Result], numbers: Numbers) -> str:
+    lines = [
+        "# Results",
+        "",
+        "Every committed result of `simulations/results/`, generated by `python tools/published.py"
+        " --write` from its `report.json`. States: **current**: made from a committed tree,"
+        " and no later commit touched the code it depends on (as `docs/numbers.toml` declares);"
+        " **stale**: a later commit touched that code, so it must be re-run before it is cited;"
+        " **dirty**: made from a tree with uncommitted changes; **unchecked**: made from a"
+        " committed tree, but what it depends on is not declared, so it may be older than the"
+        " code. Only current results are cited by the other pages; the others stay as a record"
+        " of what was measured, at their commit.",
+        "",
+        "| result | state | commit | load (1 min) | reproduce |",
+        "|---|---|---|---|---|",
+    ]
+    for res in results:
+        state = numbers.state(res.name)
+        lines.append(
+            f"| [{res.name}]({res.name}.md) | {state} | `{res.commit or '-'}` | {res.load} |"
+            f" `{res.reproduce or '-'}` |"
+        )
+    older = sorted(
+        p.name for p in RESULTS.iterdir() if p.is_dir() and not (p / "report.json").exists()
+    )
+    if older:
+        lines += [
+            "",
+            "Folders without a `report.json` (written before every run recorded its command,"
+            " commit and machine; not citable, kept as a record): "
+            + ", ".join(f"`{name}`" for name in older) + ".",
+        ]
+    lines += ["", "```{toctree}", ":hidden:", ""] + [r.name for r in results] + ["```", ""]
+    return "\n".join(lines)
+
+
+def generated_pages(numbers: Numbers) -> dict[Path, str]:
+    results = all_results()
+    out = {RESULT_PAGES / "index.md": results_index(results, numbers)}
+    for res in results:
+        out[RESULT_PAGES / f"{res.name}.md"] = result_page(res, numbers)
+    return out
+
+
+def run(write: bool) -> list[str]:
+    numbers = Numbers()
+    problems: list[str] = []
+    for page in pages():
+        where = str(page.relative_to(ROOT))
+        text = page.read_text()
+        new, found = write_spans(numbers, text, where)
+        problems.extend(found)
+        for number in typed_numbers(new):
+            problems.append(f"{where}: {number!r} looks measured but is not a generated span")
+        if new != text:
+            if write:
+                page.write_text(new)
+            else:
+                problems.append(f"{where}: spans differ from their results ({FIX})")
+    expected = generated_pages(numbers)
+    present = set(RESULT_PAGES.glob("*.md")) if RESULT_PAGES.is_dir() else set()
+    for path, text in expected.items():
+        if path.is_file() and path.read_text() == text:
+            continue
+        if write:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        else:
+            problems.append(f"{path.relative_to(ROOT)}: differs from the results ({FIX})")
+    for path in present - set(expected):
+        if write:
+            path.unlink()
+        else:
+            problems.append(f"{path.relative_to(ROOT)}: no such result any more")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite spans and result pages")
+    mode.add_argument("--check", action="store_true", help="fail on any difference (the test)")
+    args = parser.parse_args(argv)
+    problems = run(write=args.write)
+    for p in problems:
+        print(p, file=sys.stderr)
+    if problems:
+        print(f"{len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    n = sum(len(SPAN.findall(p.read_text())) for p in pages())
+    print(f"{n} generated numbers in {len(pages())} pages; {len(all_results())} result pages")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
