@@ -1,0 +1,654 @@
+"""Differentially private layer statistics: the mechanism and its accounting (no Flower).
+
+What a site releases in FedPrLLM's statistics mode (``aggregate=stats``) is, per decoder layer,
+a SUM over its calibration windows of each window's input statistics: Wanda's per-column square
+sums ``v_w[j] = sum_{t in w} x_tj^2`` and SparseGPT's ``H_w = sum_{t in w} 2 x_t x_t^T``. This
+module makes that release differentially private.
+
+**Privacy unit: one calibration window** (``seqlen`` consecutive tokens of the site's text).
+A window is what the calibration draws, what the statistics are a sum over, and what the
+leakage study's attacker identifies (which window a site calibrated on). A document that spans
+``k`` windows is protected at ``k`` times the epsilon (group privacy); a site whose data has
+short documents can cut one window per document to make the unit a document.
+
+**Adjacency: replace one window** (the number of windows ``n`` and ``seqlen`` are public: they
+are the run's announced calibration budget, so the token count ``n * seqlen`` a site sends is
+data-independent and leaks nothing; :func:`check_public_tokens` refuses any other count).
+
+**Clipping, per distinct input ("block").** A decoder layer's linear layers read ``k`` distinct
+input tensors (llama: the q/k/v input, o's, the gate/up input, down's: ``k = 4``). Each window's
+contribution to block ``j`` (Wanda: the vector ``v_w`` of the block's square sums; SparseGPT: the
+matrix ``H_w``) is scaled by ``min(1, C_j / ||.||)`` (L2 norm; Frobenius for ``H_w``) BEFORE it is
+summed, with a bound ``C_j`` per block (per input, because the inputs' scales differ by orders of
+magnitude: one joint bound would drown the small blocks in noise). Both statistics are in a cone
+of non-negative ``<a, b>`` (non-negative vectors; positive semi-definite matrices, ``tr(AB) >= 0``),
+so replacing one window moves block ``j`` by at most ``sqrt(||a||^2 + ||b||^2) <= sqrt(2) C_j``
+(adding or removing one: ``C_j``). Measured in units of the bounds (block ``j`` divided by
+``C_j``), the layer's release has L2 sensitivity ``Delta = sqrt(2 k)``: the per-input bounds
+COMPOSE, which the noise pays for (:func:`block_noise_std`). SparseGPT's Hessian is released as
+its upper triangle (``||triu(D)||_2 <= ||D||_F``); its square sums are then ``diag(H) / 2``
+(post-processing, no extra cost).
+
+**Mechanism.** Gaussian noise of standard deviation ``sigma * Delta * C_j`` on block ``j``:
+one Gaussian mechanism with noise multiplier ``sigma`` per layer. A run releases ``L`` layers,
+each computed on the site's data after the previous layers were pruned with masks derived from
+earlier releases: an ADAPTIVE composition of ``L`` Gaussian mechanisms on the same data, which
+RDP composes exactly as DP-SGD's steps at sampling rate 1. ``sigma`` is set once for the whole
+run by opacus' RDP accountant (:func:`gaussian_sigma`, through
+:mod:`fedcompress.privacy.accounting`; ``steps = L``, ``sample_rate = 1``). Two placements:
+
+* ``central``: the site sends its clipped, UN-noised sum; the server adds
+  ``N(0, (sigma Delta C_j)^2)`` to the sites' sum (:func:`add_gaussian`). The server is trusted
+  with the un-noised sum (and, without SecAgg+, with each site's clipped sum); its noise is
+  floating-point Gaussian from OS entropy, not hardened against floating-point attacks.
+* ``distributed``: under SecAgg+, each of the ``n`` sites adds integer noise to its fixed-point
+  lanes (:func:`skellam_noise`), a symmetric Skellam share ``Sk`` of variance ``V_j / t`` with
+  ``V_j = (sigma Delta C_j 2^f)^2`` in lanes of ``f`` fractional bits and ``t`` the SecAgg+
+  threshold: sums of Skellams are Skellam, so whenever at least ``t`` sites are honest the sum
+  the server unmasks carries Skellam noise of variance at least ``V_j`` (more if more sites
+  are honest). It is accounted as Skellam, not as a Gaussian (:func:`skellam_rdp`: Agarwal,
+  Kairouz, Liu, "The Skellam Mechanism for Differentially Private Federated Learning",
+  NeurIPS 2021, Theorem 3.5 / Corollary 3.6, for integer orders ``alpha > 1`` and per-coordinate
+  variance ``V``: ``eps(alpha) <= alpha D2^2 / (2V) + min(((2 alpha - 1) D2^2 + 6 D1) / (4 V^2),
+  3 D1 / (2 V))``, as in the authors' ``distributed_dp`` accounting code), with the rounding of
+  the site's sum to lanes counted in the sensitivity (``D2 = sqrt(2) C_j 2^f + sqrt(d_j)``,
+  ``D1 = sqrt(d_j) D2``), block by block (independent noise: Renyi divergences add), composed
+  over the ``L`` layers and converted to ``(epsilon, delta)`` by opacus' ``get_privacy_spent``.
+  ``sigma`` is then the smallest that meets the target under that accountant
+  (:func:`skellam_sigma`).
+
+**Randomness.** Every draw a guarantee depends on comes from a generator seeded from the OS's
+entropy once per release (:func:`secret_rng`: ``numpy.random.default_rng(secrets.randbits(128))``;
+PCG64 then expands that 128-bit secret seed, so the draws are as secret as the seed, not OS
+entropy per draw). A seed is for tests and research only; the guarantee does not hold against
+whoever knows it.
+
+**Defaults for the bounds** (:func:`public_clip_bounds`): a high quantile (:data:`CLIP_QUANTILE`)
+of the per-window norms of PUBLIC text (the bundled ``wiki`` corpus) through the DENSE model, per
+layer and block, computed from public data only (no privacy cost; every site and the server
+compute the same values). A private window above its bound is scaled down (biased, not leaked).
+
+**Post-processing** (free): negative noisy square sums are floored at 0 and a noisy Hessian is
+made positive definite (:func:`make_positive_definite`: eigenvalues floored at the noise's
+spectral scale) before SparseGPT inverts it.
+
+What is NOT protected: the number of windows and ``seqlen`` (public by design); the model and
+public text; a document spanning several windows (group privacy, above); in the ``central``
+placement, anything against the server itself; in the ``distributed`` placement, a site whose
+sum is unmasked with fewer than ``t`` honest sites' noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcompress.privacy.accounting import (
+    RDP_ALPHAS,
+    BudgetError,
+    check_budget,
+    epsilon_spent,
+    noise_multiplier,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CLIP_QUANTILE",
+    "PLACEMENTS",
+    "PUBLIC_CORPUS",
+    "SKELLAM_ORDERS",
+    "UNIT",
+    "DpStatsPlan",
+    "add_gaussian",
+    "block_noise_std",
+    "check_public_tokens",
+    "clip_factors",
+    "clipped_layer_stats",
+    "gaussian_epsilon",
+    "gaussian_sigma",
+    "layer_blocks",
+    "make_positive_definite",
+    "plan_dp_stats",
+    "postprocess",
+    "public_clip_bounds",
+    "secret_rng",
+    "sensitivity",
+    "skellam_epsilon",
+    "skellam_noise",
+    "skellam_rdp",
+    "skellam_sigma",
+    "window_sums",
+]
+
+#: The privacy unit of a DP statistics release.
+UNIT = "window"
+#: Where the noise is added.
+PLACEMENTS = ("central", "distributed")
+#: Quantile of the public per-window norms used as the default clip bound of each block.
+CLIP_QUANTILE = 0.95
+#: The public corpus the default bounds come from (bundled with the package).
+PUBLIC_CORPUS = "wiki"
+#: Integer Renyi orders of the Skellam bound (it holds for integer alpha > 1): the integers of
+#: :data:`~fedcompress.privacy.accounting.RDP_ALPHAS`.
+SKELLAM_ORDERS = sorted({int(a) for a in RDP_ALPHAS if float(a).is_integer() and a >= 2})
+#: Largest Poisson mean drawn at once: numpy's sampler is accurate up to about 2^44 (measured:
+#: its variance is off by 3% at 2^48 and 10% at 2^52); larger means are drawn as sums.
+_MAX_POISSON = 2.0 ** 40
+#: Most Poisson draws summed per coordinate (beyond: fewer fractional bits are needed).
+_MAX_PARTS = 1024
+
+
+# -- randomness -------------------------------------------------------------------------------
+
+
+def secret_rng(seed: int | None = None) -> np.random.Generator:
+    """The generator of one release's noise: seeded from the OS's entropy
+    (``secrets.randbits(128)``), or from ``seed`` (tests and research only: whoever knows it can
+    subtract the noise)."""
+    if seed is None:
+        return np.random.default_rng(secrets.randbits(128))
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"noise seed={seed!r} is invalid: expected None (secret) or an int >= 0")
+    return np.random.default_rng(seed)
+
+
+# -- sensitivity and noise scale -----------------------------------------------------------
+
+
+def sensitivity(blocks: int) -> float:
+    """L2 sensitivity, in units of the clip bounds, of a layer's release of ``blocks`` clipped
+    blocks under the replacement of one window: ``sqrt(2 * blocks)`` (module docstring)."""
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"blocks={blocks!r}: expected an int >= 1")
+    return math.sqrt(2 * blocks)
+
+
+def block_noise_std(sigma: float, bounds: Mapping[str, float]) -> dict[str, float]:
+    """Standard deviation of the (total) noise on each block: ``sigma * sqrt(2 k) * C_j``."""
+    delta = sensitivity(len(bounds))
+    return {name: float(sigma) * delta * float(c) for name, c in bounds.items()}
+
+
+def check_public_tokens(tokens: int, windows: int, seqlen: int) -> None:
+    """Refuse a token count that is not the public ``windows * seqlen`` (it would leak)."""
+    if tokens != windows * seqlen:
+        raise ValueError(f"a DP statistics release counts {tokens} tokens: expected the public "
+                         f"{windows} windows x {seqlen} tokens = {windows * seqlen} (a count "
+                         "that depends on the data would leak it)")
+
+
+# -- accounting ------------------------------------------------------------------------------
+
+
+def gaussian_sigma(epsilon: float, delta: float, releases: int) -> float:
+    """The noise multiplier of ``releases`` Gaussian releases (sample rate 1) that spend at most
+    ``(epsilon, delta)`` under opacus' RDP accountant (:func:`accounting.noise_multiplier
+    <fedcompress.privacy.accounting.noise_multiplier>`); :class:`BudgetError` if none does."""
+    return noise_multiplier(epsilon, delta, 1.0, releases, "rdp")
+
+
+def gaussian_epsilon(sigma: float, releases: int, delta: float) -> float:
+    """Epsilon of ``releases`` Gaussian releases of noise multiplier ``sigma`` (opacus' RDP)."""
+    return epsilon_spent(sigma, 1.0, releases, delta, "rdp")
+
+
+def _lane_sensitivity(bound: float, dim: int, frac_bits: int) -> tuple[float, float]:
+    l2 = math.sqrt(2.0) * bound * 2.0 ** frac_bits + math.sqrt(dim)  # rounding: < 1 per lane
+    return l2, math.sqrt(dim) * l2
+
+
+def skellam_rdp(sigma: float, blocks: Mapping[str, tuple[int, float]], frac_bits: int,
+                orders: Sequence[int] = SKELLAM_ORDERS) -> np.ndarray:
+    """RDP at ``orders`` of ONE layer's release with (total) Skellam noise: block ``j``
+    (``blocks[j] = (d_j coordinates, C_j)``) gets per-coordinate variance
+    ``V_j = (sigma sqrt(2k) C_j 2^f)^2`` in lanes. Agarwal et al. 2021 (module docstring), per
+    block, summed over the blocks."""
+    stds = block_noise_std(sigma, {k: c for k, (_, c) in blocks.items()})
+    out = np.zeros(len(orders))
+    for name, (dim, bound) in blocks.items():
+        var = (stds[name] * 2.0 ** frac_bits) ** 2
+        l2, l1 = _lane_sensitivity(bound, dim, frac_bits)
+        for i, a in enumerate(orders):
+            out[i] += (a * l2 ** 2 / (2 * var)
+                       + min(((2 * a - 1) * l2 ** 2 + 6 * l1) / (4 * var ** 2),
+                             3 * l1 / (2 * var)))
+    return out
+
+
+def _rdp_epsilon(rdp: np.ndarray, delta: float, orders: Sequence[int]) -> float:
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    eps, _ = get_privacy_spent(orders=list(orders), rdp=rdp, delta=float(delta))
+    return float(eps)
+
+
+def skellam_epsilon(sigma: float, layers: Sequence[Mapping[str, tuple[int, float]]],
+                    frac_bits: int, delta: float, releases: int | None = None) -> float:
+    """Epsilon of the first ``releases`` (default: all) layers' Skellam releases (``layers``:
+    each layer's blocks, :func:`skellam_rdp`), composed by RDP, converted by opacus."""
+    chosen = layers[:releases] if releases is not None else layers
+    if not chosen:
+        return 0.0
+    rdp = sum((skellam_rdp(sigma, b, frac_bits) for b in chosen), np.zeros(len(SKELLAM_ORDERS)))
+    return _rdp_epsilon(rdp, delta, SKELLAM_ORDERS)
+
+
+def skellam_sigma(epsilon: float, delta: float,
+                  layers: Sequence[Mapping[str, tuple[int, float]]], frac_bits: int,
+                  tolerance: float = 0.01) -> float:
+    """The smallest noise multiplier (to ``tolerance`` in epsilon) whose Skellam releases of
+    ``layers`` spend at most ``(epsilon, delta)``; :class:`BudgetError` if none up to 2000."""
+    check_budget(epsilon, delta)
+    if not layers:
+        raise BudgetError("no release to account for: expected at least one layer")
+    hi = max(gaussian_sigma(epsilon, delta, len(layers)), 1e-3)
+    while skellam_epsilon(hi, layers, frac_bits, delta) > epsilon:
+        hi *= 2
+        if hi > 2000:
+            raise BudgetError(f"no Skellam noise reaches epsilon={epsilon} at delta={delta} "
+                              f"for {len(layers)} releases: expected a larger epsilon or delta, "
+                              "or fewer releases")
+    lo = hi / 2 if skellam_epsilon(hi / 2, layers, frac_bits, delta) > epsilon else 0.0
+    while True:
+        mid = (lo + hi) / 2
+        eps = skellam_epsilon(mid, layers, frac_bits, delta)
+        if eps > epsilon:
+            lo = mid
+        else:
+            hi = mid
+            if epsilon - eps < tolerance:
+                return hi
+        if hi - lo < 1e-9 * hi:
+            return hi
+
+
+# -- the plan of a run -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DpStatsPlan:
+    """A site's DP statistics mechanism for one run, fixed before its first release.
+
+    Attributes:
+        epsilon: Target epsilon of the whole run (``releases`` layers).
+        delta: Target delta.
+        placement: ``"central"`` or ``"distributed"``.
+        releases: Number of layer releases the noise was computed for (``L``).
+        sigma: Noise multiplier (block ``j``'s total noise std is ``sigma sqrt(2k) C_j``).
+        bounds: Per layer, the clip bound of each block (``{owner linear: C_j}``).
+        mechanism: ``"gaussian"`` (central) or ``"skellam"`` (distributed).
+        frac_bits: Fractional bits of the fixed-point lanes (distributed only, else -1).
+        threshold: SecAgg+ threshold ``t`` whose honest sites' shares reach the target
+            (distributed only, else 0).
+        dims: Per layer, each block's number of noised coordinates (for the Skellam account).
+        unit: The privacy unit (:data:`UNIT`).
+        clip: How the bounds were set (``"public-q0.95"`` or ``"fixed"``).
+    """
+
+    epsilon: float
+    delta: float
+    placement: str
+    releases: int
+    sigma: float
+    bounds: tuple[dict[str, float], ...]
+    mechanism: str
+    frac_bits: int = -1
+    threshold: int = 0
+    dims: tuple[dict[str, int], ...] = field(default_factory=tuple)
+    unit: str = UNIT
+    clip: str = ""
+
+    def noise_std(self, layer: int) -> dict[str, float]:
+        """Total noise std of each block of layer ``layer`` (value units)."""
+        return block_noise_std(self.sigma, self.bounds[layer])
+
+    def blocks(self, layer: int) -> dict[str, tuple[int, float]]:
+        return {k: (self.dims[layer][k], c) for k, c in self.bounds[layer].items()}
+
+    def epsilon_after(self, releases: int) -> float:
+        """The accountant's epsilon after the first ``releases`` releases of the run."""
+        if releases == 0:
+            return 0.0
+        if not 0 < releases <= self.releases:
+            raise BudgetError(f"{releases} releases: this run planned {self.releases}")
+        if self.mechanism == "gaussian":
+            return gaussian_epsilon(self.sigma, releases, self.delta)
+        return skellam_epsilon(self.sigma, [self.blocks(i) for i in range(self.releases)],
+                               self.frac_bits, self.delta, releases)
+
+    def ledger_mechanism(self) -> dict[str, Any]:
+        """What the site's ledger fixes at the run's first release (compared at every later
+        one): everything but the per-layer tables, which a digest stands for."""
+        return {"epsilon": self.epsilon, "delta": self.delta, "placement": self.placement,
+                "releases": self.releases, "sigma": self.sigma, "mechanism": self.mechanism,
+                "frac_bits": self.frac_bits, "threshold": self.threshold, "unit": self.unit,
+                "clip": self.clip, "bounds_digest": _digest(self.bounds)}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.ledger_mechanism()
+        out["bounds"] = [dict(b) for b in self.bounds]
+        return out
+
+
+def _digest(bounds: Sequence[Mapping[str, float]]) -> str:
+    import hashlib
+    import json
+
+    text = json.dumps([{k: float(v).hex() for k, v in sorted(b.items())} for b in bounds])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def plan_dp_stats(epsilon: float, delta: float, placement: str,
+                  bounds: Sequence[Mapping[str, float]],
+                  dims: Sequence[Mapping[str, int]] | None = None, frac_bits: int = -1,
+                  threshold: int = 0, clip: str = "") -> DpStatsPlan:
+    """The run's mechanism: ``sigma`` for ``len(bounds)`` layer releases at ``(epsilon,
+    delta)``: Gaussian (``central``, opacus' RDP accountant) or Skellam (``distributed``: needs
+    ``dims``, ``frac_bits`` >= 0 and the SecAgg+ threshold ``t >= 1``). :class:`BudgetError`
+    for a budget that cannot be met, ValueError for anything else invalid."""
+    check_budget(epsilon, delta)
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r}: expected one of {PLACEMENTS}")
+    if not bounds:
+        raise ValueError("no layer to release: expected the clip bounds of at least one layer")
+    for i, layer in enumerate(bounds):
+        if not layer:
+            raise ValueError(f"layer {i}: no block to clip")
+        for name, c in layer.items():
+            if not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
+                raise ValueError(f"layer {i} block {name}: clip bound {c!r}: expected a finite "
+                                 "number > 0")
+    frozen = tuple({k: float(v) for k, v in b.items()} for b in bounds)
+    if placement == "central":
+        sigma = gaussian_sigma(epsilon, delta, len(bounds))
+        return DpStatsPlan(float(epsilon), float(delta), placement, len(bounds), sigma, frozen,
+                           "gaussian", clip=clip)
+    if dims is None or len(dims) != len(bounds) or any(set(d) != set(b)
+                                                       for d, b in zip(dims, bounds)):
+        raise ValueError("distributed placement: expected the noised coordinates of every "
+                         "block of every layer (dims, as the bounds)")
+    if isinstance(frac_bits, bool) or not isinstance(frac_bits, int) or not 0 <= frac_bits <= 52:
+        raise ValueError(f"frac_bits={frac_bits!r}: expected 0..52 for the distributed "
+                         "placement (fixed-point lanes)")
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+        raise ValueError(f"threshold={threshold!r}: expected the SecAgg+ threshold, an int >= 1")
+    fdims = tuple({k: int(v) for k, v in d.items()} for d in dims)
+    layers = [{k: (fdims[i][k], c) for k, c in b.items()} for i, b in enumerate(frozen)]
+    sigma = skellam_sigma(epsilon, delta, layers, frac_bits)
+    return DpStatsPlan(float(epsilon), float(delta), placement, len(bounds), sigma, frozen,
+                       "skellam", frac_bits, threshold, fdims, clip=clip)
+
+
+def dp_frac_bits(plan_sigma: float, bounds: Sequence[Mapping[str, float]], n_windows: int,
+                 n_sites: int, lane_std_bits: int = 12) -> int:
+    """Fractional bits for the distributed placement: the smallest block noise std is about
+    ``2^lane_std_bits`` lanes (rounding negligible against it), within 0..52 and so that
+    ``n_sites`` sites' sums of ``n_windows`` clipped windows plus noise stay well inside int64
+    (public quantities only)."""
+    smallest = min(min(block_noise_std(plan_sigma, b).values()) for b in bounds)
+    largest = max(max(b.values()) for b in bounds)
+    bits = int(math.floor(lane_std_bits - math.log2(smallest)))
+    # values: n_windows * C per site, noise about 10 std; keep n_sites * (that) < 2^62
+    biggest_std = max(max(block_noise_std(plan_sigma, b).values()) for b in bounds)
+    room = 62 - math.log2(n_sites * (n_windows * largest + 10 * biggest_std))
+    return max(0, min(52, bits, int(math.floor(room))))
+
+
+# -- per-window statistics and clipping ------------------------------------------------------
+
+
+def layer_blocks(layer: nn.Module, inputs: Any) -> dict[str, str]:
+    """``{linear name: owner}``: the owner (first in sorted order) of the distinct input tensor
+    each linear layer of ``layer`` reads (what one batch of ``inputs`` shows)."""
+    from fedcompress.models import ModelAdapter
+    from fedcompress.pruning.walker import _call_layer
+
+    linears = ModelAdapter.linear_layers(layer)
+    seen: dict[str, torch.Tensor] = {}
+    handles = [m.register_forward_pre_hook(
+        lambda _m, args, name=name: seen.setdefault(name, args[0]))
+        for name, m in linears.items()]
+    try:
+        with torch.no_grad():
+            _call_layer(layer, inputs.hidden[:1], inputs.layer_kwargs[inputs.layer])
+    finally:
+        for handle in handles:
+            handle.remove()
+    owners: dict[str, str] = {}
+    firsts: list[str] = []
+    for name in sorted(linears):
+        owner = next((o for o in firsts if seen[o] is seen[name]), None)
+        if owner is None:
+            firsts.append(name)
+            owner = name
+        owners[name] = owner
+    return owners
+
+
+@torch.no_grad()
+def window_sums(layer: nn.Module, inputs: Any, hessian: bool, batch_size: int = 8
+                ) -> Iterator[tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """Per batch of windows: ``(first window index, {owner: square sums [b, d]},
+    {owner: 2 X_w^T X_w [b, d, d]})`` (float64; the Hessians only with ``hessian``), each
+    window's own statistics of every distinct input of ``layer``."""
+    from fedcompress.models import ModelAdapter
+    from fedcompress.pruning.walker import _batches, _call_layer
+
+    owners = layer_blocks(layer, inputs)
+    linears = ModelAdapter.linear_layers(layer)
+    kwargs = inputs.layer_kwargs[inputs.layer]
+    sq: dict[str, torch.Tensor] = {}
+    hs: dict[str, torch.Tensor] = {}
+
+    def hook(_m, args, name):
+        if owners[name] != name:
+            return
+        x = args[0].to(torch.float64)
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        sq[name] = x.pow(2).sum(1)
+        if hessian:
+            hs[name] = torch.einsum("bti,btj->bij", x, x).mul_(2.0)
+
+    for rows in _batches(len(inputs.hidden), batch_size):
+        sq.clear()
+        hs.clear()
+        handles = [m.register_forward_pre_hook(lambda _m, a, name=name: hook(_m, a, name))
+                   for name, m in linears.items()]
+        try:
+            _call_layer(layer, inputs.hidden[rows], kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        yield rows.start, dict(sq), dict(hs)
+
+
+def _block_norms(sq: Mapping[str, torch.Tensor], hs: Mapping[str, torch.Tensor],
+                 hessian: bool) -> dict[str, torch.Tensor]:
+    if hessian:
+        return {k: torch.linalg.matrix_norm(h, "fro") for k, h in hs.items()}
+    return {k: torch.linalg.vector_norm(v, dim=1) for k, v in sq.items()}
+
+
+def clip_factors(norms: Mapping[str, torch.Tensor], bounds: Mapping[str, float]
+                 ) -> dict[str, torch.Tensor]:
+    """Per block, each window's scale ``min(1, C_j / norm)`` (1 for a zero norm)."""
+    missing = sorted(set(norms) - set(bounds))
+    if missing:
+        raise ValueError(f"no clip bound for blocks {missing}: expected one per distinct input")
+    return {k: torch.clamp(float(bounds[k]) / torch.clamp(n, min=1e-300), max=1.0)
+            for k, n in norms.items()}
+
+
+@dataclass
+class ClippedStats:
+    """A site's clipped sums of one layer: ``stats`` (``{linear: LayerStats}``, sharers hold the
+    same object), ``owners`` (``{linear: owner}``) and how many windows each block clipped."""
+
+    stats: dict[str, Any]
+    owners: dict[str, str]
+    clipped: dict[str, int]
+
+
+@torch.no_grad()
+def clipped_layer_stats(layer: nn.Module, inputs: Any, hessian: bool,
+                        bounds: Mapping[str, float], batch_size: int = 8) -> ClippedStats:
+    """The sum over windows of each window's statistics, each window's block ``j`` clipped to
+    ``bounds[j]`` (L2 of its square sums; Frobenius of its Hessian with ``hessian``) before
+    summing. With ``hessian`` the square sums are ``diag(H) / 2`` of the clipped Hessian."""
+    from fedcompress.pruning.walker import LayerStats
+
+    owners = layer_blocks(layer, inputs)
+    blocks = sorted(set(owners.values()))
+    extra = sorted(set(bounds) - set(blocks))
+    if extra:
+        raise ValueError(f"clip bounds for unknown blocks {extra}: the layer's blocks are "
+                         f"{blocks}")
+    sums: dict[str, LayerStats] = {}
+    clipped = {k: 0 for k in blocks}
+    for _start, sq, hs in window_sums(layer, inputs, hessian, batch_size):
+        factors = clip_factors(_block_norms(sq, hs, hessian), bounds)
+        for k in blocks:
+            f = factors[k]
+            clipped[k] += int((f < 1).sum())
+            tokens = int(inputs.hidden.shape[1]) * int(f.shape[0])
+            if k not in sums:
+                d = sq[k].shape[1]
+                sums[k] = LayerStats(d, hessian=hessian)
+            if hessian:
+                h = torch.einsum("b,bij->ij", f, hs[k])
+                sums[k].add_sums(tokens, torch.diagonal(h).clone() / 2, h)
+            else:
+                sums[k].add_sums(tokens, torch.einsum("b,bj->j", f, sq[k]), None)
+    return ClippedStats({name: sums[owner] for name, owner in owners.items()}, owners, clipped)
+
+
+@torch.no_grad()
+def public_clip_bounds(model: nn.Module, windows: torch.Tensor, hessian: bool,
+                       quantile: float = CLIP_QUANTILE, batch_size: int = 8
+                       ) -> list[dict[str, float]]:
+    """Default clip bounds from PUBLIC windows (e.g. the bundled :data:`PUBLIC_CORPUS`): per
+    decoder layer and block, the ``quantile`` of the per-window norms (as
+    :func:`clipped_layer_stats` measures them) of ``windows`` through the DENSE model. Public
+    data only: no privacy cost, and every party computes the same values."""
+    from fedcompress.models import ModelAdapter
+    from fedcompress.pruning.walker import capture_layer_inputs, forward_layer
+
+    if not 0 < quantile <= 1:
+        raise ValueError(f"quantile={quantile!r}: expected a number in (0, 1]")
+    adapter = ModelAdapter(model)
+    inputs = capture_layer_inputs(model, windows, batch_size)
+    out: list[dict[str, float]] = []
+    for i in range(len(adapter)):
+        with adapter.onloaded(i) as layer:
+            norms: dict[str, list[torch.Tensor]] = {}
+            for _s, sq, hs in window_sums(layer, inputs, hessian, batch_size):
+                for k, n in _block_norms(sq, hs, hessian).items():
+                    norms.setdefault(k, []).append(n)
+            bounds = {}
+            for k, parts in norms.items():
+                value = float(torch.quantile(torch.cat(parts), quantile))
+                if not value > 0:
+                    raise ValueError(f"layer {i} block {k}: public windows give a clip bound of "
+                                     f"{value}: expected > 0 (more or longer public windows)")
+                bounds[k] = value
+            out.append(bounds)
+            if i + 1 < len(adapter):
+                inputs = forward_layer(layer, inputs, batch_size)
+    return out
+
+
+# -- noise -----------------------------------------------------------------------------------
+
+
+def _sym_noise(n: int, std: float, rng: np.random.Generator) -> torch.Tensor:
+    rows, cols = torch.triu_indices(n, n)
+    noise = torch.zeros(n, n, dtype=torch.float64)
+    values = torch.from_numpy(rng.normal(0.0, std, size=rows.shape[0]))
+    noise[rows, cols] = values
+    noise[cols, rows] = values
+    return noise
+
+
+def add_gaussian(stats: Mapping[str, Any], std: Mapping[str, float], hessian: bool,
+                 rng: np.random.Generator) -> None:
+    """Central placement: add ``N(0, std[j]^2)`` to every coordinate of each block (the
+    square sums; with ``hessian`` the Hessian's upper triangle, mirrored, and the square sums
+    set to ``diag / 2``), in place, once per distinct statistics object."""
+    done: set[int] = set()
+    for name in sorted(stats):  # the first name of a shared object is its owner
+        st = stats[name]
+        if id(st) in done:
+            continue
+        done.add(id(st))
+        if name not in std:
+            raise ValueError(f"no noise scale for {name}: expected one per block")
+        owner = name
+        if hessian:
+            st.hessian_sum += _sym_noise(st.in_features, std[owner], rng).to(st.hessian_sum)
+            st.sq_sum = torch.diagonal(st.hessian_sum).double().clone() / 2
+        else:
+            st.sq_sum += torch.from_numpy(rng.normal(0.0, std[owner], size=st.in_features))
+
+
+def skellam_noise(shape: int | tuple[int, ...], variance: float,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Symmetric Skellam integers ``Poisson(variance / 2) - Poisson(variance / 2)`` (int64),
+    drawn as a sum of Skellams where the mean exceeds numpy's sampler (closed under sums)."""
+    if not (math.isfinite(variance) and variance > 0):
+        raise ValueError(f"Skellam variance {variance!r}: expected a finite number > 0")
+    mu = variance / 2
+    parts = max(1, math.ceil(mu / _MAX_POISSON))
+    if parts > _MAX_PARTS:
+        raise ValueError(f"Skellam variance {variance:.3g} is too large for 64-bit lanes: "
+                         "expected fewer fractional bits")
+    out = np.zeros(shape, np.int64)
+    for _ in range(parts):
+        out += rng.poisson(mu / parts, size=shape).astype(np.int64)
+        out -= rng.poisson(mu / parts, size=shape).astype(np.int64)
+    return out
+
+
+# -- post-processing -------------------------------------------------------------------------
+
+
+def make_positive_definite(h: torch.Tensor, noise_std: float) -> torch.Tensor:
+    """A symmetric positive-definite version of a noisy Hessian (post-processing): eigenvalues
+    floored at ``2 sqrt(d) noise_std`` (the spectral norm a symmetric Gaussian noise matrix of
+    entry std ``noise_std`` stays below with high probability), and at least ``1e-8`` of the
+    largest eigenvalue's magnitude."""
+    if h.dim() != 2 or h.shape[0] != h.shape[1]:
+        raise ValueError(f"a Hessian of shape {tuple(h.shape)}: expected a square matrix")
+    sym = (h.double() + h.double().T) / 2
+    vals, vecs = torch.linalg.eigh(sym)
+    top = float(vals.abs().max()) if vals.numel() else 0.0
+    floor = max(2.0 * math.sqrt(h.shape[0]) * float(noise_std), 1e-8 * top, 1e-12)
+    vals = torch.clamp(vals, min=floor)
+    out = (vecs * vals) @ vecs.T
+    return ((out + out.T) / 2).to(h.dtype)
+
+
+def postprocess(stats: Mapping[str, Any], std: Mapping[str, float], hessian: bool) -> None:
+    """After the noise (post-processing, free): Wanda's square sums floored at 0; SparseGPT's
+    Hessian sum made positive definite (:func:`make_positive_definite`) and its square sums
+    set to ``diag / 2``. In place, once per distinct statistics object; ``std``: each block's
+    total noise std (its owner's name)."""
+    done: set[int] = set()
+    for name in sorted(stats):
+        st = stats[name]
+        if id(st) in done:
+            continue
+        done.add(id(st))
+        if hessian:
+            st.hessian_sum = make_positive_definite(st.hessian_sum, std[name])
+            st.sq_sum = torch.diagonal(st.hessian_sum).double().clone() / 2
+        else:
+            st.sq_sum = torch.clamp(st.sq_sum, min=0.0)

@@ -1,0 +1,289 @@
+"""DP layer statistics (``fedcompress.privacy.dp_stats``): the noise has the stated variance, the
+clipping bounds every window, one replaced window moves the release by at most the sensitivity,
+the accountant is opacus' own, an unreachable budget is an error, and releases compose."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_tiny_model
+
+from fedcompress.models import ModelAdapter
+from fedcompress.privacy import dp_stats as dps
+from fedcompress.privacy.accounting import RDP_ALPHAS, BudgetError
+from fedcompress.pruning.walker import LayerStats, capture_layer_inputs
+
+SEQ = 8
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model("llama", n_layers=2)
+
+
+def layer0_inputs(model, windows):
+    return capture_layer_inputs(model, windows, batch_size=4)
+
+
+def windows(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 120, (n, SEQ), generator=gen)
+
+
+def _vec(stats, hessian):
+    """{block: the released coordinates} of a layer's stats (one entry per shared object)."""
+    out, seen = {}, set()
+    for name in sorted(stats):
+        st = stats[name]
+        if id(st) in seen:
+            continue
+        seen.add(id(st))
+        out[name] = (st.hessian_sum if hessian else st.sq_sum).double().clone()
+    return out
+
+
+# -- noise --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hessian", [False, True])
+def test_gaussian_noise_has_the_stated_variance(hessian):
+    d, std, reps = 24, 3.5, 400
+    rng = np.random.default_rng(7)
+    draws = []
+    for _ in range(reps):
+        st = LayerStats(d, hessian=hessian)
+        dps.add_gaussian({"a": st}, {"a": std}, hessian, rng)
+        if hessian:
+            assert torch.equal(st.hessian_sum, st.hessian_sum.T)  # symmetric, mirrored
+            assert torch.allclose(st.sq_sum, torch.diagonal(st.hessian_sum) / 2)
+            rows, cols = torch.triu_indices(d, d)
+            draws.append(st.hessian_sum[rows, cols].numpy())
+        else:
+            draws.append(st.sq_sum.numpy())
+    x = np.concatenate(draws)
+    n = x.size  # 9,600 (Wanda) or 120,000 (Hessian triangle)
+    # sample variance: relative standard error sqrt(2 / n); 5 standard errors
+    assert abs(x.var() / std ** 2 - 1) < 5 * math.sqrt(2 / n)
+    assert abs(x.mean()) < 5 * std / math.sqrt(n)
+
+
+def test_skellam_shares_sum_to_the_target_variance():
+    rng = np.random.default_rng(11)
+    target, t, n = 4.0e6, 5, 20000
+    shares = [dps.skellam_noise(n, target / t, rng) for _ in range(t)]
+    assert all(s.dtype == np.int64 for s in shares)
+    total = np.sum(shares, axis=0)
+    assert abs(total.var() / target - 1) < 5 * math.sqrt(2 / n)
+    assert abs(total.mean()) < 5 * math.sqrt(target / n)
+    # a variance beyond one Poisson draw's range is drawn as a sum of Skellams
+    big = dps.skellam_noise(20000, 2.0 ** 46, rng)  # 32 draws of Poisson(2^40) each side
+    assert abs(big.astype(np.float64).var() / 2.0 ** 46 - 1) < 5 * math.sqrt(2 / 20000)
+    with pytest.raises(ValueError, match="variance"):
+        dps.skellam_noise(3, -1.0, rng)
+
+
+def test_secret_rng_differs_and_seeded_rng_repeats():
+    a, b = dps.secret_rng(), dps.secret_rng()
+    assert a.integers(0, 2 ** 62) != b.integers(0, 2 ** 62)
+    assert dps.secret_rng(3).integers(0, 2 ** 62) == dps.secret_rng(3).integers(0, 2 ** 62)
+    with pytest.raises(ValueError, match="seed"):
+        dps.secret_rng(-1)
+
+
+# -- clipping and sensitivity -------------------------------------------------------------------
+
+
+def _release(model, wins, hessian, bounds):
+    inputs = layer0_inputs(model, wins)
+    layer = ModelAdapter(model).layers[0]
+    return dps.clipped_layer_stats(layer, inputs, hessian, bounds, batch_size=3)
+
+
+@pytest.mark.parametrize("hessian", [False, True])
+def test_one_replaced_window_moves_each_block_by_at_most_sqrt2_c(tiny, hessian):
+    base = windows(6)
+    inputs = layer0_inputs(tiny, base)
+    layer = ModelAdapter(tiny).layers[0]
+    owners = dps.layer_blocks(layer, inputs)
+    blocks = sorted(set(owners.values()))
+    assert len(blocks) == 4  # q/k/v, o, gate/up, down
+    # bounds far below the windows' norms: every window is clipped
+    bounds = {k: 1e-3 * (i + 1) for i, k in enumerate(blocks)}
+    release = _release(tiny, base, hessian, bounds)
+    assert all(release.clipped[k] == 6 for k in blocks)
+    # sharers hold one object, which encode_stats sends once
+    assert release.stats["self_attn.q_proj"] is release.stats["self_attn.k_proj"]
+    a = _vec(release.stats, hessian)
+
+    # the neighbour: window 2 replaced by another window whose activations are huge
+    from fedcompress.pruning.walker import LayerInputs
+
+    other = layer0_inputs(tiny, windows(6, seed=1)).hidden[2] * 1e6
+    hidden = inputs.hidden.clone()
+    hidden[2] = other
+    b = _vec(dps.clipped_layer_stats(layer, LayerInputs(hidden, inputs.layer_kwargs, 0),
+                                     hessian, bounds, 3).stats, hessian)
+    # and the dataset with window 2 removed (add/remove adjacency)
+    removed = LayerInputs(inputs.hidden[[0, 1, 3, 4, 5]], inputs.layer_kwargs, 0)
+    c = _vec(dps.clipped_layer_stats(layer, removed, hessian, bounds, 3).stats, hessian)
+    total = 0.0
+    for k in blocks:
+        diff = float(torch.linalg.norm(a[k] - b[k]))
+        assert diff <= math.sqrt(2) * bounds[k] * (1 + 1e-9)
+        assert float(torch.linalg.norm(a[k] - c[k])) <= bounds[k] * (1 + 1e-9)
+        total += (diff / bounds[k]) ** 2
+    assert math.sqrt(total) <= dps.sensitivity(len(blocks)) * (1 + 1e-9)
+
+
+def test_unclipped_windows_sum_to_the_plain_statistics(tiny):
+    from fedcompress.pruning.walker import collect_stats
+
+    wins = windows(5)
+    inputs = layer0_inputs(tiny, wins)
+    layer = ModelAdapter(tiny).layers[0]
+    plain = collect_stats(layer, inputs, hessian=True, batch_size=2)
+    blocks = set(dps.layer_blocks(layer, inputs).values())
+    release = dps.clipped_layer_stats(layer, inputs, True, {k: 1e30 for k in blocks}, 2)
+    for name, st in plain.items():
+        got = release.stats[name]
+        assert got.tokens == st.tokens == 5 * SEQ
+        assert torch.allclose(got.hessian_sum, st.hessian_sum, rtol=1e-10, atol=1e-10)
+        assert torch.allclose(got.sq_sum, st.sq_sum, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="unknown blocks"):
+        dps.clipped_layer_stats(layer, inputs, False, {"nope": 1.0, **{k: 1.0 for k in blocks}})
+    with pytest.raises(ValueError, match="no clip bound"):
+        dps.clipped_layer_stats(layer, inputs, False, {})
+
+
+def test_public_tokens_only():
+    dps.check_public_tokens(64, 8, 8)
+    with pytest.raises(ValueError, match="public"):
+        dps.check_public_tokens(63, 8, 8)
+
+
+def test_public_clip_bounds_are_a_quantile_of_window_norms(tiny):
+    wins = windows(10, seed=3)
+    bounds = dps.public_clip_bounds(tiny, wins, hessian=False, quantile=1.0, batch_size=4)
+    assert len(bounds) == 2 and all(len(b) == 4 for b in bounds)
+    # at the maximum, no public window is clipped (up to float32 batching differences)
+    release = _release(tiny, wins, False, {k: c * 1.0001 for k, c in bounds[0].items()})
+    assert all(v == 0 for v in release.clipped.values())
+    lower = dps.public_clip_bounds(tiny, wins, hessian=False, quantile=0.5, batch_size=4)
+    assert all(lower[0][k] <= bounds[0][k] for k in bounds[0])
+    with pytest.raises(ValueError, match="quantile"):
+        dps.public_clip_bounds(tiny, wins, hessian=False, quantile=0.0)
+
+
+# -- accounting ---------------------------------------------------------------------------------
+
+
+def _opacus_epsilon(sigma, steps, delta):
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    rdp = compute_rdp(q=1.0, noise_multiplier=sigma, steps=steps, orders=RDP_ALPHAS)
+    return get_privacy_spent(orders=RDP_ALPHAS, rdp=rdp, delta=delta)[0]
+
+
+BOUNDS = [{"a": 2.0, "b": 5.0}] * 6
+
+
+def test_central_plan_is_opacus_rdp_and_meets_the_target():
+    plan = dps.plan_dp_stats(8.0, 1e-5, "central", BOUNDS)
+    assert plan.mechanism == "gaussian" and plan.releases == 6
+    spent = plan.epsilon_after(6)
+    assert spent == pytest.approx(_opacus_epsilon(plan.sigma, 6, 1e-5), rel=1e-12)
+    assert 8.0 - 0.02 <= spent <= 8.0
+    # noise per block: sigma * sqrt(2 k) * C_j
+    std = plan.noise_std(0)
+    assert std["b"] == pytest.approx(plan.sigma * 2.0 * 5.0)
+    # composition is counted: epsilon grows with the releases
+    eps = [plan.epsilon_after(k) for k in range(1, 7)]
+    assert all(x < y for x, y in zip(eps, eps[1:]))
+    sigmas = [dps.plan_dp_stats(8.0, 1e-5, "central", [{"a": 1.0}] * n).sigma
+              for n in (1, 4, 16, 30)]
+    assert all(x < y for x, y in zip(sigmas, sigmas[1:]))
+    with pytest.raises(BudgetError):
+        plan.epsilon_after(7)
+
+
+def test_unreachable_budget_is_a_clear_error():
+    with pytest.raises(BudgetError, match="epsilon"):
+        dps.plan_dp_stats(1e-4, 1e-10, "central", [{"a": 1.0}] * 30)
+    with pytest.raises(BudgetError, match="epsilon"):
+        dps.plan_dp_stats(0.0, 1e-5, "central", BOUNDS)
+    with pytest.raises(BudgetError, match="delta"):
+        dps.plan_dp_stats(8.0, 1.5, "central", BOUNDS)
+    with pytest.raises(ValueError, match="placement"):
+        dps.plan_dp_stats(8.0, 1e-5, "local", BOUNDS)
+    with pytest.raises(ValueError, match="clip bound"):
+        dps.plan_dp_stats(8.0, 1e-5, "central", [{"a": 0.0}])
+
+
+def test_skellam_rdp_is_the_papers_bound():
+    # one block, one coordinate: eps(a) <= a D2^2/(2V) + min(((2a-1) D2^2 + 6 D1)/(4V^2), 3D1/(2V))
+    sigma, c, f = 1.3, 0.75, 4
+    rdp = dps.skellam_rdp(sigma, {"a": (1, c)}, f, orders=[2, 8, 64])
+    var = (sigma * math.sqrt(2) * c * 2 ** f) ** 2
+    d2 = math.sqrt(2) * c * 2 ** f + 1.0
+    d1 = d2
+    for a, got in zip([2, 8, 64], rdp):
+        want = a * d2 ** 2 / (2 * var) + min(((2 * a - 1) * d2 ** 2 + 6 * d1) / (4 * var ** 2),
+                                             3 * d1 / (2 * var))
+        assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_distributed_plan_accounts_skellam_and_meets_the_target():
+    dims = [{"a": 32, "b": 64}] * 6
+    plan = dps.plan_dp_stats(8.0, 1e-5, "distributed", BOUNDS, dims, frac_bits=16, threshold=3)
+    assert plan.mechanism == "skellam"
+    spent = plan.epsilon_after(6)
+    assert 8.0 - 0.02 <= spent <= 8.0
+    # at the same sigma, the Skellam account is above the Gaussian one (rounding, discreteness)
+    # but close at a fine lane resolution
+    gauss = dps.gaussian_epsilon(plan.sigma, 6, 1e-5)
+    assert gauss < spent < gauss * 1.05
+    # coarse lanes (0 fractional bits, small bounds) cost noticeably more noise
+    coarse = dps.plan_dp_stats(8.0, 1e-5, "distributed", [{"a": 2.0, "b": 5.0}] * 6, dims,
+                               frac_bits=0, threshold=3)
+    assert coarse.sigma > plan.sigma
+    assert [plan.epsilon_after(k) for k in (1, 3, 6)] == sorted(
+        plan.epsilon_after(k) for k in (1, 3, 6))
+    with pytest.raises(ValueError, match="threshold"):
+        dps.plan_dp_stats(8.0, 1e-5, "distributed", BOUNDS, dims, frac_bits=16, threshold=0)
+    with pytest.raises(ValueError, match="dims"):
+        dps.plan_dp_stats(8.0, 1e-5, "distributed", BOUNDS, None, frac_bits=16, threshold=2)
+
+
+# -- post-processing ----------------------------------------------------------------------------
+
+
+def test_noisy_hessian_made_positive_definite_gives_sparsegpt_masks():
+    from fedcompress.pruning.scores import sparsegpt_prune
+
+    torch.manual_seed(0)
+    d, rows = 48, 16
+    x = torch.randn(200, d, dtype=torch.float64)
+    h = 2 * x.T @ x
+    noise_std = 60.0
+    rng = np.random.default_rng(5)
+    noisy = h + dps._sym_noise(d, noise_std, rng)
+    assert float(torch.linalg.eigvalsh(noisy).min()) < 0  # the noise broke definiteness
+    fixed = dps.make_positive_definite(noisy, noise_std)
+    assert torch.equal(fixed, fixed.T)
+    assert float(torch.linalg.eigvalsh(fixed).min()) > 0
+    torch.linalg.cholesky(fixed)  # does not raise
+    w = torch.randn(rows, d)
+    mask, weights = sparsegpt_prune(w, fixed / 200, 0.5, "row", None, name="test")
+    assert mask.shape == w.shape
+    assert float(mask.float().mean()) == pytest.approx(0.5)
+    assert torch.isfinite(weights).all()
+
+
+def test_postprocess_floors_square_sums():
+    st = LayerStats(4)
+    st.sq_sum = torch.tensor([-1.0, 2.0, -0.5, 3.0], dtype=torch.float64)
+    dps.postprocess({"a": st}, {"a": 1.0}, hessian=False)
+    assert st.sq_sum.tolist() == [0.0, 2.0, 0.0, 3.0]
