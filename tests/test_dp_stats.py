@@ -177,6 +177,16 @@ def test_public_clip_bounds_are_a_quantile_of_window_norms(tiny):
         dps.public_clip_bounds(tiny, wins, hessian=False, quantile=0.0)
 
 
+def test_default_bounds_come_from_public_text(tiny):
+    from conftest import build_tiny_tokenizer
+
+    wins = dps.public_windows(build_tiny_tokenizer(), seqlen=SEQ, n=6)
+    assert wins.shape == (6, SEQ) and wins.dtype == torch.long
+    assert torch.equal(wins, dps.public_windows(build_tiny_tokenizer(), seqlen=SEQ, n=6))
+    bounds = dps.public_clip_bounds(tiny, wins, hessian=True, batch_size=3)
+    assert all(c > 0 and math.isfinite(c) for b in bounds for c in b.values())
+
+
 # -- accounting ---------------------------------------------------------------------------------
 
 

@@ -105,6 +105,8 @@ __all__ = [
     "CLIP_QUANTILE",
     "PLACEMENTS",
     "PUBLIC_CORPUS",
+    "PUBLIC_SPLIT",
+    "PUBLIC_WINDOWS",
     "SKELLAM_ORDERS",
     "UNIT",
     "DpStatsPlan",
@@ -120,6 +122,7 @@ __all__ = [
     "plan_dp_stats",
     "postprocess",
     "public_clip_bounds",
+    "public_windows",
     "secret_rng",
     "sensitivity",
     "skellam_epsilon",
@@ -135,8 +138,12 @@ UNIT = "window"
 PLACEMENTS = ("central", "distributed")
 #: Quantile of the public per-window norms used as the default clip bound of each block.
 CLIP_QUANTILE = 0.95
-#: The public corpus the default bounds come from (bundled with the package).
+#: The public corpus the default bounds come from (bundled with the package), and its split
+#: (not the calibration split ``train`` nor the evaluation split ``test``).
 PUBLIC_CORPUS = "wiki"
+PUBLIC_SPLIT = "validation"
+#: Public windows the default bounds are measured on.
+PUBLIC_WINDOWS = 32
 #: Integer Renyi orders of the Skellam bound (it holds for integer alpha > 1): the integers of
 #: :data:`~fedcompress.privacy.accounting.RDP_ALPHAS`.
 SKELLAM_ORDERS = sorted({int(a) for a in RDP_ALPHAS if float(a).is_integer() and a >= 2})
@@ -529,6 +536,18 @@ def clipped_layer_stats(layer: nn.Module, inputs: Any, hessian: bool,
             else:
                 sums[k].add_sums(tokens, torch.einsum("b,bj->j", f, sq[k]), None)
     return ClippedStats({name: sums[owner] for name, owner in owners.items()}, owners, clipped)
+
+
+def public_windows(tokenizer: Any, seqlen: int, n: int = PUBLIC_WINDOWS, seed: int = 0
+                   ) -> torch.Tensor:
+    """``n`` windows of ``seqlen`` tokens of PUBLIC text: the bundled :data:`PUBLIC_CORPUS`'s
+    :data:`PUBLIC_SPLIT` split (shipped with the package, the same at every party; ``seed`` is
+    public: nothing private depends on it)."""
+    from fedcompress.data.calibration import calibration_windows
+    from fedcompress.data.corpora import load_corpus
+
+    return calibration_windows(tokenizer, load_corpus(PUBLIC_CORPUS, PUBLIC_SPLIT), n, seqlen,
+                               seed)
 
 
 @torch.no_grad()
