@@ -19,6 +19,13 @@ cannot be read or parsed is an error (:class:`LedgerError`), never a reset to an
 * **Text (exponential mechanism).** Each release of sanitized text spends its pure-DP epsilon
   per word (privacy unit: one word of the site's text; a record of k words has k times it);
   releases of a run add up.
+* **DP statistics within a run** (FedPrLLM's statistics mode with DP,
+  :mod:`fedcompress.privacy.dp_stats`). The run's first release FIXES the mechanism (target
+  epsilon, delta, placement, planned number of layer releases ``L``, noise multiplier, Gaussian
+  or Skellam, fixed-point bits, SecAgg+ threshold, the clip bounds' digest); a later release
+  must ask for exactly these, and at most ``L`` releases are answered. The run's epsilon is the
+  accountant's over the releases so far (RDP, composed like DP-SGD's steps). Privacy unit: one
+  calibration window. A run does not mix DP statistics with DP-SGD or text releases (refused).
 * **Across runs: basic composition.** The lifetime epsilon is the SUM of every run's epsilon
   (DP-SGD run epsilon + its text epsilons) and the deltas add up likewise. Basic summation is
   sound (and loose); it also adds the word-level text epsilons to the example-level DP-SGD
@@ -200,6 +207,9 @@ class Ledger:
             raise PolicyError(f"steps={steps!r} is invalid: expected an int >= 1")
         with self._transaction() as data:
             entry = self._run(data, run, method)
+            if entry.get("dp_stats") is not None:
+                raise PolicyError(f"run {run} released DP statistics: it cannot also train "
+                                  "with DP-SGD (one mechanism per run)")
             fixed = entry.get("mechanism")
             if fixed is None:
                 mechanism = proposal
@@ -237,6 +247,55 @@ class Ledger:
                                      "epsilon": dp_epsilon, **(detail or {})})
         return Grant(run_epsilon, lifetime, self.lifetime_budget, total_steps, mechanism)
 
+    def dp_stats(self, run: str, method: str, action: str, plan: Any,
+                 detail: dict[str, Any] | None = None) -> Grant:
+        """Check and record one DP statistics release (one decoder layer) of run ``run`` under
+        ``plan`` (a :class:`~fedcompress.privacy.dp_stats.DpStatsPlan`): the run's first
+        release fixes ``plan.ledger_mechanism()``; a later one must propose the same (else
+        refused); at most ``plan.releases`` releases; the run's epsilon is
+        ``plan.epsilon_after(releases)``, within the target, the lifetime within the budget.
+        :class:`PolicyError` before anything is recorded."""
+        proposal = plan.ledger_mechanism()
+        with self._transaction() as data:
+            entry = self._run(data, run, method)
+            fixed = entry.get("dp_stats")
+            if entry.get("mechanism") is not None or float(entry["text_epsilon"]) > 0:
+                raise PolicyError(f"run {run} already spent epsilon on DP-SGD or text: it "
+                                  "cannot also release DP statistics (one mechanism per run)")
+            if fixed is None:
+                entry["dp_stats"] = fixed = proposal
+                entry["dp_releases"] = 0
+            changed = {k: (fixed.get(k), v) for k, v in proposal.items()
+                       if k not in fixed or not _same(fixed[k], v)}
+            if changed:
+                raise PolicyError(
+                    f"run {run} fixed its DP statistics mechanism at its first release; this "
+                    "release asks for "
+                    + ", ".join(f"{k}={new!r} (fixed: {old!r})"
+                                for k, (old, new) in sorted(changed.items()))
+                    + ": the server cannot change the budget, the noise, the clip bounds or "
+                    "the number of releases mid-run")
+            count = int(entry["dp_releases"]) + 1
+            if count > int(fixed["releases"]):
+                raise PolicyError(
+                    f"run {run} announced {fixed['releases']} DP statistics releases and has "
+                    f"made them all; release {count} is refused (its epsilon would exceed the "
+                    f"run's target {float(fixed['epsilon']):g})")
+            run_epsilon = float(plan.epsilon_after(count))
+            if run_epsilon > float(fixed["epsilon"]) * (1 + 1e-6):
+                raise PolicyError(f"release {count} would bring run {run}'s epsilon to "
+                                  f"{run_epsilon:.4g}, above its target "
+                                  f"{float(fixed['epsilon']):g}")
+            lifetime = self._check_lifetime(data, run, run_epsilon)
+            entry.update(epsilon=run_epsilon, delta=float(fixed["delta"]), dp_releases=count,
+                         releases=int(entry["releases"]) + 1)
+            data["releases"].append({"time": _now(), "run": run, "method": method,
+                                     "action": action, "kind": "dp-stats",
+                                     "epsilon": run_epsilon, "delta": float(fixed["delta"]),
+                                     "placement": fixed["placement"], "unit": fixed["unit"],
+                                     "release": count, **(detail or {})})
+        return Grant(run_epsilon, lifetime, self.lifetime_budget, count)
+
     def text(self, run: str, method: str, action: str, epsilon_per_word: float,
              max_epsilon: float, detail: dict[str, Any] | None = None) -> Grant:
         """Check and record a release of exponential-mechanism text at ``epsilon_per_word``
@@ -248,6 +307,9 @@ class Ledger:
                               "finite number > 0")
         with self._transaction() as data:
             entry = self._run(data, run, method)
+            if entry.get("dp_stats") is not None:
+                raise PolicyError(f"run {run} released DP statistics: it cannot also release "
+                                  "text (one mechanism per run)")
             run_epsilon = float(entry["epsilon"]) + float(epsilon_per_word)
             if run_epsilon > max_epsilon + 1e-9:
                 raise PolicyError(f"this text release would bring run {run}'s epsilon per word "
@@ -291,11 +353,11 @@ def summary_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
         for release in data["releases"]:
             if release["run"] == run:
                 kinds[release["kind"]] = kinds.get(release["kind"], 0) + 1
-        mechanism = entry.get("mechanism") or {}
+        mechanism = entry.get("mechanism") or entry.get("dp_stats") or {}
         rows.append({"run": run, "method": entry["method"], "started": entry["started"],
                      "releases": int(entry["releases"]), "kinds": kinds,
                      "steps": int(entry["steps"]), "epsilon": float(entry["epsilon"]),
                      "delta": float(entry["delta"]),
-                     "target": mechanism.get("target_epsilon"),
+                     "target": mechanism.get("target_epsilon", mechanism.get("epsilon")),
                      "sigma": mechanism.get("sigma")})
     return rows

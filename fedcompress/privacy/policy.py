@@ -17,6 +17,10 @@ key                                 default   meaning
 ``lifetime-epsilon``                32.0      most epsilon all runs together may spend (ledger)
 ``max-delta``                       1e-5      largest delta a run may ask for
 ``allow-no-dp``                     false     may a DP-capable method run without DP
+``dp-placements``                   distrib.  where this site lets DP noise be added to its
+                                              statistics (``distributed``: by the sites under
+                                              SecAgg+; ``central``: by the server, which is then
+                                              trusted with the un-noised sum), comma-separated
 ``secagg-min-fraction``             0.5       a SecAgg threshold must exceed this fraction of sites
 ``secagg-max-colluders``            0         sites that may collude with a malicious server: the
                                               threshold must exceed (sites + colluders) / 2, so
@@ -131,6 +135,7 @@ class SitePolicy:
     lifetime_epsilon: float = 32.0
     max_delta: float = 1e-5
     allow_no_dp: bool = False
+    dp_placements: tuple[str, ...] = ("distributed",)
     secagg_min_fraction: float = 0.5
     secagg_max_colluders: int = 0
     secagg_key: str = ""
@@ -157,6 +162,10 @@ class SitePolicy:
         if not _finite(self.max_delta) or not 0 < self.max_delta < 1:
             raise PolicyError(f"node config max-delta={self.max_delta!r} is invalid: expected "
                               "a number in (0, 1)")
+        unknown = [p for p in self.dp_placements if p not in ("central", "distributed")]
+        if unknown:
+            raise PolicyError(f"node config dp-placements={','.join(self.dp_placements)!r} is "
+                              "invalid: expected 'central' and/or 'distributed'")
         if not _finite(self.secagg_min_fraction) or not 0 <= self.secagg_min_fraction < 1:
             raise PolicyError(f"node config secagg-min-fraction={self.secagg_min_fraction!r} "
                               "is invalid: expected a number in [0, 1)")
@@ -209,6 +218,19 @@ class SitePolicy:
             raise PolicyError(f"delta={delta:g} exceeds this site's bound max-delta="
                               f"{self.max_delta:g} (node config max-delta)")
         return float(delta)
+
+    def check_dp_placement(self, placement: str) -> str:
+        """``placement`` of DP noise if this site allows it (node config ``dp-placements``;
+        in simulation: either)."""
+        if placement not in ("central", "distributed"):
+            raise PolicyError(f"dp placement {placement!r} is invalid: expected 'central' or "
+                              "'distributed'")
+        if self.simulation or placement in self.dp_placements:
+            return placement
+        raise PolicyError(f"dp placement {placement!r} is refused by this site's policy: "
+                          f"expected one of {', '.join(self.dp_placements) or '(none)'} (node "
+                          "config dp-placements; 'central' trusts the server with the "
+                          "un-noised sum)")
 
     def check_model(self, spec: str) -> str:
         """``spec`` if this site accepts that model (node config ``models``): an embedded name
@@ -293,7 +315,7 @@ def _listed(value: str, allowed: Iterable[str]) -> bool:
 #: node-config key -> SitePolicy field
 POLICY_KEYS: dict[str, str] = {
     "max-epsilon": "max_epsilon", "lifetime-epsilon": "lifetime_epsilon",
-    "max-delta": "max_delta", "allow-no-dp": "allow_no_dp",
+    "max-delta": "max_delta", "allow-no-dp": "allow_no_dp", "dp-placements": "dp_placements",
     "secagg-min-fraction": "secagg_min_fraction",
     "secagg-max-colluders": "secagg_max_colluders", "secagg-key": "secagg_key",
     "secagg-peers": "secagg_peers", "models": "models", "corpora": "corpora",

@@ -171,6 +171,28 @@ class FedPrLLMConfig(Settings):
                                     "bits of their fixed-point encoding in 64-bit lanes (a "
                                     "site's rounding error <= 2^-(f+1); its values must stay "
                                     "below 2^(63-f)/clients in magnitude).", ge=0, le=52)
+    dp_epsilon: float = setting(
+        0.0, "Statistics mode: differential privacy of each site's statistics for the whole "
+        "run (every decoder layer's release composed; 0: no DP). Each site refuses more than "
+        "its node config max-epsilon, and no DP unless its allow-no-dp.", ge=0.0)
+    dp_delta: float = setting(1e-5, "DP statistics: delta per site for the run (at most its "
+                              "node config max-delta).", gt=0.0, lt=1.0)
+    dp_placement: str = setting(
+        "distributed", "DP statistics: distributed (each site adds Skellam noise to its "
+        "fixed-point lanes under SecAgg+, so the sum of any threshold of honest sites carries "
+        "the target noise; needs --secagg) or central (the server adds Gaussian noise to the "
+        "sites' clipped sum: it is trusted with that sum). A site allows what its node config "
+        "dp-placements lists.", choices=("central", "distributed"))
+    dp_unit: str = setting("window", "DP statistics: privacy unit (one calibration window).",
+                           choices=("window",))
+    dp_clip: float = setting(0.0, "DP statistics: clip bound of every input's per-window "
+                             "statistic (0: from public text, --dp-clip-quantile of the "
+                             "per-window norms of the bundled wiki corpus' validation windows "
+                             "through the dense model, per layer and input).", ge=0.0)
+    dp_clip_quantile: float = setting(0.95, "DP statistics: quantile of the public per-window "
+                                      "norms used as the default clip bound.", gt=0.0, le=1.0)
+    dp_public_windows: int = setting(32, "DP statistics: public windows the default clip "
+                                     "bounds are measured on.", ge=1)
     attack: str = setting("none", "Simulation: Byzantine sites' mask (random, inverted: prune "
                           "the highest scores, keep: prune nothing, collude: one inverted "
                           "mask from every attacker, sparsity: lie about the sparsity).",
@@ -234,6 +256,12 @@ class FedPrLLMConfig(Settings):
                 raise self.invalid("secagg_threshold", f"0 or 2..clients={self.clients}")
         if self.aggregate == "stats":
             self._validate_stats()
+        if self.dp_epsilon and self.aggregate != "stats":
+            raise self.invalid("dp_epsilon", "0 with aggregate votes (a mask cannot be made "
+                               "private cheaply: DP applies to statistics mode)")
+        if self.dp_epsilon and self.dp_placement == "distributed" and not self.secagg:
+            raise self.invalid("dp_placement", "central without secagg (distributed noise "
+                               "protects a site only inside the SecAgg+ sum)")
         if self.onload and self.method == "gradient":
             raise self.invalid("onload", "false with the gradient method (its scores need a "
                                "backward pass through the whole model)")
@@ -269,6 +297,11 @@ class FedPrLLMConfig(Settings):
 
         return PruneConfig(self.method, self.sparsity, self.local_group, self.nm,
                            self.layer_sparsity, self.onload)
+
+    @property
+    def dp(self) -> bool:
+        """Whether the sites' statistics are released with differential privacy."""
+        return self.dp_epsilon > 0
 
     @property
     def server(self) -> ServerConfig:

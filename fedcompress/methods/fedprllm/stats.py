@@ -41,6 +41,8 @@ from torch import nn
 
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from fedcompress.models import HESSIAN_DTYPE, ModelAdapter, weight_matrix
+from fedcompress.privacy.ledger import Ledger
+from fedcompress.privacy.policy import SitePolicy
 from fedcompress.pruning.walker import LayerStats
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,11 @@ class InvalidStatsError(ValueError):
 
 def _key(layer: int, name: str, part: str) -> str:
     return f"stats.{layer}.{name}.{part}"
+
+
+def stat_key(layer: int, name: str, part: str) -> str:
+    """The wire key of linear ``name``'s statistic ``part`` (``sq`` or ``h``) of ``layer``."""
+    return _key(layer, name, part)
 
 
 def tokens_key(layer: int) -> str:
@@ -124,12 +131,14 @@ def encode_stats(stats: Mapping[str, LayerStats], layer: int
 
 
 def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
-                 in_features: Mapping[str, int], layer: int, hessian: bool
+                 in_features: Mapping[str, int], layer: int, hessian: bool, dp: bool = False
                  ) -> dict[str, LayerStats]:
     """A site's statistics of decoder layer ``layer`` from the wire, validated against the
     layer's linear layers (``in_features``, :func:`layer_in_features`); linear layers that share
     statistics get the same object. :class:`InvalidStatsError` says what is wrong.
-    Also decodes the sites' sum rebuilt from SecAgg+ (:func:`decode_fixed`: float64 too)."""
+    Also decodes the sites' sum rebuilt from SecAgg+ (:func:`decode_fixed`: float64 too).
+    ``dp``: a sum carrying DP noise, whose square sums may be negative (post-processing floors
+    them, :func:`fedcompress.privacy.dp_stats.postprocess`)."""
     names = set(in_features)
     unknown = sorted(set(shared) - names)
     if unknown:
@@ -156,7 +165,7 @@ def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
         if sq.dtype != np.float64 or sq.shape != (n,):
             raise InvalidStatsError(f"{_key(layer, name, 'sq')}: {sq.dtype} {sq.shape}, "
                                     f"expected float64 ({n},)")
-        if not np.isfinite(sq).all() or (sq < 0).any():
+        if not np.isfinite(sq).all() or (not dp and (sq < 0).any()):
             raise InvalidStatsError(f"{_key(layer, name, 'sq')}: square sums must be finite "
                                     "and non-negative")
         st = LayerStats(n, hessian=hessian)
@@ -238,45 +247,74 @@ def fixed_point_range(frac_bits: int, n_sites: int) -> float:
     return float(np.ldexp(value - 0.5, -frac_bits))
 
 
-def encode_fixed(arrays: Mapping[str, np.ndarray], frac_bits: int, n_sites: int
-                 ) -> np.ndarray:
+def _check_lanes(key: str, lanes: list[int], limit: int, frac_bits: int, n_sites: int,
+                 integer: bool) -> None:
+    for lane in lanes:
+        if abs(lane) > limit:
+            # The value itself is private (a site's exact statistic, which the server would
+            # read in the error reply, outside SecAgg+): logged here only, never raised.
+            shown = str(lane) if integer else f"{np.ldexp(float(lane), -frac_bits):.6g}"
+            logger.error("%s: a value of %s (%d in its 64-bit lane) exceeds the fixed-point "
+                         "range", key, shown, lane)
+            raise ValueError(
+                f"{key}: a value exceeds the fixed-point range of {frac_bits} fractional "
+                f"bits for {n_sites} sites: |lane| <= {limit} = (2^63 - 1) // {n_sites}, "
+                f"|value| <= {fixed_point_range(frac_bits, n_sites):.6g} (a sum could "
+                "overflow 64 bits): lower secagg-frac-bits (the value is in this site's "
+                "log, not in this message)")
+
+
+def encode_fixed(arrays: Mapping[str, np.ndarray], frac_bits: int, n_sites: int,
+                 noise: Mapping[str, np.ndarray] | None = None,
+                 sq_from_diag: Mapping[str, str] | None = None) -> np.ndarray:
     """One site's statistics (:func:`encode_stats`) as one fixed-point vector for SecAgg+'s
     64-bit lanes: token counts as integers, float values as ``round(v * 2^frac_bits)``, both
     in two's complement (uint64), in :func:`fixed_point_layout` order. A lane whose magnitude
     exceeds :func:`fixed_point_limit` (``n_sites`` of them could sum past 64 bits) is refused,
     never clipped: the check is on the rounded integers, exactly, for the largest positive and
-    the most negative value of each statistic."""
+    the most negative value of each statistic.
+
+    DP (:func:`fedcompress.methods.fedprllm.dp.noisy_fixed`): ``noise`` (int64 per key) is
+    added to the rounded lanes before the check; ``sq_from_diag`` (``{square-sum key: Hessian
+    key}``) replaces those square-sum lanes by half the (noisy) Hessian's diagonal lanes."""
     _check_fixed_args(frac_bits, n_sites)
     limit = fixed_point_limit(n_sites)
-    parts = []
+    lanes: dict[str, np.ndarray] = {}
+    integers: dict[str, bool] = {}
     for key, _ in fixed_point_layout(arrays):
         value = np.asarray(arrays[key]).reshape(-1)
         if value.dtype.kind in "iu":
-            lanes = [int(value.max()), int(value.min())] if value.size else []
             integer = True
         elif value.dtype.kind == "f":
             value = value.astype(np.float64)
             if not np.isfinite(value).all():
                 raise ValueError(f"{key}: not finite")
             value = np.rint(np.ldexp(value, frac_bits))  # exact integers in float64
-            lanes = [int(value.max()), int(value.min())] if value.size else []
             integer = False
         else:
             raise ValueError(f"{key}: dtype {value.dtype} is neither integer nor float")
-        for lane in lanes:
-            if abs(lane) > limit:
-                # The value itself is private (a site's exact statistic, which the server would
-                # read in the error reply, outside SecAgg+): logged here only, never raised.
-                shown = str(lane) if integer else f"{np.ldexp(float(lane), -frac_bits):.6g}"
-                logger.error("%s: a value of %s (%d in its 64-bit lane) exceeds the fixed-point "
-                             "range", key, shown, lane)
-                raise ValueError(
-                    f"{key}: a value exceeds the fixed-point range of {frac_bits} fractional "
-                    f"bits for {n_sites} sites: |lane| <= {limit} = (2^63 - 1) // {n_sites}, "
-                    f"|value| <= {fixed_point_range(frac_bits, n_sites):.6g} (a sum could "
-                    "overflow 64 bits): lower secagg-frac-bits (the value is in this site's "
-                    "log, not in this message)")
-        parts.append(value.astype(np.int64))
+        ends = [int(value.max()), int(value.min())] if value.size else []
+        _check_lanes(key, ends, limit, frac_bits, n_sites, integer)
+        lanes[key], integers[key] = value.astype(np.int64), integer
+    for key, extra in (noise or {}).items():
+        extra = np.asarray(extra).reshape(-1)
+        if key not in lanes or extra.dtype != np.int64 or extra.shape != lanes[key].shape:
+            raise ValueError(f"noise for {key}: expected int64 of the statistic's shape")
+        if np.abs(extra).max(initial=0) > limit:
+            raise ValueError(f"noise for {key} exceeds the fixed-point range")
+        lanes[key] = lanes[key] + extra  # both within (2^63 - 1) / n: no wrap
+    for sq_key, h_key in (sq_from_diag or {}).items():
+        n = lanes[sq_key].shape[0]
+        rows, cols = _triu(n)
+        diag = lanes[h_key][(rows == cols).numpy()]
+        lanes[sq_key] = np.floor_divide(diag, 2)
+    parts = []
+    for key, _ in fixed_point_layout(arrays):
+        value = lanes[key]
+        if noise and key in noise:
+            ends = [int(value.max()), int(value.min())] if value.size else []
+            _check_lanes(key, ends, limit, frac_bits, n_sites, integers[key])
+        parts.append(value)
     return np.concatenate(parts).view(np.uint64) if parts else np.zeros(0, np.uint64)
 
 
@@ -409,32 +447,72 @@ def check_stats_config(config: FedPrLLMConfig) -> None:
 @dataclass
 class StatsRun:
     """What an in-process statistics-mode run produced: every layer's global masks and
-    (SparseGPT) updated weights, and per layer the bytes one site sent and the seconds."""
+    (SparseGPT) updated weights, and per layer the bytes one site sent and the seconds; with
+    DP, ``dp`` (:func:`fedcompress.methods.fedprllm.dp.report`: epsilon, delta, placement,
+    each site's ledger epsilon)."""
 
     masks: list[dict[str, torch.Tensor]] = field(default_factory=list)
     weights: list[dict[str, torch.Tensor] | None] = field(default_factory=list)
     bytes_up_per_site: list[int] = field(default_factory=list)
     site_seconds: list[float] = field(default_factory=list)
     server_seconds: list[float] = field(default_factory=list)
+    dp: dict = field(default_factory=dict)
+
+
+@dataclass
+class DpSite:
+    """A site of an in-process DP run: its policy and its ledger (``None``: no ledger, a
+    research run whose epsilon is the plan's)."""
+
+    policy: SitePolicy
+    ledger: Ledger | None = None
 
 
 def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMConfig,
-                batch_size: int | None = None, frac_bits: int | None = None) -> StatsRun:
+                batch_size: int | None = None, frac_bits: int | None = None, *,
+                tokenizer=None, dp_sites: list[DpSite] | None = None, run_id: str = "local",
+                dp_seed: int | None = None) -> StatsRun:
     """Statistics-mode federated pruning in one process (tests, benchmarks): the same site
     steps, wire round trip and server step as the Flower strategy, sites one after another.
     ``frac_bits``: the sites' statistics are summed as SecAgg+ sums them (fixed point, 64-bit
-    lanes, mod 2^64: the unmasked sum is that sum exactly), without the cryptography."""
+    lanes, mod 2^64: the unmasked sum is that sum exactly), without the cryptography.
+
+    With ``config.dp`` (:mod:`fedcompress.methods.fedprllm.dp`): ``tokenizer`` for the public
+    clip windows (unless ``config.dp_clip`` is set); each of ``dp_sites`` (default: simulated
+    sites without a ledger) admits the request under its policy and records every release in
+    its ledger; the distributed placement sums fixed-point lanes at the plan's fractional bits
+    (``frac_bits`` is then ignored). ``dp_seed``: seeded noise (tests only)."""
+    from fedcompress.methods.fedprllm import dp as dpm
     from fedcompress.methods.fedprllm.federated import advance_to_layer, site_layer_stats
+    from fedcompress.privacy.dp_stats import secret_rng
 
     check_stats_config(config)
     prune = config.prune
-    prune.plan.check_layers(len(ModelAdapter(model)))
+    n_layers = len(ModelAdapter(model))
+    prune.plan.check_layers(n_layers)
     batch = batch_size or config.batch_size
+    hessian = prune.needs_hessian
+    plan = None
+    site_plans: list = []
+    if config.dp:
+        request = dpm.DpRequest.from_config(config, n_layers, len(windows))
+        bounds = dpm.clip_bounds(model, tokenizer, request, hessian, batch)
+        dims = dpm.block_dims(model, bounds, hessian)
+        plan = dpm.plan(request, bounds, dims)
+        sites = dp_sites or [DpSite(SitePolicy(simulation=True)) for _ in windows]
+        if len(sites) != len(windows):
+            raise ValueError(f"{len(sites)} DP sites for {len(windows)} sites' windows")
+        site_plans = [dpm.site_plan(site.policy, request, n_layers, bounds, dims)
+                      for site in sites]
+        if plan.placement == "distributed":
+            frac_bits = plan.frac_bits
+    rng = secret_rng(dp_seed)
     state: list[tuple[torch.Tensor | None, list[dict] | None]] = [(None, None)] * len(windows)
     run = StatsRun()
-    for layer in range(len(ModelAdapter(model))):
+    site_eps = [0.0] * len(windows)
+    for layer in range(n_layers):
         features = layer_in_features(model, layer)
-        aggregator = StatsAggregator(features, prune.needs_hessian)
+        aggregator = StatsAggregator(features, hessian)
         prev_masks = run.masks[layer - 1] if layer else None
         prev_weights = run.weights[layer - 1] if layer else None
         site_seconds = 0.0
@@ -445,28 +523,47 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
             hidden, kwargs = state[site]
             inputs = advance_to_layer(model, site_windows, layer, hidden, prev_masks, kwargs,
                                       batch, prev_weights)
-            stats = site_layer_stats(model, inputs, prune.needs_hessian, batch)
+            site_plan = site_plans[site] if plan is not None else None
+            if site_plan is not None:
+                ledger = dp_sites[site].ledger if dp_sites else None
+                if ledger is not None:
+                    site_eps[site] = dpm.record_release(ledger, run_id, site_plan,
+                                                        layer).run_epsilon
+                else:
+                    site_eps[site] = site_plan.epsilon_after(layer + 1)
+                stats = dpm.site_release(model, inputs, site_plan, layer, hessian,
+                                         batch).stats
+            else:
+                stats = site_layer_stats(model, inputs, hessian, batch)
             arrays, shared = encode_stats(stats, layer)
             state[site] = (inputs.hidden, inputs.layer_kwargs)
             site_seconds += time.perf_counter() - start
             sent = max(sent, sum(int(a.nbytes) for a in arrays.values()))
             if frac_bits is None:
-                aggregator.add(decode_stats(arrays, shared, features, layer,
-                                            prune.needs_hessian))
+                aggregator.add(decode_stats(arrays, shared, features, layer, hessian))
                 continue
-            vector = encode_fixed(arrays, frac_bits, len(windows))
+            if site_plan is not None and site_plan.placement == "distributed":
+                vector = dpm.noisy_fixed(arrays, layer, site_plan, hessian, len(windows), rng)
+            else:
+                vector = encode_fixed(arrays, frac_bits, len(windows))
             with np.errstate(over="ignore"):
                 fixed = vector if fixed is None else fixed + vector
             layout, dtypes = fixed_point_layout(arrays), {k: a.dtype for k, a in arrays.items()}
         if frac_bits is not None and fixed is not None:
             summed = decode_fixed(fixed.view(np.int64), layout, frac_bits, dtypes)
-            aggregator.add(decode_stats(summed, shared, features, layer, prune.needs_hessian))
+            aggregator.add(decode_stats(summed, shared, features, layer, hessian,
+                                        dp=plan is not None))
             aggregator.sites = len(windows)
         start = time.perf_counter()
-        masks, weights = prune_layer(model, layer, aggregator.layer_stats(), prune)
+        layer_stats = aggregator.layer_stats()
+        if plan is not None:
+            layer_stats = dpm.server_finish(dict(layer_stats), layer_sharing(model, layer),
+                                            plan, layer, hessian, len(windows), rng)
+        masks, weights = prune_layer(model, layer, layer_stats, prune)
         run.server_seconds.append(time.perf_counter() - start)
         run.masks.append(masks)
         run.weights.append(weights)
         run.bytes_up_per_site.append(sent)
         run.site_seconds.append(site_seconds / max(len(windows), 1))
+    run.dp = dpm.report(plan, site_eps if plan is not None else ())
     return run

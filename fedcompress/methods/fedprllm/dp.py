@@ -1,0 +1,246 @@
+"""FedPrLLM's statistics mode with differential privacy: what a site and the server do (no Flower).
+
+The mechanism and its accounting are :mod:`fedcompress.privacy.dp_stats`'s; this module is the
+method's glue:
+
+* the server announces a :class:`DpRequest` (epsilon, delta, placement, unit, clip setting,
+  the number of layer releases, the SecAgg+ threshold and the calibration budget) with every
+  round;
+* a site turns it into its mechanism with :func:`site_plan`: ITS policy decides
+  (:class:`~fedcompress.privacy.policy.SitePolicy`: an epsilon above ``max-epsilon``, a delta
+  above ``max-delta``, a placement outside ``dp-placements``, no DP without ``allow-no-dp``, a
+  SecAgg+ threshold below its floor, fewer releases than the model has layers: refused), the
+  clip bounds come from public text (:func:`clip_bounds`, the same at every party) and the
+  noise from its own accountant; each release is checked and recorded by its ledger
+  (:func:`record_release`: the run's first release fixes the mechanism, at most ``L``
+  releases);
+* :func:`site_release` clips the site's windows and, for the distributed placement, adds its
+  Skellam share in the fixed-point lanes (:func:`noisy_fixed`); :func:`server_finish` adds the
+  central noise (central placement) and post-processes the sum (square sums floored at 0, the
+  Hessian made positive definite) before the layer is pruned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+from fedcompress.privacy import dp_stats as dps
+from fedcompress.privacy.dp_stats import DpStatsPlan
+from fedcompress.privacy.policy import PolicyError, SitePolicy
+
+logger = logging.getLogger(__name__)
+
+#: The method's name in a site's ledger.
+METHOD = "fedprllm"
+
+
+@dataclass(frozen=True)
+class DpRequest:
+    """What the server announces (every field is checked by each site, none is trusted).
+
+    Attributes:
+        epsilon: Epsilon asked for the run (0: no DP).
+        delta: Delta asked for the run.
+        placement: ``central`` or ``distributed``.
+        unit: Privacy unit (``window``).
+        clip: A fixed clip bound for every block (0: the public default).
+        clip_quantile: Quantile of the public per-window norms (the default bounds).
+        public_windows: Public windows the default bounds are measured on.
+        releases: Layer releases of the run (the model's decoder layers).
+        sites: Sites of the federation.
+        threshold: SecAgg+ threshold (distributed placement), else 0.
+        windows: Calibration windows per site (public).
+        seqlen: Tokens per window (public).
+    """
+
+    epsilon: float
+    delta: float
+    placement: str
+    unit: str
+    clip: float
+    clip_quantile: float
+    public_windows: int
+    releases: int
+    sites: int
+    threshold: int
+    windows: int
+    seqlen: int
+
+    @classmethod
+    def from_config(cls, config: FedPrLLMConfig, releases: int, sites: int) -> DpRequest:
+        threshold = config.threshold_for(sites) if config.dp_placement == "distributed" else 0
+        return cls(float(config.dp_epsilon), float(config.dp_delta), config.dp_placement,
+                   config.dp_unit, float(config.dp_clip), float(config.dp_clip_quantile),
+                   int(config.dp_public_windows), int(releases), int(sites), int(threshold),
+                   int(config.samples_per_client), int(config.seqlen))
+
+    def to_record(self) -> dict[str, Any]:
+        """As a flat dict of numbers and strings (a message's ``ConfigRecord``)."""
+        return {f"dp_{k}": v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> DpRequest:
+        names = cls.__dataclass_fields__
+        missing = sorted(f"dp_{k}" for k in names if f"dp_{k}" not in record)
+        if missing:
+            raise ValueError(f"DP request without {missing}")
+        kinds = {"placement": str, "unit": str, "epsilon": float, "delta": float,
+                 "clip": float, "clip_quantile": float}
+        return cls(**{k: kinds.get(k, int)(record[f"dp_{k}"]) for k in names})
+
+
+def clip_bounds(model: nn.Module, tokenizer: Any, request: DpRequest, hessian: bool,
+                batch_size: int = 8) -> list[dict[str, float]]:
+    """Each decoder layer's clip bound per block: ``request.clip`` for every block when set,
+    else :func:`~fedcompress.privacy.dp_stats.public_clip_bounds` on
+    :func:`~fedcompress.privacy.dp_stats.public_windows` (public text only: every party
+    computes the same values)."""
+    from fedcompress.methods.fedprllm.stats import layer_in_features, layer_sharing
+    from fedcompress.models import ModelAdapter
+
+    if request.clip > 0:
+        out = []
+        for layer in range(len(ModelAdapter(model))):
+            shared = layer_sharing(model, layer)
+            out.append({name: float(request.clip) for name in layer_in_features(model, layer)
+                        if name not in shared})
+        return out
+    windows = dps.public_windows(tokenizer, request.seqlen, request.public_windows)
+    return dps.public_clip_bounds(model, windows, hessian, request.clip_quantile, batch_size)
+
+
+def block_dims(model: nn.Module, bounds: Sequence[Mapping[str, float]], hessian: bool
+               ) -> list[dict[str, int]]:
+    """Noised coordinates of each block: ``d`` square sums, or the Hessian's ``d (d+1) / 2``."""
+    from fedcompress.methods.fedprllm.stats import layer_in_features
+
+    out = []
+    for layer, blocks in enumerate(bounds):
+        features = layer_in_features(model, layer)
+        out.append({k: (features[k] * (features[k] + 1) // 2 if hessian else features[k])
+                    for k in blocks})
+    return out
+
+
+def plan(request: DpRequest, bounds: Sequence[Mapping[str, float]],
+         dims: Sequence[Mapping[str, int]]) -> DpStatsPlan:
+    """The run's mechanism for ``request`` (the server's and every site's own computation:
+    deterministic, from public values)."""
+    clip = "fixed" if request.clip > 0 else f"public-q{request.clip_quantile:g}"
+    if request.placement == "central":
+        return dps.plan_dp_stats(request.epsilon, request.delta, "central", bounds, clip=clip)
+    gaussian = dps.gaussian_sigma(request.epsilon, request.delta, len(bounds))
+    frac_bits = dps.dp_frac_bits(gaussian, bounds, request.windows, request.sites)
+    return dps.plan_dp_stats(request.epsilon, request.delta, "distributed", bounds, dims,
+                             frac_bits, request.threshold, clip=clip)
+
+
+def site_plan(policy: SitePolicy, request: DpRequest, n_layers: int,
+              bounds: Sequence[Mapping[str, float]], dims: Sequence[Mapping[str, int]]
+              ) -> DpStatsPlan | None:
+    """This site's mechanism for ``request`` under ITS policy (None: no DP, which only a policy
+    with ``allow-no-dp`` accepts); :class:`~fedcompress.privacy.policy.PolicyError` for a
+    request it refuses."""
+    epsilon = policy.check_epsilon(request.epsilon or None, "dp_epsilon")
+    if epsilon is None:
+        return None
+    policy.check_delta(request.delta)
+    policy.check_dp_placement(request.placement)
+    if request.unit != dps.UNIT:
+        raise PolicyError(f"dp_unit={request.unit!r}: this site protects one calibration "
+                          f"window ({dps.UNIT!r})")
+    if request.releases < n_layers:
+        raise PolicyError(f"dp_releases={request.releases}: the model has {n_layers} decoder "
+                          "layers, each a release; the noise must be set for all of them")
+    if request.placement == "distributed":
+        floor = policy.min_secagg_threshold(request.sites)
+        if request.threshold < floor and not policy.simulation:
+            raise PolicyError(f"dp_threshold={request.threshold} is below this site's SecAgg+ "
+                              f"floor {floor} of {request.sites} sites (node config "
+                              "secagg-min-fraction, secagg-max-colluders): fewer honest sites' "
+                              "noise would reach the sum")
+    if len(bounds) != request.releases:
+        # more releases than layers: the bounds of the model's layers, the noise for all
+        bounds = list(bounds) + [bounds[-1]] * (request.releases - len(bounds))
+        dims = list(dims) + [dims[-1]] * (request.releases - len(dims))
+    return plan(request, bounds, dims)
+
+
+def record_release(ledger: Any, run_id: int | str, the_plan: DpStatsPlan, layer: int) -> Any:
+    """Check and record layer ``layer``'s release in the site's ledger (before it is sent)."""
+    return ledger.dp_stats(str(run_id), METHOD, f"stats layer {layer}", the_plan,
+                           {"layer": int(layer)})
+
+
+def site_release(model: nn.Module, inputs: Any, the_plan: DpStatsPlan, layer: int,
+                 hessian: bool, batch_size: int = 8) -> dps.ClippedStats:
+    """A site's clipped statistics of layer ``layer`` (each window's blocks clipped to the
+    plan's bounds before summing), their token count checked to be the public one."""
+    from fedcompress.models import ModelAdapter
+
+    with ModelAdapter(model).onloaded(inputs.layer) as module:
+        clipped = dps.clipped_layer_stats(module, inputs, hessian, the_plan.bounds[layer],
+                                          batch_size)
+    windows, seqlen = int(inputs.hidden.shape[0]), int(inputs.hidden.shape[1])
+    for st in clipped.stats.values():
+        dps.check_public_tokens(st.tokens, windows, seqlen)
+    return clipped
+
+
+def noisy_fixed(arrays: Mapping[str, np.ndarray], layer: int, the_plan: DpStatsPlan,
+                hessian: bool, n_sites: int, rng: np.random.Generator) -> np.ndarray:
+    """Distributed placement: the site's statistics (:func:`~fedcompress.methods.fedprllm.
+    stats.encode_stats` of its clipped sums) as SecAgg+'s fixed-point vector at the plan's
+    fractional bits, with its Skellam share (variance ``V_j / t``) added to every noised lane;
+    with a Hessian, the square-sum lanes are half its noisy diagonal lanes (nothing un-noised
+    leaves the site)."""
+    from fedcompress.methods.fedprllm.stats import encode_fixed, stat_key
+
+    noise: dict[str, np.ndarray] = {}
+    derived: dict[str, str] = {}
+    for owner, std in the_plan.noise_std(layer).items():
+        key = stat_key(layer, owner, "h" if hessian else "sq")
+        if key not in arrays:
+            raise ValueError(f"layer {layer}: no statistic {key} to noise")
+        variance = (std * 2.0 ** the_plan.frac_bits) ** 2 / the_plan.threshold
+        noise[key] = dps.skellam_noise(np.asarray(arrays[key]).shape, variance, rng)
+        if hessian:
+            derived[stat_key(layer, owner, "sq")] = key
+    return encode_fixed(arrays, the_plan.frac_bits, n_sites, noise=noise, sq_from_diag=derived)
+
+
+def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: DpStatsPlan,
+                  layer: int, hessian: bool, sites: int,
+                  rng: np.random.Generator | None = None) -> dict[str, Any]:
+    """The server's step on the sites' summed statistics of layer ``layer``: sharers get their
+    owner's object (one noise draw per block), the central placement's Gaussian noise is added
+    (``rng``: a secret one by default), then post-processing. Returns ``stats``."""
+    for name, owner in shared.items():
+        stats[name] = stats[owner]
+    std = the_plan.noise_std(layer)
+    if the_plan.placement == "central":
+        dps.add_gaussian(stats, std, hessian, rng or dps.secret_rng())
+    else:  # all honest: sites / t shares of the target variance
+        std = {k: s * float(np.sqrt(max(sites, 1) / the_plan.threshold)) for k, s in std.items()}
+    dps.postprocess(stats, std, hessian)
+    return stats
+
+
+def report(the_plan: DpStatsPlan | None, site_epsilons: Sequence[float] = ()) -> dict[str, Any]:
+    """What a run's report says of its DP statistics."""
+    if the_plan is None:
+        return {"dp": False}
+    return {"dp": True, "epsilon": the_plan.epsilon, "delta": the_plan.delta,
+            "placement": the_plan.placement, "unit": the_plan.unit,
+            "mechanism": the_plan.mechanism, "sigma": the_plan.sigma,
+            "releases": the_plan.releases, "clip": the_plan.clip,
+            "frac_bits": the_plan.frac_bits, "threshold": the_plan.threshold,
+            "epsilon_spent": the_plan.epsilon_after(the_plan.releases),
+            "site_epsilon": [float(e) for e in site_epsilons]}
