@@ -1,0 +1,147 @@
+"""Attacks of a malicious server on a site's DP statistics (FedPrLLM statistics mode with
+``--dp-epsilon``): every request beyond the site's own policy, and every attempt to change the
+mechanism or to get more releases than the run announced, is refused before anything is
+released, and the site's ledger shows no release for it."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import build_tiny_model
+
+from fedcompress.methods.fedprllm import dp as dpm
+from fedcompress.privacy.ledger import Ledger
+from fedcompress.privacy.policy import PolicyError, SitePolicy
+
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model("llama", n_layers=LAYERS)
+
+
+def request(**kw):
+    base = dict(epsilon=8.0, delta=1e-5, placement="distributed", unit="window", clip=5.0,
+                clip_quantile=0.95, public_windows=8, releases=LAYERS, sites=5, threshold=3,
+                windows=4, seqlen=16)
+    base.update(kw)
+    return dpm.DpRequest(**base)
+
+
+def policy(tmp_path, **kw):
+    return SitePolicy(state_dir=str(tmp_path), **kw)
+
+
+def plan_for(model, pol, req):
+    bounds = dpm.clip_bounds(model, None, req, hessian=False)
+    dims = dpm.block_dims(model, bounds, hessian=False)
+    return dpm.site_plan(pol, req, LAYERS, bounds, dims)
+
+
+def test_an_honest_request_is_planned(model, tmp_path):
+    plan = plan_for(model, policy(tmp_path), request())
+    assert plan is not None and plan.mechanism == "skellam" and plan.releases == LAYERS
+    assert plan.epsilon_after(LAYERS) <= 8.0
+
+
+@pytest.mark.parametrize("asked,match", [
+    (dict(epsilon=9.0), "max-epsilon"),
+    (dict(epsilon=0.0), "allow-no-dp"),
+    (dict(delta=1e-3), "max-delta"),
+    (dict(placement="central"), "dp-placements"),
+    (dict(threshold=2), "floor"),
+    (dict(releases=LAYERS - 1), "releases"),
+    (dict(unit="token"), "window"),
+])
+def test_a_request_beyond_the_sites_policy_is_refused(model, tmp_path, asked, match):
+    with pytest.raises(PolicyError, match=match):
+        plan_for(model, policy(tmp_path), request(**asked))
+
+
+def test_no_dp_only_where_the_policy_allows_it(model, tmp_path):
+    assert plan_for(model, policy(tmp_path, allow_no_dp=True), request(epsilon=0.0)) is None
+    with pytest.raises(PolicyError, match="allow-no-dp"):
+        plan_for(model, policy(tmp_path), request(epsilon=0.0))
+
+
+def _ledger(tmp_path):
+    return Ledger(tmp_path / "state", 32.0)
+
+
+def _dp_releases(ledger):
+    return [r for r in ledger.read()["releases"] if r["kind"] == "dp-stats"]
+
+
+@pytest.mark.parametrize("change", [
+    dict(clip=1.0),          # a smaller clip than announced (the bounds' digest differs)
+    dict(epsilon=6.0),       # another budget mid-run (another sigma)
+    dict(placement="central"),
+    dict(releases=LAYERS + 3),  # more releases announced after the first
+])
+def test_the_mechanism_cannot_change_mid_run(model, tmp_path, change):
+    pol = policy(tmp_path, dp_placements=("central", "distributed"))
+    ledger = _ledger(tmp_path)
+    first = plan_for(model, pol, request())
+    dpm.record_release(ledger, 7, first, 0)
+    second = plan_for(model, pol, request(**change))
+    with pytest.raises(PolicyError, match="fixed its DP statistics mechanism"):
+        dpm.record_release(ledger, 7, second, 1)
+    assert [r["layer"] for r in _dp_releases(ledger)] == [0]
+
+
+def test_no_more_releases_than_announced(model, tmp_path):
+    pol = policy(tmp_path)
+    ledger = _ledger(tmp_path)
+    plan = plan_for(model, pol, request())
+    for layer in range(LAYERS):
+        grant = dpm.record_release(ledger, 7, plan, layer)
+    assert grant.run_epsilon == pytest.approx(plan.epsilon_after(LAYERS))
+    # the server asks for layer 0 again (or any further release): refused, nothing recorded
+    with pytest.raises(PolicyError, match="announced 2 DP statistics releases"):
+        dpm.record_release(ledger, 7, plan, 0)
+    assert len(_dp_releases(ledger)) == LAYERS
+    run = ledger.read()["runs"]["7"]
+    assert run["epsilon"] == pytest.approx(plan.epsilon_after(LAYERS)) and run["epsilon"] <= 8
+
+
+def test_a_dp_stats_run_cannot_also_spend_on_text_or_dp_sgd(model, tmp_path):
+    from fedcompress.privacy.ledger import DpSgdMechanism
+
+    pol = policy(tmp_path)
+    ledger = _ledger(tmp_path)
+    dpm.record_release(ledger, 7, plan_for(model, pol, request()), 0)
+    with pytest.raises(PolicyError, match="one mechanism per run"):
+        ledger.text("7", "fedprllm", "text", 1.0, 8.0)
+    with pytest.raises(PolicyError, match="one mechanism per run"):
+        ledger.dp_sgd("7", "fedprllm", "train", DpSgdMechanism(1.0, 0.1, 1e-5, "rdp", 8.0), 1)
+
+
+def test_the_lifetime_budget_bounds_every_run(model, tmp_path):
+    pol = policy(tmp_path)
+    ledger = Ledger(tmp_path / "state", 10.0)
+    plan = plan_for(model, pol, request())
+    for layer in range(LAYERS):
+        dpm.record_release(ledger, 1, plan, layer)
+    with pytest.raises(PolicyError, match="lifetime"):
+        dpm.record_release(ledger, 2, plan, 0)
+
+
+def test_in_process_run_refused_before_any_release(tmp_path, tiny_dir):
+    import torch
+
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+    from fedcompress.methods.fedprllm.stats import DpSite, stats_prune
+    from fedcompress.models import load_model
+
+    tiny = load_model(tiny_dir, device="cpu").model
+    config = FedPrLLMConfig(model=tiny_dir, clients=2, samples_per_client=2, seqlen=16,
+                            batch_size=2, aggregate="stats", dp_epsilon=8.0,
+                            dp_placement="central", dp_clip=5.0)
+    policies = [SitePolicy(state_dir=str(tmp_path / "a"), dp_placements=("central",)),
+                SitePolicy(state_dir=str(tmp_path / "b"), max_epsilon=4.0,
+                           dp_placements=("central",))]
+    sites = [DpSite(pol, Ledger(pol.state_dir, 32.0)) for pol in policies]
+    windows = [torch.randint(3, 120, (2, 16)) for _ in range(2)]
+    with pytest.raises(PolicyError, match="max-epsilon"):
+        stats_prune(tiny, windows, config, dp_sites=sites)
+    assert all(not _dp_releases(site.ledger) for site in sites)
