@@ -93,3 +93,29 @@ def test_dp_with_little_noise_keeps_most_of_the_non_dp_masks(tiny, tiny_dir):
              for a, b in zip(pa.values(), pb.values())]
     assert sum(agree) / len(agree) > 0.9
     assert plain.dp == {"dp": False}
+
+
+def test_site_step_records_before_it_releases_and_agrees_with_the_server(tiny, tiny_dir,
+                                                                         tmp_path):
+    from fedcompress.methods.fedprllm import dp as dpm
+    from fedcompress.pruning.walker import capture_layer_inputs
+
+    config = config_for(tiny_dir, dp_placement="central")
+    pol = SitePolicy(state_dir=str(tmp_path), dp_placements=("central",))
+    ledger = Ledger(tmp_path, pol.lifetime_epsilon)
+    inputs = capture_layer_inputs(tiny, site_windows()[0], 2)
+    step = dpm.site_step(pol, ledger, 3, config, tiny, build_tiny_tokenizer(), inputs, 0)
+    server = dpm.server_plan(config, tiny, build_tiny_tokenizer())
+    assert step.plan.ledger_mechanism() == server.ledger_mechanism()
+    assert step.metrics["ledger_dp"] == 1 and step.metrics["dp_epsilon"] == 8.0
+    assert step.metrics["ledger_run_epsilon"] == pytest.approx(server.epsilon_after(1))
+    assert [r["layer"] for r in ledger.read()["releases"]] == [0]
+    assert all(st.tokens == WINDOWS * SEQ for st in step.clipped.stats.values())
+    # a site whose policy allows no central placement refuses before recording anything
+    from fedcompress.privacy.policy import PolicyError
+
+    strict = SitePolicy(state_dir=str(tmp_path / "strict"))
+    other = Ledger(tmp_path / "strict", 32.0)
+    with pytest.raises(PolicyError, match="dp-placements"):
+        dpm.site_step(strict, other, 3, config, tiny, build_tiny_tokenizer(), inputs, 0)
+    assert other.read()["releases"] == []

@@ -244,3 +244,74 @@ def report(the_plan: DpStatsPlan | None, site_epsilons: Sequence[float] = ()) ->
             "frac_bits": the_plan.frac_bits, "threshold": the_plan.threshold,
             "epsilon_spent": the_plan.epsilon_after(the_plan.releases),
             "site_epsilon": [float(e) for e in site_epsilons]}
+
+
+#: Clip bounds computed in this process: ``{(model id, request fields): bounds}`` (public
+#: values; a warm site worker keeps them across messages, a per-message process recomputes).
+_BOUNDS: dict[tuple, list[dict[str, float]]] = {}
+
+
+def cached_bounds(model: nn.Module, tokenizer: Any, request: DpRequest, hessian: bool,
+                  batch_size: int = 8) -> list[dict[str, float]]:
+    """:func:`clip_bounds`, computed once per process for a model and request."""
+    key = (id(model), request.clip, request.clip_quantile, request.public_windows,
+           request.seqlen, hessian)
+    if key not in _BOUNDS:
+        _BOUNDS[key] = clip_bounds(model, tokenizer, request, hessian, batch_size)
+    return _BOUNDS[key]
+
+
+@dataclass
+class SiteStep:
+    """A site's DP release of one layer: its plan, its clipped statistics, what the reply
+    carries of its ledger and of the mechanism."""
+
+    plan: DpStatsPlan
+    clipped: dps.ClippedStats
+    metrics: dict[str, float]
+
+
+def site_step(policy: SitePolicy, ledger: Any, run_id: int | str, config: FedPrLLMConfig,
+              model: nn.Module, tokenizer: Any, inputs: Any, layer: int,
+              threshold: int | None = None) -> SiteStep | None:
+    """Everything a site does for a DP release of layer ``layer`` (the ClientApp's and the
+    site worker's one call): the request from the server's settings, ITS plan under ITS policy
+    (None: no DP, allowed by the policy), the release checked and recorded in its ledger BEFORE
+    anything is computed for the reply, then its clipped statistics. ``threshold``: the SecAgg+
+    threshold of the round (distributed placement), else the settings'. The request counts the
+    federation's ``clients`` (as the server's :func:`server_plan`), whoever answers a round, so
+    that both derive the same fixed-point bits."""
+    from fedcompress.models import ModelAdapter
+    from fedcompress.privacy.site import ledger_metrics
+
+    n_layers = len(ModelAdapter(model))
+    request = DpRequest.from_config(config, n_layers, config.clients)
+    if threshold is not None and request.placement == "distributed":
+        request = DpRequest(**{**asdict(request), "threshold": int(threshold)})
+    policy.check_epsilon(request.epsilon or None, "dp_epsilon")  # refuse before any work
+    hessian = config.prune.needs_hessian
+    bounds = cached_bounds(model, tokenizer, request, hessian, config.batch_size)
+    the_plan = site_plan(policy, request, n_layers, bounds, block_dims(model, bounds, hessian))
+    if the_plan is None:
+        return None
+    grant = record_release(ledger, run_id, the_plan, layer)
+    clipped = site_release(model, inputs, the_plan, layer, hessian, config.batch_size)
+    metrics = {**ledger_metrics(policy, grant, dp=True), "dp_epsilon": the_plan.epsilon,
+               "dp_delta": the_plan.delta, "dp_sigma": the_plan.sigma,
+               "dp_distributed": 1 if the_plan.placement == "distributed" else 0,
+               "dp_clipped_windows": float(sum(clipped.clipped.values()))}
+    return SiteStep(the_plan, clipped, metrics)
+
+
+def server_plan(config: FedPrLLMConfig, model: nn.Module, tokenizer: Any
+                ) -> DpStatsPlan | None:
+    """The server's copy of the run's mechanism (the sites compute their own): for the central
+    noise, the post-processing and the report. None without DP."""
+    from fedcompress.models import ModelAdapter
+
+    if not config.dp:
+        return None
+    request = DpRequest.from_config(config, len(ModelAdapter(model)), config.clients)
+    hessian = config.prune.needs_hessian
+    bounds = cached_bounds(model, tokenizer, request, hessian, config.batch_size)
+    return plan(request, bounds, block_dims(model, bounds, hessian))
