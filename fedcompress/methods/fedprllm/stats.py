@@ -506,7 +506,10 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
                       for site in sites]
         if plan.placement == "distributed":
             frac_bits = plan.frac_bits
-    rng = secret_rng(dp_seed)
+
+    def rng(*salt: int):  # a fresh generator per release, seeded from the OS (or dp_seed)
+        return secret_rng(None if dp_seed is None else
+                          int(np.random.SeedSequence([dp_seed, *salt]).generate_state(1)[0]))
     state: list[tuple[torch.Tensor | None, list[dict] | None]] = [(None, None)] * len(windows)
     run = StatsRun()
     site_eps = [0.0] * len(windows)
@@ -543,7 +546,8 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
                 aggregator.add(decode_stats(arrays, shared, features, layer, hessian))
                 continue
             if site_plan is not None and site_plan.placement == "distributed":
-                vector = dpm.noisy_fixed(arrays, layer, site_plan, hessian, len(windows), rng)
+                vector = dpm.noisy_fixed(arrays, layer, site_plan, hessian, len(windows),
+                                         rng(layer, site))
             else:
                 vector = encode_fixed(arrays, frac_bits, len(windows))
             with np.errstate(over="ignore"):
@@ -558,7 +562,8 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
         layer_stats = aggregator.layer_stats()
         if plan is not None:
             layer_stats = dpm.server_finish(dict(layer_stats), layer_sharing(model, layer),
-                                            plan, layer, hessian, len(windows), rng)
+                                            plan, layer, hessian, len(windows),
+                                            rng(layer, len(windows)))
         masks, weights = prune_layer(model, layer, layer_stats, prune)
         run.server_seconds.append(time.perf_counter() - start)
         run.masks.append(masks)
