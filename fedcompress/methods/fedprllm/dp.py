@@ -195,12 +195,17 @@ def site_release(model: nn.Module, inputs: Any, the_plan: DpStatsPlan, layer: in
 
 
 def noisy_fixed(arrays: Mapping[str, np.ndarray], layer: int, the_plan: DpStatsPlan,
-                hessian: bool, n_sites: int, rng: np.random.Generator) -> np.ndarray:
+                hessian: bool, n_sites: int, rng: np.random.Generator,
+                threshold: int | None = None) -> np.ndarray:
     """Distributed placement: the site's statistics (:func:`~fedcompress.methods.fedprllm.
     stats.encode_stats` of its clipped sums) as SecAgg+'s fixed-point vector at the plan's
     fractional bits, with its Skellam share (variance ``V_j / t``) added to every noised lane;
     with a Hessian, the square-sum lanes are half its noisy diagonal lanes (nothing un-noised
-    leaves the site)."""
+    leaves the site). ``threshold``: the SecAgg+ threshold of this very sum when it differs
+    from the plan's (fewer sites answered): the share is ``V_j / threshold``."""
+    t = int(threshold or the_plan.threshold)
+    if t < 1:
+        raise ValueError(f"threshold={t}: expected >= 1")
     from fedcompress.methods.fedprllm.stats import encode_fixed, stat_key
 
     noise: dict[str, np.ndarray] = {}
@@ -209,7 +214,7 @@ def noisy_fixed(arrays: Mapping[str, np.ndarray], layer: int, the_plan: DpStatsP
         key = stat_key(layer, owner, "h" if hessian else "sq")
         if key not in arrays:
             raise ValueError(f"layer {layer}: no statistic {key} to noise")
-        variance = (std * 2.0 ** the_plan.frac_bits) ** 2 / the_plan.threshold
+        variance = (std * 2.0 ** the_plan.frac_bits) ** 2 / t
         noise[key] = dps.skellam_noise(np.asarray(arrays[key]).shape, variance, rng)
         if hessian:
             derived[stat_key(layer, owner, "sq")] = key
@@ -272,13 +277,11 @@ class SiteStep:
 
 
 def site_step(policy: SitePolicy, ledger: Any, run_id: int | str, config: FedPrLLMConfig,
-              model: nn.Module, tokenizer: Any, inputs: Any, layer: int,
-              threshold: int | None = None) -> SiteStep | None:
+              model: nn.Module, tokenizer: Any, inputs: Any, layer: int) -> SiteStep | None:
     """Everything a site does for a DP release of layer ``layer`` (the ClientApp's and the
     site worker's one call): the request from the server's settings, ITS plan under ITS policy
     (None: no DP, allowed by the policy), the release checked and recorded in its ledger BEFORE
-    anything is computed for the reply, then its clipped statistics. ``threshold``: the SecAgg+
-    threshold of the round (distributed placement), else the settings'. The request counts the
+    anything is computed for the reply, then its clipped statistics. The request counts the
     federation's ``clients`` (as the server's :func:`server_plan`), whoever answers a round, so
     that both derive the same fixed-point bits."""
     from fedcompress.models import ModelAdapter
@@ -286,8 +289,6 @@ def site_step(policy: SitePolicy, ledger: Any, run_id: int | str, config: FedPrL
 
     n_layers = len(ModelAdapter(model))
     request = DpRequest.from_config(config, n_layers, config.clients)
-    if threshold is not None and request.placement == "distributed":
-        request = DpRequest(**{**asdict(request), "threshold": int(threshold)})
     policy.check_epsilon(request.epsilon or None, "dp_epsilon")  # refuse before any work
     hessian = config.prune.needs_hessian
     bounds = cached_bounds(model, tokenizer, request, hessian, config.batch_size)
