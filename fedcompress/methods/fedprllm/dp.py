@@ -295,6 +295,11 @@ def site_step(policy: SitePolicy, ledger: Any, run_id: int | str, config: FedPrL
     the_plan = site_plan(policy, request, n_layers, bounds, block_dims(model, bounds, hessian))
     if the_plan is None:
         return None
+    shape = (int(inputs.hidden.shape[0]), int(inputs.hidden.shape[1]))
+    if shape != (request.windows, request.seqlen):
+        raise ValueError(f"this site holds {shape[0]} windows of {shape[1]} tokens: the run "
+                         f"announced {request.windows} x {request.seqlen} (the public token "
+                         "count a DP release relies on)")
     grant = record_release(ledger, run_id, the_plan, layer)
     clipped = site_release(model, inputs, the_plan, layer, hessian, config.batch_size)
     metrics = {**ledger_metrics(policy, grant, dp=True), "dp_epsilon": the_plan.epsilon,
