@@ -321,3 +321,16 @@ def server_plan(config: FedPrLLMConfig, model: nn.Module, tokenizer: Any
     hessian = config.prune.needs_hessian
     bounds = cached_bounds(model, tokenizer, request, hessian, config.batch_size)
     return plan(request, bounds, block_dims(model, bounds, hessian))
+
+
+def describe(the_plan: DpStatsPlan) -> str:
+    """One sentence of a report on the run's DP statistics mechanism."""
+    where = ("central: the server added Gaussian noise to the sites' clipped sum and was "
+             "trusted with the un-noised sum" if the_plan.placement == "central" else
+             f"distributed: each site added a Skellam share in its SecAgg+ lanes (target noise "
+             f"whenever at least {the_plan.threshold} sites are honest), accounted as Skellam")
+    return (f"statistics of each site clipped per calibration window (privacy unit: one "
+            f"window; bounds {the_plan.clip}), noise multiplier {the_plan.sigma:.3g} over "
+            f"{the_plan.releases} layer releases for epsilon {the_plan.epsilon:g} "
+            f"(accountant: {the_plan.epsilon_after(the_plan.releases):.3g}), delta "
+            f"{the_plan.delta:g} per site; {where}")
