@@ -173,6 +173,7 @@ def test_run_page_is_self_contained_and_complete(tmp_path):
     assert "<h1>fedcompress prune" in page and ">ok</span>" in page
     assert f"fedcompress prune --config {folder / 'config.toml'}" in page  # reproduce
     assert "fedcompress prune --out" in page  # command line
+    assert "best perplexity" not in page.lower()
     tables = tables_of(page)
     summary = next(t for t in tables.tables if t[0][0] == "result")
     assert summary[0][:3] == ["result", "sparsity", "perplexity"]
@@ -186,9 +187,12 @@ def test_run_page_is_self_contained_and_complete(tmp_path):
     # the best compressed perplexity is highlighted, not the dense model's
     assert "47.92" in tables.best and "22.81" not in tables.best
     # rejected sites, the defence's decision, timings, config, versions, machine, extras
-    for heading in ("Rejected sites", "Defence outcome", "Timings", "Config", "Versions",
-                    "Machine", "More from report.json", "Plots"):
+    for heading in ("Rejected sites", "Defence outcome", "Plots", "Diagnostics"):
         assert f"<h2>{heading}</h2>" in page
+    diagnostics = page.split('<section id="diagnostics">')[1]
+    for heading in ("Timings", "Config", "Versions", "Machine", "More from report.json",
+                    "Command line and reproduce"):
+        assert f"<h3>{heading}</h3>" in diagnostics
     assert "invalid masks: sparsity 0.99" in page and "0.0123" in page
     assert "torch" in flat and "wanda" in flat
     # the report.md section is rendered (bold, table, inline image), its Results not twice
