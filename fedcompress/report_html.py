@@ -442,7 +442,8 @@ p.missing{color:#7d4e00}
 """
 
 # Copy buttons, and a visible warning if an embedded image does not decode (the count of
-# decoded images is also left on <body data-images-decoded> for the browser test).
+# decoded images is also left on <body data-images-decoded> for the browser test, with where
+# the answer and the diagnostics are laid out and how many chart bars were drawn).
 _JS = """
 function copyCode(b){var t=b.parentNode.nextElementSibling.innerText;
  if(navigator.clipboard){navigator.clipboard.writeText(t).then(function(){b.textContent='copied'},
@@ -450,7 +451,15 @@ function copyCode(b){var t=b.parentNode.nextElementSibling.innerText;
 window.addEventListener('load',function(){var imgs=document.images,ok=0;
  for(var i=0;i<imgs.length;i++){if(imgs[i].complete&&imgs[i].naturalWidth>0){ok++}}
  document.body.setAttribute('data-images-decoded',ok+'/'+imgs.length);
- if(ok<imgs.length){document.getElementById('img-warning').style.display='block'}});
+ if(ok<imgs.length){document.getElementById('img-warning').style.display='block'}
+ var a=document.getElementById('answer'),d=document.getElementById('diagnostics');
+ if(a){var r=a.getBoundingClientRect();
+  document.body.setAttribute('data-answer-box',Math.round(r.top)+','+Math.round(r.bottom))}
+ if(d){document.body.setAttribute('data-diagnostics-top',
+  Math.round(d.getBoundingClientRect().top))}
+ var bars=document.querySelectorAll('svg.chart rect[data-value]'),drawn=0;
+ for(var j=0;j<bars.length;j++){if(bars[j].getBBox().width>0){drawn++}}
+ document.body.setAttribute('data-chart-bars',drawn+'/'+bars.length)});
 """
 
 
