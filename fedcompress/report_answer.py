@@ -181,7 +181,7 @@ def panels(found: list[Entry], quality: tuple[str, bool, str] | None) -> list[Pa
                          (lambda v: f"{v:.4g}"), lower, label))
     sparsity = [_sparsity(e.values) for e in found]
     if any(v is not None for v in sparsity):
-        out.append(Panel("sparsity", "sparsity (share of weights zero)",
+        out.append(Panel("sparsity", "sparsity (weights zero)",
                          [None if v is None else 100 * v for v in sparsity],
                          lambda v: f"{v:.1f}%", column="sparsity"))
     removed = [_num(e.values.get("removed")) for e in found]
@@ -195,7 +195,7 @@ def panels(found: list[Entry], quality: tuple[str, bool, str] | None) -> list[Pa
     up = [_bytes_up(e.values) for e in found]
     if any(v is not None for v in up):
         per_round = any("bytes_up_per_site_round" in e.values for e in found)
-        title = "bytes sent up / site" + (" / round" if per_round else "")
+        title = "bytes up / site" + (" / round" if per_round else "")
         out.append(Panel("bytes_up", title, up, _human_bytes, True, title))
     return out
 
