@@ -48,6 +48,10 @@ def _human_bytes(n: float) -> str:
     return str(n)  # unreachable
 
 
+def _sites(n: int) -> str:
+    return f"{n} site" + ("" if n == 1 else "s")
+
+
 def _pct(value: float) -> str:
     return f"{100 * value:.1f}%"
 
@@ -155,6 +159,8 @@ def _seconds(record: dict) -> tuple[float | None, str]:
     from fedcompress.report_html import _time
 
     seconds, measure = _time(record)
+    if seconds is None and _num(record.get("round2_seconds")) is not None:  # PPC-GPT
+        seconds, measure = float(record["round2_seconds"]), "round 2"
     return (None, "") if seconds is None or not math.isfinite(seconds) else (seconds, measure)
 
 
@@ -252,7 +258,8 @@ def _describe(report: dict[str, Any], method: Entry | None) -> str:
         if config.get("clients") is not None:
             bits.append(f"{config['clients']} sites")
         if _num(values.get("removed")) is not None:
-            bits.append(f"{values['removed']} layers removed")
+            bits.append(f"{values['removed']} layer{'' if values['removed'] == 1 else 's'} "
+                        "removed")
         if values.get("synthetic") is not None:
             bits.append(f"{values['synthetic']} synthetic samples")
     elif command == "personalize":
@@ -312,7 +319,8 @@ def _size(method: Entry | None, report: dict[str, Any]) -> str:
                                             "stored dense)" if params else "") + ".")
     removed, layers = _num(values.get("removed")), _num(values.get("layers"))
     if removed is not None and layers is not None:
-        return (f"{removed:.0f} of {removed + layers:.0f} transformer layers were removed "
+        return (f"{removed:.0f} of {removed + layers:.0f} transformer layers "
+                f"{'was' if removed == 1 else 'were'} removed "
                 f"({_pct(removed / (removed + layers))} of the blocks).")
     return "The report does not record the model's sparsity or size."
 
@@ -343,16 +351,29 @@ def privacy(report: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
     sentences: list[str] = []
     rows: list[dict[str, Any]] = []
     dp = False
+    ledger_text: list[str] = []  # after the mechanism's own sentences
     ledgers = [s for s in report.get("site_ledgers") or [] if isinstance(s, dict)]
     if any(_num(s.get("ledger_run_epsilon")) or s.get("dp_releases") for s in ledgers):
         dp = True
         spent = [_num(s.get("ledger_run_epsilon")) or 0.0 for s in ledgers]
-        sentences.append(f"The sites' own privacy ledgers record epsilon {min(spent):.3g}-"
-                         f"{max(spent):.3g} spent in this run over {len(ledgers)} site(s).")
+        span = f"{min(spent):.3g}" + (f"-{max(spent):.3g}" if max(spent) != min(spent) else "")
+        ledger_text.append(f"The sites' own privacy ledgers record epsilon {span} spent in this "
+                         f"run at each of {_sites(len(ledgers))}.")
         rows += [{"site": s.get("node"), "epsilon (this run)": s.get("ledger_run_epsilon"),
                   "epsilon (lifetime)": s.get("ledger_lifetime_epsilon"),
                   "lifetime budget": s.get("ledger_lifetime_budget"),
                   "DP releases": s.get("dp_releases")} for s in ledgers]
+    elif ledgers:
+        ledger_text.append(f"The sites' own privacy ledgers ({_sites(len(ledgers))}) record no "
+                         "DP release in this run.")
+    if ledgers:
+        enforced = sum(1 for s in ledgers if s.get("site_policy_enforced"))
+        seeded = sum(1 for s in ledgers if s.get("secrets_reproducible"))
+        ledger_text.append(("No site enforced its site policy (a simulation enforces none)."
+                          if not enforced else
+                          f"{enforced} of {_sites(len(ledgers))} enforced their site policy.")
+                         + (f" {seeded} site(s) drew their secrets from a research seed: no "
+                            "guarantee holds there." if seeded else ""))
     fed = next((r for r in results if r.get("name") == "federated"), None)
     if report.get("command") == "privytune" and fed is not None:
         target = fed.get("epsilon")
@@ -403,6 +424,7 @@ def privacy(report: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
         hid = "SecAgg+ was configured, but the report records no secure-aggregation summary."
     else:
         hid = "SecAgg+ was off: the server saw each site's release individually."
+    sentences += ledger_text
     if not dp:
         sentences.insert(0, "This run has no differential-privacy guarantee: no epsilon was "
                             f"spent or recorded. What left the sites: {_released(report)}.")
@@ -437,9 +459,11 @@ def _layers(report: dict[str, Any], method: Entry | None
         if isinstance(plan, dict) and isinstance(plan.get("removed"), list) and _num(
                 plan.get("num_layers")) is not None:
             removed, total = plan["removed"], int(plan["num_layers"])
-            words.append(f"Layers removed: {', '.join(map(str, removed)) or 'none'} of "
-                         f"{total} (policy {plan.get('policy', '?')}, measure "
-                         f"{plan.get('method', '?')}).")
+            words.append(f"{len(removed)} of {total} layers removed"
+                         + (f" (by index, from 0): {', '.join(map(str, removed))}"
+                            if removed else "")
+                         + f"; policy {plan.get('policy', '?')}, measure "
+                         f"{plan.get('method', '?')}.")
             return words, ("removed", [1.0 if i in removed else 0.0 for i in range(total)],
                            None)
     if method is not None:
@@ -513,6 +537,13 @@ def answer(report: dict[str, Any]) -> Answer:
         summary.append(_describe(report, method) + f": its result ({method.label}) records no "
                        "quality metric (perplexity or accuracy).")
         missing.append("a quality metric (perplexity or accuracy)")
+    elif found and command in _METHOD_NAMES:  # a run stopped before its method's result
+        name = _METHOD_NAMES[command]
+        done = ", ".join(f"{e.label}" + (f" {quality[2]} {_num(e.values.get(quality[0])):.4g}"
+                                         if quality and _num(e.values.get(quality[0]))
+                                         is not None else "") for e in found)
+        summary.append(f"This {command} report holds no {name} result; finished: {done}.")
+        missing.append(f"the {name} result")
     elif found and quality is not None:
         summary.append(f"This {command} report holds {len(found)} finished result(s) with "
                        f"{quality[2]}; the page does not know which is the method and which "
@@ -529,13 +560,22 @@ def answer(report: dict[str, Any]) -> Answer:
         summary.append(f"{len(failed)} result(s) failed (marked in the tables below).")
     if status not in (None, "ok"):
         summary.append(f"The run's status is {status}: the numbers are those finished so far.")
+    machine = report.get("machine") if isinstance(report.get("machine"), dict) else {}
+    cpus = _num(machine.get("cpu_count"))
+    loads = [x[0] for x in (machine.get("load_average_start"), machine.get("load_average_end"))
+             if isinstance(x, list) and x and _num(x[0]) is not None]
+    if cpus and loads and max(loads) > cpus and any(p.key == "seconds" for p in shown):
+        summary.append(f"The times were measured on a busy machine (1-minute load average up "
+                       f"to {max(loads):g} on {cpus:g} CPUs): compare them with care.")
     size = _size(method, report)
     if size:
         summary.append(size)
     sentences, rows = privacy(report)
     secagg = next((t for t in sentences if t.startswith("SecAgg+")), "")
-    summary.append("Privacy: " + sentences[0] + (" " + secagg.split(":")[0].rstrip(".") + "."
-                                                 if secagg and secagg != sentences[0] else ""))
+    warnings = [t for t in sentences[1:] if "NOT" in t and t != secagg]
+    summary.append("Privacy: " + " ".join([sentences[0], *warnings]) + (
+        " " + secagg.split(":")[0].rstrip(".") + "." if secagg and secagg != sentences[0]
+        else ""))
     for wanted, key in (("time", "seconds"), ("bytes sent", "bytes_up")):
         if found and method is not None and not any(p.key == key for p in shown):
             missing.append(f"{wanted}: no result records it")

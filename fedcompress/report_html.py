@@ -547,7 +547,8 @@ def answer_html(report: dict[str, Any], md_privacy: str = "") -> str:
             what, values, target = found.layers
             parts.append('<figure class="svg">' + layers_svg(what, values, target)
                          + "</figure>")
-    parts.append("<h3>Privacy spent</h3>" + "".join(f"<p>{_e(t)}</p>" for t in found.privacy))
+    parts.append("<h3>Privacy spent</h3>" + f"<p>{_e(found.privacy[0])}</p>"
+                 + (f"<p>{_e(' '.join(found.privacy[1:]))}</p>" if found.privacy[1:] else ""))
     if found.privacy_rows:
         parts.append(_generic(found.privacy_rows))
     parts.append(md_privacy + "</section>")
@@ -587,8 +588,8 @@ def render_run(folder: str | Path) -> str:
                 continue
             html_part = _markdown(text, folder, used)
             if title in _PRIVACY_SECTIONS or title.startswith("Privacy"):
-                privacy_md.append(f"<h4>{_markdown_inline(title)}</h4>"
-                                  f'<div class="md">{html_part}</div>')
+                privacy_md.append(f"<details><summary>{_markdown_inline(title)}</summary>"
+                                  f'<div class="md">{html_part}</div></details>')
             elif title in _DIAGNOSTIC_SECTIONS:
                 diagnostic_md.append(f"<h3>{_markdown_inline(title)}</h3>"
                                      f'<div class="md">{html_part}</div>')

@@ -532,7 +532,7 @@ def test_privacy_spent_per_site_and_secagg(tmp_path):
     assert "no differential-privacy guarantee" not in text
     privacy = next(t for t in tables_of(page).tables if t[0][:2] == ["site", "epsilon (this run)"])
     assert [row[:2] for row in privacy[1:]] == [["0", "7.99"], ["1", "7.5"]]
-    assert "Layers removed: 12, 13, 14 of 30" in text
+    assert "3 of 30 layers removed (by index, from 0): 12, 13, 14; policy lowest" in text
     assert _bars(page, "chart layers")[("13", "")] == 1.0
     assert _bars(page)[("accuracy", "central")] == 0.6844
     # a FedPrLLM run with SecAgg+ and site ledgers
@@ -549,12 +549,18 @@ def test_privacy_spent_per_site_and_secagg(tmp_path):
     assert "This run has no differential-privacy guarantee" in text
 
 
-@pytest.mark.parametrize("kind", ["empty", "unknown", "no-fields", "ppcgpt", "personalize"])
+@pytest.mark.parametrize("kind", ["empty", "stopped", "unknown", "no-fields", "ppcgpt",
+                                  "personalize"])
 def test_answer_degrades_without_inventing(tmp_path, kind):
     folder = tmp_path / kind
     if kind == "empty":  # a run that failed before any result
         _report(folder, "prune", {"model": "smollm2-135m"}, [])
         expect = ["This prune report holds no finished result", "Not in this report: results"]
+    elif kind == "stopped":  # a run stopped after its dense baseline
+        report = RunReport(folder, "prune", {"clients": 4}, argv=["fedcompress", "prune"])
+        report.add_result({"name": "dense", "perplexity": 118.1})
+        expect = ["This prune report holds no FedPrLLM result; finished: dense perplexity "
+                  "118.1. The run's status is running", "Not in this report: the FedPrLLM result"]
     elif kind == "unknown":  # a script's report: results without roles or quality
         _report(folder, "ledger-cost", {"n": 3}, [{"name": "a", "ms": 1.0},
                                                   {"name": "b", "ms": 2.0}])
@@ -583,6 +589,8 @@ def test_answer_degrades_without_inventing(tmp_path, kind):
                   "better), dense 0.66 (7.6% lower, worse).",
                   "Text perturbation (custext): epsilon 3 per word",
                   "6 of 30 transformer layers were removed (20.0% of the blocks)."]
+        assert "time: no result records it" not in _visible_text(render_run(folder))
+        assert _bars(render_run(folder))[("seconds", "ppcgpt")] == 12.5  # round 2
     else:
         _report(folder, "personalize", {"model": "smollm2-135m", "sparsity": 0.5},
                 [{"name": "site-0", "site": 0, "personalized": 30.0, "fedprllm": 33.0},
