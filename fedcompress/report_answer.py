@@ -196,7 +196,7 @@ def panels(found: list[Entry], quality: tuple[str, bool, str] | None) -> list[Pa
     # a dense model is not compressed: its record's time (an evaluation's) is not shown
     times = [(None, "") if e.role == "dense" else _seconds(e.values) for e in found]
     if any(t is not None for t, _ in times):
-        out.append(Panel("seconds", "time to compress (s)", [t for t, _ in times],
+        out.append(Panel("seconds", "time (s)", [t for t, _ in times],
                          lambda v: f"{v:.1f} s", True, "time (s)"))
     up = [_bytes_up(e.values) for e in found]
     if any(v is not None for v in up):
@@ -425,6 +425,10 @@ def privacy(report: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
     else:
         hid = "SecAgg+ was off: the server saw each site's release individually."
     sentences += ledger_text
+    if not dp and report.get("command") not in _METHOD_NAMES and not secagg:
+        return ["This report records no privacy accounting (no epsilon, no secure-aggregation "
+                "summary), so it states no differential-privacy guarantee; what it released and "
+                "whether SecAgg+ hid individual sites are not recorded in it."], rows
     if not dp:
         sentences.insert(0, "This run has no differential-privacy guarantee: no epsilon was "
                             f"spent or recorded. What left the sites: {_released(report)}.")

@@ -498,7 +498,7 @@ def answer_html(report: dict[str, Any], md_privacy: str = "") -> str:
     found = answer(report)
     parts = ['<section id="answer"><h2>What this run found</h2>',
              '<p class="lead">' + " ".join(_e(s) for s in found.summary) + "</p>"]
-    if found.entries:
+    if found.entries and found.panels:
         parts.append("<h3>Method against baselines</h3>")
         columns = ["method and baselines", "role", *[p.column or p.title for p in found.panels]]
         vs_dense = None

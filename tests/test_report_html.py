@@ -565,8 +565,13 @@ def test_answer_degrades_without_inventing(tmp_path, kind):
         _report(folder, "ledger-cost", {"n": 3}, [{"name": "a", "ms": 1.0},
                                                   {"name": "b", "ms": 2.0}])
         expect = ["This ledger-cost report holds 2 finished result(s), none with a "
-                  "perplexity or an accuracy", "no differential-privacy guarantee",
-                  "What left the sites: not recorded in this report"]
+                  "perplexity or an accuracy", "This report records no privacy accounting "
+                  "(no epsilon, no secure-aggregation summary), so it states no "
+                  "differential-privacy guarantee; what it released and whether SecAgg+ hid "
+                  "individual sites are not recorded in it."]
+        page = render_run(folder)
+        assert "SecAgg+ was off" not in page  # not known for a script: not claimed
+        assert "Method against baselines" not in page  # nothing to compare: no empty table
     elif kind == "no-fields":  # a method with a perplexity and nothing else
         _report(folder, "prune", {}, [{"name": "fedprllm-oneshot-layer", "perplexity": 50.0}])
         expect = ["FedPrLLM reaches perplexity 50.00; the report holds no baseline",
