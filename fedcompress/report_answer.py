@@ -48,6 +48,11 @@ def _human_bytes(n: float) -> str:
     return str(n)  # unreachable
 
 
+def _count(n: float) -> str:
+    """``134515008`` -> ``135 M``; ``4096`` -> ``4,096``."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.0f} M" if n >= 1e6 else f"{n:,.0f}"
+
+
 def _sites(n: int) -> str:
     return f"{n} site" + ("" if n == 1 else "s")
 
@@ -315,7 +320,7 @@ def _size(method: Entry | None, report: dict[str, Any]) -> str:
     if sparsity is not None:
         params = _num(model.get("parameters"))
         return (f"The model is {_pct(sparsity)} sparse: that share of its decoder layers' "
-                "linear weights is zero" + (f" ({params / 1e6:.0f} M parameters in all, "
+                "linear weights is zero" + (f" ({_count(params)} parameters in all, "
                                             "stored dense)" if params else "") + ".")
     removed, layers = _num(values.get("removed")), _num(values.get("layers"))
     if removed is not None and layers is not None:

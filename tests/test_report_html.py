@@ -612,3 +612,20 @@ def test_answer_degrades_without_inventing(tmp_path, kind):
     assert "best" not in text.lower()
     assert page.index('<section id="answer">') < page.index('<section id="diagnostics">')
     assert _external_refs(page) == []
+
+
+def test_several_server_variants_lead_with_the_configured_one(tmp_path):
+    folder = _report(tmp_path / "variants", "prune",
+                     {"clients": 4, "method": "wanda", "sparsity": 0.5, "group": "row",
+                      "scale": False},
+                     [{"name": "dense", "perplexity": 22.0},
+                      {"name": "fedprllm-oneshot-layer", "perplexity": 47.0, "sparsity": 0.5,
+                       "server_group": "layer", "scale": False},
+                      {"name": "fedprllm-oneshot-row", "perplexity": 49.0, "sparsity": 0.5,
+                       "server_group": "row", "scale": False}])
+    text = _visible_text(render_run(folder))
+    # the configured variant (row) answers, though another variant is lower: no "best"
+    assert ("FedPrLLM (4 sites, Wanda 50%, server vote per row) reaches perplexity 49.00 "
+            "against dense 22.00 (122.7% higher, worse). This is the configured server "
+            "variant; the 2 FedPrLLM results range 47.00-49.00.") in text
+    assert "best" not in text.replace(str(tmp_path), "").lower()
