@@ -66,7 +66,10 @@ test: install browser docs
 	# lint (ruff, rules in pyproject.toml) and types (mypy, lenient, on the library), then tests
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	# two workers (pytest-xdist), one per core; a test file runs whole in one worker, so its
+	# module fixtures (a deployment, a simulation, a model) are built once; files are handed out
+	# in collection order, the slowest first (tests/conftest.py, SLOW_FILES_FIRST)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache docs/_build docs/api
