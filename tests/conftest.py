@@ -23,8 +23,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 #: with a long file to run alone while the other is idle.
 SLOW_FILES_FIRST = (
     "tests/test_deploy.py",
+    "tests/test_flwr_run.py",
+    "tests/test_faults_simulation.py",
     "tests/adversarial/test_policy_attacks.py",
     "tests/adversarial/test_ledger.py",
+    "tests/test_bench.py",
 )
 
 
