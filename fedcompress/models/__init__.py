@@ -23,22 +23,27 @@ load_model``); the code lives in its modules, each importing only those listed b
 * :mod:`~fedcompress.models.common`: the precision of the arithmetic (``CALC_DTYPE``,
   ``HESSIAN_DTYPE``), the errors, the cache root, device and dtype choices, heap trimming;
 * :mod:`~fedcompress.models.embedded`: the embedded models and the GGUF conversion;
-* :mod:`~fedcompress.models.spec`: what a spec names (:func:`~fedcompress.models.spec.
-  resolve_model_spec`) and what loading gives (:class:`~fedcompress.models.spec.LoadedModel`);
-* :mod:`~fedcompress.models.adapter`: the layer adapter, layer removal, context length;
-* :mod:`~fedcompress.models.onload`: sequential onloading, one decoder layer in memory at a time;
+* :mod:`~fedcompress.models.spec`: what a spec names
+  (:func:`~fedcompress.models.spec.resolve_model_spec`) and what loading gives
+  (:class:`~fedcompress.models.spec.LoadedModel`);
+* :mod:`~fedcompress.models.adapter`: the layer adapter, layer removal, context length, and the
+  layer onloader that reads an onloaded skeleton's decoder layers one at a time;
+* :mod:`~fedcompress.models.onload`: onloading a model's skeleton (sequential onloading: one
+  decoder layer in memory at a time);
 * :mod:`~fedcompress.models.loading`: :func:`~fedcompress.models.loading.load_model`.
 """
 
 from fedcompress.models.adapter import (
     LAYER_PATHS,
     SUPPORTED_ARCHITECTURES,
+    LayerOnloader,
     ModelAdapter,
     decoder_layers,
     model_context_length,
     num_layers,
     onloader_of,
     remove_layers,
+    safetensors_files,
     weight_matrix,
 )
 from fedcompress.models.common import (
@@ -47,6 +52,7 @@ from fedcompress.models.common import (
     HESSIAN_DTYPE,
     MissingModelPackageError,
     ModelError,
+    OnloadError,
     UnknownModelError,
     UnsupportedArchitectureError,
     cache_dir,
@@ -65,12 +71,9 @@ from fedcompress.models.embedded import (
 )
 from fedcompress.models.loading import import_model_code, load_model
 from fedcompress.models.onload import (
-    LayerOnloader,
-    OnloadError,
     onload_model,
     onload_skeleton,
     onload_source,
-    safetensors_files,
     skeleton_from_config,
 )
 from fedcompress.models.spec import ENCODER_TYPES, LoadedModel, resolve_model_spec

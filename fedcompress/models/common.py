@@ -1,6 +1,6 @@
 """What every module of :mod:`fedcompress.models` shares: the precision of the arithmetic on
-model weights, the errors raised while resolving or loading a model, the cache root, the device
-and dtype choices, and giving freed heap memory back to the system."""
+model weights, the errors raised while resolving, loading or onloading a model, the cache root,
+the device and dtype choices, and giving freed heap memory back to the system."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ class MissingModelPackageError(ModelError):
 
 class UnsupportedArchitectureError(ModelError):
     """The model's architecture is not one the layer adapter knows."""
+
+
+class OnloadError(ModelError):
+    """A model cannot be onloaded (not a local folder of safetensors, missing tensors)."""
 
 
 def cache_dir() -> Path:

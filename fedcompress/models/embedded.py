@@ -1,5 +1,5 @@
 """The embedded models and GGUF conversion: models shipped inside PyPI packages, located
-without importing those packages (:mod:`importlib.metadata`), their chunks joined in order and
+without importing those packages (``importlib.metadata``), their chunks joined in order and
 their sha256 checked, and a GGUF file (embedded or the user's) converted ONCE to safetensors
 under the cache (:func:`~fedcompress.models.common.cache_dir`)."""
 

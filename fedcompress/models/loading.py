@@ -1,6 +1,6 @@
-"""Loading a whole model by spec (:func:`load_model`, in eval mode, or its onloaded skeleton),
-and importing an architecture's modeling code apart from reading its weights
-(:func:`import_model_code`)."""
+"""Loading a whole model by spec (:func:`~fedcompress.models.loading.load_model`, in eval mode,
+or its onloaded skeleton), and importing an architecture's modeling code apart from reading its
+weights (:func:`~fedcompress.models.loading.import_model_code`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """What a model spec names: an embedded model, a ``.gguf`` file, a local directory or a hub
-id (:func:`resolve_model_spec`), and what loading one gives (:class:`LoadedModel`)."""
+id (:func:`~fedcompress.models.spec.resolve_model_spec`), and what loading one gives
+(:class:`~fedcompress.models.spec.LoadedModel`)."""
 
 from __future__ import annotations
 
