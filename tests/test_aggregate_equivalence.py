@@ -136,6 +136,101 @@ def test_global_mask_refuses_non_finite_tied_weights_in_every_group(group):
         global_mask(counts, 0.5, group, "magnitude", weight)
 
 
+def _vote_like_counts(m: int, shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    """Counts as real votes give them: most weights at 0 or ``m``, so that a column's threshold
+    count is 0 or ``m`` and about half the column ties there (the column group's hard case)."""
+    rows, cols = shape
+    p_col = torch.rand(1, cols, generator=gen)  # how often a column's weights are pruned
+    p = torch.rand(shape, generator=gen)
+    c = torch.where(p < p_col * 0.9, m, torch.where(p > 0.1 + p_col * 0.9, 0,
+                                                    torch.randint(0, m + 1, shape, generator=gen)))
+    return c.to(count_dtype(m))
+
+
+def _wide_range_weight(shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    """Magnitudes over many binades, with zeros, subnormals, huge values and many equal
+    ones (bfloat16-rounded), so that the radix select of the tied keys needs every path: a
+    bucket wider than one key, a bucket of equal keys, and a cut between equal keys."""
+    w = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-30, 30, shape,
+                                                                     generator=gen).float())
+    w = w.to(torch.bfloat16).float()
+    pick = torch.rand(shape, generator=gen)
+    w = torch.where(pick < 0.05, 0.0, w)
+    w = torch.where((pick >= 0.05) & (pick < 0.08), -1e-42, w)  # subnormal
+    w = torch.where((pick >= 0.08) & (pick < 0.1), 3e38, w)
+    return torch.where((pick >= 0.1) & (pick < 0.3), 0.25, w)  # many equal keys
+
+
+# shapes not a multiple of the 64 rows of a bit word, nor of a vector's width
+COLUMN_SHAPES = [(1, 5), (2, 3), (63, 7), (64, 64), (65, 33), (127, 130), (200, 9), (700, 40)]
+
+
+@pytest.mark.parametrize("m", [16, 300])  # uint8 and int16 counts
+@pytest.mark.parametrize("tie_break", ["magnitude", "random", "index"])
+def test_column_group_equals_reference_on_vote_like_counts(m, tie_break):
+    """The column group on its hard case (about half of every column tied at its threshold),
+    every k from 0 to all of a column, on both dtypes of counts."""
+    from fedcompress.masks.aggregate import _tie_key, _top_counts_rows
+
+    gen = torch.Generator().manual_seed(m + len(tie_break))
+    for shape in COLUMN_SHAPES:
+        rows = shape[0]
+        counts = _vote_like_counts(m, shape, gen)
+        assert counts.dtype == count_dtype(m)
+        for weight in (_wide_range_weight(shape, gen), torch.randn(shape, generator=gen)):
+            for sparsity in (0.0, 0.3, 0.5, 0.9):
+                got = global_mask(counts, sparsity, "column", tie_break, weight, seed=4)
+                want = ref_global_mask(counts, sparsity, "column", tie_break, weight, seed=4)
+                assert torch.equal(got, want), (shape, sparsity)
+            # k = 0, 1, all but one, all of a column (a sparsity cannot ask for all)
+            key = _tie_key(counts, tie_break, weight, 4)
+            ref_key_ = ref_key(counts, tie_break, weight, 4)
+            c = counts.numpy()
+            for k in sorted({0, 1, max(rows - 1, 0), rows}):
+                got = _top_counts_rows(c, key, k, by_column=True)
+                want = ref_top(c.T.astype(np.int64), ref_key_.T, k).T
+                assert np.array_equal(got, want), (shape, k)
+                assert got.sum() == k * shape[1]
+
+
+def test_column_group_on_non_contiguous_counts_and_weights():
+    """Counts and weights that are views (a transpose, a strided slice) select as their
+    contiguous copies do."""
+    gen = torch.Generator().manual_seed(8)
+    counts = _vote_like_counts(16, (130, 90), gen)
+    weight = _wide_range_weight((130, 90), gen)
+    views = [(counts.T, weight.T), (counts[::2, 1::3], weight[::2, 1::3]),
+             (counts[5:, :-7], weight[5:, :-7])]
+    for c, w in views:
+        assert not c.is_contiguous()
+        for tie_break in ("magnitude", "index"):
+            got = global_mask(c, 0.5, "column", tie_break, w)
+            assert torch.equal(got, global_mask(c.contiguous(), 0.5, "column", tie_break,
+                                                w.contiguous()))
+            assert torch.equal(got, ref_global_mask(c.contiguous(), 0.5, "column", tie_break,
+                                                    w.contiguous()))
+
+
+def test_radix_select_of_tied_keys_equals_sorting():
+    """``_kth_smallest_radix`` (a histogram step, then a bitwise search of one bucket) gives
+    every rank of the sorted keys, on narrow and wide ranges, equal keys and zeros."""
+    from fedcompress.masks import _kernels
+
+    rng = np.random.default_rng(3)
+    cases = [np.full(100, 0.5, dtype=np.float32), np.zeros(60, dtype=np.float32),
+             np.abs(rng.standard_normal(500)).astype(np.float32),
+             np.abs(rng.standard_normal(300) * np.exp2(rng.integers(-120, 120, 300)))
+             .astype(np.float32),
+             np.concatenate([np.zeros(30), np.full(40, 1e-40), np.full(50, 3e38),
+                             rng.random(80)]).astype(np.float32),
+             np.float32(1) + np.arange(1000, dtype=np.float32) * np.float32(2 ** -23)]
+    for keys in cases:
+        bits = np.ascontiguousarray(keys).view(np.uint32)
+        ordered = np.sort(bits)
+        for kth in sorted({0, 1, len(bits) // 3, len(bits) // 2, len(bits) - 1}):
+            assert _kernels._kth_smallest_radix(bits, kth) == ordered[kth], (len(bits), kth)
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 255, 256])
 def test_counts_equal_reference(m):
     rng = np.random.default_rng(m)

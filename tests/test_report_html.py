@@ -9,6 +9,7 @@ when the environment says there is no browser: FEDCOMPRESS_NO_BROWSER=1.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -173,6 +174,7 @@ def test_run_page_is_self_contained_and_complete(tmp_path):
     assert "<h1>fedcompress prune" in page and ">ok</span>" in page
     assert f"fedcompress prune --config {folder / 'config.toml'}" in page  # reproduce
     assert "fedcompress prune --out" in page  # command line
+    assert "best perplexity" not in page.lower()
     tables = tables_of(page)
     summary = next(t for t in tables.tables if t[0][0] == "result")
     assert summary[0][:3] == ["result", "sparsity", "perplexity"]
@@ -186,9 +188,12 @@ def test_run_page_is_self_contained_and_complete(tmp_path):
     # the best compressed perplexity is highlighted, not the dense model's
     assert "47.92" in tables.best and "22.81" not in tables.best
     # rejected sites, the defence's decision, timings, config, versions, machine, extras
-    for heading in ("Rejected sites", "Defence outcome", "Timings", "Config", "Versions",
-                    "Machine", "More from report.json", "Plots"):
+    for heading in ("Rejected sites", "Defence outcome", "Plots", "Diagnostics"):
         assert f"<h2>{heading}</h2>" in page
+    diagnostics = page.split('<section id="diagnostics">')[1]
+    for heading in ("Timings", "Config", "Versions", "Machine", "More from report.json",
+                    "Command line and reproduce"):
+        assert f"<h3>{heading}</h3>" in diagnostics
     assert "invalid masks: sparsity 0.99" in page and "0.0123" in page
     assert "torch" in flat and "wanda" in flat
     # the report.md section is rendered (bold, table, inline image), its Results not twice
@@ -381,6 +386,14 @@ def test_page_in_headless_chromium(tmp_path, kind):
         assert value in text, value
     assert "Some embedded images did not load" in text  # present in the DOM, hidden by CSS
     assert 'id="img-warning" style="display' not in dom  # and never shown
+    # the answer is laid out at the top of the page, the diagnostics below it, and every
+    # bar of the chart is drawn
+    top, bottom = map(int, re.search(r'data-answer-box="(-?\d+),(-?\d+)"', dom).groups())
+    diagnostics = int(re.search(r'data-diagnostics-top="(-?\d+)"', dom).group(1))
+    assert 0 < top < 150 and top + 300 < bottom < diagnostics, (top, bottom, diagnostics)
+    drawn, bars = map(int, re.search(r'data-chart-bars="(\d+)/(\d+)"', dom).groups())
+    assert drawn == bars == (9 + 2 if kind == "run" else 8)  # run: + 2 layers
+    assert text.index("What this run found") < text.index("Diagnostics")
 
 
 def test_compare_page_in_headless_chromium(tmp_path):
@@ -391,3 +404,228 @@ def test_compare_page_in_headless_chromium(tmp_path):
     assert '<td class="best num" title="46.5">46.50</td>' in dom and "#2 two" in dom
     report = json.loads((one / "report.json").read_text())
     assert report["command_line"] in dom.replace("&gt;", ">")
+
+
+# ------------------------------------------------------------------------------------------
+# The answer a run's page leads with
+# ------------------------------------------------------------------------------------------
+
+def _visible_text(page: str) -> str:
+    """The page's text as a reader sees it (no style, script or tags; SVG text included)."""
+    page = re.sub(r"<(style|script)\b.*?</\1>", " ", page, flags=re.S)
+    page = re.sub(r"<title>.*?</title>", " ", page, flags=re.S)
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page)))
+
+
+def _bars(page: str, svg_class: str = "chart") -> dict[tuple[str, str], float]:
+    """{(panel, row): value} of the chart's bars (data-value), or {(layer, ''): value} of a
+    per-layer chart."""
+    found = {}
+    for svg in re.findall(rf'<svg [^>]*class="{svg_class}"[^>]*>.*?</svg>', page, flags=re.S):
+        for attrs in re.findall(r"<rect ([^>]*data-value[^>]*)>", svg):
+            a = dict(re.findall(r'([\w-]+)="([^"]*)"', attrs))
+            key = (a["data-panel"], a["data-row"]) if "data-panel" in a else (a["data-layer"],
+                                                                              "")
+            found[key] = float(a["data-value"])
+    return found
+
+
+def test_run_page_leads_with_the_answer(tmp_path):
+    folder = make_run(tmp_path / "run")
+    page = render_run(folder)
+    # the answer first, then the results, then the diagnostics
+    order = [page.index(x) for x in ('<section id="answer">', "<h2>Results</h2>",
+                                     '<section id="diagnostics">', "<h3>Timings</h3>",
+                                     "<h3>Config</h3>", "<h3>Versions</h3>")]
+    assert order == sorted(order)
+    body = page.split("<main>")[1]
+    assert body.index('<section id="answer">') < body.index("<table")  # no table before it
+    answer = page.split('<section id="answer">')[1].split("</section>")[0]
+    lead = _visible_text(answer.split('<p class="lead">')[1].split("</p>")[0])
+    # the answer in words, from the results: method, sites, algorithm, against each baseline
+    assert lead.startswith("FedPrLLM on smollm2-135m (4 sites, Wanda 50%) reaches")
+    assert ("reaches perplexity 47.92 against centralized 48.17 (0.5% lower, better), "
+            "dense 22.81 (110.1% higher, worse).") in lead
+    assert "The model is 50.0% sparse" in lead
+    assert "Privacy: This run has no differential-privacy guarantee" in lead
+    # the privacy spent: none, said plainly, with what was released and SecAgg+ off
+    text = _visible_text(answer)
+    assert "binary pruning masks" in text and "SecAgg+ was off" in text
+    # method against baselines: a table and one chart
+    table = next(t for t in tables_of(answer).tables if t[0][0] == "method and baselines")
+    assert [row[:2] for row in table[1:]] == [["fedprllm-oneshot-layer", "method"],
+                                              ["centralized", "baseline"], ["dense", "dense"]]
+    assert table[0][2:5] == ["perplexity", "vs dense", "sparsity"]
+    assert table[1][2:4] == ["47.92", "+110.1%"]
+    assert answer.count('<svg xmlns="http://www.w3.org/2000/svg" class="chart"') == 1
+    # what was pruned: the per-layer sparsity chart
+    assert "Sparsity per layer of fedprllm-oneshot-layer: 2 layers" in text
+    assert _bars(answer, "chart layers") == {("0", ""): 0.5, ("1", ""): 0.5}
+
+
+def test_chart_numbers_are_the_reports(tmp_path):
+    folder = make_run(tmp_path / "run")
+    report = load_report(folder)
+    bars = _bars(render_run(folder))
+    records = {r["name"]: r for r in report["results"]}
+    for name, record in records.items():
+        assert bars[("perplexity", name)] == record["perplexity"]
+        assert bars[("sparsity", name)] == 100 * record["sparsity"]
+    assert bars[("seconds", "fedprllm-oneshot-layer")] == records[
+        "fedprllm-oneshot-layer"]["federated_seconds"]
+    assert bars[("seconds", "centralized")] == records["centralized"]["prune_seconds"]
+    assert bars[("bytes_up", "fedprllm-oneshot-layer")] == 13271040
+    # a dense model has no compression time or bytes: said, not drawn
+    assert ("seconds", "dense") not in bars and ("bytes_up", "dense") not in bars
+    assert len(bars) == 3 + 3 + 2 + 1
+    # the bar lengths follow the values: each panel is scaled to its own largest value
+    page = render_run(folder)
+    widths = {r: float(w) for r, w in re.findall(
+        r'<rect x="[\d.]+" y="[\d.]+" width="([\d.]+)" height="14" fill="#[0-9a-f]+" '
+        r'data-panel="perplexity" data-row="([^"]+)"', page) for w, r in [(r, w)]}
+    assert widths["centralized"] > widths["fedprllm-oneshot-layer"] > widths["dense"]
+
+
+def test_no_best_claim_for_what_is_not_best(tmp_path):
+    # FedPrLLM worse than centralized and than dense: the page must not call it best
+    folder = make_run(tmp_path / "run", ppl=52.5)
+    page = render_run(folder)
+    text = _visible_text(page)
+    assert "best" not in text.replace(str(tmp_path), "").lower()  # the test's name is in it
+    assert "reaches perplexity 52.50 against centralized 48.17 (9.0% higher, worse)" in text
+    # the compare page says what it ranks
+    other = make_run(tmp_path / "other", ppl=47.0)
+    compare = _visible_text(render_compare([folder, other]))
+    assert "best" not in compare.replace(str(tmp_path), "").lower()
+    assert "Lowest perplexity among compressed results (dense models aside): 47.00" in compare
+
+
+def _report(folder: Path, command: str, config: dict, results: list[dict], **extra) -> Path:
+    report = RunReport(folder, command, config, argv=["fedcompress", command])
+    for record in results:
+        report.add_result(record)
+    report.extra.update(extra)
+    report.finish("ok")
+    return folder
+
+
+def test_privacy_spent_per_site_and_secagg(tmp_path):
+    # a PrunePrivyTune run: DP-SGD per site, layers removed, accuracy
+    sites = [{"stage": "train", "round": r, "node": 10 + p, "partition": p, "sigma": 0.76,
+              "sample_rate": 0.125, "epsilon_spent": e * r / 2}
+             for p, e in enumerate([7.99, 7.5]) for r in (1, 2)]
+    folder = _report(
+        tmp_path / "pt", "privytune",
+        {"model": "smollm2-135m", "rounds": 2, "dp_delta": 1e-5, "mode": "lora"},
+        [{"name": "federated", "accuracy": 0.6346, "layers": 27, "removed": 3, "epsilon": 8.0,
+          "epsilon_spent_max": 7.99, "sites": 2, "central_epsilon": None, "seconds": 952.6,
+          "bytes_up_per_site_round": 8867871},
+         {"name": "central", "accuracy": 0.6844, "layers": 27, "removed": 3, "seconds": 300.8}],
+        sites=sites, removal={"plan": {"policy": "lowest", "num_layers": 30,
+                                       "removed": [12, 13, 14], "method": "cosine"}})
+    page = render_run(folder)
+    text = _visible_text(page)
+    assert ("PrunePrivyTune on smollm2-135m (2 sites, 3 of 30 layers removed, 2 round(s), lora "
+            "fine-tuning) reaches accuracy 0.6346 against central 0.6844 (7.3% lower, worse).") \
+        in text
+    assert "DP-SGD at each site: epsilon 7.99 spent at most (target 8.0), delta 1e-05" in text
+    assert "no differential-privacy guarantee" not in text
+    privacy = next(t for t in tables_of(page).tables if t[0][:2] == ["site", "epsilon (this run)"])
+    assert [row[:2] for row in privacy[1:]] == [["0", "7.99"], ["1", "7.5"]]
+    assert "3 of 30 layers removed (by index, from 0): 12, 13, 14; policy lowest" in text
+    assert _bars(page, "chart layers")[("13", "")] == 1.0
+    assert _bars(page)[("accuracy", "central")] == 0.6844
+    # a FedPrLLM run with SecAgg+ and site ledgers
+    folder = make_run(tmp_path / "secure")
+    report = json.loads((folder / "report.json").read_text())
+    report["config"]["secagg"] = True
+    report["secagg"] = {"sum": {"sites": 4, "threshold": 3, "votes": 1, "authenticated": True}}
+    report["site_ledgers"] = [{"node": 5, "replies": 1, "dp_releases": 0,
+                               "ledger_run_epsilon": 0.0}]
+    (folder / "report.json").write_text(json.dumps(report))
+    text = _visible_text(render_run(folder))
+    assert "SecAgg+ hid the individual sites: the server saw only the sum over 4 sites " \
+           "(threshold 3, keys signed" in text
+    assert "This run has no differential-privacy guarantee" in text
+
+
+@pytest.mark.parametrize("kind", ["empty", "stopped", "unknown", "no-fields", "ppcgpt",
+                                  "personalize"])
+def test_answer_degrades_without_inventing(tmp_path, kind):
+    folder = tmp_path / kind
+    if kind == "empty":  # a run that failed before any result
+        _report(folder, "prune", {"model": "smollm2-135m"}, [])
+        expect = ["This prune report holds no finished result", "Not in this report: results"]
+    elif kind == "stopped":  # a run stopped after its dense baseline
+        report = RunReport(folder, "prune", {"clients": 4}, argv=["fedcompress", "prune"])
+        report.add_result({"name": "dense", "perplexity": 118.1})
+        expect = ["This prune report holds no FedPrLLM result; finished: dense perplexity "
+                  "118.1. The run's status is running", "Not in this report: the FedPrLLM result"]
+    elif kind == "unknown":  # a script's report: results without roles or quality
+        _report(folder, "ledger-cost", {"n": 3}, [{"name": "a", "ms": 1.0},
+                                                  {"name": "b", "ms": 2.0}])
+        expect = ["This ledger-cost report holds 2 finished result(s), none with a "
+                  "perplexity or an accuracy", "This report records no privacy accounting "
+                  "(no epsilon, no secure-aggregation summary), so it states no "
+                  "differential-privacy guarantee; what it released and whether SecAgg+ hid "
+                  "individual sites are not recorded in it."]
+        page = render_run(folder)
+        assert "SecAgg+ was off" not in page  # not known for a script: not claimed
+        assert "Method against baselines" not in page  # nothing to compare: no empty table
+    elif kind == "no-fields":  # a method with a perplexity and nothing else
+        _report(folder, "prune", {}, [{"name": "fedprllm-oneshot-layer", "perplexity": 50.0}])
+        expect = ["FedPrLLM reaches perplexity 50.00; the report holds no baseline",
+                  "The report does not record the model's sparsity or size",
+                  "Not in this report: baselines", "time: no result records it",
+                  "bytes sent: no result records it",
+                  "The report records no per-layer sparsity or removal plan"]
+    elif kind == "ppcgpt":
+        _report(folder, "ppcgpt", {"model": "smollm2-135m", "clients": 2},
+                [{"name": "ppcgpt", "acc_client": 0.61, "layers": 24, "removed": 6,
+                  "synthetic": 40, "round2_seconds": 12.5, "per_client": [{"partition": 0}]},
+                 {"name": "plain-c", "acc_client": 0.55, "layers": 30, "removed": 0},
+                 {"name": "dense", "acc_client": 0.66, "layers": 30, "removed": 0}],
+                privacy={"eps_per_word": 3.0, "mechanism": "custext",
+                         "eps_per_example_max": 24.0,
+                         "clients": [{"partition": 0, "eps_per_word": 3.0,
+                                      "eps_per_example_max": 24.0, "examples": 8}]})
+        expect = ["PPC-GPT on smollm2-135m (2 sites, 6 layers removed, 40 synthetic samples) "
+                  "reaches accuracy at the sites 0.61 against plain-c 0.55 (10.9% higher, "
+                  "better), dense 0.66 (7.6% lower, worse).",
+                  "Text perturbation (custext): epsilon 3 per word",
+                  "6 of 30 transformer layers were removed (20.0% of the blocks)."]
+        assert "time: no result records it" not in _visible_text(render_run(folder))
+        assert _bars(render_run(folder))[("seconds", "ppcgpt")] == 12.5  # round 2
+    else:
+        _report(folder, "personalize", {"model": "smollm2-135m", "sparsity": 0.5},
+                [{"name": "site-0", "site": 0, "personalized": 30.0, "fedprllm": 33.0},
+                 {"name": "site-1", "site": 1, "personalized": 40.0, "fedprllm": 39.0}],
+                geometric_mean_perplexity={"personalized": 34.64, "fedprllm": 35.87,
+                                           "dense": 20.0})
+        expect = ["Personalized pruning on smollm2-135m (2 sites, sparsity 50.0%) reaches "
+                  "perplexity 34.64 against fedprllm 35.87 (3.4% lower, better), dense 20.00",
+                  "personalized (geometric mean over 2 sites)"]
+    page = render_run(folder)
+    text = _visible_text(page)
+    for sentence in expect:
+        assert sentence in text, sentence
+    assert "best" not in text.lower()
+    assert page.index('<section id="answer">') < page.index('<section id="diagnostics">')
+    assert _external_refs(page) == []
+
+
+def test_several_server_variants_lead_with_the_configured_one(tmp_path):
+    folder = _report(tmp_path / "variants", "prune",
+                     {"clients": 4, "method": "wanda", "sparsity": 0.5, "group": "row",
+                      "scale": False},
+                     [{"name": "dense", "perplexity": 22.0},
+                      {"name": "fedprllm-oneshot-layer", "perplexity": 47.0, "sparsity": 0.5,
+                       "server_group": "layer", "scale": False},
+                      {"name": "fedprllm-oneshot-row", "perplexity": 49.0, "sparsity": 0.5,
+                       "server_group": "row", "scale": False}])
+    text = _visible_text(render_run(folder))
+    # the configured variant (row) answers, though another variant is lower: no "best"
+    assert ("FedPrLLM (4 sites, Wanda 50%, server vote per row) reaches perplexity 49.00 "
+            "against dense 22.00 (122.7% higher, worse). This is the configured server "
+            "variant; the 2 FedPrLLM results range 47.00-49.00.") in text
+    assert "best" not in text.replace(str(tmp_path), "").lower()

@@ -29,11 +29,11 @@ linear schedule with ``warmup_steps`` of linear warm-up then linear decay to 0 a
 loss or gradient norm stops training with :class:`NonFiniteLossError`, which names the step.
 
 **LoRA.** ``peft`` LoRA on the model's linear layers inside its decoder layers (names from
-:class:`fedcompress.models.ModelAdapter`; not the embeddings or the LM head), rank/alpha/dropout
-configurable (paper, LLaMa2: r=8, alpha=32, dropout=0.1). ``get_peft_model`` injects the LoRA
-modules into the given model in place; with ``merge=True`` they are merged into the base weights
-at the end (``merge_and_unload``). A model that already is a ``PeftModel`` (e.g. a client that
-received the server's adapter) keeps training its active adapter.
+:class:`~fedcompress.models.adapter.ModelAdapter`; not the embeddings or the LM head),
+rank/alpha/dropout configurable (paper, LLaMa2: r=8, alpha=32, dropout=0.1). ``get_peft_model``
+injects the LoRA modules into the given model in place; with ``merge=True`` they are merged into the
+base weights at the end (``merge_and_unload``). A model that already is a ``PeftModel`` (e.g. a
+client that received the server's adapter) keeps training its active adapter.
 """
 
 from __future__ import annotations

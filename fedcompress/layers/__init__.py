@@ -6,7 +6,7 @@
 * :mod:`~fedcompress.layers.redundancy`: pairwise cosine redundancy of hidden states
   (PrunePrivyTune Sec. 4.1): the ``(L+1) x (L+1)`` matrix, avg_cos, the greedy removal of Alg. 1.
 * :mod:`~fedcompress.layers.removal`: removal plans (lowest score, the "Seq" baseline) applied
-  with :func:`fedcompress.models.remove_layers`.
+  with :func:`~fedcompress.models.adapter.remove_layers`.
 """
 
 from fedcompress.layers.importance import LayerImportance, LayerImportanceFn, sum_importances

@@ -251,7 +251,8 @@ def block_influence(
     prompt + target (``positions="all"``, the paper's) or the target's only (``"target"``).
 
     Args:
-        model: A model of a supported architecture (:class:`fedcompress.models.ModelAdapter`).
+        model: A model of a supported architecture
+            (:class:`~fedcompress.models.adapter.ModelAdapter`).
             Run in eval mode under ``torch.inference_mode()``, where it lives; its training flags
             are restored after and it is not modified.
         tokenizer: The model's tokenizer.

@@ -157,7 +157,8 @@ def seq_plan(n_layers: int, ratio: float, keep_last: int = 0) -> RemovalPlan:
 
 
 def apply_plan(model: nn.Module, plan: RemovalPlan) -> nn.Module:
-    """Remove the plan's layers from ``model`` in place (:func:`fedcompress.models.remove_layers`).
+    """Remove the plan's layers from ``model`` in place
+    (:func:`~fedcompress.models.adapter.remove_layers`).
 
     The config's ``num_hidden_layers`` (and per-layer lists) follow, so the model round-trips
     through ``save_pretrained``/``from_pretrained``.

@@ -141,18 +141,18 @@ def _pick_small_row(counts, key, use_key, r, k, mask):
 
 
 _NON_FINITE = np.uint32(0x7F800000)  # |x|'s float32 bits at or above this: infinite or NaN
-_SMALL_TIES = 48  # up to this many tied entries, ranks by counting; above, a bitwise search
+_SMALL_TIES = 48  # up to this many tied entries, ranks by counting; above, a radix select
 
 
 @numba.njit(**_JIT)
-def _kth_smallest_bits(bits, kth):
+def _kth_smallest_bits(bits, kth, prefix, top):
     """The ``kth`` smallest (0-based) of ``bits``, the float32 bits of non-negative finite keys
-    (whose order is their bits' order as unsigned integers): the largest ``v`` with
-    ``#(bits < v) <= kth``, built bit by bit from the top (31 counting passes without a
+    (whose order is their bits' order as unsigned integers) that all share their bits above
+    ``top`` with ``prefix`` (whose bits from ``top`` down are 0): the largest ``v`` with
+    ``#(bits < v) <= kth``, built bit by bit from ``top`` down (counting passes without a
     branch, which the compiler vectorises). A quickselect's comparisons mispredict half the
-    time on random keys: this took a third of a row group's selection."""
-    prefix = np.uint32(0)
-    for b in range(30, -1, -1):  # bit 31 (the sign) is 0 for |key|
+    time on random keys."""
+    for b in range(top, -1, -1):
         cand = prefix | np.uint32(1 << b)
         below = 0
         for i in range(bits.shape[0]):
@@ -162,12 +162,53 @@ def _kth_smallest_bits(bits, kth):
     return prefix
 
 
+_RADIX_BUCKETS = 256  # most buckets of the histogram of :func:`_kth_smallest_radix`
+
+
+@numba.njit(**_JIT)
+def _kth_smallest_radix(bits, kth):
+    """:func:`_kth_smallest_bits` of many keys in one radix step: a histogram of the keys' top
+    bits (at most ``_RADIX_BUCKETS`` buckets between the lowest and highest key, 4 interleaved
+    so that no increment waits on the previous one) gives the bucket holding the ``kth``
+    smallest, and the bitwise search then runs on that bucket's keys only, over the bits below
+    the bucket's. A column group ties on about half its entries (its threshold count is often
+    0 or the site count): 31 counting passes over all of them took half its selection."""
+    n = bits.shape[0]
+    lo, hi = bits[0], bits[0]
+    for i in range(n):  # vectorised
+        lo = min(lo, bits[i])
+        hi = max(hi, bits[i])
+    shift = np.uint64(0)
+    while (np.uint64(hi) >> shift) - (np.uint64(lo) >> shift) >= _RADIX_BUCKETS:
+        shift += np.uint64(1)
+    base = np.uint64(lo) >> shift
+    width = (np.uint64(hi) >> shift) - base + np.uint64(1)
+    hist = np.zeros(4 * width, dtype=np.int32)  # unsigned indices: no wraparound check
+    for i in range(n):
+        hist[np.uint64(i & 3) * width + (np.uint64(bits[i]) >> shift) - base] += 1
+    below, star, size = 0, np.uint64(0), 0
+    for b in range(width):
+        h = hist[b] + hist[width + b] + hist[2 * width + b] + hist[3 * width + b]
+        if below + h > kth:
+            star, size = np.uint64(b), h
+            break
+        below += h
+    cand = np.empty(size, dtype=np.uint32)
+    m = 0
+    for i in range(n):  # the bucket's keys (few: a branch rarely taken)
+        if (np.uint64(bits[i]) >> shift) - base == star:
+            cand[m] = bits[i]
+            m += 1
+    prefix = np.uint32((base + star) << shift)
+    return _kth_smallest_bits(cand[:m], kth - below, prefix, np.int64(shift) - 1)
+
+
 @numba.njit(**_JIT)
 def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
     """Of the tied entries ``idx`` (ascending) with keys ``keys`` (``|key|``, float32), mark
     the ``need`` first in (``|key|``, index) order at ``out_mask_flat[idx[i] * stride +
-    offset]``: the ones below the ``need``-th smallest key (the cut), then the first ones at
-    the cut, in index order (few entries: those whose rank in that order is below ``need``).
+    offset]``: the ones below the ``need``-th smallest key (the cut: :func:`_kth_smallest_radix`),
+    then the first ones at the cut, in index order (few entries: a branch rarely taken).
     Writes 0 or 1 at every tied entry. False when a key is not finite."""
     n = idx.shape[0]
     if not use_key:
@@ -190,16 +231,18 @@ def _take_tied(keys, idx, need, use_key, out_mask_flat, stride, offset):
                 rank += bits[j] < a
             out_mask_flat[idx[i] * stride + offset] = rank < need
         return True
-    cut = _kth_smallest_bits(bits, need - 1)
+    cut = _kth_smallest_radix(bits, need - 1)
     quota = need
     for i in range(n):
         quota -= bits[i] < cut
     for i in range(n):  # without a branch: the entries are tied, in random key order
-        a = bits[i]
-        at_cut = a == cut
-        take = (a < cut) | (at_cut & (quota > 0))
-        out_mask_flat[idx[i] * stride + offset] = take
-        quota -= at_cut & take
+        out_mask_flat[idx[i] * stride + offset] = bits[i] < cut
+    for i in range(n):  # the first ``quota`` at the cut (few: a branch rarely taken)
+        if quota == 0:
+            break
+        if bits[i] == cut:
+            out_mask_flat[idx[i] * stride + offset] = 1
+            quota -= 1
     return True
 
 
@@ -210,7 +253,7 @@ def _select_line(vals, keys, use_key, k, hist, tied_keys, tied_idx, out):
     counts (``hist``: ``[4, n_values]``, 4 interleaved so that no increment waits on the
     previous one) gives the threshold count ``t`` (the largest with ``#(count >= t) >= k``); the
     mask is ``count > t`` plus, of the entries tied at ``t``, all of them or the ``need`` first
-    in (``|key|``, index) order, found by a bitwise search of the tied keys (not a sort). False
+    in (``|key|``, index) order, found by a radix select of the tied keys (not a sort). False
     when a tied key is NaN or infinite."""
     n = vals.shape[0]
     n_values = hist.shape[1]
@@ -285,10 +328,10 @@ def select_columns(counts, key, use_key, k, n_values, mask):
     writes the mask row by row, every column's outright selections (``count >= thr``), and
     gathers only the entries tied at a column's threshold (when the column takes some of them,
     64 rows at a time as bit words, without a branch per weight)
-    into per-column segments, in row order; a bitwise search of each segment's keys then marks its
-    ``need`` first by (``|key|``, row). Equal to a stable sort of each column by (count
-    descending, ``|key|`` ascending, row ascending). Returns the number of selected weights, or
-    -1 when a tied key is NaN or infinite.
+    into per-column segments, in row order; a radix select of each segment's keys
+    (:func:`_take_tied`) then marks its ``need`` first by (``|key|``, row). Equal to a stable
+    sort of each column by (count descending, ``|key|`` ascending, row ascending). Returns the
+    number of selected weights, or -1 when a tied key is NaN or infinite.
     """
     rows, cols = counts.shape
     if k < 0 or k > rows:

@@ -197,7 +197,7 @@ def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int,
     Ties among equal counts: the lower ``|key|`` first (``None``: no key), then the lower
     column index; the result equals a stable sort by (count descending, ``|key|`` ascending,
     index ascending), computed without sorting (a threshold count per row from a histogram,
-    then a bitwise search of only the tied keys: :func:`fedcompress.masks._kernels.select_rows`).
+    then a radix select of only the tied keys: :func:`fedcompress.masks._kernels.select_rows`).
     ``by_column``: the same for every *column*, on the row-major counts without a transposed
     copy (:func:`fedcompress.masks._kernels.select_columns`: per-column histograms in one pass,
     the mask row by row in a second, then the tie-break of each column's tied entries only).

@@ -7,9 +7,9 @@ encode_lm`, no labels): each example's mean token cross-entropy, averaged over t
 under DP one example is one sequence, whatever its length).
 
 **Modes.** ``"lora"``: ``peft`` LoRA adapters on the linear layers inside the model's layers (the
-names of :class:`fedcompress.models.ModelAdapter`), plus, for an encoder, its new classification
-head (trained in full: it starts random); the rest frozen. ``"full"``: every parameter trained
-(the paper's "Train": re-training the pruned model).
+names of :class:`~fedcompress.models.adapter.ModelAdapter`), plus, for an encoder, its new
+classification head (trained in full: it starts random); the rest frozen. ``"full"``: every
+parameter trained (the paper's "Train": re-training the pruned model).
 
 **DP-SGD** (``epsilon`` set). Per-example gradients by opacus' hooks
 (:class:`opacus.GradSampleModule`), each example's gradient over all trainable parameters

@@ -131,7 +131,7 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
 
     With ``config.onload`` the pass walks an onloaded skeleton (``model`` itself if it is one,
     else one read from the safetensors folder ``model`` was loaded from,
-    :func:`~fedcompress.models.onload_skeleton`): one decoder layer in memory at a time.
+    :func:`~fedcompress.models.onload.onload_skeleton`): one decoder layer in memory at a time.
     """
     from fedcompress.models import onload_skeleton, onloader_of
 

@@ -1,9 +1,9 @@
 """Stateless pruning math: importance scores (magnitude, Wanda, first-order Taylor) and
 SparseGPT's OBS update.
 
-All arithmetic runs in :data:`fedcompress.models.CALC_DTYPE` (float32) whatever the model dtype,
-except SparseGPT's Hessian, its dampening and its inverse, in
-:data:`fedcompress.models.HESSIAN_DTYPE` (float64).
+All arithmetic runs in :data:`~fedcompress.models.common.CALC_DTYPE` (float32) whatever the
+model dtype, except SparseGPT's Hessian, its dampening and its inverse, in
+:data:`~fedcompress.models.common.HESSIAN_DTYPE` (float64).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class CholeskyError(RuntimeError):
 def _inverse_hessian_cholesky(hessian: torch.Tensor, percdamp: float,
                               name: str = "") -> torch.Tensor:
     """Upper Cholesky factor of the inverse of the dampened Hessian, computed in
-    :data:`~fedcompress.models.HESSIAN_DTYPE` and returned in float32 for the OBS loop (the
+    :data:`~fedcompress.models.common.HESSIAN_DTYPE` and returned in float32 for the OBS loop (the
     same Hessian gives bit-identical factors; Hessians that differ by float64 rounding almost
     always round to the same float32 factor).
 
@@ -95,8 +95,9 @@ def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, sparsity: float
     each column; with N:M the N lowest of every M columns. Each pruned weight's error is
     compensated on the not-yet-processed weights of its row.
 
-    ``hessian`` (``2/N X^T X``) is used in float64 (:data:`~fedcompress.models.HESSIAN_DTYPE`)
-    up to its inverse's Cholesky factor; the block loop runs in float32.
+    ``hessian`` (``2/N X^T X``) is used in float64
+    (:data:`~fedcompress.models.common.HESSIAN_DTYPE`) up to its inverse's Cholesky factor; the
+    block loop runs in float32.
 
     Returns ``(prune_mask, new_weight)`` with ``new_weight`` in float32 (pruned entries are 0).
     """

@@ -13,11 +13,11 @@ decoder layer in turn
 The model itself is never mutated, so one dense model loaded per process can serve many clients.
 
 Sequential onloading: the model may be an onloaded skeleton
-(:func:`~fedcompress.models.load_model` with ``onload=True``): its decoder layers live on the
-meta device and each is read from the safetensors files only while the walker works on it
-(:meth:`~fedcompress.models.ModelAdapter.onloaded`), then freed, so memory holds one layer, the
-activations, the embeddings and the head, never the whole model. The same steps run either way,
-so the masks (and SparseGPT's weights) are identical.
+(:func:`~fedcompress.models.loading.load_model` with ``onload=True``): its decoder layers live
+on the meta device and each is read from the safetensors files only while the walker works on it
+(:meth:`~fedcompress.models.adapter.ModelAdapter.onloaded`), then freed, so memory holds one
+layer, the activations, the embeddings and the head, never the whole model. The same steps run
+either way, so the masks (and SparseGPT's weights) are identical.
 The steps are exposed separately (:func:`capture_layer_inputs`, :func:`collect_stats`,
 :func:`forward_layer`) because the iterative federated mode runs one layer per round and keeps the
 activations between rounds; :func:`walk` composes them for the one-shot pass.
@@ -136,10 +136,10 @@ class LayerStats:
     * ``sq_sum[j] = sum_t x_tj^2`` in float64 (every float32 square is exact in float64, so
       the sum of any grouping of the same tokens agrees to about 1e-16 relative: after the cast
       to float32 the union's Wanda norms are identical however the tokens were split);
-    * ``hessian_sum = sum_t 2 x_t x_t^T`` in float64 (:data:`~fedcompress.models.HESSIAN_DTYPE`;
-      with ``hessian=True``), SparseGPT's Hessian before the division by the token count: the
-      products of float32 inputs are exact in float64, so any grouping of the same tokens
-      agrees to ~1e-16 relative;
+    * ``hessian_sum = sum_t 2 x_t x_t^T`` in float64
+      (:data:`~fedcompress.models.common.HESSIAN_DTYPE`; with ``hessian=True``), SparseGPT's Hessian
+      before the division by the token count: the products of float32 inputs are exact in float64,
+      so any grouping of the same tokens agrees to ~1e-16 relative;
     * ``tokens``: how many tokens were added.
 
     ``sq_norm`` (Wanda's ``scaler_row``: the mean over tokens of ``x_j^2``) is derived in
@@ -196,7 +196,7 @@ class LayerStats:
 
     @property
     def hessian(self) -> torch.Tensor | None:
-        """``2/N X^T X`` (:data:`~fedcompress.models.HESSIAN_DTYPE`), or None without one."""
+        """``2/N X^T X`` (:data:`~fedcompress.models.common.HESSIAN_DTYPE`), or None without one."""
         if self.hessian_sum is None:
             return None
         self._require_tokens()

@@ -16,7 +16,7 @@ inside ``model.generate`` all become :class:`Failed` completions of the prompts 
 
 * :class:`HFBackend`: a causal LM in this process (``transformers``), batched generation with
   left padding, seeded sampling, any device/dtype; :meth:`HFBackend.load` goes through
-  :func:`fedcompress.models.load_model` (embedded names such as ``smollm2-135m``, local
+  :func:`~fedcompress.models.loading.load_model` (embedded names such as ``smollm2-135m``, local
   directories, ``.gguf`` files). Prompts go through the tokenizer's chat template when it has
   one (instruct models), else as plain text (:func:`fedcompress.synth.prompts.render_prompt`).
 * :class:`OpenAIBackend`: an OpenAI-compatible server (vLLM, Ollama, TGI, llama.cpp server, ...),
@@ -151,7 +151,7 @@ class HFBackend:
     @classmethod
     def load(cls, spec: str, *, device: str | torch.device | None = None,
              dtype: str | torch.dtype | None = None, **kwargs: Any) -> HFBackend:
-        """Load ``spec`` with :func:`fedcompress.models.load_model` and wrap it."""
+        """Load ``spec`` with :func:`~fedcompress.models.loading.load_model` and wrap it."""
         from fedcompress.models import load_model
 
         loaded = load_model(spec, device=device, dtype=dtype)

@@ -7,7 +7,7 @@
   server prunes exactly as the centralized pass on the union of their windows);
 * :mod:`.experiment`: the server's model, data, baselines and evaluation.
 
-The Flower files: ``clients/fedprllm.py``, ``strategies/fedprllm.py``, ``server/fedprllm.py``.
+The Flower files: ``clients/fedprllm.py``, ``strategies/fedprllm/``, ``server/fedprllm.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """FedPrLLM (federated pruning by mask voting) as plain functions, no Flower.
 
-The Flower layers (``clients/fedprllm.py``, ``strategies/fedprllm.py``, ``server/fedprllm.py``)
+The Flower layers (``clients/fedprllm.py``, ``strategies/fedprllm/``, ``server/fedprllm.py``)
 call these; so do the in-process baselines and the benchmarks, so every path shares one
 implementation:
 

@@ -14,10 +14,10 @@ rounds the global model is the centralized model:
   accumulation to about 1e-16 relative, far below float32's resolution, so the float32 norms
   and the masks are the same (``tests/test_stats_mode.py`` checks every mask bit).
 * SparseGPT: each site's Hessian sum is float64 (as the centralized pass accumulates it,
-  :data:`~fedcompress.models.HESSIAN_DTYPE`), and the server adds them in float64: the products
-  of float32 inputs are exact, so the only difference from the centralized Hessian is float64
-  rounding of partial sums in another order (~1e-16 relative), which the float32 factor of the
-  inverse almost never sees (measured: ``simulations/stats_mode.py``). With float32 sums it was
+  :data:`~fedcompress.models.common.HESSIAN_DTYPE`), and the server adds them in float64: the
+  products of float32 inputs are exact, so the only difference from the centralized Hessian is
+  float64 rounding of partial sums in another order (~1e-16 relative), which the float32 factor of
+  the inverse almost never sees (measured: ``simulations/stats_mode.py``). With float32 sums it was
   1.8% of the mask bits on SmolLM2.
 
 Wire (:func:`encode_stats`, :func:`decode_stats`): per linear layer ``in`` float64 square sums
