@@ -274,19 +274,42 @@ def _votes(flat: dict[str, torch.Tensor], shapes: dict) -> np.ndarray:
 
 
 def _fixed_point_stats(message: Message, context: Context, config: FedPrLLMConfig, model,
-                       windows, sites: int) -> np.ndarray:
+                       windows, sites: int, threshold: int | None = None
+                       ) -> tuple[np.ndarray, dict[str, float]]:
     """Statistics mode under SecAgg+: this node's statistics of the round's layer as one
-    fixed-point vector; its sharing of inputs must be the one the server announced."""
+    fixed-point vector; its sharing of inputs must be the one the server announced. With DP:
+    its clipped statistics, with its Skellam share in the lanes (distributed placement), and
+    the reply's ledger metrics."""
     from fedcompress.methods.fedprllm.stats import encode_fixed
 
     inputs, layer = _layer_inputs(message, context, config, model, windows)
-    stats = site_layer_stats(model, inputs, config.prune.needs_hessian, config.batch_size)
+    step = _dp_step(context, config, model, inputs, layer) if config.dp else None
+    stats = (step.clipped.stats if step is not None else
+             site_layer_stats(model, inputs, config.prune.needs_hessian, config.batch_size))
     arrays, shared = encode_stats(stats, layer)
     announced = {str(k): str(v) for k, v in message.content["shared"].items()}
     if shared != announced:
         raise ValueError(f"layer {layer}: this site's linear layers share inputs as {shared}, "
                          f"the server announced {announced}")
-    return encode_fixed(arrays, config.secagg_frac_bits, sites)
+    if step is not None and step.plan.placement == "distributed":
+        from fedcompress.methods.fedprllm.dp import noisy_fixed
+        from fedcompress.privacy.dp_stats import secret_rng
+
+        return noisy_fixed(arrays, layer, step.plan, config.prune.needs_hessian, sites,
+                           secret_rng(), threshold), step.metrics
+    return encode_fixed(arrays, config.secagg_frac_bits, sites), (step.metrics if step else {})
+
+
+def _dp_step(context: Context, config: FedPrLLMConfig, model, inputs, layer: int):
+    """This site's DP release of the round's layer under ITS policy and ledger
+    (:func:`fedcompress.methods.fedprllm.dp.site_step`; None: no DP, which its policy allows)."""
+    from fedcompress.methods.fedprllm.dp import site_step
+    from fedcompress.privacy import site
+
+    policy = site.admit(context.node_config, None)
+    _, tokenizer = cached_model(config.model, config.dtype, config.onload)
+    return site_step(policy, site.ledger(policy, context.run_id), context.run_id, config,
+                     model, tokenizer, inputs, layer)
 
 
 def secagg_masks(message: Message, context: Context) -> Message:
@@ -299,9 +322,10 @@ def secagg_masks(message: Message, context: Context) -> Message:
                           f"{site.config.describe()}: refused")
     config, partition, model, windows = _setup(message, context)
     start = time.perf_counter()
+    dp_metrics: dict[str, float] = {}
     if config.aggregate == "stats":  # the round's layer statistics, fixed point
-        votes = _fixed_point_stats(message, context, config, model, windows,
-                                   len(site.config.nodes))
+        votes, dp_metrics = _fixed_point_stats(message, context, config, model, windows,
+                                               len(site.config.nodes), site.config.threshold)
     elif "round" in message.content:  # iterative: this round's layer only
         layer_masks, layer = _layer_masks(message, context, config, model, windows)
         votes = _votes(flatten_masks([layer_masks], layer), expected_shapes(model, [layer]))
@@ -321,7 +345,8 @@ def secagg_masks(message: Message, context: Context) -> Message:
         "masked": ArrayRecord({"words": Array(words)}),
         "metrics": MetricRecord({"seconds": time.perf_counter() - start,
                                  "windows": len(windows), "partition": partition,
-                                 "bytes_up": int(masked.nbytes)})}), reply_to=message)
+                                 "bytes_up": int(masked.nbytes), **dp_metrics})}),
+        reply_to=message)
 
 
 def secagg_unmask(message: Message, context: Context) -> Message:
@@ -407,11 +432,14 @@ def layer_stats(message: Message, context: Context) -> Message:
     config, partition, model, windows = _setup(message, context)
     start = time.perf_counter()
     inputs, layer = _layer_inputs(message, context, config, model, windows)
-    stats = site_layer_stats(model, inputs, config.prune.needs_hessian, config.batch_size)
+    step = _dp_step(context, config, model, inputs, layer) if config.dp else None
+    stats = (step.clipped.stats if step is not None else
+             site_layer_stats(model, inputs, config.prune.needs_hessian, config.batch_size))
     arrays, shared = encode_stats(stats, layer)
     arrays = _inject_fault(config, partition, arrays, layer)
     metrics = {"seconds": time.perf_counter() - start, "layer": layer, "partition": partition,
-               "windows": len(windows), "bytes_up": sum(int(v.nbytes) for v in arrays.values())}
+               "windows": len(windows), "bytes_up": sum(int(v.nbytes) for v in arrays.values()),
+               **(step.metrics if step is not None else {})}
     return Message(RecordDict({
         "stats": ArrayRecord({key: Array(value) for key, value in arrays.items()}),
         "shared": ConfigRecord(dict(shared)), "metrics": MetricRecord(metrics)}),

@@ -88,7 +88,7 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         reference = public_reference_wire(exp.model, exp.tokenizer, config)
     per_layer = config.mode == "iterative" or config.aggregate == "stats"
     checkpoint = out / "checkpoint" if per_layer else None
-    strategy = make_strategy(config, exp.model, reference, checkpoint)
+    strategy = make_strategy(config, exp.model, reference, checkpoint, exp.tokenizer)
     if server.resume and checkpoint is None:
         raise ValueError("resume=True is invalid: expected mode iterative (a one-shot run has "
                          "one round: run it again)")
@@ -153,6 +153,14 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
                                         getattr(strategy, "layer_cost", {}).items()}
     if getattr(strategy, "resynced", None):
         report.extra["resynced"] = {str(k): v for k, v in strategy.resynced.items()}
+    if getattr(strategy, "dp_plan", None) is not None:
+        from fedcompress.methods.fedprllm.dp import describe
+        from fedcompress.methods.fedprllm.dp import report as dp_report
+
+        last = {m.get("node"): float(m["ledger_run_epsilon"]) for m in outcome.client_metrics
+                if m.get("ledger_dp") == 1 and "ledger_run_epsilon" in m}  # each site's last
+        report.extra["dp"] = dp_report(strategy.dp_plan, list(last.values()))
+        report.extra["dp_noise"] = describe(strategy.dp_plan)
     report.extra["rejected"] = outcome.rejected
     report.extra["client_startup_seconds"] = outcome.startup_seconds
     report.extra["client_startup"] = outcome.startup_split()

@@ -67,6 +67,10 @@ def test_dp_stats_run(tiny, tiny_dir, tmp_path, method, placement):
     assert 7.9 <= dp["epsilon_spent"] <= 8.0
     assert dp["site_epsilon"] == [pytest.approx(dp["epsilon_spent"])] * SITES
     json.dumps(dp)  # the report's content
+    from fedcompress.methods.fedprllm.dp import describe, server_plan
+
+    text = describe(server_plan(config, tiny, build_tiny_tokenizer()))
+    assert "epsilon 8" in text and "delta 1e-05" in text and placement in text
     for site in sites:
         data = site.ledger.read()
         releases = [r for r in data["releases"] if r["kind"] == "dp-stats"]
@@ -119,3 +123,100 @@ def test_site_step_records_before_it_releases_and_agrees_with_the_server(tiny, t
     with pytest.raises(PolicyError, match="dp-placements"):
         dpm.site_step(strict, other, 3, config, tiny, build_tiny_tokenizer(), inputs, 0)
     assert other.read()["releases"] == []
+
+
+# -- through the Flower strategy and ClientApp, in process (no Ray) --------------------------
+
+
+def _dp_ledger_releases(federation, node):
+    from pathlib import Path
+
+    folder = Path(federation.contexts[node].node_config["state-dir"])
+    files = list(folder.rglob("ledger.json"))
+    assert len(files) == 1, files
+    data = json.loads(files[0].read_text())
+    return [r for r in data["releases"] if r["kind"] == "dp-stats"]
+
+
+def test_flower_central_dp_with_deployed_sites(tiny_dir, tmp_path):
+    from conftest import InProcessFederation
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from strategies.fedprllm import make_strategy
+
+    class Deployed(InProcessFederation):
+        app = "clients.app"
+        site_config = {"site-mode": "deployment", "dp-placements": "central",
+                       "models": tiny_dir}
+
+    config = config_for(tiny_dir, dp_placement="central")
+    loaded = load_model(tiny_dir, device="cpu")
+    strategy = make_strategy(config, loaded.model, tokenizer=loaded.tokenizer)
+    assert strategy.dp_plan is not None and strategy.dp_plan.placement == "central"
+    federation = Deployed(SITES)
+    for rnd in range(1, strategy.num_rounds + 1):
+        replies = federation.send_and_receive(strategy.configure_train(rnd, ArrayRecord(),
+                                                                       ConfigRecord(),
+                                                                       federation))
+        strategy.aggregate_train(rnd, replies)
+    assert not strategy.outcome.rejected
+    for masks in strategy.global_masks.values():
+        for mask in masks.values():
+            assert float(mask.float().mean()) == pytest.approx(0.5, abs=0.02)
+    metrics = [m for m in strategy.outcome.client_metrics if m.get("stage") == "stats"]
+    assert metrics and all(m["ledger_dp"] == 1 and m["dp_epsilon"] == 8.0 for m in metrics)
+    assert all(m["site_policy_enforced"] == 1 for m in metrics)
+    spent = strategy.dp_plan.epsilon_after(strategy.num_rounds)
+    for node in federation.get_node_ids():
+        releases = _dp_ledger_releases(federation, node)
+        assert [r["layer"] for r in releases] == list(range(strategy.num_rounds))
+        assert releases[-1]["epsilon"] == pytest.approx(spent)
+
+
+def test_flower_distributed_dp_under_secagg(tiny_dir):
+    from conftest import InProcessFederation
+    from flwr.app import ArrayRecord
+
+    from strategies.fedprllm import SecureStatsFedPrLLM, make_strategy
+
+    class Simulated(InProcessFederation):
+        app = "clients.app"
+
+    config = config_for(tiny_dir, method="sparsegpt", dp_placement="distributed", secagg=True)
+    loaded = load_model(tiny_dir, device="cpu")
+    strategy = make_strategy(config, loaded.model, tokenizer=loaded.tokenizer)
+    assert isinstance(strategy, SecureStatsFedPrLLM)
+    assert strategy.dp_plan.mechanism == "skellam"
+    federation = Simulated(SITES)
+    strategy.start(federation, ArrayRecord())
+    assert not strategy.outcome.rejected
+    for masks in strategy.global_masks.values():
+        for mask in masks.values():
+            assert float(mask.float().mean()) == pytest.approx(0.5, abs=0.02)
+    for node in federation.get_node_ids():
+        releases = _dp_ledger_releases(federation, node)
+        assert [r["layer"] for r in releases] == list(range(strategy.num_rounds))
+        assert all(r["placement"] == "distributed" for r in releases)
+
+
+def test_server_app_report_states_epsilon_delta_and_placement(tiny_dir, tmp_path):
+    from conftest import InProcessFederation
+
+    from server.fedprllm import run
+
+    class Simulated(InProcessFederation):
+        app = "clients.app"
+
+    out = tmp_path / "run"
+    settings = dict(model=tiny_dir, clients=SITES, samples_per_client=WINDOWS, seqlen=SEQ,
+                    batch_size=2, eval_seqlen=16, eval_windows=2, out=str(out), device="cpu",
+                    aggregate="stats", baselines="none", dp_epsilon=4.0, dp_delta=1e-6,
+                    dp_placement="central", dp_public_windows=8)
+    run(Simulated(SITES), settings)
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok", report.get("error")
+    dp = report["dp"]
+    assert dp["epsilon"] == 4.0 and dp["delta"] == 1e-6 and dp["placement"] == "central"
+    assert dp["epsilon_spent"] <= 4.0
+    assert dp["site_epsilon"] == [pytest.approx(dp["epsilon_spent"])] * SITES
+    assert "central" in report["dp_noise"] and "epsilon 4" in report["dp_noise"]

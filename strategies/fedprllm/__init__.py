@@ -45,8 +45,10 @@ logger = logging.getLogger(__name__)
 
 
 def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module,
-                  reference_wire: dict | None = None, checkpoint: Path | None = None
-                  ) -> FedPrLLM:
+                  reference_wire: dict | None = None, checkpoint: Path | None = None,
+                  tokenizer=None) -> FedPrLLM:
+    """The strategy of ``config``; ``tokenizer``: for the public clip windows of DP
+    statistics (``--dp-epsilon`` with the default ``--dp-clip``)."""
     if config.aggregate == "stats":
         if not config.secagg:
             logger.warning("statistics mode without --secagg: the server sees each site's "
@@ -55,7 +57,8 @@ def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module,
                            ", and the Hessian X^T X of its activations"
                            if config.prune.needs_hessian else "")
         return (SecureStatsFedPrLLM if config.secagg else StatsFedPrLLM)(
-            config, model, reference_wire=reference_wire, checkpoint=checkpoint)
+            config, model, reference_wire=reference_wire, checkpoint=checkpoint,
+            tokenizer=tokenizer)
     if config.secagg and config.mode == "iterative":
         return SecureIterativeFedPrLLM(config, model, reference_wire=reference_wire,
                                        checkpoint=checkpoint)

@@ -39,8 +39,13 @@ class StatsFedPrLLM(IterativeFedPrLLM):
     action = "train.layer_stats"
 
     def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
-                 reference_wire: dict | None = None, checkpoint: Path | None = None):
+                 reference_wire: dict | None = None, checkpoint: Path | None = None,
+                 tokenizer=None):
+        from fedcompress.methods.fedprllm.dp import server_plan
+
         super().__init__(config, model, node_wait, reference_wire, checkpoint)
+        #: the run's DP mechanism (the server's copy; every site computes and enforces its own)
+        self.dp_plan = server_plan(config, model, tokenizer)
         # Float sums depend on their order: a layer's statistics are summed in node order,
         # after the round (one round holds one decoder layer's statistics per site).
         self.streaming = False
@@ -104,8 +109,14 @@ class StatsFedPrLLM(IterativeFedPrLLM):
         from fedcompress.methods.fedprllm.stats import prune_layer
 
         start = time.monotonic()
-        masks, weights = prune_layer(self.model, layer, aggregator.layer_stats(),
-                                     self.config.prune)
+        stats = aggregator.layer_stats()
+        if self.dp_plan is not None:  # central noise (central placement), post-processing
+            from fedcompress.methods.fedprllm.dp import server_finish
+            from fedcompress.methods.fedprllm.stats import layer_sharing
+
+            stats = server_finish(dict(stats), layer_sharing(self.model, layer), self.dp_plan,
+                                  layer, self.config.prune.needs_hessian, aggregator.sites)
+        masks, weights = prune_layer(self.model, layer, stats, self.config.prune)
         self.layer_cost[layer] = {"server_seconds": time.monotonic() - start,
                                   "sites": aggregator.sites}
         self.global_masks[layer] = masks
@@ -161,8 +172,9 @@ class SecureStatsFedPrLLM(_SecureVote, StatsFedPrLLM):
     layer_sharing`) and is announced; a site whose statistics do not match refuses."""
 
     def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
-                 reference_wire: dict | None = None, checkpoint: Path | None = None):
-        super().__init__(config, model, node_wait, reference_wire, checkpoint)
+                 reference_wire: dict | None = None, checkpoint: Path | None = None,
+                 tokenizer=None):
+        super().__init__(config, model, node_wait, reference_wire, checkpoint, tokenizer)
         self._init_secure()
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 1,
@@ -178,6 +190,9 @@ class SecureStatsFedPrLLM(_SecureVote, StatsFedPrLLM):
 
         hessian = self.config.prune.needs_hessian
         frac_bits = self.config.secagg_frac_bits
+        dp = self.dp_plan is not None
+        if self.dp_plan is not None and self.dp_plan.placement == "distributed":
+            frac_bits = self.dp_plan.frac_bits  # the sites' Skellam lanes
         for server_round in range(1, self.num_rounds + 1):
             layer = self._layer(server_round)
             features = layer_in_features(self.model, layer)
@@ -191,7 +206,7 @@ class SecureStatsFedPrLLM(_SecureVote, StatsFedPrLLM):
                                             contents.__getitem__, timeout, layer + 1, layer)
             summed = decode_fixed(total, layout, frac_bits, dtypes)
             try:
-                stats = decode_stats(summed, shared, features, layer, hessian)
+                stats = decode_stats(summed, shared, features, layer, hessian, dp=dp)
             except ValueError as err:  # only the sum is visible: no site can be left out
                 raise NotEnoughClientsError(f"layer {layer}: the securely summed statistics "
                                             f"are invalid ({err})") from err
