@@ -220,3 +220,8 @@ def test_server_app_report_states_epsilon_delta_and_placement(tiny_dir, tmp_path
     assert dp["epsilon_spent"] <= 4.0
     assert dp["site_epsilon"] == [pytest.approx(dp["epsilon_spent"])] * SITES
     assert "central" in report["dp_noise"] and "epsilon 4" in report["dp_noise"]
+    from fedcompress.report_answer import privacy
+
+    sentences = " ".join(privacy(report)[0])  # the report page's "privacy spent"
+    assert "DP noise: statistics of each site clipped per calibration window" in sentences
+    assert "no differential-privacy guarantee" not in sentences
