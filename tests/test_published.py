@@ -1,0 +1,156 @@
+"""Published numbers cannot drift from their results (tools/published.py).
+
+The first test is the check itself on the repository: every span in README.md and docs/ equals
+the value its committed result gives, cites only current results (a command, a commit, a clean
+tree, no later change to the code it depends on), no page holds a measured-looking number outside
+a span, and the generated result pages are up to date. The others check the checker."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool():
+    path = ROOT / "tools" / "published.py"
+    spec = importlib.util.spec_from_file_location("fedcompress_published", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pub = _tool()
+
+
+def test_published_numbers_equal_their_results():
+    problems = pub.run(write=False)
+    more = f"\n... {len(problems)} in all" if len(problems) > 40 else ""
+    assert not problems, "\n".join(problems[:40]) + more
+
+
+def test_readme_is_short_and_cites_generated_numbers():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    assert len(pub.SPAN.findall(text)) >= 5
+
+
+def _results(tmp_path, reports):
+    for name, report in reports.items():
+        (tmp_path / "results" / name).mkdir(parents=True)
+        (tmp_path / "results" / name / "report.json").write_text(json.dumps(report))
+    return tmp_path / "results"
+
+
+def _report(commit="abc1234", **extra):
+    report = {"reproduce": "python simulations/x.py --out simulations/results/x",
+              "versions": {"git_commit": commit},
+              "results": [{"name": "a", "perplexity": 48.16942},
+                          {"name": "b", "perplexity": 47.9235}],
+              "summary": {"qwen2.5-0.5b": {"ratio": 0.3634}}}
+    report.update(extra)
+    return report
+
+
+def _numbers(tmp_path, table, reports):
+    results = _results(tmp_path, reports)
+    (tmp_path / "numbers.toml").write_text(table)
+    return pub.Numbers(tmp_path / "numbers.toml", results)
+
+
+TABLE = '''
+[result.x]
+depends = ["tools/published.py"]
+unaffected = ["HEADCOMMIT: checked"]
+
+["x.a"]
+result = "x"
+value = "results[name=a].perplexity"
+format = "{:.2f}"
+
+["x.ratio"]
+result = "x"
+value = "summary['qwen2.5-0.5b'].ratio"
+format = "{:.3f}x"
+
+["x.diff"]
+result = "x"
+expr = """v("results[name=a].perplexity") - v("results[1].perplexity")"""
+format = "{:.3f}"
+'''
+
+
+def test_values_by_name_index_quoted_key_and_expression(tmp_path, monkeypatch):
+    monkeypatch.setattr(pub, "stale_since", lambda *a, **k: "")
+    numbers = _numbers(tmp_path, TABLE, {"x": _report()})
+    assert numbers.value("x.a") == ("48.17", ["x"])
+    assert numbers.value("x.ratio")[0] == "0.363x"
+    assert numbers.value("x.diff")[0] == "0.246"
+    page = "ppl <!--n:x.a-->50.00<!--/n--> and <!--n:x.ratio-->?<!--/n-->"
+    text, problems = pub.write_spans(numbers, page, "p")
+    assert text == "ppl <!--n:x.a-->48.17<!--/n--> and <!--n:x.ratio-->0.363x<!--/n-->"
+    assert problems == []
+
+
+def test_unknown_key_and_missing_path_are_errors(tmp_path, monkeypatch):
+    monkeypatch.setattr(pub, "stale_since", lambda *a, **k: "")
+    bad = '\n["x.bad"]\nresult = "x"\nvalue = "results[name=zz].perplexity"\n'
+    numbers = _numbers(tmp_path, TABLE + bad, {"x": _report()})
+    page = "<!--n:x.nope-->1<!--/n--> <!--n:x.bad-->1<!--/n-->"
+    _, problems = pub.write_spans(numbers, page, "p")
+    assert any("'x.nope' is not defined" in p for p in problems)
+    assert any("[name=zz] matches 0 elements" in p for p in problems)
+
+
+def test_a_dirty_or_commandless_or_undeclared_result_cannot_be_cited(tmp_path, monkeypatch):
+    monkeypatch.setattr(pub, "stale_since", lambda *a, **k: "")
+    table = TABLE + '\n["y.a"]\nresult = "y"\nvalue = "results[name=a].perplexity"\n'
+    dirty = _numbers(tmp_path / "d", TABLE, {"x": _report(commit="abc1234+dirty")})
+    _, problems = pub.write_spans(dirty, "<!--n:x.a-->48.17<!--/n-->", "p")
+    assert any("dirty tree (abc1234+dirty)" in p for p in problems)
+    no_command = _report()
+    del no_command["reproduce"]
+    numbers = _numbers(tmp_path / "c", table, {"x": no_command, "y": _report()})
+    page = "<!--n:x.a-->48.17<!--/n--> <!--n:y.a-->48.169<!--/n-->"
+    _, problems = pub.write_spans(numbers, page, "p")
+    assert any("records no command" in p for p in problems)
+    assert any("'y' declares no 'depends'" in p for p in problems)
+    assert numbers.state("y") == "unchecked"
+
+
+def test_a_result_older_than_its_code_is_stale():
+    """Against this repository's history: a result made just before the last commit that changed
+    this file is stale for it, unless every later change is listed as unaffected; one made at
+    HEAD is not."""
+    path = "tests/test_published.py"
+    last = pub.git("log", "-1", "--format=%H", "--", path)
+    assert last, f"{path} has no commit in this clone's history"
+    before = pub.git("rev-parse", "--short", f"{last}~1")
+    old = pub.Result("old", {"versions": {"git_commit": before}})
+    assert pub.stale_since(old, [path]).startswith(f"commit {last[:10]}")
+    later = pub.git("log", "--format=%H", f"{before}..HEAD", "--", path).split()
+    assert pub.stale_since(old, [path], [f"{h[:10]}: checked" for h in later]) == ""
+    head = pub.Result("new", {"versions": {"git_commit": pub.git("rev-parse", "--short", "HEAD")}})
+    assert pub.stale_since(head, [path]) == ""
+
+
+@pytest.mark.parametrize("text, found", [
+    ("perplexity 48.17 against", ["48.17"]),
+    ("a ratio of 1.22x here", ["1.22x"]),
+    ("took 474 s and 2.5 s", ["474 s", "2.5 s"]),
+    ("13.3 MB per site", ["13.3 MB"]),
+    ("0.02% of the clean vote", ["0.02%"]),
+    ("Wanda 50%, 16 sites x 4 windows of 256 tokens", []),
+    ("Flower 1.41 and python 3.11, flwr==1.41.0", []),
+    ("in code `48.17` or <!--n:k-->48.17<!--/n-->", []),
+    ("```\n48.17 s\n```\n", []),
+    ("[link](results/x-1.22x.md)", []),
+])
+def test_measured_looking_numbers_are_found_outside_spans_and_code(text, found):
+    assert pub.typed_numbers(text) == found
