@@ -40,14 +40,6 @@ def _num(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)  # unreachable
-
-
 def _count(n: float) -> str:
     """``134515008`` -> ``135 M``; ``4096`` -> ``4,096``."""
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.0f} M" if n >= 1e6 else f"{n:,.0f}"
@@ -207,7 +199,9 @@ def panels(found: list[Entry], quality: tuple[str, bool, str] | None) -> list[Pa
     if any(v is not None for v in up):
         per_round = any("bytes_up_per_site_round" in e.values for e in found)
         title = "bytes up / site" + (" / round" if per_round else "")
-        out.append(Panel("bytes_up", title, up, _human_bytes, True, title))
+        from fedcompress.report_html import human_bytes
+
+        out.append(Panel("bytes_up", title, up, human_bytes, True, title))
     return out
 
 

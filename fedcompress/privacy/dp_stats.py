@@ -417,7 +417,7 @@ def layer_blocks(layer: nn.Module, inputs: Any) -> dict[str, str]:
     """``{linear name: owner}``: the owner (first in sorted order) of the distinct input tensor
     each linear layer of ``layer`` reads (what one batch of ``inputs`` shows)."""
     from fedcompress.models import ModelAdapter
-    from fedcompress.pruning.walker import _call_layer
+    from fedcompress.pruning.walker import _call_layer, input_owners
 
     linears = ModelAdapter.linear_layers(layer)
     seen: dict[str, torch.Tensor] = {}
@@ -430,15 +430,10 @@ def layer_blocks(layer: nn.Module, inputs: Any) -> dict[str, str]:
     finally:
         for handle in handles:
             handle.remove()
-    owners: dict[str, str] = {}
-    firsts: list[str] = []
-    for name in sorted(linears):
-        owner = next((o for o in firsts if seen[o] is seen[name]), None)
-        if owner is None:
-            firsts.append(name)
-            owner = name
-        owners[name] = owner
-    return owners
+    missing = sorted(set(linears) - set(seen))
+    if missing:
+        raise RuntimeError(f"linear layers {missing} saw no input")
+    return input_owners(seen)
 
 
 @torch.no_grad()

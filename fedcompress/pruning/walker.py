@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -215,6 +215,22 @@ def input_sums(x: torch.Tensor, hessian: bool
         xh = wide if HESSIAN_DTYPE == torch.float64 else x.to(HESSIAN_DTYPE)
         hess = torch.mm(xh.T, xh).mul_(2.0)
     return int(x.shape[0]), sq, hess
+
+
+def input_owners(seen: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{linear name: owner}`` from the input tensor each linear layer was called with
+    (``seen``, e.g. gathered by forward pre-hooks): linears fed the very same tensor object
+    (q/k/v, gate/up) share one owner, the first of them in sorted order; the others own
+    themselves."""
+    owners: dict[str, str] = {}
+    firsts: list[str] = []
+    for name in sorted(seen):
+        owner = next((o for o in firsts if seen[o] is seen[name]), None)
+        if owner is None:
+            firsts.append(name)
+            owner = name
+        owners[name] = owner
+    return owners
 
 
 def _call_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -43,7 +43,7 @@ from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from fedcompress.models import HESSIAN_DTYPE, ModelAdapter, weight_matrix
 from fedcompress.privacy.ledger import Ledger
 from fedcompress.privacy.policy import SitePolicy
-from fedcompress.pruning.walker import LayerStats
+from fedcompress.pruning.walker import LayerStats, input_owners
 
 logger = logging.getLogger(__name__)
 
@@ -360,15 +360,7 @@ def layer_sharing(model: nn.Module, layer: int) -> dict[str, str]:
     missing = sorted(set(linears) - set(seen))
     if missing:
         raise RuntimeError(f"layer {layer}: linear layers {missing} saw no input")
-    shared: dict[str, str] = {}
-    owners: list[str] = []
-    for name in sorted(linears):
-        owner = next((o for o in owners if seen[o] is seen[name]), None)
-        if owner is None:
-            owners.append(name)
-        else:
-            shared[name] = owner
-    return shared
+    return {name: owner for name, owner in input_owners(seen).items() if owner != name}
 
 
 def stats_layout(in_features: Mapping[str, int], shared: Mapping[str, str], hessian: bool,
