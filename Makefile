@@ -58,14 +58,19 @@ browser:
 
 # The documentation site (Sphinx + MyST, docs/): pages, and the API reference generated from the
 # docstrings. Warnings are errors: a broken link, reference or docstring fails the build.
+SPHINX := $(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
+
 docs: install
-	$(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
+	$(SPHINX)
 	@echo "docs: docs/_build/html/index.html"
 
-test: install browser docs
-	# lint (ruff, rules in pyproject.toml) and types (mypy, lenient, on the library), then tests
-	$(PY) -m ruff check .
-	$(PY) -m mypy
+test: install browser
+	# the documentation site in strict mode (as `make docs`), built while ruff lints (rules in
+	# pyproject.toml) and mypy checks the library's types (lenient): one core each; then tests
+	$(SPHINX) & docs=$$!; \
+	$(PY) -m ruff check . && $(PY) -m mypy; checks=$$?; \
+	wait $$docs || { echo "docs: the strict build failed (make docs shows why)"; exit 1; }; \
+	exit $$checks
 	# two workers (pytest-xdist), one per core; a test file runs whole in one worker, so its
 	# module fixtures (a deployment, a simulation, a model) are built once; files are handed out
 	# in collection order, the slowest first (tests/conftest.py, SLOW_FILES_FIRST)

@@ -1,8 +1,15 @@
 """`flwr run .` end to end: Flower's own runtime (a local SuperLink in simulation mode, started by
 `flwr run`) builds the FAB from pyproject.toml, runs the one ServerApp and ClientApp of the FAB
-with the method the run config names (FedPrLLM, PPC-GPT) on a tiny local model, and the run
-writes report.json; PPC-GPT's equals the same pipeline run in this process. Every process the
-run started (SuperLink, SuperExec, flwr-simulation, Ray) is stopped by PID afterwards."""
+with the method the run config names on a tiny local model, and the run writes report.json.
+Every process the run started (SuperLink, SuperExec, flwr-simulation, Ray) is stopped by PID
+afterwards.
+
+Where each runtime is tested per method (one test per pair, no two doing the same work):
+FedPrLLM under `flwr run` here (plain and SecAgg+) and a run-config key of another method
+refused; PPC-GPT, PrunePrivyTune and personalized pruning under the Simulation Engine in their
+own test files (``simulate_method``, the runtime `flwr run` starts too, with the same ClientApp
+and ServerApp objects) and deployed from the same FAB with `flwr run` in
+``tests/test_deploy.py``, each compared with the in-process pipeline there."""
 
 from __future__ import annotations
 
@@ -185,85 +192,6 @@ def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path, secagg):
     if secagg:  # 3 sites: 2-bit lanes (32 weights per word) plus the keys and shares
         assert report["secagg"]["sum"]["bits_per_weight_up"] == 2
         assert fed["bits_per_weight_up"] > 2
-
-
-@pytest.mark.simulation
-def test_flwr_run_ppcgpt_equals_in_process(tiny_model_dir, flwr_env, tmp_path, openai_stub):
-    from conftest import (
-        ppcgpt_in_process,
-        ppcgpt_tiny_settings,
-        same_ppcgpt_result,
-        yes_no_generator,
-    )
-
-    flwr = str(Path(sys.executable).parent / "flwr")
-    with openai_stub(yes_no_generator) as stub:
-        reference = ppcgpt_in_process(ppcgpt_tiny_settings(tiny_model_dir, stub.url,
-                                                       tmp_path / "reference"))
-    with openai_stub(yes_no_generator) as stub:
-        settings = ppcgpt_tiny_settings(tiny_model_dir, stub.url, tmp_path / "out")
-        run_config = 'method="ppcgpt" ' + " ".join(
-            f"ppcgpt.{k.replace('_', '-')}={json.dumps(v)}" for k, v in settings.items())
-        proc = subprocess.run(
-            [flwr, "run", ".", "--federation-config",
-             "num-supernodes=2 client-resources-num-cpus=1", "--run-config", run_config,
-             "--stream"], cwd=REPO, env=flwr_env, capture_output=True, text=True, timeout=400)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    assert _only_run_status(flwr, flwr_env, log) == "finished:completed"
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["rejected"] == [] and report["config"]["synth_workers"] == 1
-    same_ppcgpt_result(report, reference)
-
-
-def _flwr_run_method(method: str, settings: dict, flwr_env, out) -> dict:
-    """``flwr run .`` of ``method`` with ``settings`` on 2 simulated SuperNodes; its report
-    (the run completed, no site rejected)."""
-    run_config = f'method="{method}" ' + " ".join(
-        f"{method}.{k.replace('_', '-')}={json.dumps(v)}" for k, v in settings.items())
-    flwr = str(Path(sys.executable).parent / "flwr")
-    proc = subprocess.run(
-        [flwr, "run", ".", "--federation-config",
-         "num-supernodes=2 client-resources-num-cpus=1", "--run-config", run_config,
-         "--stream"], cwd=REPO, env=flwr_env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    assert _only_run_status(flwr, flwr_env, log) == "finished:completed"
-    report = json.loads((out / "report.json").read_text())
-    assert report["rejected"] == []
-    return report
-
-
-@pytest.mark.simulation
-def test_flwr_run_privytune_equals_in_process(tiny_model_dir, flwr_env, tmp_path):
-    from conftest import (
-        build_tiny_task,
-        privytune_in_process,
-        privytune_tiny_settings,
-        same_privytune_result,
-    )
-
-    task = build_tiny_task(tmp_path / "task")
-    reference = privytune_in_process(privytune_tiny_settings(tiny_model_dir, task,
-                                                             tmp_path / "reference"))
-    settings = privytune_tiny_settings(tiny_model_dir, task, tmp_path / "out")
-    report = _flwr_run_method("privytune", settings, flwr_env, tmp_path / "out")
-    same_privytune_result(report, reference)
-
-
-@pytest.mark.simulation
-def test_flwr_run_personalize_equals_in_process(tiny_model_dir, flwr_env, tmp_path):
-    from conftest import (
-        personalize_in_process,
-        personalize_tiny_settings,
-        same_personalize_result,
-    )
-
-    reference = personalize_in_process(personalize_tiny_settings(
-        tiny_model_dir, tmp_path / "reference", clients=2))
-    settings = personalize_tiny_settings(tiny_model_dir, tmp_path / "out", clients=2)
-    report = _flwr_run_method("personalize", settings, flwr_env, tmp_path / "out")
-    same_personalize_result(report, reference)
 
 
 @pytest.mark.simulation
