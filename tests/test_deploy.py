@@ -437,7 +437,7 @@ def test_deployed_ppcgpt_equals_in_process(deployments, tiny_model_dir, openai_s
 
 def test_deployed_privytune_equals_in_process(deployments, tiny_model_dir, tmp_path):
     """PrunePrivyTune on the same deployment (TLS, registered sites): each site's cosine matrix,
-    DP-LoRA rounds under its own accountant, the audit; equal to the in-process pipeline."""
+    a DP-LoRA round under its own accountant, the audit; equal to the in-process pipeline."""
     from conftest import (
         privytune_in_process,
         privytune_tiny_settings,
@@ -446,8 +446,10 @@ def test_deployed_privytune_equals_in_process(deployments, tiny_model_dir, tmp_p
 
     dep = deployments["full"]
     dep.result.result()  # one run at a time on this SuperLink
+    # one DP-LoRA round (the rounds' accounting is tested under the Simulation Engine, in
+    # tests/test_privytune.py): what this adds is the deployed runtime's path
     settings = privytune_tiny_settings(tiny_model_dir, dep.task, dep.root / "privytune",
-                                       clients=CLIENTS)
+                                       clients=CLIENTS, rounds=1)
     run, log = dep.run(settings, method="privytune")
     assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"
     report = json.loads((dep.root / "privytune" / "report.json").read_text())
