@@ -46,7 +46,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bench(tiny_dir, corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("bench-dp")
-    config = _config(tiny_dir, corpus)
+    config = _config(tiny_dir, corpus, placement=["central", "distributed"])
     out = root / "out"
     report = run_bench(_write(root, config), out, progress=False)
     return config, root, out, report
@@ -121,7 +121,13 @@ def test_a_dp_study_end_to_end(bench):
     (study,) = plan(json.loads((out / "report.json").read_text())["config"])
     records = {c.id: results[c.id] for c in study.cells}
     assert all(r["status"] == "ok" for r in records.values())
-    dp = {float(r["dp_epsilon"]): r for r in records.values() if r["kind"] == "dp-stats"}
+    skellam = {float(r["dp_epsilon"]): r for r in records.values()
+               if r["kind"] == "dp-stats" and r["dp_epsilon"] and r["secagg"]}
+    assert sorted(skellam) == [4.0, 16.0]
+    assert all(r["mechanism"] == "skellam" and r["dp_placement"] == "distributed"
+               and r["epsilon_spent"] <= r["dp_epsilon"] for r in skellam.values())
+    dp = {float(r["dp_epsilon"]): r for r in records.values()
+          if r["kind"] == "dp-stats" and not r["secagg"]}
     assert sorted(dp) == [0.0, 4.0, 16.0]
     for eps in (4.0, 16.0):
         r = dp[eps]
@@ -137,6 +143,7 @@ def test_a_dp_study_end_to_end(bench):
     md = (out / "report.md").read_text()
     assert "DP tiny" in md and "ε=4" in md and "no DP = centralized" in md
     assert "yes (identical)" in md and "#### DP cells" in md
+    assert "| 2x2 | distributed |" in md and "| 2x2 | central |" in md
     assert (out / "dp-dp.png").stat().st_size > 0 and "dp-dp.png" in md
     # the report page rebuilds the study's tables from report.json
     from fedcompress.report_html import bench_studies, study_html
