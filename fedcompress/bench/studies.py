@@ -1,7 +1,8 @@
 """Bench studies that are not FedPrLLM sweeps: ``[study.NAME] kind = "network"``,
 ``"leakage"``, ``"ppcgpt"`` (:mod:`fedcompress.bench.ppcgpt_study`), ``"privytune"``
-(:mod:`fedcompress.bench.privytune_study`) and ``"personalize"``
-(:mod:`fedcompress.bench.personalize_study`). Each is a :class:`StudyKind` of :data:`KINDS`:
+(:mod:`fedcompress.bench.privytune_study`), ``"personalize"``
+(:mod:`fedcompress.bench.personalize_study`) and ``"dp"`` (:mod:`fedcompress.bench.dp_study`).
+Each is a :class:`StudyKind` of :data:`KINDS`:
 planned by :func:`fedcompress.bench.sweep.plan` into cells with the same ids, stored in the
 same ``OUT/results.jsonl`` and resumed by the same
 :class:`~fedcompress.bench.sweep.BenchRunner` (a rerun skips finished cells and retries failed
@@ -38,6 +39,17 @@ What a shared mask reveals about a client's calibration windows
 ``calib_split``, ``batch_size``, ``seed`` (taken from ``[bench]`` too, as in every study) and
 ``layers`` (the first N decoder layers), ``replacements``, ``half_overlap``, ``nonmembers``. A
 finished cell is appended to ``results.jsonl`` like any cell and skipped on a rerun.
+DP statistics mode (issue 30)
+-----------------------------
+Perplexity against epsilon of statistics mode with differential privacy
+(:mod:`fedcompress.bench.dp_study`): one cell per method, sparsity, budget (``budgets =
+["16x4", "16x64"]``: sites x windows), placement and ``epsilon`` (``[1, 2, 4, 8, 16,
+"none"]``; ``none``: plain statistics mode, which equals centralized pruning), each
+:func:`~fedcompress.methods.fedprllm.stats.stats_prune` on the bench's windows with noise
+seeded per cell (research only: no guarantee holds for a seeded draw), beside the dense,
+centralized, local-only and one-shot vote cells of each budget (ordinary bench cells). Its
+table has a row per setting and budget, a column per epsilon and per baseline; its plot
+``dp-NAME.png`` is perplexity against epsilon.
 """
 
 from __future__ import annotations
@@ -175,6 +187,7 @@ def _leakage_plots(study: Study, results: Mapping[str, dict], out: Path) -> list
 _PPCGPT = "fedcompress.bench.ppcgpt_study"
 _PRIVYTUNE = "fedcompress.bench.privytune_study"
 _PERSONALIZE = "fedcompress.bench.personalize_study"
+_DP = "fedcompress.bench.dp_study"
 
 #: Every kind of study but ``fedprllm`` (the sweep of :mod:`fedcompress.bench.sweep`).
 #: ``network`` studies read other studies' cells: they are planned last and run none of their
@@ -198,6 +211,9 @@ KINDS: dict[str, StudyKind] = {k.name: k for k in (
     StudyKind("personalize", ("personalize",), _lazy(_PERSONALIZE, "plan_study"),
               _lazy(_PERSONALIZE, "record_cell"), _lazy(_PERSONALIZE, "run_cells"),
               _lazy(_PERSONALIZE, "study_tables"), _lazy(_PERSONALIZE, "study_plots")),
+    StudyKind("dp", ("dp-stats",), _lazy(_DP, "plan_study"), _lazy(_DP, "record_cell"),
+              _lazy(_DP, "run_cells"), _lazy(_DP, "study_tables"), _lazy(_DP, "study_plots"),
+              overrides=EVAL_KEYS),
 )}
 #: The study kind of each kind of cell (``dense`` and the other FedPrLLM cells: none).
 CELL_KINDS = {cell: kind.name for kind in KINDS.values() for cell in kind.cell_kinds}

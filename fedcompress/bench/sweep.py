@@ -78,7 +78,7 @@ STUDY_KEYS = ("title", "baselines", "total_windows", "columns", "kind")
 #: Kinds of study (``[study.NAME] kind = ...``): a FedPrLLM sweep, or the studies of
 #: :data:`fedcompress.bench.studies.KINDS` (arithmetic on other cells' records, or their own
 #: cells).
-STUDY_KINDS = ("fedprllm", "network", "leakage", "ppcgpt", "privytune", "personalize")
+STUDY_KINDS = ("fedprllm", "network", "leakage", "ppcgpt", "privytune", "personalize", "dp")
 #: The wire-format settings: the client masks are the same in every format (only the bytes
 #: differ), so one-shot cells of any format share the cached bit-packed masks.
 WIRE_KEYS = ("wire", "wire_reference")

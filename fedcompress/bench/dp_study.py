@@ -1,0 +1,600 @@
+"""Perplexity against epsilon for differentially private statistics mode, as a bench study
+(``[study.NAME] kind = "dp"`` of ``fedcompress bench CONFIG.toml``; config
+``simulations/bench_dp.toml``).
+
+For each setting of the study (``method``, ``sparsity``, a budget of sites x windows, the
+noise's ``placement``) and each ``epsilon``, one cell runs
+:func:`~fedcompress.methods.fedprllm.stats.stats_prune` (statistics mode, the sites one after
+another in this process, each site's statistics clipped per window and noised as
+:mod:`fedcompress.methods.fedprllm.dp` does) on the same calibration windows the bench draws
+for its FedPrLLM cells (:func:`~fedcompress.methods.fedprllm.experiment.prepare_experiment`),
+and evaluates the pruned model with the bench's evaluation
+(:meth:`~fedcompress.methods.fedprllm.experiment.Experiment.evaluate`: the same text and
+windows as every cell). A cell records the perplexity, the plan's noise multiplier ``sigma``,
+the epsilon the accountant spent over the run's layer releases, delta, the mechanism, the
+seconds of the run and the bytes one site sent. ``epsilon`` ``"none"`` (or 0) is plain
+statistics mode: the sum of the sites' statistics, which is centralized pruning on the pooled
+windows (the table says whether its perplexity equals the centralized cell's).
+
+Beside them, planned as ordinary bench cells (shared with any other study of the folder that
+plans the same cells): ``dense``, ``centralized``, ``local-only`` (site 0) and ``votes``
+(FedPrLLM's one-shot vote of the sites' local masks, server comparison group ``vote_group``)
+at each budget.
+
+Settings of the study table (``[bench]`` settings of the same name apply too):
+
+* ``method`` (``wanda`` and/or ``sparsegpt``), ``sparsity`` and any other FedPrLLM client
+  setting that statistics mode takes (``local_group``, ``seqlen``, ``partition``, ``seed``,
+  ``calib_text``, ``batch_size``, ``nm``, ``dp_delta``, ``dp_clip``, ``dp_clip_quantile``,
+  ``dp_public_windows``, ...); a list is swept;
+* ``budgets``: sites x windows per site, e.g. ``["16x4", "16x64"]`` (default: ``clients`` x
+  ``samples_per_client``);
+* ``epsilon``: the run's epsilon per site, e.g. ``[1, 2, 4, 8, 16, "none"]`` (the default);
+* ``placement``: ``central`` (the default: the server adds Gaussian noise to the clipped sum
+  and is trusted with it) and/or ``distributed`` (each site adds a Skellam share in SecAgg+'s
+  fixed-point lanes; the sum is taken as SecAgg+ takes it, without the cryptography);
+* ``baselines``: some of :data:`BASELINES` (default all: ``centralized``, ``local-only``,
+  ``votes``, ``dense``);
+* ``vote_group``: the votes' server comparison group (default ``layer``);
+* the evaluation settings (``eval_text``, ``eval_windows``, ...), as every study.
+
+**The noise is seeded** per cell (``dp_seed``, from the cell's settings, its ``seed``
+included) so that a rerun reproduces a cell. That is for research only: a draw someone can
+repeat protects nobody, so no guarantee holds for these runs; a deployed site draws its noise
+from OS entropy (:func:`fedcompress.privacy.dp_stats.secret_rng`). The simulated sites have no
+ledger (the epsilon is the plan's accountant's).
+
+Every cell is planned, stored in ``OUT/results.jsonl``, resumed (finished cells skipped, failed
+ones retried; a failing cell is recorded with its error) and reported by the bench
+(:mod:`fedcompress.bench.studies`). The report has the study's table (perplexity per epsilon
+beside the baselines), the details of each DP cell and one plot, perplexity against epsilon
+(``dp-NAME.png``).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import math
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedcompress.bench.studies import check_keys, stored_cell
+from fedcompress.bench.sweep import (
+    ATTACK_KEYS,
+    CLIENT_KEYS,
+    EVAL_KEYS,
+    SERVER_KEYS,
+    BenchConfigError,
+    Cell,
+    Study,
+    _cells,
+    _data_key,
+    _digest,
+    _eval_items,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fedcompress.bench.sweep import BenchRunner
+    from fedcompress.bench.tables import StudyTable
+    from fedcompress.methods.fedprllm.experiment import Experiment
+    from fedcompress.methods.fedprllm.stats import StatsRun
+
+logger = logging.getLogger(__name__)
+
+#: The kind of a DP statistics-mode cell.
+DP_CELL = "dp-stats"
+#: What the study plans beside its DP cells (ordinary bench cells; ``votes``: FedPrLLM's
+#: one-shot vote).
+BASELINES = ("centralized", "local-only", "votes", "dense")
+#: The default epsilons (``"none"``: no DP).
+EPSILONS = (1, 2, 4, 8, 16, "none")
+PLACEMENTS = ("central", "distributed")
+#: The study's own settings (not FedPrLLM's).
+STUDY_SETTINGS = ("budgets", "epsilon", "placement", "baselines", "vote_group")
+#: FedPrLLM settings a dp study sets itself (or that do not apply to statistics mode), with
+#: what to use instead.
+RESERVED = {
+    "aggregate": "statistics mode is what a dp study runs",
+    "dp_epsilon": "use epsilon", "dp_placement": "use placement",
+    "secagg": "set by placement (distributed: SecAgg+ lanes)",
+    "mode": "the votes are one-shot", "min_clients": "every site answers",
+    "wire": "statistics are float64 sums", "wire_reference": "statistics are float64 sums",
+    "fault": "no faults", "faulty": "no faults", "fault_seconds": "no faults",
+    "fault_layer": "no faults", "attack": "no attackers", "attackers": "no attackers",
+}
+#: FedPrLLM client settings a dp study takes.
+FED_SETTINGS = tuple(k for k in CLIENT_KEYS if k not in RESERVED)
+#: The budget's settings (``budgets`` sets them).
+BUDGET_KEYS = ("clients", "samples_per_client")
+_BUDGET = re.compile(r"\s*(\d+)\s*x\s*(\d+)\s*")
+#: What the record says of its noise.
+SEEDED_NOTE = ("seeded per cell for reproducible research: no privacy guarantee holds for a "
+               "seeded draw")
+
+
+# ------------------------------------------------------------------------------------------
+# Planning
+# ------------------------------------------------------------------------------------------
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def parse_budget(name: str, value: Any) -> tuple[int, int]:
+    """``"16x64"`` -> ``(16, 64)`` (sites, windows per site)."""
+    match = _BUDGET.fullmatch(value) if isinstance(value, str) else None
+    if match is None or min(int(match[1]), int(match[2])) < 1:
+        raise BenchConfigError(f"study {name!r}: budgets entry {value!r}: expected "
+                               "'SITESxWINDOWS' with both >= 1, such as '16x64'")
+    return int(match[1]), int(match[2])
+
+
+def parse_epsilon(name: str, value: Any) -> float:
+    """An ``epsilon`` entry: a number > 0, or ``"none"`` / 0 (no DP) -> 0.0."""
+    if isinstance(value, str) and value.strip().lower() == "none":
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise BenchConfigError(f"study {name!r}: epsilon entry {value!r}: expected a finite "
+                               "number > 0, or 'none' (or 0) for no DP")
+    return float(value)
+
+
+def budget_label(settings: Mapping[str, Any]) -> str:
+    return f"{settings['clients']}x{settings['samples_per_client']}"
+
+
+def epsilon_label(epsilon: float) -> str:
+    return "no DP" if not epsilon else f"ε={epsilon:g}"
+
+
+def _options(name: str, table: Mapping[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """The study's own settings, checked: budgets, epsilons, placements, baselines."""
+    from fedcompress.methods.fedprllm.stats import STATS_METHODS
+    from fedcompress.pruning.select import GROUPS
+
+    if "budgets" in table:
+        given = sorted(set(BUDGET_KEYS) & set(table))
+        if given:
+            raise BenchConfigError(f"study {name!r}: {given} and budgets both set the sites "
+                                   "and windows: give budgets only")
+        budgets = [parse_budget(name, b) for b in _as_list(table["budgets"])]
+    else:
+        values = [settings.get(k, dflt) for k, dflt in zip(BUDGET_KEYS, (16, 4))]
+        if any(isinstance(v, list) for v in values):
+            raise BenchConfigError(f"study {name!r}: clients / samples_per_client as lists: "
+                                   "give budgets = ['SITESxWINDOWS', ...] instead")
+        try:
+            budgets = [(int(values[0]), int(values[1]))]
+        except (TypeError, ValueError) as err:
+            raise BenchConfigError(f"study {name!r}: clients / samples_per_client {values}: "
+                                   "expected integers") from err
+    epsilons = [parse_epsilon(name, e) for e in _as_list(table.get("epsilon", list(EPSILONS)))]
+    placements = _as_list(table.get("placement", "central"))
+    baselines = _as_list(table.get("baselines", list(BASELINES)))
+    for key, values in (("budgets", budgets), ("epsilon", epsilons),
+                        ("placement", placements)):
+        if not values:
+            raise BenchConfigError(f"study {name!r}: {key} is an empty list")
+        if len(set(values)) != len(values):
+            raise BenchConfigError(f"study {name!r}: {key} {values} names a value twice")
+    bad = sorted({str(p) for p in placements} - set(PLACEMENTS))
+    if bad:
+        raise BenchConfigError(f"study {name!r}: placement {bad}: expected some of "
+                               f"{list(PLACEMENTS)}")
+    bad = sorted({str(b) for b in baselines} - set(BASELINES))
+    if bad:
+        raise BenchConfigError(f"study {name!r}: baselines {bad}: expected some of "
+                               f"{list(BASELINES)}")
+    vote_group = table.get("vote_group", "layer")
+    if vote_group not in GROUPS:
+        raise BenchConfigError(f"study {name!r}: vote_group {vote_group!r}: expected one of "
+                               f"{list(GROUPS)}")
+    methods = _as_list(settings.get("method", "wanda"))
+    bad = sorted({str(m) for m in methods} - set(STATS_METHODS))
+    if bad:
+        raise BenchConfigError(f"study {name!r}: method {bad}: statistics mode (and its DP) "
+                               f"takes {list(STATS_METHODS)}")
+    if settings.get("sparsity_profile", "uniform") != "uniform":
+        raise BenchConfigError(f"study {name!r}: sparsity_profile "
+                               f"{settings['sparsity_profile']!r}: a dp study compares "
+                               "statistics mode with the baselines at uniform (or fixed "
+                               "layer_sparsity) plans")
+    return {"budgets": [list(b) for b in budgets], "epsilons": epsilons,
+            "placements": [str(p) for p in placements],
+            "baselines": [b for b in BASELINES if b in baselines], "vote_group": vote_group}
+
+
+def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
+               overrides: Mapping[str, Any]) -> Study:
+    """A dp study: per point of its swept FedPrLLM settings and per budget, one DP cell per
+    placement and epsilon (epsilon 0: one plain statistics-mode cell) and the baselines'
+    ordinary bench cells."""
+    for key in sorted(set(table) & set(RESERVED)):
+        raise BenchConfigError(f"study {name!r} (kind dp): {key} is not a setting of a dp "
+                               f"study: {RESERVED[key]}")
+    check_keys(name, "dp", table, [*FED_SETTINGS, *EVAL_KEYS, *STUDY_SETTINGS])
+    settings = {k: base[k] for k in FED_SETTINGS if k in base}
+    settings.update({k: table[k] for k in FED_SETTINGS if k in table})
+    evals = {k: base[k] for k in EVAL_KEYS if k in base}
+    evals.update({k: table[k] for k in EVAL_KEYS if k in table})
+    evals.update({k: v for k, v in overrides.items() if k in EVAL_KEYS})
+    options = _options(name, table, settings)
+    for key in BUDGET_KEYS:
+        settings.pop(key, None)
+    swept = [k for k, v in settings.items() if isinstance(v, list)]
+    for key in swept:
+        if not settings[key]:
+            raise BenchConfigError(f"study {name!r}: {key} is an empty list")
+    options["rows"] = swept
+    cells: dict[str, Cell] = {}
+    fed_baselines = [b for b in options["baselines"] if b != "votes"]
+    for values in itertools.product(*(settings[k] for k in swept)):
+        point = {**settings, **dict(zip(swept, values))}
+        for clients, windows in options["budgets"]:
+            budget = {**point, "clients": clients, "samples_per_client": windows}
+            for placement in options["placements"]:
+                for epsilon in options["epsilons"]:
+                    cell = dp_cell(name, budget, evals, epsilon, placement)
+                    cells.setdefault(cell.id, cell)
+            # the baselines: ordinary bench cells (no DP settings: shared with other studies)
+            votes = {k: v for k, v in budget.items() if not k.startswith("dp_")}
+            votes.update(mode="oneshot", group=options["vote_group"], **evals)
+            for cell in _cells(name, votes, fed_baselines):
+                if cell.kind != "fedprllm" or "votes" in options["baselines"]:
+                    cells.setdefault(cell.id, cell)
+    fixed = {k: v for k, v in settings.items() if k not in swept}
+    return Study(name, str(table.get("title", name)), {**fixed, **evals},
+                 [*swept, "budget", "placement", "epsilon"], [], None, list(cells.values()),
+                 kind="dp", options=options)
+
+
+def dp_cell(name: str, point: Mapping[str, Any], evals: Mapping[str, Any], epsilon: float,
+            placement: str) -> Cell:
+    """The DP statistics-mode cell of ``point`` (FedPrLLM client settings) at ``epsilon``
+    (0: no DP; its DP settings then take their defaults, so that one cell serves every
+    placement)."""
+    from fedcompress.config import SettingsError
+    from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig
+
+    values = dict(point)
+    values.update(aggregate="stats", dp_epsilon=epsilon)
+    if epsilon:
+        values.update(dp_placement=placement, secagg=placement == "distributed")
+    else:
+        values = {k: v for k, v in values.items() if not k.startswith("dp_")}
+    try:
+        config = FedPrLLMConfig.from_dict(values)
+        eval_items = _eval_items(EvalConfig(**evals))
+    except (SettingsError, TypeError, ValueError) as err:
+        raise BenchConfigError(f"study {name!r}: {err}") from err
+    full = config.to_dict()
+    if full["partition"] == "iid":  # alpha has no effect (as the bench's cells)
+        full["alpha"] = FedPrLLMConfig.alpha
+    return Cell(DP_CELL, tuple((k, full[k]) for k in CLIENT_KEYS), (), eval_items)
+
+
+def record_cell(record: Mapping[str, Any]) -> Cell:
+    """The cell a stored DP record belongs to (settings it lacks, added later, take their
+    default)."""
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+
+    cell = stored_cell(DP_CELL, record, FedPrLLMConfig, drop=SERVER_KEYS)
+    return Cell(DP_CELL, cell.client, (), tuple(sorted(record.get("eval", {}).items())))
+
+
+def dp_seed(cell: Cell) -> int:
+    """The seed of a cell's noise: from its settings (its ``seed`` among them), so that a
+    rerun draws the same noise. Research only (module docstring)."""
+    client = {k: v for k, v in cell.client if k not in ATTACK_KEYS}
+    return int(np.random.SeedSequence([int(client.get("seed", 0)),
+                                       int(_digest(client), 16)]).generate_state(1)[0])
+
+
+# ------------------------------------------------------------------------------------------
+# Running
+# ------------------------------------------------------------------------------------------
+
+def prune_cell(exp: Experiment, cell: Cell) -> tuple[nn.Module, StatsRun, float, int | None]:
+    """A DP cell's pruned model: statistics mode on the experiment's sites' windows (seeded
+    noise with DP). Returns the model, the run, its seconds and the noise seed (None without
+    DP)."""
+    from fedcompress.methods.fedprllm.stats import stats_prune
+    from fedcompress.pruning.local import apply_masks
+
+    config = cell.config()
+    seed = dp_seed(cell) if config.dp else None
+    start = time.perf_counter()
+    run = stats_prune(exp.model, exp.windows, config, tokenizer=exp.tokenizer, dp_seed=seed)
+    seconds = time.perf_counter() - start
+    return apply_masks(exp.fresh_copy(), run.masks, run.weights), run, seconds, seed
+
+
+def compute(exp: Experiment, cell: Cell) -> dict:
+    """One DP cell's record: the bench's evaluation of its pruned model, and what the run
+    cost and spent."""
+    config = cell.config()
+    view = copy.copy(exp)
+    view.config = config
+    model, run, seconds, seed = prune_cell(view, cell)
+    dp = run.dp
+    fields: dict[str, Any] = {
+        "prune_seconds": seconds, "rounds": len(run.masks),
+        "bytes_up_per_site": int(sum(run.bytes_up_per_site)),
+        "bytes_up_total": int(sum(run.bytes_up_per_site)) * config.clients,
+        "site_seconds_mean": float(sum(run.site_seconds)),
+        "server_seconds": float(sum(run.server_seconds)), "dp_report": dp}
+    if dp.get("dp"):
+        fields.update(sigma=dp["sigma"], epsilon_spent=dp["epsilon_spent"],
+                      delta=dp["delta"], mechanism=dp["mechanism"], noise_seed=seed,
+                      noise=SEEDED_NOTE)
+    name = (f"dp-stats {config.method} {budget_label(config.to_dict())} "
+            + (f"{config.dp_placement} eps {config.dp_epsilon:g}" if config.dp else "no DP"))
+    record = view.evaluate(name, model, **fields)
+    del model
+    return record
+
+
+def run_cells(runner: BenchRunner, cells: list[Cell]) -> None:
+    """Run the pending DP cells: each model loaded once, each set of windows and evaluation
+    text prepared once (as the bench prepares its FedPrLLM cells'), each cell stored at once
+    (a failure recorded with its error)."""
+    from fedcompress.methods.fedprllm.experiment import prepare_experiment
+    from fedcompress.models import load_model
+
+    by_model: dict[tuple, list[Cell]] = {}
+    for cell in cells:
+        client = dict(cell.client)
+        by_model.setdefault((client["model"], client["dtype"]), []).append(cell)
+    for (model, dtype), group in by_model.items():
+        try:
+            loaded = load_model(model, device=runner.device, dtype=dtype)
+        except Exception as err:  # every cell of the model fails with its error
+            for cell in group:
+                runner.run_cell(cell, lambda err=err: _raise(err))
+            continue
+        by_data: dict[str, list[Cell]] = {}
+        for cell in group:
+            by_data.setdefault(_data_key(cell), []).append(cell)
+        for same in by_data.values():
+            try:
+                exp = prepare_experiment(same[0].config(), same[0].eval_config(),
+                                         loaded=loaded)
+            except Exception as err:
+                for cell in same:
+                    runner.run_cell(cell, lambda err=err: _raise(err))
+                continue
+            for cell in same:
+                runner.run_cell(cell, lambda cell=cell, exp=exp: compute(exp, cell))
+        del loaded
+
+
+def _raise(err: BaseException):
+    raise err
+
+
+# ------------------------------------------------------------------------------------------
+# Tables and the plot
+# ------------------------------------------------------------------------------------------
+
+_REFERENCE = {"centralized": "centralized", "local-only": "local-only", "fedprllm": "votes"}
+_BASELINE_LABEL = {"centralized": "centralized", "local-only": "local-only (site 0)",
+                   "votes": "FedPrLLM vote", "dense": "dense"}
+
+
+def _rows(study: Study) -> list[dict[str, Any]]:
+    """The table's rows: per point of the swept settings, budget and placement (placement
+    ``-`` when the study has no DP epsilon)."""
+    options = study.options
+    placements = options["placements"] if any(options["epsilons"]) else ["-"]
+    rows: dict[str, dict[str, Any]] = {}
+    for cell in study.cells:
+        if cell.kind != DP_CELL:
+            continue
+        s = cell.settings()
+        for placement in placements:
+            row = {**{k: s.get(k) for k in options["rows"]}, "budget": budget_label(s),
+                   "placement": placement}
+            rows.setdefault(repr(sorted(row.items())), row)
+    return list(rows.values())
+
+
+def _matches(row: Mapping[str, Any], settings: Mapping[str, Any], rows: list[str]) -> bool:
+    """Whether a cell belongs to a row: its budget and swept settings (the DP settings only
+    for a cell with DP: the others take their defaults)."""
+    if "clients" in settings and budget_label(settings) != row["budget"]:
+        return False
+    dp = settings.get("kind") == DP_CELL and bool(settings.get("dp_epsilon"))
+    return all(settings[k] == row[k] for k in rows
+               if k in settings and (dp or not k.startswith("dp_")))
+
+
+def _value(record: Mapping[str, Any] | None) -> str:
+    if record is None:
+        return "pending"
+    if record.get("status") != "ok":
+        return "failed"
+    return f"{record['perplexity']:.2f}"
+
+
+def row_values(study: Study, results: Mapping[str, dict], row: Mapping[str, Any]
+               ) -> dict[str, Mapping[str, Any] | None]:
+    """The records of a row: ``eps:<value>`` per epsilon, and each baseline's (``None``:
+    pending; a key missing: not planned)."""
+    out: dict[str, Mapping[str, Any] | None] = {}
+    for cell in study.cells:
+        s = cell.settings()
+        if cell.kind == "dense":
+            out["dense"] = results.get(cell.id)
+            continue
+        if not _matches(row, s, study.options["rows"]):
+            continue
+        if cell.kind == DP_CELL:
+            eps = float(s["dp_epsilon"])
+            if eps and s["dp_placement"] != row["placement"]:
+                continue
+            out[f"eps:{eps:g}"] = results.get(cell.id)
+        elif cell.kind in _REFERENCE:
+            out[_REFERENCE[cell.kind]] = results.get(cell.id)
+    return out
+
+
+def _same_as_centralized(values: Mapping[str, Mapping[str, Any] | None]) -> str:
+    plain, central = values.get("eps:0"), values.get("centralized")
+    if not plain or not central or plain.get("status") != "ok" \
+            or central.get("status") != "ok":
+        return "-"
+    gap = plain["perplexity"] - central["perplexity"]
+    return "yes (identical)" if gap == 0 else f"NO: {gap:+.3g}"
+
+
+def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
+    """Perplexity per epsilon beside the baselines (one row per setting, budget and
+    placement), then each DP cell's noise, spent epsilon, seconds and bytes."""
+    from fedcompress.bench.tables import StudyTable, _fmt
+
+    options = study.options
+    keys = [*options["rows"], "budget", "placement"]
+    epsilons = options["epsilons"]
+    columns = [f"eps:{e:g}" for e in epsilons] + [b for b in BASELINES
+                                                  if b in options["baselines"]]
+    header = [*keys, *(epsilon_label(e) for e in epsilons),
+              *(_BASELINE_LABEL[b] for b in BASELINES if b in options["baselines"]),
+              *(["no DP = centralized"] if 0.0 in epsilons and "centralized" in columns
+                else [])]
+    body = []
+    for row in _rows(study):
+        values = row_values(study, results, row)
+        line = [*(_fmt(row[k]) for k in keys),
+                *(_value(values.get(c)) if c in values else "-" for c in columns)]
+        if header[-1] == "no DP = centralized":
+            line.append(_same_as_centralized(values))
+        body.append(line)
+    fixed = ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(study.settings.items()))
+    note = ("Perplexity (lower is better) of statistics mode with DP at each epsilon per site "
+            "(delta and the clip bounds as fixed below; the noise multiplier and the epsilon "
+            "the accountant spent over every layer's release are in the next table), beside "
+            "the dense model, centralized pruning on the pooled windows, site 0 alone "
+            "(local-only) and FedPrLLM's one-shot vote (server "
+            f"{options['vote_group']} group) at the same budget (sites x windows per site). "
+            "`no DP` is plain statistics mode, which is centralized pruning on the same "
+            "windows (the last column compares the two perplexities). The noise is "
+            f"{SEEDED_NOTE}. Fixed: {fixed}.")
+    main = StudyTable("", note, header, body, first_value=len(keys), best="min")
+    detail_header = [*keys[:-1], "placement", "epsilon", "perplexity", "sigma",
+                     "epsilon spent", "delta", "prune s", "up / site", "status"]
+    detail = []
+    for cell in study.cells:
+        if cell.kind != DP_CELL:
+            continue
+        s = cell.settings()
+        eps = float(s["dp_epsilon"])
+        record = results.get(cell.id)
+        line = [*(_fmt(s.get(k)) for k in options["rows"]), budget_label(s),
+                s["dp_placement"] if eps else "-", epsilon_label(eps)]
+        if record is None or record.get("status") != "ok":
+            status = "pending" if record is None else f"failed: {record.get('error', '?')}"
+            detail.append(line + [""] * 6 + [status[:160]])
+            continue
+        spent = record.get("epsilon_spent")
+        detail.append(line + [
+            f"{record['perplexity']:.3f}",
+            f"{record['sigma']:.4g}" if "sigma" in record else "-",
+            f"{spent:.4g}" if spent is not None else "-",
+            f"{record['delta']:g}" if "delta" in record else "-",
+            f"{record['prune_seconds']:.1f}", _bytes(record["bytes_up_per_site"]), "ok"])
+    detail_note = ("Each DP cell: the noise multiplier sigma of its plan (a block's noise "
+                   "std is sigma sqrt(2k) C_j for its clip bound C_j), the epsilon the "
+                   "accountant gives for all the run's layer releases, seconds of the "
+                   "statistics-mode run (all sites, one after another, in one process) and "
+                   "the bytes one site sends over the run.")
+    return [main, StudyTable("DP cells", detail_note, detail_header, detail,
+                             first_value=len(options["rows"]) + 4, best=None)]
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Path]:
+    """``dp-NAME.png``: perplexity against epsilon (log x), one panel per method, one line
+    per budget (and placement, other swept settings), horizontal lines for its centralized,
+    local-only and votes cells (the line's colour) and the dense model (grey)."""
+    from fedcompress.bench.plots import _pyplot
+
+    options = study.options
+    panels: dict[str, list[tuple[dict, dict]]] = {}
+    for row in _rows(study):
+        values = row_values(study, results, row)
+        points = sorted((float(k[4:]), r["perplexity"]) for k, r in values.items()
+                        if k.startswith("eps:") and float(k[4:]) > 0 and r
+                        and r.get("status") == "ok")
+        refs = {k: r["perplexity"] for k, r in values.items()
+                if not k.startswith("eps:") and r and r.get("status") == "ok"}
+        if "eps:0" in values and values["eps:0"] and values["eps:0"].get("status") == "ok":
+            refs["no DP"] = values["eps:0"]["perplexity"]
+        if not points and not refs:
+            continue
+        method = str(row.get("method", study.settings.get("method", "")))
+        panels.setdefault(method, []).append((row, {"points": points, "refs": refs}))
+    if not panels:
+        return []
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.2), squeeze=False)
+    styles = {"centralized": "--", "no DP": (0, (1, 1)), "local-only": ":", "votes": "-.",
+              "dense": "-"}
+    eps = [e for e in options["epsilons"] if e > 0]
+    values_all: list[float] = []
+    for ax, (method, lines) in zip(axes[0], sorted(panels.items())):
+        dense = None
+        for i, (row, line) in enumerate(lines):
+            colour = f"C{i % 10}"
+            label = ", ".join([row["budget"], *(f"{k}={row[k]}" for k in options["rows"]
+                                                if k != "method"),
+                               *([row["placement"]] if len(options["placements"]) > 1
+                                 else [])])
+            if line["points"]:
+                xs, ys = zip(*line["points"])
+                ax.plot(xs, ys, marker="o", color=colour, label=f"DP statistics, {label}")
+                values_all += ys
+            for ref, y in line["refs"].items():
+                if ref == "dense":
+                    dense = y
+                    continue
+                if ref == "no DP" and "centralized" in line["refs"]:
+                    continue  # the same windows pooled: on the centralized line (table)
+                ax.axhline(y, color=colour, linestyle=styles[ref], linewidth=1, alpha=0.8,
+                           label=f"{_BASELINE_LABEL.get(ref, ref)}, {label}")
+                values_all.append(y)
+        if dense is not None:
+            ax.axhline(dense, color="grey", linestyle="-", linewidth=1, label="dense")
+            values_all.append(dense)
+        ax.set_xscale("log", base=2)
+        if eps:
+            ax.set_xticks(eps, [f"{e:g}" for e in eps])
+        ax.set_xlabel("epsilon per site (log scale)")
+        ax.set_ylabel("perplexity")
+        ax.set_title(f"{method}", fontsize=10)
+        ax.legend(fontsize=6)
+    if values_all and max(values_all) > 3 * min(values_all):
+        for ax in axes[0]:
+            ax.set_yscale("log")
+            ax.set_ylabel("perplexity (log scale)")
+    fig.suptitle(study.title, fontsize=10)
+    fig.tight_layout()
+    path = out / f"dp-{study.name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,205 @@
+"""The bench study of kind ``dp`` (perplexity against epsilon of DP statistics mode): its plan,
+bad settings, a tiny end-to-end run with its table and plot, no DP = centralized bit for bit,
+resume and a failing cell."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedcompress.bench import dp_study
+from fedcompress.bench.run import run_bench
+from fedcompress.bench.sweep import BenchConfigError, load_results, plan
+
+
+def _config(model: str, corpus: str, **study) -> dict:
+    bench = {"model": model, "seqlen": 16, "batch_size": 2, "eval_seqlen": 16,
+             "eval_windows": 2, "calib_text": corpus, "eval_text": corpus, "eval_split": "test"}
+    table = {"kind": "dp", "title": "DP tiny", "method": "wanda", "sparsity": 0.5,
+             "budgets": ["2x2"], "epsilon": [4, 16, "none"], "dp_public_windows": 4}
+    table.update(study)
+    return {"bench": bench, "study": {"dp": table}}
+
+
+def _write(folder, config) -> str:
+    import tomli_w
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "bench.toml"
+    path.write_text(tomli_w.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    words = ("the king of the city was in the war and the queen had a river . "
+             "people made it in the first year , but who were they ? ").split()
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n".join(" ".join(rng.choice(words, 60)) for _ in range(40)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_dir, corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-dp")
+    config = _config(tiny_dir, corpus, placement=["central", "distributed"])
+    out = root / "out"
+    report = run_bench(_write(root, config), out, progress=False)
+    return config, root, out, report
+
+
+def test_the_plan_of_a_dp_study(tiny_dir, corpus):
+    config = _config(tiny_dir, corpus, method=["wanda", "sparsegpt"], budgets=["2x2", "2x4"],
+                     epsilon=[1, 8, "none"], placement=["central", "distributed"])
+    (study,) = plan(config)
+    assert study.kind == "dp" and study.options["rows"] == ["method"]
+    assert study.options["epsilons"] == [1.0, 8.0, 0.0]
+    assert study.options["budgets"] == [[2, 2], [2, 4]]
+    dp = [c for c in study.cells if c.kind == "dp-stats"]
+    # 2 methods x 2 budgets x (2 placements x 2 epsilons + one plain statistics mode)
+    assert len(dp) == 2 * 2 * (2 * 2 + 1)
+    kinds = [c.kind for c in study.cells]
+    assert kinds.count("dense") == 1
+    for kind in ("centralized", "local-only", "fedprllm"):
+        assert kinds.count(kind) == 4, kind  # per method and budget
+    for cell in dp:
+        s = cell.settings()
+        assert s["aggregate"] == "stats" and "group" not in s  # no server variant
+        assert s["secagg"] == (s["dp_epsilon"] > 0 and s["dp_placement"] == "distributed")
+    votes = [c.settings() for c in study.cells if c.kind == "fedprllm"]
+    assert all(v["mode"] == "oneshot" and v["group"] == "layer" and v["aggregate"] == "votes"
+               for v in votes)
+    # the baselines are the cells a FedPrLLM study plans (shared ids)
+    fed = plan({"bench": config["bench"], "study": {"s": {
+        "method": "wanda", "sparsity": 0.5, "clients": 2, "samples_per_client": 2,
+        "baselines": ["dense", "centralized", "local-only"]}}})[0]
+    assert {c.id for c in fed.cells} <= {c.id for c in study.cells}
+    # the noise seed: per cell, stable
+    seeds = {dp_study.dp_seed(c) for c in dp}
+    assert len(seeds) == len(dp)
+    assert dp_study.dp_seed(dp[0]) == dp_study.dp_seed(plan(config)[0].cells[0])
+    # a stored record finds its cell again
+    record = {"kind": "dp-stats", **dict(dp[3].client), "eval": dict(dp[3].evals)}
+    assert dp_study.record_cell(record).id == dp[3].id
+    # no baselines, one epsilon: DP cells only
+    (only,) = plan(_config(tiny_dir, corpus, baselines=[], epsilon=8))
+    assert [c.kind for c in only.cells] == ["dp-stats"]
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(budgets=["2by2"]), "budgets entry '2by2'"),
+    (dict(budgets=["0x4"]), "budgets entry '0x4'"),
+    (dict(budgets=[]), "budgets is an empty list"),
+    (dict(budgets=["2x2"], clients=4), "budgets both set"),
+    (dict(epsilon=[-1]), "epsilon entry -1"),
+    (dict(epsilon=["lots"]), "epsilon entry 'lots'"),
+    (dict(epsilon=[8, 8.0]), "names a value twice"),
+    (dict(epsilon=[]), "epsilon is an empty list"),
+    (dict(placement="server"), "placement \\['server'\\]"),
+    (dict(baselines=["oracle"]), "baselines \\['oracle'\\]"),
+    (dict(method="magnitude"), "method \\['magnitude'\\]"),
+    (dict(vote_group="block"), "vote_group 'block'"),
+    (dict(dp_epsilon=8), "use epsilon"),
+    (dict(aggregate="stats"), "statistics mode is what"),
+    (dict(group="row"), "unknown setting\\(s\\) \\['group'\\]"),
+    (dict(sparsity_profile="owl"), "sparsity_profile 'owl'"),
+    (dict(sparsity=1.5), "sparsity"),
+])
+def test_bad_dp_study_settings_are_refused(tiny_dir, corpus, change, match):
+    with pytest.raises(BenchConfigError, match=match):
+        plan(_config(tiny_dir, corpus, **change))
+
+
+def test_a_dp_study_end_to_end(bench):
+    _, _, out, report = bench
+    assert report.exit_status == "ok"
+    results = load_results(out / "results.jsonl")
+    (study,) = plan(json.loads((out / "report.json").read_text())["config"])
+    records = {c.id: results[c.id] for c in study.cells}
+    assert all(r["status"] == "ok" for r in records.values())
+    skellam = {float(r["dp_epsilon"]): r for r in records.values()
+               if r["kind"] == "dp-stats" and r["dp_epsilon"] and r["secagg"]}
+    assert sorted(skellam) == [4.0, 16.0]
+    assert all(r["mechanism"] == "skellam" and r["dp_placement"] == "distributed"
+               and r["epsilon_spent"] <= r["dp_epsilon"] for r in skellam.values())
+    dp = {float(r["dp_epsilon"]): r for r in records.values()
+          if r["kind"] == "dp-stats" and not r["secagg"]}
+    assert sorted(dp) == [0.0, 4.0, 16.0]
+    for eps in (4.0, 16.0):
+        r = dp[eps]
+        assert r["sigma"] > 0 and r["delta"] == 1e-5 and r["mechanism"] == "gaussian"
+        assert 0.99 * eps <= r["epsilon_spent"] <= eps
+        assert r["bytes_up_per_site"] > 0 and r["rounds"] == 3 and r["prune_seconds"] > 0
+        assert r["noise_seed"] == dp_study.dp_seed(dp_study.record_cell(r))
+        assert "no privacy guarantee" in r["noise"]
+    assert dp[4.0]["sigma"] > dp[16.0]["sigma"]
+    assert "sigma" not in dp[0.0] and dp[0.0]["dp_report"] == {"dp": False}
+    central = next(r for r in records.values() if r["kind"] == "centralized")
+    assert dp[0.0]["perplexity"] == central["perplexity"]  # the same model
+    md = (out / "report.md").read_text()
+    assert "DP tiny" in md and "ε=4" in md and "no DP = centralized" in md
+    assert "yes (identical)" in md and "#### DP cells" in md
+    assert "| 2x2 | distributed |" in md and "| 2x2 | central |" in md
+    assert (out / "dp-dp.png").stat().st_size > 0 and "dp-dp.png" in md
+    # the report page rebuilds the study's tables from report.json
+    from fedcompress.report_html import bench_studies, study_html
+
+    page = json.loads((out / "report.json").read_text())
+    ((rebuilt, rebuilt_results),) = bench_studies(page)
+    html = study_html(rebuilt, rebuilt_results)
+    assert "yes (identical)" in html and "ε=16" in html
+
+
+def test_no_dp_statistics_mode_is_centralized_bit_for_bit(tiny_dir, corpus):
+    from fedcompress.methods.fedprllm.experiment import prepare_experiment
+
+    for method in ("wanda", "sparsegpt"):
+        (study,) = plan(_config(tiny_dir, corpus, method=method, epsilon="none",
+                                budgets=["2x2"]))
+        plain = next(c for c in study.cells if c.kind == "dp-stats")
+        central = next(c for c in study.cells if c.kind == "centralized")
+        exp = prepare_experiment(central.config(), central.eval_config())
+        dp_exp = prepare_experiment(plain.config(), plain.eval_config(), loaded=exp.loaded)
+        for a, b in zip(exp.windows, dp_exp.windows):  # the bench's windows, the same
+            assert torch.equal(a, b)
+        model, run, _, seed = dp_study.prune_cell(dp_exp, plain)
+        assert seed is None and run.dp == {"dp": False}
+        reference, _ = exp.centralized()
+        for (key, w), (_, v) in zip(reference.state_dict().items(), model.state_dict().items()):
+            assert torch.equal(w, v), (method, key)
+
+
+def test_a_rerun_skips_finished_cells(bench):
+    config, root, out, _ = bench
+    lines = (out / "results.jsonl").read_text().splitlines()
+    report = run_bench(_write(root, config), out, progress=False)
+    assert report.extra["plan"]["pending"] == 0
+    assert (out / "results.jsonl").read_text().splitlines() == lines
+
+
+def test_a_failing_cell_is_recorded_and_retried(tiny_dir, corpus, tmp_path, monkeypatch):
+    config = _config(tiny_dir, corpus, epsilon=[8, "none"], baselines=[])
+    real = dp_study.prune_cell
+
+    def fail_with_dp(exp, cell):
+        if cell.config().dp:
+            raise RuntimeError("noise went wrong")
+        return real(exp, cell)
+
+    monkeypatch.setattr(dp_study, "prune_cell", fail_with_dp)
+    out = tmp_path / "out"
+    report = run_bench(_write(tmp_path, config), out, progress=False)
+    assert report.exit_status == "incomplete"
+    records = load_results(out / "results.jsonl")
+    failed = [r for r in records.values() if r["status"] != "ok"]
+    assert len(failed) == 1 and "noise went wrong" in failed[0]["error"]
+    assert failed[0]["dp_epsilon"] == 8.0
+    md = (out / "report.md").read_text()
+    assert "failed: RuntimeError: noise went wrong" in md
+    monkeypatch.setattr(dp_study, "prune_cell", real)
+    report = run_bench(_write(tmp_path, config), out, progress=False)
+    assert report.exit_status == "ok" and report.extra["plan"]["pending"] == 1
