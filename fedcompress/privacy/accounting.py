@@ -15,6 +15,7 @@ and ``"prv"`` (privacy random variables, Gopi et al. 2021; tighter). Both are op
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,17 @@ def noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: in
     check_budget(epsilon, delta)
     _check_sampling(sample_rate, steps)
     _check_accountant(accountant)
+    return _noise_multiplier(float(epsilon), float(delta), float(sample_rate), int(steps),
+                             accountant, float(tolerance))
+
+
+@functools.lru_cache(maxsize=256)
+def _noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: int,
+                      accountant: str, tolerance: float) -> float:
+    """:func:`noise_multiplier`'s search (seconds of opacus' bisection), once per process for
+    each checked argument tuple: a deterministic function of public values (a site and the
+    server of a run, or the cells of a study, ask the same one many times). Errors are not
+    cached."""
     from opacus.accountants.utils import get_noise_multiplier
 
     try:
