@@ -392,9 +392,10 @@ def bench_command(
     log_level: LogOpt = "INFO",
 ) -> None:
     """Studies from one config: FedPrLLM sweeps (method x sparsity x group x scaling x mode x
-    tie-break, plus baselines), network and leakage studies, PPC-GPT's Tables 1-7, PrunePrivyTune's
-    Tables 1-4 and 6, personalized layer pruning and its ablations ([study.NAME] kind = ...);
-    resumable; tables, plots, report."""
+    tie-break, plus baselines), network and leakage studies, DP statistics mode (perplexity
+    against epsilon; membership attacks on the DP release), PPC-GPT's Tables 1-7,
+    PrunePrivyTune's Tables 1-4 and 6, personalized layer pruning and its ablations
+    ([study.NAME] kind = ...); resumable; tables, plots, report."""
     _setup_logging(log_level)
     from fedcompress.bench.run import run_bench
 
