@@ -252,7 +252,7 @@ def dp_roc_bound(epsilon: float, delta: float, fpr: float | np.ndarray) -> np.nd
     delta)``-DP mechanism: ``min(1, e^eps FPR + delta, 1 - e^-eps (1 - delta - FPR))``."""
     _check_eps_delta(epsilon, delta)
     x = np.asarray(fpr, dtype=np.float64)
-    e = math.exp(epsilon)
+    e = math.exp(min(epsilon, 700.0))  # beyond: 1 to float precision
     return np.minimum.reduce([np.ones_like(x), e * x + delta, 1.0 - (1.0 - delta - x) / e])
 
 
@@ -260,7 +260,7 @@ def dp_auc_ceiling(epsilon: float, delta: float) -> float:
     """The area under :func:`dp_roc_bound` (exact: the bound is piecewise linear and its
     breakpoints are on the grid)."""
     _check_eps_delta(epsilon, delta)
-    e = math.exp(epsilon)
+    e = math.exp(min(epsilon, 700.0))  # beyond: 1 to float precision
     breaks = [0.0, 1.0, (1 - delta) / (e + 1), (1 - delta) / e, 1 - delta]
     x = np.unique(np.clip(np.concatenate([np.linspace(0, 1, 1001), breaks]), 0, 1))
     y = dp_roc_bound(epsilon, delta, x)
@@ -271,7 +271,7 @@ def dp_choice_ceiling(epsilon: float, delta: float) -> float:
     """``(e^eps + delta) / (1 + e^eps)``: the largest mean success of a forced choice between
     two exchangeable candidates under ``(epsilon, delta)``-DP."""
     _check_eps_delta(epsilon, delta)
-    e = math.exp(epsilon)
+    e = math.exp(min(epsilon, 700.0))  # beyond: 1 to float precision
     return (e + delta) / (1.0 + e)
 
 
