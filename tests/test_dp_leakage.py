@@ -131,3 +131,43 @@ def test_impossible_runs_are_refused(tiny_dir, corpus):
         measure(config(tiny_dir, corpus, layers=5), "cpu")
     with pytest.raises(ValueError, match="the plan needs"):
         measure(config(tiny_dir, corpus, sites=40, samples_per_client=8), "cpu")
+
+
+@pytest.mark.parametrize("hessian", [False, True])
+def test_the_attackers_per_window_clipping_sums_to_the_sites_clipped_sum(tiny_dir, hessian):
+    """What the attacker computes per window is what a site clips: summed over a site's
+    windows it is :func:`~fedcompress.privacy.dp_stats.clipped_layer_stats` (tight bounds,
+    so that most windows are clipped)."""
+    import torch
+
+    from fedcompress.bench.dp_leakage import window_blocks
+    from fedcompress.models import ModelAdapter, load_model
+    from fedcompress.privacy import dp_stats as dps
+    from fedcompress.pruning.walker import capture_layer_inputs
+
+    model = load_model(tiny_dir, device="cpu").model
+    windows = torch.randint(3, 120, (5, 16), generator=torch.Generator().manual_seed(0))
+    inputs = capture_layer_inputs(model, windows, 2)
+    with ModelAdapter(model).onloaded(0) as layer:
+        owners = dps.layer_blocks(layer, inputs)
+        norms = {}
+        for _s, sq, hs in dps.window_sums(layer, inputs, hessian, 2):
+            for k, v in dps._block_norms(sq, hs, hessian).items():
+                norms.setdefault(k, []).append(v)
+        bounds = {k: float(torch.cat(v).median()) for k, v in norms.items()}
+        site = dps.clipped_layer_stats(layer, inputs, hessian, bounds, 2)
+        per = dict(window_blocks(layer, inputs, hessian, bounds, 2))
+    assert sorted(per) == list(range(5)) and sum(site.clipped.values()) > 0
+    for owner in set(owners.values()):
+        total = sum(per[w][owner] for w in per)
+        st = site.stats[owner]
+        if hessian:
+            n = st.in_features
+            rows, cols = torch.triu_indices(n, n)
+            expected = st.hessian_sum[rows, cols]
+        else:
+            expected = st.sq_sum
+        assert torch.allclose(total, expected.double(), rtol=1e-12, atol=0), owner
+        norms_w = [float(per[w][owner].norm()) for w in per]
+        if not hessian:  # each clipped window is within its bound
+            assert max(norms_w) <= bounds[owner] * (1 + 1e-9)

@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -160,6 +160,32 @@ def _layer_stats(blocks: Mapping[str, torch.Tensor], owners: Mapping[str, str],
     return {name: made[owner] for name, owner in owners.items()}
 
 
+@torch.no_grad()
+def window_blocks(layer: torch.nn.Module, inputs: Any, hessian: bool,
+                  bounds: Mapping[str, float], batch_size: int = 8
+                  ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Every window's own clipped statistics of ``layer``, as the sites clip them
+    (:func:`fedcompress.privacy.dp_stats.window_sums`, each window's block norms scaled by
+    :func:`fedcompress.privacy.dp_stats.clip_factors`, what
+    :func:`~fedcompress.privacy.dp_stats.clipped_layer_stats` sums): ``(window index,
+    {block: flat vector})`` (square sums; the Hessian's upper triangle with ``hessian``). A
+    bound of ``inf`` clips nothing (no DP)."""
+    from fedcompress.privacy import dp_stats as dps
+
+    for start, sq, hs in dps.window_sums(layer, inputs, hessian, batch_size):
+        factors = dps.clip_factors(dps._block_norms(sq, hs, hessian), bounds)
+        for b in range(next(iter(sq.values())).shape[0]):
+            out = {}
+            for k, f in factors.items():
+                if hessian:
+                    n = hs[k].shape[-1]
+                    rows, cols = torch.triu_indices(n, n)
+                    out[k] = (f[b] * hs[k][b])[rows, cols]
+                else:
+                    out[k] = f[b] * sq[k][b]
+            yield start + b, out
+
+
 def _hamming_bits(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> int:
     return int(sum(int((a[k].bool() != b[k].bool()).sum()) for k in a))
 
@@ -200,9 +226,14 @@ def measure(config: DpLeakageConfig, device: str | None = None,
     from fedcompress.methods.fedprllm.config import FedPrLLMConfig
     from fedcompress.methods.fedprllm.federated import advance_to_layer
     from fedcompress.methods.fedprllm.stats import prune_layer, stats_prune
-    from fedcompress.models import ModelAdapter, load_model, num_layers, remove_layers
+    from fedcompress.models import (
+        ModelAdapter,
+        load_model,
+        num_layers,
+        remove_layers,
+        weight_matrix,
+    )
     from fedcompress.privacy import dp_stats as dps
-    from fedcompress.pruning.walker import LayerInputs
 
     timings = {} if timings is None else timings
     start = time.perf_counter()
@@ -234,6 +265,8 @@ def measure(config: DpLeakageConfig, device: str | None = None,
         request = dpm.DpRequest.from_config(fed, L, S)
         bounds = dpm.clip_bounds(model, lm.tokenizer, request, hessian, config.batch_size)
         the_plan = dpm.plan(request, bounds, dpm.block_dims(model, bounds, hessian))
+    else:
+        bounds = None
     timings["setup"] = timings.get("setup", 0.0) + time.perf_counter() - start
 
     groups: dict[str, tuple[list[list[float]], list[list[bool]]]] = {k: ([], [])
@@ -247,10 +280,9 @@ def measure(config: DpLeakageConfig, device: str | None = None,
         drawn = _windows(tokens, config, trial_seed)
         all_windows, targets, reps = drawn["all"], drawn["targets"], drawn["reps"]
         ref, fresh, kept = drawn["ref"], drawn["fresh"], set(drawn["kept"])
-        n_windows = int(all_windows.shape[0])
         dp_seed = trial_seed if dp else None
         run = stats_prune(model, drawn["sites"], fed, tokenizer=lm.tokenizer, dp_seed=dp_seed,
-                          keep_release=True)
+                          keep_release=True, dp_bounds=bounds)
         if dp and not math.isclose(run.dp["sigma"], the_plan.sigma):
             raise RuntimeError(f"the run's sigma {run.dp['sigma']} is not the attacker's "
                                f"{the_plan.sigma}: the plans differ")
@@ -283,16 +315,12 @@ def measure(config: DpLeakageConfig, device: str | None = None,
             release = _blocks(release_stats, owners_list, hessian)
             total: dict[str, torch.Tensor] | None = None
             per: dict[int, dict[str, torch.Tensor]] = {}
-            owners: dict[str, str] = {}
-            dims: dict[str, int] = {}
             with adapter.onloaded(layer) as module:
-                for w in range(n_windows):
-                    one = LayerInputs(hidden[w:w + 1], kwargs, layer)
-                    clipped = dps.clipped_layer_stats(module, one, hessian, layer_bounds,
-                                                      config.batch_size)
-                    owners = clipped.owners
-                    dims = {k: clipped.stats[k].in_features for k in owners_list}
-                    vec = _blocks(clipped.stats, owners_list, hessian)
+                owners = dps.layer_blocks(module, inputs)
+                dims = {k: int(weight_matrix(m).shape[1]) for k, m in
+                        ModelAdapter.linear_layers(module).items() if k in owners_list}
+                for w, vec in window_blocks(module, inputs, hessian, layer_bounds,
+                                            config.batch_size):
                     if w < S * W:
                         total = vec if total is None else _add(total, vec)
                     if w in kept:

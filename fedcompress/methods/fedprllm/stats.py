@@ -466,7 +466,8 @@ class DpSite:
 def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMConfig,
                 batch_size: int | None = None, frac_bits: int | None = None, *,
                 tokenizer=None, dp_sites: list[DpSite] | None = None, run_id: str = "local",
-                dp_seed: int | None = None, keep_release: bool = False) -> StatsRun:
+                dp_seed: int | None = None, keep_release: bool = False,
+                dp_bounds: list[dict[str, float]] | None = None) -> StatsRun:
     """Statistics-mode federated pruning in one process (tests, benchmarks): the same site
     steps, wire round trip and server step as the Flower strategy, sites one after another.
     ``frac_bits``: the sites' statistics are summed as SecAgg+ sums them (fixed point, 64-bit
@@ -478,7 +479,9 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
     its ledger; the distributed placement sums fixed-point lanes at the plan's fractional bits
     (``frac_bits`` is then ignored). ``dp_seed``: seeded noise (tests only). ``keep_release``:
     keep what the server saw of each layer in :attr:`StatsRun.released` (research: the attacks
-    of :mod:`fedcompress.bench.dp_leakage`)."""
+    of :mod:`fedcompress.bench.dp_leakage`). ``dp_bounds``: the clip bounds when already
+    computed for this model and request (public values,
+    :func:`fedcompress.methods.fedprllm.dp.clip_bounds`; default: computed here)."""
     from fedcompress.methods.fedprllm import dp as dpm
     from fedcompress.methods.fedprllm.federated import advance_to_layer, site_layer_stats
     from fedcompress.privacy.dp_stats import secret_rng
@@ -493,7 +496,8 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
     site_plans: list = []
     if config.dp:
         request = dpm.DpRequest.from_config(config, n_layers, len(windows))
-        bounds = dpm.clip_bounds(model, tokenizer, request, hessian, batch)
+        bounds = (dp_bounds if dp_bounds is not None
+                  else dpm.clip_bounds(model, tokenizer, request, hessian, batch))
         dims = dpm.block_dims(model, bounds, hessian)
         plan = dpm.plan(request, bounds, dims)
         sites = dp_sites or [DpSite(SitePolicy(simulation=True)) for _ in windows]
