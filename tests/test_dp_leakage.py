@@ -171,3 +171,39 @@ def test_the_attackers_per_window_clipping_sums_to_the_sites_clipped_sum(tiny_di
         norms_w = [float(per[w][owner].norm()) for w in per]
         if not hessian:  # each clipped window is within its bound
             assert max(norms_w) <= bounds[owner] * (1 + 1e-9)
+
+
+def test_a_dp_leakage_bench_runs_resumes_and_reports(tiny_dir, corpus, tmp_path, monkeypatch):
+    """``fedcompress bench`` with a dp-leakage study: one stored cell per epsilon, the table in
+    report.md, and a rerun that measures nothing again."""
+    import json
+
+    import tomli_w
+
+    from fedcompress.bench.run import run_bench
+
+    config = {"bench": {"model": tiny_dir, "seqlen": 16, "batch_size": 2, "seed": 0},
+              "study": {"dpl": {"kind": "dp-leakage", "title": "DP leakage, tiny",
+                                "calib_text": corpus, "sites": 3, "samples_per_client": 2,
+                                "nonmembers": 3, "trials": 1, "public_windows": 8,
+                                "epsilon": [0.0, 2.0]}}}
+    path = tmp_path / "bench.toml"
+    path.write_text(tomli_w.dumps(config))
+    out = tmp_path / "out"
+    run_bench(str(path), out, progress=False)
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["dp-leakage"] * 2
+    assert all(r["status"] == "ok" for r in records), records
+    no_dp = next(r for r in records if r["epsilon"] == 0.0)
+    assert no_dp["auc_knows_rest_sum"] == 1.0 and no_dp["gdp_auc_ceiling"] == 1.0
+    md = (out / "report.md").read_text()
+    assert "Membership attacks on the DP release" in md and "knows-the-rest" in md
+
+    import fedcompress.bench.dp_leakage as experiment
+
+    def boom(*args, **kwargs):
+        raise AssertionError("recomputed")
+
+    monkeypatch.setattr(experiment, "measure", boom)
+    run_bench(str(path), out, progress=False)
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2

@@ -187,7 +187,7 @@ def window_blocks(layer: torch.nn.Module, inputs: Any, hessian: bool,
 
 
 def _hamming_bits(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> int:
-    return int(sum(int((a[k].bool() != b[k].bool()).sum()) for k in a))
+    return int(sum(int(torch.count_nonzero(a[k].bool() ^ b[k].bool())) for k in a))
 
 
 # ------------------------------------------------------------------------------------------
