@@ -110,6 +110,9 @@ class DpLeakageConfig(Settings):
     public_windows: int = setting(32, "Public windows the clip bounds are measured on.", ge=1)
     batch_size: int = setting(4, "Windows per forward.", ge=1)
     seed: int = setting(0, "Seed of the windows' draw (and of the noise, per trial).", ge=0)
+    mask_view: bool = setting(True, "Also attack the released mask: one noise-free pruning of "
+                              "each layer per candidate hypothesis (SparseGPT's take seconds "
+                              "each).")
 
     def validate(self) -> None:
         if self.epsilon == 0 and self.placement != "central":
@@ -343,8 +346,10 @@ def measure(config: DpLeakageConfig, device: str | None = None,
                                                std)
             # the masks: noise-free masks of rest + c and R (+ c) against the released one
             released_mask = run.masks[layer]
-            layer_bits = sum(int(m.numel()) for m in released_mask.values())
-            total_bits += layer_bits
+            total_bits += sum(int(m.numel()) for m in released_mask.values())
+            if not config.mask_view:
+                del per, total
+                continue
 
             def mask_of(blocks, windows, layer=layer, owners=owners, dims=dims):
                 stats = _layer_stats(blocks, owners, dims, hessian, windows * config.seqlen)
@@ -365,25 +370,29 @@ def measure(config: DpLeakageConfig, device: str | None = None,
         for i in range(S):
             groups["knows_rest_sum"][0].append(kr_sum[i].tolist())
             groups["knows_rest_sum"][1].append(kr_members)
-            groups["knows_rest_mask"][0].append((-kr_bits[i] / total_bits).tolist())
-            groups["knows_rest_mask"][1].append(kr_members)
+            if config.mask_view:
+                groups["knows_rest_mask"][0].append((-kr_bits[i] / total_bits).tolist())
+                groups["knows_rest_mask"][1].append(kr_members)
         ref_members = [True] * S + [False] * config.nonmembers
         groups["reference_sum"][0].append(ref_sum.tolist())
         groups["reference_sum"][1].append(ref_members)
-        groups["reference_mask"][0].append(((ref_base_bits - ref_bits) / total_bits).tolist())
-        groups["reference_mask"][1].append(ref_members)
+        if config.mask_view:
+            groups["reference_mask"][0].append(((ref_base_bits - ref_bits) / total_bits)
+                                               .tolist())
+            groups["reference_mask"][1].append(ref_members)
         pair_mu += np.sqrt(pair_sq).reshape(-1).tolist()
         trials_out.append({"seed": trial_seed, "dp_seed": dp_seed, "dp": run.dp,
-                           "plan": drawn["plan"].to_dict(),
-                           "member_mask_distance": lk.summary((kr_bits[:, 0] / total_bits)
-                                                              .tolist()),
-                           "nonmember_mask_distance": lk.summary(
-                               (kr_bits[:, 1:] / total_bits).reshape(-1).tolist())})
+                           "plan": drawn["plan"].to_dict()})
+        if config.mask_view:
+            trials_out[-1].update(
+                member_mask_distance=lk.summary((kr_bits[:, 0] / total_bits).tolist()),
+                nonmember_mask_distance=lk.summary((kr_bits[:, 1:] / total_bits)
+                                                   .reshape(-1).tolist()))
         timings["attack"] = timings.get("attack", 0.0) + time.perf_counter() - t0
         logger.info("dp-leakage %s eps=%g trial %d: %.1fs", config.method, config.epsilon,
                     trial, time.perf_counter() - t0)
 
-    attacks = {k: da.summarize(*groups[k]) for k in ATTACKS}
+    attacks = {k: da.summarize(*groups[k]) for k in ATTACKS if groups[k][0]}
     spent = trials_out[0]["dp"].get("epsilon_spent") if dp else None
     ceilings = da.ceilings(spent, config.delta, the_plan.sigma if the_plan else None, L,
                            the_plan.mechanism if the_plan else "gaussian")
@@ -435,9 +444,9 @@ def run_cell(cell: Cell, device: str | None = None) -> dict:
     a = result["attacks"]
     return {"name": f"dp-leakage {config.method} eps={config.epsilon:g} {config.placement}",
             "auc_knows_rest_sum": a["knows_rest_sum"]["auc_within"],
-            "auc_knows_rest_mask": a["knows_rest_mask"]["auc_within"],
+            "auc_knows_rest_mask": a.get("knows_rest_mask", {}).get("auc_within"),
             "auc_reference_sum": a["reference_sum"]["auc_within"],
-            "auc_reference_mask": a["reference_mask"]["auc_within"],
+            "auc_reference_mask": a.get("reference_mask", {}).get("auc_within"),
             "gdp_auc_ceiling": result["ceilings"]["gdp_auc"],
             "dp_auc_ceiling": result["ceilings"]["dp_auc"],
             "phase_seconds": timings, "dp_leakage": result}
@@ -475,6 +484,8 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
                else f"{_num(c['gdp_auc'])} / {_num(c['gdp_choice'])}")
         dpc = f"{_num(c['dp_auc'])} / {_num(c['dp_choice'])}"
         for key, (who, view) in ATTACKS.items():
+            if key not in r["attacks"]:
+                continue  # mask_view off
             m = r["attacks"][key]
             body.append([s["method"], s["placement"], eps, who, view, _num(m["auc_within"]),
                          _num(m["auc_pooled"]), _num(m["neighbour_auc"]),
