@@ -101,6 +101,19 @@ def test_without_noise_the_member_scores_the_maximum():
     assert summary["neighbour_auc"] == 1.0 and summary["choice"] == 1.0
 
 
+def test_standard_errors_resample_whole_releases():
+    scores = [[0.0, -1.0], [0.0, 1.0], [0.0, -2.0], [0.0, -3.0]]
+    members = [[True, False]] * 4
+    one = da.summarize(scores, members, releases=[0, 0, 0, 0])
+    assert one["releases"] == 1 and one["auc_within_se"] is None
+    two = da.summarize(scores, members, releases=[0, 0, 1, 1])
+    assert two["releases"] == 2 and two["auc_within"] == 0.75
+    assert two["auc_within_se"] > 0  # release 0 wins half its pairs, release 1 all
+    assert da.summarize(scores, members)["auc_within"] == two["auc_within"]
+    with pytest.raises(ValueError, match="3 release indices for 4 groups"):
+        da.summarize(scores, members, releases=[0, 0, 1])
+
+
 def test_reference_sum_scores_favour_the_window_that_moves_the_mean():
     ref = {k: torch.full((d,), 1.0, dtype=torch.float64) for k, d in DIMS.items()}
     member = at_bound(0)

@@ -105,7 +105,8 @@ def test_the_bench_kind_plans_a_cell_per_epsilon_and_tables_every_attack(tiny_di
     (table,) = kind.tables(study, {cell.id: {"status": "ok", "dp_leakage": no_dp}})
     rows = [row for row in table.body if row[2] == "none" and row[0] == "wanda"]
     assert [(row[3], row[4]) for row in rows] == list(ATTACKS.values())
-    assert rows[0][5] == "1.000" and rows[0][8] == "1.000 (0.333)"
+    assert rows[0][5] == "1.000 ± 0.000" and rows[0][8] == "1.000 (0.333)"
+    assert no_dp["attacks"]["knows_rest_sum"]["releases"] == 2
     assert sum(row[3] == "pending" for row in table.body) == 3
     bad = {**bench, "study": {"dpl": {"kind": "dp-leakage", "eps": 1}}}
     with pytest.raises(BenchConfigError, match="unknown setting"):

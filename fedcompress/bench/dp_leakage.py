@@ -274,6 +274,7 @@ def measure(config: DpLeakageConfig, device: str | None = None,
 
     groups: dict[str, tuple[list[list[float]], list[list[bool]]]] = {k: ([], [])
                                                                       for k in ATTACKS}
+    release_of: dict[str, list[int]] = {k: [] for k in ATTACKS}  # the trial of each group
     pair_mu: list[float] = []
     trials_out = []
     adapter = ModelAdapter(model)
@@ -367,6 +368,10 @@ def measure(config: DpLeakageConfig, device: str | None = None,
             del per, total
         # the groups of candidates: per target (knows the rest), per release (reference)
         kr_members = [True] + [False] * R
+        for key in ATTACKS:
+            sites = S if key.startswith("knows_rest") else 1
+            if config.mask_view or key.endswith("sum"):
+                release_of[key] += [trial] * sites
         for i in range(S):
             groups["knows_rest_sum"][0].append(kr_sum[i].tolist())
             groups["knows_rest_sum"][1].append(kr_members)
@@ -392,7 +397,8 @@ def measure(config: DpLeakageConfig, device: str | None = None,
         logger.info("dp-leakage %s eps=%g trial %d: %.1fs", config.method, config.epsilon,
                     trial, time.perf_counter() - t0)
 
-    attacks = {k: da.summarize(*groups[k]) for k in ATTACKS if groups[k][0]}
+    attacks = {k: da.summarize(*groups[k], releases=release_of[k]) for k in ATTACKS
+               if groups[k][0]}
     spent = trials_out[0]["dp"].get("epsilon_spent") if dp else None
     ceilings = da.ceilings(spent, config.delta, the_plan.sigma if the_plan else None, L,
                            the_plan.mechanism if the_plan else "gaussian")
@@ -461,6 +467,10 @@ def _num(x: Any) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
+def _se(value: Any, se: Any) -> str:
+    return _num(value) if se is None else f"{_num(value)} ± {se:.3f}"
+
+
 def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
     """One table: a row per cell and attack (attacker, view), with AUC within / pooled /
     neighbour, top-1 (chance) and the ceilings."""
@@ -487,8 +497,10 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
             if key not in r["attacks"]:
                 continue  # mask_view off
             m = r["attacks"][key]
-            body.append([s["method"], s["placement"], eps, who, view, _num(m["auc_within"]),
-                         _num(m["auc_pooled"]), _num(m["neighbour_auc"]),
+            body.append([s["method"], s["placement"], eps, who, view,
+                         _se(m["auc_within"], m.get("auc_within_se")),
+                         _num(m["auc_pooled"]),
+                         _se(m["neighbour_auc"], m.get("neighbour_auc_se")),
                          f"{_num(m['top1'])} ({_num(m['chance_top1'])})", gdp, dpc])
     settings = dict(study.cells[0].client) if study.cells else study.settings
     fixed = {k: v for k, v in settings.items() if k not in study.swept}
@@ -497,7 +509,8 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
             "(every other window known); reference: public windows only. AUC within = the "
             "forced choice between the member and a non-member on one release (ceiling: "
             "'choice'); neighbour AUC = the ROC AUC of the test between neighbouring datasets "
-            "(ceiling: 'AUC'). Fixed: " + ", ".join(f"{k}={_fmt(v)}"
+            "(ceiling: 'AUC'); ± a bootstrap standard error over the releases (trials). "
+            "Fixed: " + ", ".join(f"{k}={_fmt(v)}"
                                                     for k, v in sorted(fixed.items())) + ".")
     return [StudyTable("Membership attacks on the DP release", note, header, body,
                        first_value=5, best=None)]

@@ -8,8 +8,11 @@ Hessian sum), and the global mask pruned from it. This module scores candidate w
 those two views with the leakage study's two attackers, and gives what DP allows them.
 
 Views and attackers (pure functions: the caller computes every window's clipped statistics
-with the sites' own code, :func:`fedcompress.privacy.dp_stats.clipped_layer_stats` on one
-window, and sums the per-layer scores; :mod:`fedcompress.bench.dp_leakage` does):
+with the sites' own clipping, :func:`fedcompress.privacy.dp_stats.clip_factors` on each
+window's :func:`~fedcompress.privacy.dp_stats.window_sums`, and sums the per-layer scores, as
+:mod:`fedcompress.bench.dp_leakage` does; a layer's statistics are ``{block: flat float64
+tensor}``, a block being the owner linear of one distinct input, holding Wanda's square sums
+or SparseGPT's Hessian upper triangle):
 
 * **knows-the-rest on the sum** (:func:`knows_rest_sum_scores`, the DP neighbouring setting):
   the attacker knows every window of the release but the target, so the clipped sum ``r`` of
@@ -74,7 +77,6 @@ import torch
 from fedcompress.privacy import leakage as lk
 
 __all__ = [
-    "Blocks",
     "ceilings",
     "dp_auc_ceiling",
     "dp_choice_ceiling",
@@ -91,16 +93,16 @@ __all__ = [
     "summarize",
 ]
 
-#: One layer's statistics as the attacks read them: ``{block (owner linear): flat float64
-#: vector}`` (Wanda: the square sums; SparseGPT: the Hessian's upper triangle).
-Blocks = Mapping[str, torch.Tensor]
+# One layer's statistics as the attacks read them: {block (owner linear): flat float64 vector}
+# (Wanda: the square sums; SparseGPT: the Hessian's upper triangle).
+_Blocks = Mapping[str, torch.Tensor]
 
 
 def _phi(x: float) -> float:
     return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
 
 
-def _check_blocks(what: str, blocks: Blocks, like: Blocks) -> None:
+def _check_blocks(what: str, blocks: _Blocks, like: _Blocks) -> None:
     if set(blocks) != set(like):
         raise ValueError(f"{what} has blocks {sorted(blocks)}: expected {sorted(like)}")
     for k, v in blocks.items():
@@ -109,7 +111,7 @@ def _check_blocks(what: str, blocks: Blocks, like: Blocks) -> None:
                              f"{tuple(like[k].shape)}")
 
 
-def _check_std(std: Mapping[str, float], release: Blocks) -> None:
+def _check_std(std: Mapping[str, float], release: _Blocks) -> None:
     missing = sorted(set(release) - set(std))
     if missing:
         raise ValueError(f"no noise std for blocks {missing}: expected one per block")
@@ -121,7 +123,7 @@ def _check_std(std: Mapping[str, float], release: Blocks) -> None:
 # -- scores ----------------------------------------------------------------------------------
 
 
-def gaussian_loglik(release: Blocks, mean: Blocks, std: Mapping[str, float]) -> float:
+def gaussian_loglik(release: _Blocks, mean: _Blocks, std: Mapping[str, float]) -> float:
     """``-sum_j ||release_j - mean_j||^2 / (2 std_j^2)``: the log-likelihood of ``release``
     under independent Gaussian noise of std ``std[j]`` on every coordinate of block ``j``
     around ``mean`` (constants dropped)."""
@@ -134,7 +136,7 @@ def gaussian_loglik(release: Blocks, mean: Blocks, std: Mapping[str, float]) -> 
     return total
 
 
-def knows_rest_sum_scores(release: Blocks, rest: Blocks, candidates: Sequence[Blocks],
+def knows_rest_sum_scores(release: _Blocks, rest: _Blocks, candidates: Sequence[_Blocks],
                           std: Mapping[str, float]) -> list[float]:
     """One layer's knows-the-rest scores on the sum: for each candidate ``c`` (its clipped
     statistics, one window), :func:`gaussian_loglik` of ``release`` around ``rest + c``
@@ -162,8 +164,8 @@ def reference_mask_scores(released_mask: Any, reference_mask: Any,
     return lk.approach_scores(released_mask, reference_mask, candidate_masks)
 
 
-def reference_sum_scores(release: Blocks, release_windows: int, reference: Blocks,
-                         reference_windows: int, candidates: Sequence[Blocks],
+def reference_sum_scores(release: _Blocks, release_windows: int, reference: _Blocks,
+                         reference_windows: int, candidates: Sequence[_Blocks],
                          std: Mapping[str, float]) -> list[float]:
     """One layer's reference scores on the sum: ``D(R) - D(R + c)`` with ``D(S) = sum_j
     ||release_j / N - S_j / n_S||^2 / std_j^2`` (``N = release_windows``, the public number of
@@ -177,7 +179,7 @@ def reference_sum_scores(release: Blocks, release_windows: int, reference: Block
     _check_std(std, release)
     target = {k: y.double() / release_windows for k, y in release.items()}
 
-    def distance(blocks: Blocks, n: int) -> float:
+    def distance(blocks: _Blocks, n: int) -> float:
         total = 0.0
         for k, t in target.items():
             diff = t - blocks[k].double() / n
@@ -297,11 +299,45 @@ def ceilings(epsilon: float | None, delta: float, sigma: float | None, releases:
     return out
 
 
-def summarize(scores: Sequence[Sequence[float]], members: Sequence[Sequence[bool]]) -> dict:
+def summarize(scores: Sequence[Sequence[float]], members: Sequence[Sequence[bool]],
+              releases: Sequence[int] | None = None, resamples: int = 200) -> dict:
     """:func:`~fedcompress.privacy.leakage.membership_auc` of groups of candidate scores (one
     group per release and target), with ``neighbour_auc`` from every (member, non-member) pair
     of a group (None with fewer than 2 pairs) and ``choice`` (the fraction of those pairs the
-    member wins, ties 1/2: the forced choice, equal to the within AUC)."""
+    member wins, ties 1/2: the forced choice, equal to the within AUC).
+
+    ``releases`` (the release each group was scored on): adds ``auc_within_se``,
+    ``neighbour_auc_se`` and ``top1_se``, bootstrap standard errors over the RELEASES
+    (``resamples`` draws with replacement, seeded: groups of one release share its noise and,
+    for the knows-the-rest attacker, the member's hypothesis, so they are not independent;
+    None with a single release)."""
+    out = _summary(scores, members)
+    if releases is None:
+        return out
+    if len(releases) != len(scores):
+        raise ValueError(f"{len(releases)} release indices for {len(scores)} groups")
+    ids = sorted(set(releases))
+    out["releases"] = len(ids)
+    keys = ("auc_within", "neighbour_auc", "top1")
+    if len(ids) < 2:
+        out.update({f"{k}_se": None for k in keys})
+        return out
+    by = {r: [i for i, g in enumerate(releases) if g == r] for r in ids}
+    rng = np.random.default_rng(0)
+    draws: dict[str, list[float]] = {k: [] for k in keys}
+    for _ in range(resamples):
+        picked = [i for r in rng.choice(ids, len(ids), replace=True) for i in by[int(r)]]
+        sub = _summary([scores[i] for i in picked], [members[i] for i in picked])
+        for k in keys:
+            v = sub[k]
+            if v is not None and not (isinstance(v, float) and math.isnan(v)):
+                draws[k].append(float(v))
+    out.update({f"{k}_se": (float(np.std(v, ddof=1)) if len(v) > 1 else None)
+                for k, v in draws.items()})
+    return out
+
+
+def _summary(scores: Sequence[Sequence[float]], members: Sequence[Sequence[bool]]) -> dict:
     out = lk.membership_auc(scores, members)
     diffs = [m - n for s, f in zip(scores, members)
              for m in (v for v, flag in zip(s, f) if flag)
