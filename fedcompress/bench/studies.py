@@ -1,8 +1,10 @@
 """Bench studies that are not FedPrLLM sweeps: ``[study.NAME] kind = "network"``,
 ``"leakage"``, ``"ppcgpt"`` (:mod:`fedcompress.bench.ppcgpt_study`), ``"privytune"``
 (:mod:`fedcompress.bench.privytune_study`), ``"personalize"``
-(:mod:`fedcompress.bench.personalize_study`) and ``"dp"`` (:mod:`fedcompress.bench.dp_study`).
-Each is a :class:`StudyKind` of :data:`KINDS`:
+(:mod:`fedcompress.bench.personalize_study`), ``"dp"`` (:mod:`fedcompress.bench.dp_study`:
+perplexity against epsilon of DP statistics mode) and ``"dp-leakage"``
+(:mod:`fedcompress.bench.dp_leakage`: the leakage study's membership attackers on a DP
+statistics release, per epsilon). Each is a :class:`StudyKind` of :data:`KINDS`:
 planned by :func:`fedcompress.bench.sweep.plan` into cells with the same ids, stored in the
 same ``OUT/results.jsonl`` and resumed by the same
 :class:`~fedcompress.bench.sweep.BenchRunner` (a rerun skips finished cells and retries failed
@@ -188,6 +190,7 @@ _PPCGPT = "fedcompress.bench.ppcgpt_study"
 _PRIVYTUNE = "fedcompress.bench.privytune_study"
 _PERSONALIZE = "fedcompress.bench.personalize_study"
 _DP = "fedcompress.bench.dp_study"
+_DP_LEAKAGE = "fedcompress.bench.dp_leakage"
 
 #: Every kind of study but ``fedprllm`` (the sweep of :mod:`fedcompress.bench.sweep`).
 #: ``network`` studies read other studies' cells: they are planned last and run none of their
@@ -214,6 +217,9 @@ KINDS: dict[str, StudyKind] = {k.name: k for k in (
     StudyKind("dp", ("dp-stats",), _lazy(_DP, "plan_study"), _lazy(_DP, "record_cell"),
               _lazy(_DP, "run_cells"), _lazy(_DP, "study_tables"), _lazy(_DP, "study_plots"),
               overrides=EVAL_KEYS),
+    StudyKind("dp-leakage", ("dp-leakage",), _lazy(_DP_LEAKAGE, "plan_study"),
+              _lazy(_DP_LEAKAGE, "record_cell"), _lazy(_DP_LEAKAGE, "run_cells"),
+              _lazy(_DP_LEAKAGE, "study_tables")),
 )}
 #: The study kind of each kind of cell (``dense`` and the other FedPrLLM cells: none).
 CELL_KINDS = {cell: kind.name for kind in KINDS.values() for cell in kind.cell_kinds}

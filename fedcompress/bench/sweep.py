@@ -17,8 +17,9 @@ study:
 * ``kind``: ``fedprllm`` (the default: the sweep above), ``network`` (simulated end-to-end
   time of cells under network profiles, from their measured bytes, rounds and seconds),
   ``leakage`` (what a shared mask reveals about a client's windows), ``ppcgpt`` (PPC-GPT's
-  Tables 1-7), ``privytune`` (PrunePrivyTune's Tables 1-4 and 6) or ``personalize``
-  (federated personalized layer pruning and seed 004's ablations); see
+  Tables 1-7), ``privytune`` (PrunePrivyTune's Tables 1-4 and 6), ``personalize``
+  (federated personalized layer pruning and seed 004's ablations) or ``dp-leakage`` (the
+  membership attackers on a DP statistics release, per epsilon); see
   :mod:`fedcompress.bench.studies`: every kind's cells are planned, stored, resumed and
   reported the same way.
 
@@ -78,7 +79,8 @@ STUDY_KEYS = ("title", "baselines", "total_windows", "columns", "kind")
 #: Kinds of study (``[study.NAME] kind = ...``): a FedPrLLM sweep, or the studies of
 #: :data:`fedcompress.bench.studies.KINDS` (arithmetic on other cells' records, or their own
 #: cells).
-STUDY_KINDS = ("fedprllm", "network", "leakage", "ppcgpt", "privytune", "personalize", "dp")
+STUDY_KINDS = ("fedprllm", "network", "leakage", "ppcgpt", "privytune", "personalize", "dp",
+               "dp-leakage")
 #: The wire-format settings: the client masks are the same in every format (only the bytes
 #: differ), so one-shot cells of any format share the cached bit-packed masks.
 WIRE_KEYS = ("wire", "wire_reference")

@@ -223,10 +223,14 @@ def noisy_fixed(arrays: Mapping[str, np.ndarray], layer: int, the_plan: DpStatsP
 
 def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: DpStatsPlan,
                   layer: int, hessian: bool, sites: int,
-                  rng: np.random.Generator | None = None) -> dict[str, Any]:
+                  rng: np.random.Generator | None = None,
+                  released: dict[str, Any] | None = None) -> dict[str, Any]:
     """The server's step on the sites' summed statistics of layer ``layer``: sharers get their
     owner's object (one noise draw per block), the central placement's Gaussian noise is added
-    (``rng``: a secret one by default), then post-processing. Returns ``stats``."""
+    (``rng``: a secret one by default), then post-processing. Returns ``stats``.
+    ``released``: filled with a copy of each block's statistics (by its owner's name) as the
+    server holds them after the noise and before post-processing (what the DP release is; the
+    attacks of :mod:`fedcompress.privacy.dp_attacks` score it)."""
     for name, owner in shared.items():
         stats[name] = stats[owner]
     std = the_plan.noise_std(layer)
@@ -234,8 +238,22 @@ def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: Dp
         dps.add_gaussian(stats, std, hessian, rng or dps.secret_rng())
     else:  # all honest: sites / t shares of the target variance
         std = {k: s * float(np.sqrt(max(sites, 1) / the_plan.threshold)) for k, s in std.items()}
+    if released is not None:
+        released.update({owner: copy_stats(stats[owner]) for owner in std})
     dps.postprocess(stats, std, hessian)
     return stats
+
+
+def copy_stats(st: Any) -> Any:
+    """An independent copy of a :class:`~fedcompress.pruning.walker.LayerStats`."""
+    from fedcompress.pruning.walker import LayerStats
+
+    out = LayerStats(st.in_features, hessian=st.hessian_sum is not None)
+    out.sq_sum = st.sq_sum.clone()
+    if st.hessian_sum is not None:
+        out.hessian_sum = st.hessian_sum.clone()
+    out.tokens = st.tokens
+    return out
 
 
 def report(the_plan: DpStatsPlan | None, site_epsilons: Sequence[float] = ()) -> dict[str, Any]:

@@ -441,7 +441,9 @@ class StatsRun:
     """What an in-process statistics-mode run produced: every layer's global masks and
     (SparseGPT) updated weights, and per layer the bytes one site sent and the seconds; with
     DP, ``dp`` (:func:`fedcompress.methods.fedprllm.dp.report`: epsilon, delta, placement,
-    each site's ledger epsilon)."""
+    each site's ledger epsilon). ``released`` (only with ``keep_release``): per layer, the
+    summed statistics the server saw, one copy per block (by its owner's name): with DP the
+    noisy sum BEFORE post-processing, without DP the plain sum."""
 
     masks: list[dict[str, torch.Tensor]] = field(default_factory=list)
     weights: list[dict[str, torch.Tensor] | None] = field(default_factory=list)
@@ -449,6 +451,7 @@ class StatsRun:
     site_seconds: list[float] = field(default_factory=list)
     server_seconds: list[float] = field(default_factory=list)
     dp: dict = field(default_factory=dict)
+    released: list[dict[str, LayerStats]] = field(default_factory=list)
 
 
 @dataclass
@@ -463,7 +466,8 @@ class DpSite:
 def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMConfig,
                 batch_size: int | None = None, frac_bits: int | None = None, *,
                 tokenizer=None, dp_sites: list[DpSite] | None = None, run_id: str = "local",
-                dp_seed: int | None = None) -> StatsRun:
+                dp_seed: int | None = None, keep_release: bool = False,
+                dp_bounds: list[dict[str, float]] | None = None) -> StatsRun:
     """Statistics-mode federated pruning in one process (tests, benchmarks): the same site
     steps, wire round trip and server step as the Flower strategy, sites one after another.
     ``frac_bits``: the sites' statistics are summed as SecAgg+ sums them (fixed point, 64-bit
@@ -473,7 +477,11 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
     clip windows (unless ``config.dp_clip`` is set); each of ``dp_sites`` (default: simulated
     sites without a ledger) admits the request under its policy and records every release in
     its ledger; the distributed placement sums fixed-point lanes at the plan's fractional bits
-    (``frac_bits`` is then ignored). ``dp_seed``: seeded noise (tests only)."""
+    (``frac_bits`` is then ignored). ``dp_seed``: seeded noise (tests only). ``keep_release``:
+    keep what the server saw of each layer in :attr:`StatsRun.released` (research: the attacks
+    of :mod:`fedcompress.bench.dp_leakage`). ``dp_bounds``: the clip bounds when already
+    computed for this model and request (public values,
+    :func:`fedcompress.methods.fedprllm.dp.clip_bounds`; default: computed here)."""
     from fedcompress.methods.fedprllm import dp as dpm
     from fedcompress.methods.fedprllm.federated import advance_to_layer, site_layer_stats
     from fedcompress.privacy.dp_stats import secret_rng
@@ -488,7 +496,8 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
     site_plans: list = []
     if config.dp:
         request = dpm.DpRequest.from_config(config, n_layers, len(windows))
-        bounds = dpm.clip_bounds(model, tokenizer, request, hessian, batch)
+        bounds = (dp_bounds if dp_bounds is not None
+                  else dpm.clip_bounds(model, tokenizer, request, hessian, batch))
         dims = dpm.block_dims(model, bounds, hessian)
         plan = dpm.plan(request, bounds, dims)
         sites = dp_sites or [DpSite(SitePolicy(simulation=True)) for _ in windows]
@@ -552,10 +561,17 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
             aggregator.sites = len(windows)
         start = time.perf_counter()
         layer_stats = aggregator.layer_stats()
+        released: dict[str, LayerStats] | None = {} if keep_release else None
         if plan is not None:
             layer_stats = dpm.server_finish(dict(layer_stats), layer_sharing(model, layer),
                                             plan, layer, hessian, len(windows),
-                                            rng(layer, len(windows)))
+                                            rng(layer, len(windows)), released)
+        elif released is not None:
+            shared_names = layer_sharing(model, layer)
+            released.update({name: dpm.copy_stats(st) for name, st in layer_stats.items()
+                             if name not in shared_names})
+        if released is not None:
+            run.released.append(released)
         masks, weights = prune_layer(model, layer, layer_stats, prune)
         run.server_seconds.append(time.perf_counter() - start)
         run.masks.append(masks)
