@@ -5,11 +5,12 @@ Every process the run started (SuperLink, SuperExec, flwr-simulation, Ray) is st
 afterwards.
 
 Where each runtime is tested per method (one test per pair, no two doing the same work):
-FedPrLLM under `flwr run` here (plain and SecAgg+) and a run-config key of another method
-refused; PPC-GPT, PrunePrivyTune and personalized pruning under the Simulation Engine in their
-own test files (``simulate_method``, the runtime `flwr run` starts too, with the same ClientApp
-and ServerApp objects) and deployed from the same FAB with `flwr run` in
-``tests/test_deploy.py``, each compared with the in-process pipeline there."""
+FedPrLLM under `flwr run` here (with SecAgg+, whose path holds the plain vote's) and a
+run-config key of another method refused; the plain vote under the Simulation Engine in
+``tests/test_fedprllm.py``; PPC-GPT, PrunePrivyTune and personalized pruning under the
+Simulation Engine in their own test files (``simulate_method``, the runtime `flwr run` starts
+too, with the same ClientApp and ServerApp objects); every method deployed from the same FAB
+with `flwr run` in ``tests/test_deploy.py``, each compared with the in-process pipeline."""
 
 from __future__ import annotations
 
@@ -164,13 +165,15 @@ def _only_run_status(flwr: str, env: dict, log: str) -> str:
 
 
 @pytest.mark.simulation
-@pytest.mark.parametrize("secagg", [False, True])
-def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path, secagg):
+def test_flwr_run_fedprllm_over_secagg(tiny_model_dir, flwr_env, tmp_path):
+    """The quick start's `flwr run .` of FedPrLLM, with SecAgg+ (its four rounds: keys, shares,
+    masked vectors, unmasking): the plain vote's path is a subset of it, run under the
+    Simulation Engine in tests/test_fedprllm.py and deployed in tests/test_deploy.py."""
     out = tmp_path / "out"
     run_config = " ".join(f"fedprllm.{item}" for item in (
         f'model="{tiny_model_dir}"', f"clients={CLIENTS}", "samples-per-client=2", "seqlen=16",
         "batch-size=2", "eval-seqlen=16", "eval-windows=4", f'out="{out}"', 'device="cpu"',
-        'baselines="dense"', f"secagg={str(secagg).lower()}"))
+        'baselines="dense"', "secagg=true"))
     flwr = str(Path(sys.executable).parent / "flwr")
     proc = subprocess.run(
         [flwr, "run", ".", "--federation-config",
@@ -186,12 +189,12 @@ def test_flwr_run_fedprllm(tiny_model_dir, flwr_env, tmp_path, secagg):
     assert report["status"] == "ok" and report["rejected"] == []
     assert [r["name"] for r in report["results"]] == ["dense", "fedprllm-oneshot-layer"]
     fed = report["results"][1]
-    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == (4 if secagg else 1)
+    assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 4
     assert abs(fed["sparsity"] - 0.5) < 1e-3
     assert (out / "model" / "config.json").exists()
-    if secagg:  # 3 sites: 2-bit lanes (32 weights per word) plus the keys and shares
-        assert report["secagg"]["sum"]["bits_per_weight_up"] == 2
-        assert fed["bits_per_weight_up"] > 2
+    # 3 sites: 2-bit lanes (32 weights per word) plus the keys and shares
+    assert report["secagg"]["sum"]["bits_per_weight_up"] == 2
+    assert fed["bits_per_weight_up"] > 2
 
 
 @pytest.mark.simulation
