@@ -95,7 +95,12 @@ def test_without_noise_the_member_scores_the_maximum():
     release = {k: rest[k] + cands[2][k] for k in DIMS}
     unit = dict.fromkeys(DIMS, 1.0)
     scores = da.knows_rest_sum_scores(release, rest, cands, unit)
-    assert scores[2] == 0.0 and all(s < 0 for i, s in enumerate(scores) if i != 2)
+    assert all(s < scores[2] for i, s in enumerate(scores) if i != 2)
+    # the log-likelihood of the release around rest + c, but for a term no candidate changes
+    residual = {k: release[k] - rest[k] for k in DIMS}
+    constant = sum(float(r.dot(r)) / 2 for r in residual.values())
+    for c, score in zip(cands, scores):
+        assert score == pytest.approx(da.gaussian_loglik(residual, c, unit) + constant)
     summary = da.summarize([scores], [[i == 2 for i in range(4)]])
     assert summary["auc_within"] == 1.0 and summary["top1"] == 1.0
     assert summary["neighbour_auc"] == 1.0 and summary["choice"] == 1.0

@@ -139,15 +139,25 @@ def gaussian_loglik(release: _Blocks, mean: _Blocks, std: Mapping[str, float]) -
 def knows_rest_sum_scores(release: _Blocks, rest: _Blocks, candidates: Sequence[_Blocks],
                           std: Mapping[str, float]) -> list[float]:
     """One layer's knows-the-rest scores on the sum: for each candidate ``c`` (its clipped
-    statistics, one window), :func:`gaussian_loglik` of ``release`` around ``rest + c``
-    (``rest``: the clipped sum of every other window of the release)."""
+    statistics, one window), the log-likelihood ratio of ``release`` around ``rest + c``
+    against around ``rest`` alone (``rest``: the clipped sum of every other window of the
+    release): with ``r = release - rest``, ``sum_j (2 <r_j, c_j> - ||c_j||^2) / (2 std_j^2)``.
+    That is :func:`gaussian_loglik` of ``release`` around ``rest + c`` plus
+    ``||r||^2 / (2 std^2)``, a term that does not depend on the candidate; left out, because
+    next to the noise's ``||r||^2`` (of the order of ``d std^2``, a Hessian's million
+    coordinates) the candidates' differences are below float64's resolution and every score
+    would tie."""
     _check_blocks("the rest", rest, release)
     _check_std(std, release)
     residual = {k: release[k].double() - rest[k].double() for k in release}
     out = []
     for i, c in enumerate(candidates):
         _check_blocks(f"candidate {i}", c, release)
-        out.append(gaussian_loglik(residual, c, std))
+        total = 0.0
+        for k, r in residual.items():
+            x = c[k].double()
+            total += float(2.0 * r.dot(x) - x.dot(x)) / (2.0 * float(std[k]) ** 2)
+        out.append(total)
     return out
 
 
@@ -177,21 +187,21 @@ def reference_sum_scores(release: _Blocks, release_windows: int, reference: _Blo
             raise ValueError(f"{name}={n!r}: expected an int >= 1")
     _check_blocks("the reference", reference, release)
     _check_std(std, release)
+    # D(R) - D(R + c) without the release's own ||t||^2 (huge next to the differences: it
+    # cancels, and computed apart it would round every score to the same value): with the
+    # means a = R / n, b = (R + c) / (n + 1) and u = b - a, the difference is
+    # sum_j <u_j, 2 t_j - a_j - b_j> / std_j^2.
     target = {k: y.double() / release_windows for k, y in release.items()}
-
-    def distance(blocks: _Blocks, n: int) -> float:
-        total = 0.0
-        for k, t in target.items():
-            diff = t - blocks[k].double() / n
-            total += float(diff.dot(diff)) / float(std[k]) ** 2
-        return total
-
-    base = distance(reference, reference_windows)
+    before = {k: reference[k].double() / reference_windows for k in target}
     out = []
     for i, c in enumerate(candidates):
         _check_blocks(f"candidate {i}", c, release)
-        joined = {k: reference[k].double() + c[k].double() for k in reference}
-        out.append(base - distance(joined, reference_windows + 1))
+        total = 0.0
+        for k, t in target.items():
+            after = (reference[k].double() + c[k].double()) / (reference_windows + 1)
+            u = after - before[k]
+            total += float(u.dot(2.0 * t - before[k] - after)) / float(std[k]) ** 2
+        out.append(total)
     return out
 
 
