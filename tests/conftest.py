@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -424,3 +425,25 @@ def same_personalize_result(report: dict, reference: dict) -> None:
     for got, want in zip(report["results"], reference["results"], strict=True):
         assert {k: got.get(k) for k in keys} == pytest.approx({k: want.get(k) for k in keys},
                                                               rel=1e-5)
+
+
+# -- bench studies on the tiny model ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small text file of random words (the bench studies' calibration and evaluation text)."""
+    words = ("the king of the city was in the war and the queen had a river . "
+             "people made it in the first year , but who were they ? ").split()
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n".join(" ".join(rng.choice(words, 60)) for _ in range(40)))
+    return str(path)
+
+
+def write_bench_config(folder, config) -> str:
+    """``config`` written as ``folder/bench.toml`` (a bench config); its path."""
+    import tomli_w
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "bench.toml"
+    path.write_text(tomli_w.dumps(config))
+    return str(path)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
+from conftest import write_bench_config
 
 from fedcompress.bench import dp_study
 from fedcompress.bench.run import run_bench
@@ -24,31 +24,12 @@ def _config(model: str, corpus: str, **study) -> dict:
     return {"bench": bench, "study": {"dp": table}}
 
 
-def _write(folder, config) -> str:
-    import tomli_w
-
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "bench.toml"
-    path.write_text(tomli_w.dumps(config))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    words = ("the king of the city was in the war and the queen had a river . "
-             "people made it in the first year , but who were they ? ").split()
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n\n".join(" ".join(rng.choice(words, 60)) for _ in range(40)))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def bench(tiny_dir, corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("bench-dp")
     config = _config(tiny_dir, corpus, placement=["central", "distributed"])
     out = root / "out"
-    report = run_bench(_write(root, config), out, progress=False)
+    report = run_bench(write_bench_config(root, config), out, progress=False)
     return config, root, out, report
 
 
@@ -176,7 +157,7 @@ def test_no_dp_statistics_mode_is_centralized_bit_for_bit(tiny_dir, corpus):
 def test_a_rerun_skips_finished_cells(bench):
     config, root, out, _ = bench
     lines = (out / "results.jsonl").read_text().splitlines()
-    report = run_bench(_write(root, config), out, progress=False)
+    report = run_bench(write_bench_config(root, config), out, progress=False)
     assert report.extra["plan"]["pending"] == 0
     assert (out / "results.jsonl").read_text().splitlines() == lines
 
@@ -192,7 +173,7 @@ def test_a_failing_cell_is_recorded_and_retried(tiny_dir, corpus, tmp_path, monk
 
     monkeypatch.setattr(dp_study, "prune_cell", fail_with_dp)
     out = tmp_path / "out"
-    report = run_bench(_write(tmp_path, config), out, progress=False)
+    report = run_bench(write_bench_config(tmp_path, config), out, progress=False)
     assert report.exit_status == "incomplete"
     records = load_results(out / "results.jsonl")
     failed = [r for r in records.values() if r["status"] != "ok"]
@@ -201,5 +182,5 @@ def test_a_failing_cell_is_recorded_and_retried(tiny_dir, corpus, tmp_path, monk
     md = (out / "report.md").read_text()
     assert "failed: RuntimeError: noise went wrong" in md
     monkeypatch.setattr(dp_study, "prune_cell", real)
-    report = run_bench(_write(tmp_path, config), out, progress=False)
+    report = run_bench(write_bench_config(tmp_path, config), out, progress=False)
     assert report.exit_status == "ok" and report.extra["plan"]["pending"] == 1

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import write_bench_config
 
 from fedcompress.bench import network as net
 from fedcompress.bench.run import run_bench
@@ -27,32 +28,13 @@ def _config(model: str, corpus: str) -> dict:
                     "nonmembers": 2, "calib_text": corpus}}}
 
 
-def _write(folder, config) -> str:
-    import tomli_w
-
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "bench.toml"
-    path.write_text(tomli_w.dumps(config))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    words = ("the king of the city was in the war and the queen had a river . "
-             "people made it in the first year , but who were they ? ").split()
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n\n".join(" ".join(rng.choice(words, 60)) for _ in range(40)))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def bench(tiny_dir, corpus, tmp_path_factory):
     """One bench of the tiny llama with a vote, a wire, a network and a leakage study."""
     root = tmp_path_factory.mktemp("bench")
     config = _config(tiny_dir, corpus)
     out = root / "out"
-    report = run_bench(_write(root, config), out, progress=False)
+    report = run_bench(write_bench_config(root, config), out, progress=False)
     return config, root, out, report
 
 
@@ -173,7 +155,7 @@ def test_leakage_study_is_a_resumable_cell(bench, monkeypatch):
 
     monkeypatch.setattr(experiment, "measure", boom)
     monkeypatch.setattr("fedcompress.methods.fedprllm.experiment.local_masks", boom)
-    again = run_bench(_write(root, config), out, progress=False)
+    again = run_bench(write_bench_config(root, config), out, progress=False)
     assert again.status == "ok"
     assert (out / "results.jsonl").read_text().splitlines() == lines
 
@@ -183,7 +165,7 @@ def test_dry_run_shows_the_plan_of_every_kind(tiny_dir, corpus, tmp_path):
 
     from fedcompress.cli import app
 
-    path = _write(tmp_path, _config(tiny_dir, corpus))
+    path = write_bench_config(tmp_path, _config(tiny_dir, corpus))
     result = CliRunner().invoke(app, ["bench", path, "--out", str(tmp_path / "out"),
                                       "--dry-run", "--no-progress"],
                                 env={"COLUMNS": "200"})

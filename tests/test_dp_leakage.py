@@ -6,21 +6,10 @@ bad settings are refused with a clear error."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from fedcompress.bench.dp_leakage import ATTACKS, DpLeakageConfig, measure
 from fedcompress.config import SettingsError
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    words = ("the king of the city was in the war and the queen had a river . "
-             "people made it in the first year , but who were they ? ").split()
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n\n".join(" ".join(rng.choice(words, 60)) for _ in range(40)))
-    return str(path)
 
 
 def config(tiny_dir, corpus, **kw) -> DpLeakageConfig:
