@@ -344,6 +344,11 @@ RECIPES = {
                                   quant=QuantConfig(group_size=16, symmetric=False,
                                                     actorder="group")),
     "wanda+gptq": PruneConfig("wanda", 0.5, quant=QuantConfig(scheme="w8a16", group_size=0)),
+    "sparsegpt+rtn": PruneConfig("sparsegpt", 0.5, quant=QuantConfig(method="rtn",
+                                                                     group_size=16)),
+    "magnitude+rtn": PruneConfig("magnitude", 0.5, quant=QuantConfig(method="rtn",
+                                                                     group_size=32,
+                                                                     symmetric=False)),
 }
 
 

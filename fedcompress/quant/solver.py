@@ -85,7 +85,7 @@ def quant_range(bits: int) -> tuple[int, int]:
     return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QuantResult:
     """A quantized weight ``[out, in]`` as a runtime loads it.
 
