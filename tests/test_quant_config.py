@@ -23,6 +23,7 @@ def test_defaults_are_llm_compressors_w4a16():
     ("block_size", 0, "block size 0"),
     ("symmetric", "yes", "symmetric='yes'"),
     ("observer", "mse", "scale observer 'mse'"),
+    ("scale_dtype", "int8", "scale dtype 'int8'"),
 ])
 def test_bad_settings_are_refused_by_name(field, value, match):
     with pytest.raises(ValueError, match=match):

@@ -80,7 +80,7 @@ class PruneConfig:
             if self.quant is None:
                 raise ValueError("pruning method none prunes nothing: expected a quantization "
                                  "recipe (quant) with it")
-            if self.sparsity != 0 or self.nm is not None or self.layer_sparsity:
+            if self.sparsity != 0 or self.nm_pattern is not None or self.layer_sparsity:
                 raise ValueError(f"pruning method none with sparsity {self.sparsity}, N:M "
                                  f"{self.nm}, plan {self.layer_sparsity!r}: expected sparsity "
                                  "0, no N:M and no per-layer plan")
@@ -196,10 +196,11 @@ class LayerPruner:
                   ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(prune mask, dequantized float32 weight)`` of one linear layer; records its
         :class:`~fedcompress.quant.solver.QuantResult`. The scales are the dense weight's, in
-        its dtype (the model's: the dtype the scales are saved in)."""
+        the recipe's scale dtype (the dtype they are saved in, whatever the model runs in)."""
         config, quant = self.config, self.config.quant
         assert quant is not None
         label = f"layer {index} {name}"
+        sd = quant.torch_scale_dtype
         gptq = quant.method == "gptq"
         hessian = stats[name].hessian if gptq or config.method == "sparsegpt" else None
         if (gptq or config.method == "sparsegpt") and hessian is None:
@@ -207,22 +208,22 @@ class LayerPruner:
                              "Hessian: expected statistics gathered with hessian=True")
         if config.method == NO_PRUNING:
             mask = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
-            result = (gptq_quantize(w, hessian, quant, scale_dtype=w.dtype, name=label) if gptq
-                      else rtn_quantize(w, quant, scale_dtype=w.dtype, name=label))
+            result = (gptq_quantize(w, hessian, quant, scale_dtype=sd, name=label) if gptq
+                      else rtn_quantize(w, quant, scale_dtype=sd, name=label))
         elif config.method == "sparsegpt" and gptq:
             mask, result = sparsegpt_quantize(w, hessian, quant, ratio, config.group, self.nm,
-                                              scale_dtype=w.dtype, name=label)
+                                              scale_dtype=sd, name=label)
         elif config.method == "sparsegpt":
             mask, updated = sparsegpt_prune(w, hessian, ratio, config.group, self.nm,
                                             name=label)
-            result = rtn_quantize(updated, quant, scale_dtype=w.dtype, mask=mask, dense=w,
+            result = rtn_quantize(updated, quant, scale_dtype=sd, mask=mask, dense=w,
                                   name=label)
         else:
             mask = select_prune_mask(self._scores(index, name, w, stats), ratio, config.group,
                                      self.nm)
-            result = (gptq_quantize(w, hessian, quant, scale_dtype=w.dtype, mask=mask,
+            result = (gptq_quantize(w, hessian, quant, scale_dtype=sd, mask=mask,
                                     name=label) if gptq
-                      else rtn_quantize(w, quant, scale_dtype=w.dtype, mask=mask, name=label))
+                      else rtn_quantize(w, quant, scale_dtype=sd, mask=mask, name=label))
         self.quantized[index][name] = result
         return mask, result.weight
 

@@ -24,6 +24,9 @@ QUANT_METHODS = ("gptq", "rtn")
 ACTORDERS = ("none", "static", "group")
 #: How the scale and zero point of a group are chosen from its dense weights.
 OBSERVERS = ("minmax",)
+#: dtypes of the scales (the dequantized weight ``(q - zero_point) * scale`` is computed in it,
+#: as the runtime computes it from the saved scales).
+SCALE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,10 @@ class QuantConfig:
     It must divide the input width of every quantized layer (:meth:`check_width`).
     ``dampening``: fraction of the Hessian's mean diagonal added to its diagonal before it is
     inverted. ``block_size``: columns updated together in the GPTQ sweep (the result does not
-    depend on it beyond float rounding).
+    depend on it beyond float rounding). ``scale_dtype``: the dtype of the scales, whatever the
+    dtype the model runs in: the dequantized weights are computed in it, so a model saved with
+    its scales in that dtype (or a wider one) loads back with exactly the weights the run
+    evaluated (bfloat16 by default: what W4A16 kernels take).
     """
 
     scheme: str = "w4a16"
@@ -45,6 +51,7 @@ class QuantConfig:
     dampening: float = 0.01
     block_size: int = 128
     observer: str = "minmax"
+    scale_dtype: str = "bfloat16"
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -71,10 +78,20 @@ class QuantConfig:
         if self.observer not in OBSERVERS:
             raise ValueError(f"unknown scale observer {self.observer!r}: expected one of "
                              f"{', '.join(OBSERVERS)}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale dtype {self.scale_dtype!r}: expected one of "
+                             f"{', '.join(SCALE_DTYPES)}")
 
     @property
     def bits(self) -> int:
         return SCHEMES[self.scheme]
+
+    @property
+    def torch_scale_dtype(self):
+        """:attr:`scale_dtype` as a torch dtype."""
+        import torch
+
+        return getattr(torch, self.scale_dtype)
 
     @property
     def needs_hessian(self) -> bool:

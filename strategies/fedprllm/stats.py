@@ -50,6 +50,9 @@ class StatsFedPrLLM(IterativeFedPrLLM):
         # after the round (one round holds one decoder layer's statistics per site).
         self.streaming = False
         self.global_weights: dict[int, dict[str, torch.Tensor]] = {}
+        #: with quantization (``config.quant``): every layer's integers, scales and zero points
+        #: (what the saved model holds; its global weights are their dequantized values)
+        self.quantized: dict[int, dict] = {}
         self.layer_sites: dict[int, int] = {}
         #: per layer: seconds of the server's pruning step, bytes of one site's statistics
         self.layer_cost: dict[int, dict[str, float]] = {}
@@ -106,7 +109,7 @@ class StatsFedPrLLM(IterativeFedPrLLM):
         return None, MetricRecord({"layer": layer, "valid_clients": aggregator.sites})
 
     def _finish_stats_layer(self, layer: int, aggregator) -> None:
-        from fedcompress.methods.fedprllm.stats import prune_layer
+        from fedcompress.methods.fedprllm.stats import quantize_layer
 
         start = time.monotonic()
         stats = aggregator.layer_stats()
@@ -116,20 +119,30 @@ class StatsFedPrLLM(IterativeFedPrLLM):
 
             stats = server_finish(dict(stats), layer_sharing(self.model, layer), self.dp_plan,
                                   layer, self.config.prune.needs_hessian, aggregator.sites)
-        masks, weights = prune_layer(self.model, layer, stats, self.config.prune)
+        masks, weights, quantized = quantize_layer(self.model, layer, stats, self.config.prune)
         self.layer_cost[layer] = {"server_seconds": time.monotonic() - start,
                                   "sites": aggregator.sites}
         self.global_masks[layer] = masks
         if weights:
             self.global_weights[layer] = weights
+        if quantized is not None:
+            self.quantized[layer] = quantized
         self.layer_sites[layer] = aggregator.sites
         self.layer_nodes[layer] = set(self.site_nodes.get(layer + 1, []))
         if self.checkpoint is not None:
             self._save(layer, aggregator)
 
     def _checkpoint_arrays(self, layer: int, aggregator) -> dict[str, np.ndarray]:
-        return {f"weight/{mask_key(layer, name)}": w.numpy()
-                for name, w in self.global_weights.get(layer, {}).items()}
+        arrays = {f"weight/{mask_key(layer, name)}": w.numpy()
+                  for name, w in self.global_weights.get(layer, {}).items()}
+        for name, result in self.quantized.get(layer, {}).items():
+            key = mask_key(layer, name)
+            arrays.update({f"quant/{key}/q": result.q.numpy(),
+                           f"quant/{key}/scale": result.scale.float().numpy(),
+                           f"quant/{key}/zero_point": result.zero_point.numpy()})
+            if result.g_idx is not None:
+                arrays[f"quant/{key}/g_idx"] = result.g_idx.numpy()
+        return arrays
 
     @staticmethod
     def _sites_of(aggregator) -> int:
@@ -140,7 +153,34 @@ class StatsFedPrLLM(IterativeFedPrLLM):
                    if k.startswith("weight/")}
         if weights:
             self.global_weights[layer] = masks_by_layer(weights)[layer]
+        quant = self.config.quant_config
+        if quant is not None:
+            self.quantized[layer] = self._restore_quantized(layer, arrays, quant)
         self.layer_sites[layer] = sites
+
+    def _restore_quantized(self, layer: int, arrays: dict[str, np.ndarray], quant) -> dict:
+        """A checkpointed layer's quantization, checked against its global weights (each must
+        be its integers' dequantized value, bit for bit)."""
+        from fedcompress.quant.solver import QuantResult
+
+        restored = {}
+        for name, weight in self.global_weights.get(layer, {}).items():
+            key = f"quant/{mask_key(layer, name)}"
+            if f"{key}/q" not in arrays:
+                raise ValueError(f"checkpoint of layer {layer}: no quantized {name} (expected "
+                                 "the integers of every quantized linear layer)")
+            g_idx = arrays.get(f"{key}/g_idx")
+            result = QuantResult(
+                torch.from_numpy(arrays[f"{key}/q"].copy()),
+                torch.from_numpy(arrays[f"{key}/scale"].copy()).to(quant.torch_scale_dtype),
+                torch.from_numpy(arrays[f"{key}/zero_point"].copy()),
+                None if g_idx is None else torch.from_numpy(g_idx.copy()),
+                quant.group_size, quant.symmetric)
+            if not torch.equal(result.weight, weight):
+                raise ValueError(f"checkpoint of layer {layer}: {name}'s integers do not give "
+                                 "its saved weights (expected an unchanged checkpoint)")
+            restored[name] = result
+        return restored
 
     @torch.no_grad()
     def prune(self, model: torch.nn.Module, server=None) -> dict[str, float]:

@@ -15,8 +15,15 @@ from fedcompress.masks.aggregate import TIE_BREAKS
 from fedcompress.masks.robust import DEFAULT_Z, DEFENCES, check_defence
 from fedcompress.methods.evaluation import TaskEvalSettings
 from fedcompress.pruning.allocation import PROFILES
-from fedcompress.pruning.local import METHODS
+from fedcompress.pruning.local import METHODS, NO_PRUNING
 from fedcompress.pruning.select import GROUPS, check_group
+from fedcompress.quant.config import (
+    ACTORDERS,
+    QUANT_METHODS,
+    SCALE_DTYPES,
+    SCHEMES,
+    QuantConfig,
+)
 
 MODES = ("oneshot", "iterative")
 #: What sites send: their masks (the vote of FedPrLLM) or their inputs' statistics (exact).
@@ -30,6 +37,8 @@ VARIANTS = ("configured", "all")
 ATTACKS = ("none", "random", "inverted", "keep", "collude", "sparsity")
 #: Faults a simulation can inject at sites (``clients/fedprllm.py``).
 FAULTS = ("none", "error", "corrupt", "slow", "kill")
+#: Weight quantization of statistics mode: none, or a scheme of fedcompress.quant.
+QUANT_SCHEMES = ("none", *SCHEMES)
 
 
 @dataclass(frozen=True)
@@ -93,8 +102,9 @@ class FedPrLLMConfig(Settings):
                          "file or hub id.")
     dtype: str = setting("float32", "Model dtype.", choices=DTYPES)
     method: str = setting("wanda", "Local pruning: magnitude, wanda, sparsegpt, gradient "
-                          "(first-order Taylor |W * dL/dW|, one backward pass; one-shot only).",
-                          choices=METHODS)
+                          "(first-order Taylor |W * dL/dW|, one backward pass; one-shot only), "
+                          "or none (quantization alone: --quant with --aggregate stats and "
+                          "--sparsity 0).", choices=(*METHODS, NO_PRUNING))
     sparsity: float = setting(0.5, "Fraction of weights pruned in each linear layer, in "
                               "[0, 1).", ge=0.0, lt=1.0)
     nm: str = setting("none", "N:M semi-structured pattern, e.g. 2:4 (overrides --sparsity), "
@@ -193,6 +203,29 @@ class FedPrLLMConfig(Settings):
                                       "norms used as the default clip bound.", gt=0.0, le=1.0)
     dp_public_windows: int = setting(32, "DP statistics: public windows the default clip "
                                      "bounds are measured on.", ge=1)
+    quant: str = setting(
+        "none", "Statistics mode: quantize every linear layer of the decoder layers too, from "
+        "the summed Hessians (GPTQ) or without data (rtn), layer by layer, the sites' next "
+        "inputs coming from the quantized layer: w4a16 (4-bit integer weights) or w8a16; with "
+        "sparsegpt, pruned and quantized jointly; saved in the compressed-tensors format.",
+        choices=QUANT_SCHEMES)
+    quant_method: str = setting("gptq", "Quantization solver: gptq (error compensation from "
+                                "the sites' summed Hessians) or rtn (round to nearest, no "
+                                "data).", choices=QUANT_METHODS)
+    quant_group_size: int = setting(128, "Quantization: columns sharing a scale (it must "
+                                    "divide every layer's input width; 0: one scale per "
+                                    "output channel).", ge=0)
+    quant_symmetric: bool = setting(True, "Quantization: symmetric (zero point 0) or "
+                                    "asymmetric integer grids.")
+    quant_actorder: str = setting("static", "GPTQ's column order: none, static (by decreasing "
+                                  "Hessian diagonal, scales in the weight's own groups) or "
+                                  "group (groups in that order).", choices=ACTORDERS)
+    quant_dampening: float = setting(0.01, "GPTQ: fraction of the Hessian's mean diagonal "
+                                     "added to its diagonal.", gt=0.0, lt=1.0)
+    quant_block_size: int = setting(128, "GPTQ: columns updated together.", ge=1)
+    quant_scale_dtype: str = setting("bfloat16", "Quantization: dtype of the scales (the "
+                                     "dequantized weights are computed in it, as runtimes do "
+                                     "from the saved scales).", choices=SCALE_DTYPES)
     attack: str = setting("none", "Simulation: Byzantine sites' mask (random, inverted: prune "
                           "the highest scores, keep: prune nothing, collude: one inverted "
                           "mask from every attacker, sparsity: lie about the sparsity).",
@@ -211,6 +244,14 @@ class FedPrLLMConfig(Settings):
                                "one-shot: 0).", ge=0)
 
     def validate(self) -> None:
+        if self.method == NO_PRUNING and self.sparsity != 0:
+            raise self.invalid("sparsity", "0 with method none (it prunes nothing)")
+        if self.quant != "none" and self.aggregate != "stats":
+            raise self.invalid("quant", "none with aggregate votes (a quantized layer is "
+                               "computed from the sum of the sites' Hessians: use --aggregate "
+                               "stats)")
+        if self.aggregate == "stats":
+            self._validate_stats()
         if self.nm not in ("", "none") and (self.sparsity_profile != "uniform"
                                             or self.layer_sparsity):
             raise self.invalid("nm", "none with a per-layer sparsity profile or plan (N:M fixes "
@@ -254,8 +295,6 @@ class FedPrLLMConfig(Settings):
                 raise self.invalid("clients", "at least 2 with secagg")
             if not 0 <= self.secagg_threshold <= self.clients or self.secagg_threshold == 1:
                 raise self.invalid("secagg_threshold", f"0 or 2..clients={self.clients}")
-        if self.aggregate == "stats":
-            self._validate_stats()
         if self.dp_epsilon and self.aggregate != "stats":
             raise self.invalid("dp_epsilon", "0 with aggregate votes (a mask cannot be made "
                                "private cheaply: DP applies to statistics mode)")
@@ -276,9 +315,15 @@ class FedPrLLMConfig(Settings):
 
     def _validate_stats(self) -> None:
         """Statistics mode: what does not apply to it is refused, not ignored."""
-        if self.method not in ("wanda", "sparsegpt"):
-            raise self.invalid("method", "wanda or sparsegpt with aggregate stats (their "
+        if self.method not in ("wanda", "sparsegpt", NO_PRUNING):
+            raise self.invalid("method", "wanda, sparsegpt or none with aggregate stats (their "
                                "statistics are sums over tokens; magnitude needs no data)")
+        if self.method == NO_PRUNING and self.quant_config is None:
+            raise self.invalid("method", "wanda or sparsegpt without --quant (none prunes "
+                               "nothing: it is quantization alone)")
+        if self.method == NO_PRUNING and self.quant_method != "gptq":
+            raise self.invalid("quant_method", "gptq with method none in statistics mode "
+                               "(round to nearest needs no data: it is the rtn baseline)")
         for key, default in (("group", "layer"), ("scale", False), ("defence", "none"),
                              ("attack", "none"), ("wire", "packed")):
             if getattr(self, key) != default:
@@ -292,11 +337,20 @@ class FedPrLLMConfig(Settings):
         return max(2, -(-2 * sites // 3))
 
     @property
+    def quant_config(self) -> QuantConfig | None:
+        """The quantization recipe (None: no quantization)."""
+        if self.quant == "none":
+            return None
+        return QuantConfig(self.quant, self.quant_method, self.quant_group_size,
+                           self.quant_symmetric, self.quant_actorder, self.quant_dampening,
+                           self.quant_block_size, scale_dtype=self.quant_scale_dtype)
+
+    @property
     def prune(self):
         from fedcompress.pruning.local import PruneConfig
 
         return PruneConfig(self.method, self.sparsity, self.local_group, self.nm,
-                           self.layer_sparsity, self.onload)
+                           self.layer_sparsity, self.onload, self.quant_config)
 
     @property
     def dp(self) -> bool:
