@@ -43,6 +43,7 @@ def test_save_dtype_is_the_input_models_unless_told(tmp_path):
     gguf = _loaded("gguf", "x.gguf", "/cache/x")
     assert source_dtype(local) == torch.float16
     assert source_dtype(embedded) == source_dtype(gguf) == torch.bfloat16
+    assert source_dtype(_loaded("hub", "org/not-cached", "org/not-cached")) == torch.float32
     assert save_dtype("auto", "float32", embedded) == torch.bfloat16  # the run computed in fp32
     assert save_dtype("auto", "float32", local) == torch.float16
     assert save_dtype("auto", "bfloat16", local) == torch.bfloat16  # the run's 16-bit weights

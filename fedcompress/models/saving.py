@@ -87,18 +87,20 @@ def source_dtype(loaded: LoadedModel) -> torch.dtype:
     """The dtype the input model comes in: an embedded model's declared dtype (its published
     checkpoint's; the GGUF it ships as is dequantized to a float32 cache, which is not its
     dtype), ``bfloat16`` for a user's ``.gguf`` file (:data:`GGUF_SOURCE_DTYPE`), else the
-    checkpoint's (:func:`checkpoint_dtype`; a hub model's from its config)."""
+    checkpoint's (:func:`checkpoint_dtype`; a hub model's from its cached snapshot, float32
+    when none is cached)."""
     if loaded.source == "embedded" and EMBEDDED_MODELS[loaded.spec].layout == "gguf":
         return parse_dtype(EMBEDDED_MODELS[loaded.spec].dtype)
     if loaded.source == "gguf":
         return parse_dtype(GGUF_SOURCE_DTYPE)
     if Path(loaded.path).is_dir():
         return checkpoint_dtype(loaded.path)
-    config = getattr(loaded.model, "config", None)
-    dtype = getattr(config, "dtype", None)
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+    from huggingface_hub import try_to_load_from_cache
+
+    config_file = try_to_load_from_cache(loaded.path, "config.json")  # a hub id, downloaded
+    if isinstance(config_file, str):
+        return checkpoint_dtype(Path(config_file).parent)
+    return torch.float32
 
 
 def save_dtype(setting: str, run_dtype: str | torch.dtype | None,
