@@ -226,7 +226,11 @@ class ServerSettings(Settings):
     device: str = setting("auto", "torch device of the server (auto: cuda if available, else "
                           "cpu).")
     baselines: str = setting("", "Comma-separated baselines (or none).")
-    save_model: bool = setting(True, "save_pretrained the compressed model in OUT/model.")
+    save_model: bool = setting(True, "Save the compressed model in OUT/model.")
+    save_dtype: str = setting("auto", "dtype of the saved model: auto (the input model's dtype, "
+                              "bfloat16 for the embedded models, or --dtype when that is "
+                              "bfloat16 or float16), float32, bfloat16 or float16.",
+                              choices=("auto", "float32", "bfloat16", "float16"))
     timeout: float = setting(3600.0, "Seconds to wait for the clients' replies of a round.",
                              gt=0.0)
 

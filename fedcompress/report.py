@@ -225,6 +225,28 @@ class RunReport:
         self.results.append(dict(record))
         self.write()
 
+    def add_model_size(self, size: dict[str, Any]) -> None:
+        """Record the saved model's size next to the dense model's
+        (:func:`~fedcompress.models.saving.model_size`): ``model_size`` in report.json and a
+        "Saved model" table in report.md."""
+        self.extra["model_size"] = dict(size)
+        mib = 1 << 20
+        table = markdown_table(
+            ["saved (MiB)", "weights (MiB)", "dense (MiB)", "weights / dense", "dtype",
+             "dense dtype", "format"],
+            [[f"{size['saved_bytes'] / mib:.2f}", f"{size['weights_bytes'] / mib:.2f}",
+              f"{size['dense_bytes'] / mib:.2f}", f"{size['ratio']:.3f}", str(size["dtype"]),
+              str(size["dense_dtype"]), str(size["format"])]])
+        text = (f"{table}\n\n`{size['path']}`: every file written (weights, config, tokenizer) "
+                "and its safetensors weights, next to the dense input model's parameter bytes "
+                "in its own dtype. Zeros of an unstructured mask are stored like any weight: "
+                "a pruned model keeps the dense model's size in the same dtype (and its "
+                "inference cost in today's runtimes); a smaller dtype, weight quantization and "
+                "removed layers shrink it.")
+        self.sections = [s for s in self.sections if s[0] != "Saved model"]
+        self.sections.append(("Saved model", text))
+        self.write()
+
     def to_dict(self) -> dict[str, Any]:
         return _jsonable({
             "command": self.command,

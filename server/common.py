@@ -9,6 +9,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedcompress.methods import Method, settings_from_run_config
+from fedcompress.models import LoadedModel, model_size, save_dtype, save_model, source_dtype
 from fedcompress.report import RunReport, default_out, markdown_table
 
 
@@ -176,3 +177,13 @@ def startup_section(records: list[dict]) -> tuple[str, str] | None:
         "Flower runtime: from the process's start to the ClientApp (deployed sites only). Site "
         "worker: a site whose SuperNode hands its messages to a warm worker, the exchange "
         "with it (code check, serde, socket, waiting for its lock); '-': no worker."))
+
+
+def save_run_model(report: RunReport, model, folder: Path, tokenizer, loaded: LoadedModel,
+                   dense, setting: str, run_dtype: str) -> None:
+    """Save a run's compressed ``model`` in ``folder`` in its smallest faithful dtype
+    (:func:`~fedcompress.models.saving.save_dtype` of the run's ``save_dtype`` setting, its
+    ``dtype`` and the input model ``loaded``) and report its size next to the ``dense`` input
+    model's (:meth:`~fedcompress.report.RunReport.add_model_size`)."""
+    saved = save_model(model, folder, tokenizer, save_dtype(setting, run_dtype, loaded))
+    report.add_model_size(model_size(saved, dense, source_dtype(loaded)))

@@ -2,7 +2,8 @@
 
 Broadcast the pruning config, collect and validate the clients' masks (one round, or one round
 per layer), vote, prune the global model, evaluate it next to the dense model and the baselines,
-save the pruned model with ``save_pretrained``, and write ``report.json``/``report.md``.
+save the pruned model in its smallest faithful dtype (``save_dtype``), and write
+``report.json``/``report.md``.
 
 ``app`` reads its settings from the Flower run config (``flwr run . --run-config ...``);
 :func:`make_app` builds an app around settings given in Python (the ``fedcompress prune`` CLI).
@@ -32,7 +33,12 @@ from fedcompress.methods.fedprllm.federated import (
 )
 from fedcompress.pruning.local import check_global_ratio
 from fedcompress.report import RunReport
-from server.common import make_server_app, run_with_report, startup_section
+from server.common import (
+    make_server_app,
+    run_with_report,
+    save_run_model,
+    startup_section,
+)
 from strategies.fedprllm import make_strategy
 
 logger = logging.getLogger(__name__)
@@ -180,8 +186,8 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
                 server_group=variant.group, scale=variant.scale))
         if server.save_model and variant == config.server:
             with report.phase("save"):
-                model.save_pretrained(out / "model")
-                exp.tokenizer.save_pretrained(out / "model")
+                save_run_model(report, model, out / "model", exp.tokenizer, exp.loaded,
+                               exp.model, server.save_dtype, config.dtype)
         del model
     if strategy.defence:
         report.extra["defence_outcome"] = strategy.defence

@@ -9,7 +9,7 @@ client's data: dense (no training), DenseSFT, Plain-C. With ``tasks``, the serve
 LLM_o and its distilled model (as round 2 sends it, before any client retrains it) on zero-shot
 tasks: the ``dense`` and ``ppcgpt`` records get ``acc_<task>``, ``mean_acc`` and ``zero_shot``.
 Writes report.json/report.md, the synthetic data (``synthetic/``) and the compressed model
-(``model/``, adapter merged, ``save_pretrained``).
+(``model/``, adapter merged, in its smallest faithful dtype: ``save_dtype``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from fedcompress.methods.evaluation import TaskEvalSettings, task_fields
 from fedcompress.models import load_model, num_layers
 from fedcompress.report import RunReport
 from fedcompress.synth import SynthConfig, generate_synthetic
-from server.common import make_server_app, run_with_report
+from server.common import make_server_app, run_with_report, save_run_model
 from strategies.common import STARTUP_KEYS
 from strategies.ppcgpt import PPCGPT
 
@@ -127,8 +127,8 @@ def _run(grid: Grid, config: ppcgpt.PPCGPTConfig, evals: TaskEvalSettings,
     if server.save_model:
         with report.phase("save"):
             merged = copy.deepcopy(compressed.model).merge_and_unload()
-            merged.save_pretrained(out / "model")
-            tokenizer.save_pretrained(out / "model")
+            save_run_model(report, merged, out / "model", tokenizer, loaded, model,
+                           server.save_dtype, config.dtype)
             del merged
 
     # Zero-shot accuracy of LLM_o and of the server's model as round 2 sends it (distilled,

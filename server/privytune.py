@@ -3,12 +3,13 @@
 Round 0: the sites' cosine matrices (or public text) -> the removal plan (ratio or Alg. 1's
 greedy search). Rounds 1..R: Flower's FedAvg over the sites' DP-SGD-trained weights
 (:class:`strategies.privytune.PrivyTuneFedAvg`), the global model evaluated on the test split
-after every round. Then the sites' extraction audit (causal LMs), the merged model saved with
-``save_pretrained``, and the centralized baseline on the union of the sites' data. With
-``tasks`` (objective lm), the initial model (layers removed, before fine-tuning; an ``initial``
-record), the final global model and the central baseline are scored on zero-shot tasks
-(``acc_<task>``, ``mean_acc``, ``zero_shot``). Writes report.json/report.md, the heat map of
-the cosine matrix (``cosine_matrix.png``, the paper's Fig. 2) and the model (``model/``).
+after every round. Then the sites' extraction audit (causal LMs), the merged model saved in its
+smallest faithful dtype (``save_dtype``), and the centralized baseline on the union of the
+sites' data. With ``tasks`` (objective lm), the initial model (layers removed, before
+fine-tuning; an ``initial`` record), the final global model and the central baseline are scored
+on zero-shot tasks (``acc_<task>``, ``mean_acc``, ``zero_shot``). Writes report.json/report.md,
+the heat map of the cosine matrix (``cosine_matrix.png``, the paper's Fig. 2) and the model
+(``model/``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from fedcompress.methods import privytune as ppt
 from fedcompress.methods.evaluation import TaskEvalSettings, task_fields
 from fedcompress.models import load_model, num_layers
 from fedcompress.report import RunReport
-from server.common import make_server_app, run_with_report
+from server.common import make_server_app, run_with_report, save_run_model
 from strategies.privytune import PrivyTuneFedAvg, training_strategy
 
 logger = logging.getLogger(__name__)
@@ -55,13 +56,11 @@ def _metric_row(metrics: dict) -> dict:
     return {k: metrics[k] for k in ("accuracy", "perplexity", "loss") if k in metrics}
 
 
-def _save(model, tokenizer, out: Path) -> None:
-    """The fine-tuned model, LoRA merged, reloadable with ``from_pretrained``."""
+def _merged(model):
+    """The fine-tuned model, LoRA merged (reloadable with ``from_pretrained`` once saved)."""
     lm = model.lm if isinstance(model, ppt.LabelTokenClassifier) else model
     merge = getattr(lm, "merge_and_unload", None)
-    merged = merge() if callable(merge) else lm
-    merged.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    return merge() if callable(merge) else lm
 
 
 def _run(grid: Grid, config: ppt.PrivyTuneConfig, evals: TaskEvalSettings,
@@ -175,7 +174,8 @@ def _run(grid: Grid, config: ppt.PrivyTuneConfig, evals: TaskEvalSettings,
     report.add_result(row)
     if server.save_model:
         with report.phase("save"):
-            _save(model, tokenizer, out / "model")
+            save_run_model(report, _merged(model), out / "model", tokenizer, loaded, base,
+                           server.save_dtype, config.dtype)
 
     if "central" in server.baseline_list():
         with report.phase("central"):

@@ -308,6 +308,10 @@ def test_flower_simulation_four_clients(tiny_dir, tiny, tmp_path):
     assert fed["wire"] == "compressed" and 0 < fed["bytes_up_per_client"] < packed
     assert fed["bits_per_weight_up"] < 1
     assert (out / "model" / "config.json").exists()
+    size = report["model_size"]  # a float32 input saved in float32: the mask keeps the size
+    assert (size["dtype"], size["dense_dtype"], size["format"]) == ("float32", "float32",
+                                                                     "dense")
+    assert size["saved_bytes"] > size["weights_bytes"] and 1.0 < size["ratio"] < 1.05
 
     # The simulated vote (compressed wire, lossless) equals the in-process packed vote.
     config = config_for(tiny_dir)

@@ -248,7 +248,7 @@ def test_flower_simulation_end_to_end(tiny_dir, tmp_path, openai_stub):
     with openai_stub(yes_no_generator) as stub:
         settings = dict(config_for(tiny_dir, clients=2).to_dict(), synth_url=stub.url,
                         synth_model="stub", out=str(out), device="cpu",
-                        baselines="dense,dense-sft,plain-c")
+                        baselines="dense,dense-sft,plain-c", save_dtype="bfloat16")
         simulate_method("ppcgpt", settings)
     orphans = [p for p in _ray_pids() - before if psutil.pid_exists(p)
                and psutil.Process(p).ppid() == 1 and psutil.Process(p).status() != "zombie"]
@@ -265,4 +265,8 @@ def test_flower_simulation_end_to_end(tiny_dir, tmp_path, openai_stub):
     assert report["results"][3]["layers"] == 2 and report["results"][1]["layers"] == 3
     saved = load_model(str(out / "model"), device="cpu").model
     assert num_layers(saved) == 2
+    size = report["model_size"]  # 2 of 3 layers, in bfloat16 (asked) from a float32 input
+    assert (size["dtype"], size["dense_dtype"]) == ("bfloat16", "float32")
+    assert 0.5 * 2 / 3 < size["ratio"] < 0.5  # the embeddings are in every layer count
+    assert json.loads((out / "model" / "config.json").read_text())["dtype"] == "bfloat16"
     assert (out / "synthetic").is_dir()

@@ -132,6 +132,10 @@ def test_two_site_flower_simulation_end_to_end(tiny_dir, tiny_task, tmp_path):
     assert (out / "cosine_matrix.png").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(out / "model")
     assert reloaded.config.num_hidden_layers == 2
+    size = report["model_size"]  # a float32 input saved in float32, 2 of its 3 layers
+    assert (size["dtype"], size["dense_dtype"], str(reloaded.dtype)) == (
+        "float32", "float32", "torch.float32")
+    assert 2 / 3 < size["ratio"] < 1
     # the same run with the ClientApp called in this process: the same decisions
     same_privytune_result(report, privytune_in_process(privytune_tiny_settings(
         tiny_dir, tiny_task, tmp_path / "reference")))

@@ -69,7 +69,7 @@ from fedcompress.distill.data import (
 )
 from fedcompress.distill.evaluate import EvalFn
 from fedcompress.eval.common import model_input_device
-from fedcompress.models import CALC_DTYPE, ModelAdapter, model_context_length
+from fedcompress.models import CALC_DTYPE, ModelAdapter, model_context_length, save_model
 
 __all__ = [
     "CALC_DTYPE",
@@ -453,9 +453,12 @@ class DistillResult:
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
+        if self.merged:  # a whole model: the one model writer, in the model's own dtype
+            save_model(self.model, path, tokenizer)
+        else:  # the adapter alone (peft's format)
+            self.model.save_pretrained(path)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
         (path / "train_metrics.json").write_text(
             json.dumps(self.metrics.to_dict(), indent=2, default=str), encoding="utf-8")
         return path

@@ -30,7 +30,11 @@ load_model``); the code lives in its modules, each importing only those listed b
   layer onloader that reads an onloaded skeleton's decoder layers one at a time;
 * :mod:`~fedcompress.models.onload`: onloading a model's skeleton (sequential onloading: one
   decoder layer in memory at a time);
-* :mod:`~fedcompress.models.loading`: :func:`~fedcompress.models.loading.load_model`.
+* :mod:`~fedcompress.models.loading`: :func:`~fedcompress.models.loading.load_model`;
+* :mod:`~fedcompress.models.saving`: :func:`~fedcompress.models.saving.save_model`, the one
+  writer of every command that saves a model, in its smallest faithful dtype
+  (:func:`~fedcompress.models.saving.save_dtype`), and the report's sizes
+  (:func:`~fedcompress.models.saving.model_size`).
 """
 
 from fedcompress.models.adapter import (
@@ -76,15 +80,27 @@ from fedcompress.models.onload import (
     onload_source,
     skeleton_from_config,
 )
+from fedcompress.models.saving import (
+    SAVE_DTYPES,
+    SavedModel,
+    checkpoint_dtype,
+    model_size,
+    parameter_bytes,
+    save_dtype,
+    save_model,
+    source_dtype,
+)
 from fedcompress.models.spec import ENCODER_TYPES, LoadedModel, resolve_model_spec
 
 __all__ = [
     "CALC_DTYPE", "DEFAULT_MODEL", "DTYPES", "EMBEDDED_MODELS", "ENCODER_TYPES", "HESSIAN_DTYPE",
-    "LAYER_PATHS", "SUPPORTED_ARCHITECTURES", "EmbeddedModel", "LayerOnloader", "LoadedModel",
-    "MissingModelPackageError", "ModelAdapter", "ModelError", "OnloadError", "UnknownModelError",
-    "UnsupportedArchitectureError", "cache_dir", "decoder_layers", "default_device",
-    "embedded_model_dir", "gguf_model_dir", "import_model_code", "load_model", "missing_packages",
-    "model_context_length", "num_layers", "onload_model", "onload_skeleton", "onload_source",
-    "onloader_of", "parse_dtype", "release_free_memory", "remove_layers", "resolve_model_spec",
-    "safetensors_files", "skeleton_from_config", "weight_matrix", "write_gguf",
+    "LAYER_PATHS", "SAVE_DTYPES", "SUPPORTED_ARCHITECTURES", "EmbeddedModel", "LayerOnloader",
+    "LoadedModel", "MissingModelPackageError", "ModelAdapter", "ModelError", "OnloadError",
+    "SavedModel", "UnknownModelError", "UnsupportedArchitectureError", "cache_dir",
+    "checkpoint_dtype", "decoder_layers", "default_device", "embedded_model_dir",
+    "gguf_model_dir", "import_model_code", "load_model", "missing_packages",
+    "model_context_length", "model_size", "num_layers", "onload_model", "onload_skeleton",
+    "onload_source", "onloader_of", "parameter_bytes", "parse_dtype", "release_free_memory",
+    "remove_layers", "resolve_model_spec", "safetensors_files", "save_dtype", "save_model",
+    "skeleton_from_config", "source_dtype", "weight_matrix", "write_gguf",
 ]

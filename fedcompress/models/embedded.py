@@ -35,6 +35,9 @@ class EmbeddedModel:
     licence: str
     chunk_pattern: str  # regex matched against each package file's path: the model's chunks
     layout: str = "gguf"  # "gguf" or "dir" (the one chunk is the weights file of the directory)
+    #: The dtype of the published checkpoint the GGUF was made from: what a compressed model
+    #: is saved in (the float32 cache of the dequantized GGUF is a conversion, not its dtype).
+    dtype: str = "bfloat16"
 
     @property
     def pip_command(self) -> str:
