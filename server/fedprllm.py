@@ -56,7 +56,28 @@ def check_settings(settings: dict) -> None:
     if server.resume and config.mode != "iterative" and config.aggregate != "stats":
         raise ValueError("resume=True is invalid: expected mode iterative or aggregate stats "
                          "(a one-shot vote has one round: run it again)")
+    if "rtn" in server.baseline_list() and config.quant_config is None:
+        raise ValueError("baseline rtn without --quant: expected a quantizing run (rtn rounds "
+                         "its weights to nearest in place of GPTQ)")
+    if config.quant_config is not None:
+        _quantized_save_dtype(config, server)
     evals.load_tasks()  # every zero-shot task exists and loads (offline: bundled or cached)
+
+
+def _quantized_save_dtype(config: FedPrLLMConfig, server: RunSettings):
+    """The dtype a quantized model is saved in: its scales' (``auto``), so that the runtime's
+    ``(q - zero_point) * scale`` computed in it gives exactly the weights the run evaluated;
+    another named dtype is refused before any work."""
+    from fedcompress.models.common import parse_dtype
+
+    quant = config.quant_config
+    assert quant is not None
+    if server.save_dtype not in ("auto", quant.scale_dtype):
+        raise ValueError(f"save_dtype {server.save_dtype!r} with quantization scales in "
+                         f"{quant.scale_dtype}: expected auto or {quant.scale_dtype} (the "
+                         "runtime dequantizes in the scales' saved dtype; another one would "
+                         "change the weights the run evaluated: set --quant-scale-dtype)")
+    return parse_dtype(quant.scale_dtype)
 
 
 def server_variants(config: FedPrLLMConfig, which: str) -> list[ServerConfig]:
@@ -84,6 +105,11 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         exp = prepare_experiment(config, eval_config, device=device)
     report.extra["model"] = {"spec": exp.loaded.spec, **exp.loaded.info}
     baselines = server.baseline_list()
+    quant = config.quant_config
+    if "rtn" in baselines and quant is None:
+        raise ValueError("baseline rtn without --quant: expected a quantizing run (rtn rounds "
+                         "its weights to nearest in place of GPTQ)")
+    quant_dtype = _quantized_save_dtype(config, server) if quant is not None else None
     if "dense" in baselines:
         with report.phase("eval"):
             report.add_result(exp.evaluate("dense", exp.model))
@@ -186,8 +212,20 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
                 server_group=variant.group, scale=variant.scale))
         if server.save_model and variant == config.server:
             with report.phase("save"):
-                save_run_model(report, model, out / "model", exp.tokenizer, exp.loaded,
-                               exp.model, server.save_dtype, config.dtype)
+                if quant is not None:
+                    from fedcompress.models import model_size, source_dtype
+                    from fedcompress.quant.compressed_tensors import (
+                        packed_layers,
+                        save_quantized,
+                    )
+
+                    saved = save_quantized(
+                        model, out / "model", packed_layers(model, strategy.quantized),  # type: ignore[attr-defined]
+                        quant, exp.tokenizer, quant_dtype)
+                    report.add_model_size(model_size(saved, exp.model, source_dtype(exp.loaded)))
+                else:
+                    save_run_model(report, model, out / "model", exp.tokenizer, exp.loaded,
+                                   exp.model, server.save_dtype, config.dtype)
         del model
     if strategy.defence:
         report.extra["defence_outcome"] = strategy.defence
@@ -197,6 +235,11 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
             model, seconds = exp.centralized()
         with report.phase("eval"):
             report.add_result(exp.evaluate("centralized", model, prune_seconds=seconds))
+    if "rtn" in baselines:
+        with report.phase("rtn"):
+            model, seconds = exp.round_to_nearest()
+        with report.phase("eval"):
+            report.add_result(exp.evaluate(f"rtn-{config.quant}", model, prune_seconds=seconds))
     if "local-only" in baselines:
         with report.phase("local_only"):
             model, seconds = exp.local_only(0)

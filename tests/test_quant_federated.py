@@ -8,6 +8,12 @@ are refused."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from flwr.app import ArrayRecord
@@ -148,3 +154,77 @@ def test_settings_that_do_not_apply_are_refused(tiny_dir, kw, key):
         from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
 
         FedPrLLMConfig(**{**base, **kw})
+
+
+#: Runs in a fresh interpreter without fedcompress: transformers loads the saved folder
+#: (compressed-tensors decompresses it) in float32 and computes the perplexity of the given
+#: windows as fedcompress.eval.perplexity defines it (per window, every next token).
+PERPLEXITY = textwrap.dedent("""
+    import json, math, sys
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    job = json.loads(sys.argv[1])
+    model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=torch.float32).eval()
+    assert hasattr(model.model.layers[0].mlp.up_proj, "weight_packed")  # loaded packed
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for window in job["windows"]:
+            ids = torch.tensor([window])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            nll += float(-logp.gather(1, ids[0, 1:, None]).sum())
+            n += len(window) - 1
+    assert not any(name.startswith("fedcompress") for name in sys.modules)
+    print(json.dumps({"perplexity": math.exp(nll / n)}))
+""")
+
+
+def test_server_app_saves_what_transformers_loads_with_the_reported_perplexity(tmp_path):
+    """The ServerApp (in process) quantizes with GPTQ, evaluates the federated model next to
+    centralized GPTQ (equal) and round-to-nearest, and saves a compressed-tensors folder,
+    smaller than the dense model, that transformers alone loads back with the perplexity the
+    run reported. The tiny model's weights are bfloat16 numbers, as the embedded models'
+    are, so the bfloat16 save of its other tensors is exact too."""
+    from conftest import build_tiny_model, build_tiny_tokenizer
+
+    from fedcompress.data import corpus_text, load_corpus
+    from server.fedprllm import run
+
+    model_dir = tmp_path / "tiny-bf16"
+    model = build_tiny_model("llama", n_layers=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    model.save_pretrained(model_dir)
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "run"
+    settings = dict(model=str(model_dir), clients=4, samples_per_client=2, seqlen=16,
+                    batch_size=2, eval_seqlen=16, eval_windows=3, out=str(out), device="cpu",
+                    aggregate="stats", method="none", sparsity=0.0, quant="w4a16",
+                    quant_group_size=16, baselines="centralized,rtn")
+    run(Federation(4), settings)
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok", report.get("error")
+    fed, central, rtn = report["results"]
+    assert (fed["name"], central["name"], rtn["name"]) == ("fedprllm-stats-row", "centralized",
+                                                           "rtn-w4a16")
+    assert fed["perplexity"] == central["perplexity"] != rtn["perplexity"]
+    size = report["model_size"]
+    assert size["format"] == "pack-quantized" and size["dtype"] == "bfloat16"
+    assert size["weights_bytes"] < size["dense_bytes"], size
+    written = json.loads((out / "model" / "config.json").read_text())["quantization_config"]
+    assert written["format"] == "pack-quantized"
+    weights = written["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 16, True)
+
+    ids = tokenizer(corpus_text(load_corpus("wiki", "test")), add_special_tokens=False,
+                    return_tensors="pt").input_ids[0]
+    windows = ids[:3 * 16].reshape(3, 16).tolist()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", PERPLEXITY,
+                           json.dumps({"folder": str(out / "model"), "windows": windows})],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])["perplexity"]
+    assert loaded == pytest.approx(fed["perplexity"], rel=1e-6), (loaded, fed["perplexity"])

@@ -43,9 +43,8 @@ def _on_grid(result, config):
     assert result.q.dtype == torch.int8 and result.zero_point.dtype == torch.int8
     assert int(result.q.min()) >= qmin and int(result.q.max()) <= qmax
     groups = result.column_groups()
-    sd = result.scale.dtype  # the runtime computes in the scales' dtype
-    by_hand = ((result.q.to(sd) - result.zero_point[:, groups].to(sd))
-               * result.scale[:, groups]).float()
+    by_hand = (result.q.float() - result.zero_point[:, groups].float()) \
+        * result.scale[:, groups].float()
     assert torch.equal(result.weight, by_hand)
     if config.symmetric:
         assert not result.zero_point.any()
@@ -189,14 +188,20 @@ def test_dead_columns_are_quantized_to_zero():
 
 
 def test_bf16_scales_dequantize_as_the_runtime_does():
+    """bfloat16 scales: the dequantized weight is the exact product, what compressed-tensors
+    computes for a model loaded in float32 (scales upcast); a bfloat16 load rounds it once."""
     W, H = _problem()
     config = QuantConfig(group_size=16, symmetric=False)
     result = gptq_quantize(W.bfloat16(), H, config)
     assert result.scale.dtype == torch.bfloat16
     groups = result.column_groups()
-    runtime = ((result.q.to(torch.bfloat16) - result.zero_point[:, groups].to(torch.bfloat16))
-               * result.scale[:, groups])
-    assert torch.equal(result.weight, runtime.float())
+    scale, zero = result.scale[:, groups], result.zero_point[:, groups]
+    float32_load = (result.q.float() - zero.float()) * scale.float()
+    assert torch.equal(result.weight, float32_load)
+    exact = (result.q.double() - zero.double()) * scale.double()
+    assert torch.equal(result.weight.double(), exact)
+    bf16_load = (result.q.to(torch.bfloat16) - zero.to(torch.bfloat16)) * scale
+    assert torch.equal(result.weight.bfloat16(), bf16_load)
 
 
 # --- SparseGPT + GPTQ jointly ------------------------------------------------------------------

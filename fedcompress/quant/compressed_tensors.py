@@ -254,3 +254,18 @@ def save_quantized(model: nn.Module, path: str | Path, layers: Mapping[str, Pack
     ignore = sorted(linear - set(layers))
     return save_model(model, path, tokenizer, target, replace=replace,
                       config={"quantization_config": quantization_config(config, ignore)})
+
+
+def packed_layers(model: nn.Module, quantized: Mapping[int, Mapping[str, Any]]
+                  ) -> dict[str, PackedLinear]:
+    """The :class:`PackedLinear` of every quantized linear layer, keyed by its module name in
+    ``model``, from a run's per-decoder-layer :class:`~fedcompress.quant.solver.QuantResult`
+    (``quantized[layer][linear name]``, as :attr:`~fedcompress.pruning.walker.WalkResult.quant`
+    and the statistics-mode strategy keep them)."""
+    from fedcompress.models import ModelAdapter
+
+    prefix = ModelAdapter(model).layers_path
+    return {f"{prefix}.{layer}.{name}": PackedLinear(
+                result.q, result.scale, None if result.symmetric else result.zero_point,
+                result.g_idx)
+            for layer, results in sorted(quantized.items()) for name, result in results.items()}

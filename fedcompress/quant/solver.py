@@ -16,9 +16,9 @@ schemes), written here in plain torch:
   the scales it saves have the model's dtype).
 * **Quantize-dequantize** of a value ``w`` with scale ``s`` and zero point ``z``:
   ``q = round(clamp(w / s + z, qmin, qmax))`` (``w / s`` in float32, a division, not a product
-  with ``1 / s``), and the value the runtime computes from the saved integers,
-  ``(q - z) * s`` in the scale's dtype (:func:`dequantize`: compressed-tensors'
-  ``_dequantize``).
+  with ``1 / s``), and its value ``(q - z) * s`` exactly, in float32 (:func:`dequantize`:
+  what compressed-tensors' ``_dequantize`` computes for a model loaded in float32; in
+  bfloat16 it rounds that product once more).
 * **GPTQ** (:func:`gptq_quantize`): the scales come from the dense weights up front (a server
   that holds the model computes them without any data); then the optimal-brain-surgeon sweep
   that SparseGPT uses (:func:`~fedcompress.pruning.scores.obs_sweep`) with this quantizer:
@@ -94,7 +94,7 @@ class QuantResult:
     (zeros when symmetric); ``g_idx``: int32 ``[in]``, the group of every input column, only
     with activation order ``group`` (otherwise column ``j`` is in group ``j // group_size``);
     ``group_size``: columns per group (0: one group per output channel). :attr:`weight` is the
-    dequantized weight ``(q - zero_point[g]) * scale[g]`` computed in the scale dtype, as float32.
+    dequantized weight ``(q - zero_point[g]) * scale[g]``, exact in float32.
     """
 
     q: torch.Tensor
@@ -129,18 +129,22 @@ def _column_groups(cols: int, group_size: int, g_idx: torch.Tensor | None) -> to
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """``(q - zero_point[:, g]) * scale[:, g]`` computed in ``scale``'s dtype (as
-    compressed-tensors' runtime does), returned as float32; ``g`` the group of each column
-    (``g_idx``, else ``j // group_size``; ``group_size`` 0: one group)."""
+    """``(q - zero_point[:, g]) * scale[:, g]`` exactly, in float32 (``g`` the group of each
+    column: ``g_idx``, else ``j // group_size``; ``group_size`` 0: one group). The product of an
+    integer of at most 9 bits and a scale of at most 24 significant bits (a 16-bit float's 8 or
+    11, or float32's) rounds only in float32 for float32 scales; for 16-bit scales it is exact,
+    which is what compressed-tensors computes when a model is loaded in float32 (it dequantizes
+    in the scales' dtype, which is then float32: ``tests/test_quant_federated.py``); a model
+    loaded in bfloat16 rounds these weights once, to bfloat16."""
     groups = _column_groups(q.shape[1], group_size, g_idx).to(q.device)
     if scale.shape != zero_point.shape or scale.shape[0] != q.shape[0] \
             or int(groups.max()) >= scale.shape[1]:
         raise ValueError(f"scales {tuple(scale.shape)} and zero points "
                          f"{tuple(zero_point.shape)} do not fit integers {tuple(q.shape)} with "
                          f"{int(groups.max()) + 1} groups")
-    s = scale[:, groups]
-    out = q.to(scale.dtype) - zero_point[:, groups].to(scale.dtype)
-    return (out * s).to(CALC_DTYPE)
+    s = scale[:, groups].to(CALC_DTYPE)
+    out = q.to(CALC_DTYPE) - zero_point[:, groups].to(CALC_DTYPE)
+    return out * s
 
 
 def _scale_dtype(weight: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.dtype:
@@ -200,10 +204,10 @@ def _qdq(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, qmin: float, 
     if z is not None:
         scaled = scaled + z.to(scaled.dtype)
     qf = torch.round(torch.clamp(scaled, qmin, qmax))
-    deq = qf.to(s.dtype)
+    deq = qf.to(CALC_DTYPE)
     if z is not None:
-        deq = deq - z.to(s.dtype)
-    return qf.to(INT_DTYPE), (deq * s).to(CALC_DTYPE)
+        deq = deq - z.to(CALC_DTYPE)
+    return qf.to(INT_DTYPE), deq * s.to(CALC_DTYPE)
 
 
 @torch.no_grad()

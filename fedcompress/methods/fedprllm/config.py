@@ -31,7 +31,8 @@ AGGREGATES = ("votes", "stats")
 WIRES = ("packed", "compressed")
 PARTITIONS = ("iid", "dirichlet")
 DTYPES = ("float32", "bfloat16", "float16")
-BASELINES = ("dense", "centralized", "local-only")
+#: rtn: with --quant, the same recipe with round-to-nearest in place of GPTQ (no data)
+BASELINES = ("dense", "centralized", "local-only", "rtn")
 VARIANTS = ("configured", "all")
 #: Byzantine site models of the simulation (:mod:`fedcompress.methods.fedprllm.attacks`).
 ATTACKS = ("none", "random", "inverted", "keep", "collude", "sparsity")
@@ -39,6 +40,8 @@ ATTACKS = ("none", "random", "inverted", "keep", "collude", "sparsity")
 FAULTS = ("none", "error", "corrupt", "slow", "kill")
 #: Weight quantization of statistics mode: none, or a scheme of fedcompress.quant.
 QUANT_SCHEMES = ("none", *SCHEMES)
+#: GPTQ column orders a saved model can carry (no g_idx since compressed-tensors 0.19).
+SAVED_ACTORDERS = tuple(a for a in ACTORDERS if a != "group")
 
 
 @dataclass(frozen=True)
@@ -207,8 +210,8 @@ class FedPrLLMConfig(Settings):
         "none", "Statistics mode: quantize every linear layer of the decoder layers too, from "
         "the summed Hessians (GPTQ) or without data (rtn), layer by layer, the sites' next "
         "inputs coming from the quantized layer: w4a16 (4-bit integer weights) or w8a16; with "
-        "sparsegpt, pruned and quantized jointly; saved in the compressed-tensors format.",
-        choices=QUANT_SCHEMES)
+        "sparsegpt, pruned and quantized jointly; saved in the compressed-tensors format "
+        "(pack-quantized).", choices=QUANT_SCHEMES)
     quant_method: str = setting("gptq", "Quantization solver: gptq (error compensation from "
                                 "the sites' summed Hessians) or rtn (round to nearest, no "
                                 "data).", choices=QUANT_METHODS)
@@ -217,9 +220,11 @@ class FedPrLLMConfig(Settings):
                                     "output channel).", ge=0)
     quant_symmetric: bool = setting(True, "Quantization: symmetric (zero point 0) or "
                                     "asymmetric integer grids.")
-    quant_actorder: str = setting("static", "GPTQ's column order: none, static (by decreasing "
-                                  "Hessian diagonal, scales in the weight's own groups) or "
-                                  "group (groups in that order).", choices=ACTORDERS)
+    quant_actorder: str = setting("static", "GPTQ's column order: none or static (by "
+                                  "decreasing Hessian diagonal, scales in the weight's own "
+                                  "groups; groups formed in that order need a g_idx, which "
+                                  "compressed-tensors no longer saves).",
+                                  choices=SAVED_ACTORDERS)
     quant_dampening: float = setting(0.01, "GPTQ: fraction of the Hessian's mean diagonal "
                                      "added to its diagonal.", gt=0.0, lt=1.0)
     quant_block_size: int = setting(128, "GPTQ: columns updated together.", ge=1)
@@ -389,7 +394,8 @@ class RunSettings(ServerSettings):
     baseline_names: ClassVar[tuple[str, ...]] = BASELINES
 
     baselines: str = setting("dense,centralized,local-only", "Comma-separated: dense, "
-                             "centralized, local-only (or none).")
+                             "centralized, local-only, rtn (with --quant: round to nearest in "
+                             "place of GPTQ, no data) (or none).")
     variants: str = setting("configured", "Server variants evaluated from the same one-shot "
                             "masks: configured or all (3 groups x scaling).", choices=VARIANTS)
     resume: bool = setting(False, "Iterative mode: continue an interrupted run from OUT/"

@@ -104,6 +104,24 @@ class Experiment:
         seconds = time.perf_counter() - start
         return apply_masks(self.fresh_copy(), result.masks, result.weights), seconds
 
+    def round_to_nearest(self) -> tuple[nn.Module, float]:
+        """The data-free baseline of a quantizing recipe: the same recipe with round-to-nearest
+        in place of GPTQ (quantization alone: no data at all; with pruning, the pruning as
+        the centralized pass does it on the union, then each kept weight rounded). Returns
+        the quantized copy and its seconds."""
+        from dataclasses import replace
+
+        prune = self.config.prune
+        if prune.quant is None:
+            raise ValueError("the rtn baseline rounds a quantizing recipe: expected --quant "
+                             "w4a16 or w8a16")
+        prune = replace(prune, quant=replace(prune.quant, method="rtn"))
+        start = time.perf_counter()
+        result = local_masks(self.model, torch.cat(self.windows), prune,
+                             batch_size=self.config.batch_size, keep_weights=True)
+        seconds = time.perf_counter() - start
+        return apply_masks(self.fresh_copy(), result.masks, result.weights), seconds
+
     def local_only(self, client: int = 0) -> tuple[nn.Module, float]:
         """Client ``client`` prunes alone on its own windows (local-only baseline; under OWL
         with its own outlier ratios)."""
