@@ -180,10 +180,20 @@ def startup_section(records: list[dict]) -> tuple[str, str] | None:
 
 
 def save_run_model(report: RunReport, model, folder: Path, tokenizer, loaded: LoadedModel,
-                   dense, setting: str, run_dtype: str) -> None:
+                   dense, setting: str, run_dtype: str, quantized=None) -> None:
     """Save a run's compressed ``model`` in ``folder`` in its smallest faithful dtype
     (:func:`~fedcompress.models.saving.save_dtype` of the run's ``save_dtype`` setting, its
     ``dtype`` and the input model ``loaded``) and report its size next to the ``dense`` input
-    model's (:meth:`~fedcompress.report.RunReport.add_model_size`)."""
-    saved = save_model(model, folder, tokenizer, save_dtype(setting, run_dtype, loaded))
+    model's (:meth:`~fedcompress.report.RunReport.add_model_size`). ``quantized``: ``(layers,
+    quant_config)``, the solver's :class:`~fedcompress.quant.compressed_tensors.PackedLinear` by
+    linear layer name and its recipe: the model is saved as a compressed-tensors
+    ``pack-quantized`` folder (:func:`~fedcompress.quant.compressed_tensors.save_quantized`)."""
+    dtype = save_dtype(setting, run_dtype, loaded)
+    if quantized is None:
+        saved = save_model(model, folder, tokenizer, dtype)
+    else:
+        from fedcompress.quant.compressed_tensors import save_quantized
+
+        layers, quant_config = quantized
+        saved = save_quantized(model, folder, layers, quant_config, tokenizer, dtype)
     report.add_model_size(model_size(saved, dense, source_dtype(loaded)))

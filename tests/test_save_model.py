@@ -129,3 +129,27 @@ def test_sparsegpt_updates_are_rounded_by_a_bf16_save(tmp_path):
     bf16_ppl = perplexity(reread, None, text, 16, progress=False).perplexity
     assert abs(bf16_ppl / fp32_ppl - 1) < 1e-3
     assert abs(bf16_ppl - fp32_ppl) < abs(fp32_ppl - dense_ppl)
+
+
+def test_a_run_saves_a_quantized_model_and_reports_its_size(tmp_path):
+    """server.common.save_run_model with the solver's layers: a pack-quantized folder in the
+    input model's dtype, its size in the report next to the dense model's."""
+    from test_save_quantized import hand_made
+
+    from fedcompress.quant.config import QuantConfig
+    from server.common import save_run_model
+
+    model = build_tiny_model("llama", n_layers=2)
+    save_model(model, tmp_path / "input", build_tiny_tokenizer(), torch.bfloat16)
+    loaded = load_model(str(tmp_path / "input"), device="cpu")  # computes in float32
+    config = QuantConfig(group_size=16)
+    report = RunReport(tmp_path / "run", "quantize", {})
+    save_run_model(report, loaded.model, tmp_path / "run" / "model", loaded.tokenizer, loaded,
+                   loaded.model, "auto", "float32",
+                   quantized=(hand_made(loaded.model, config), config))
+    size = json.loads((tmp_path / "run" / "report.json").read_text())["model_size"]
+    assert (size["format"], size["dtype"], size["dense_dtype"]) == ("pack-quantized",
+                                                                     "bfloat16", "bfloat16")
+    assert 0.5 < size["ratio"] < 0.8  # the tiny model's embeddings stay 16-bit
+    written = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert written["quantization_config"]["format"] == "pack-quantized"
