@@ -187,13 +187,30 @@ def save_run_model(report: RunReport, model, folder: Path, tokenizer, loaded: Lo
     model's (:meth:`~fedcompress.report.RunReport.add_model_size`). ``quantized``: ``(layers,
     quant_config)``, the solver's :class:`~fedcompress.quant.compressed_tensors.PackedLinear` by
     linear layer name and its recipe: the model is saved as a compressed-tensors
-    ``pack-quantized`` folder (:func:`~fedcompress.quant.compressed_tensors.save_quantized`)."""
-    dtype = save_dtype(setting, run_dtype, loaded)
+    ``pack-quantized`` folder (:func:`~fedcompress.quant.compressed_tensors.save_quantized`)
+    in its scales' dtype (:func:`quantized_save_dtype`)."""
     if quantized is None:
-        saved = save_model(model, folder, tokenizer, dtype)
+        saved = save_model(model, folder, tokenizer, save_dtype(setting, run_dtype, loaded))
     else:
         from fedcompress.quant.compressed_tensors import save_quantized
 
         layers, quant_config = quantized
-        saved = save_quantized(model, folder, layers, quant_config, tokenizer, dtype)
+        saved = save_quantized(model, folder, layers, quant_config, tokenizer,
+                               quantized_save_dtype(setting, quant_config))
     report.add_model_size(model_size(saved, dense, source_dtype(loaded)))
+
+
+def quantized_save_dtype(setting: str, quant_config):
+    """The dtype a quantized model is saved in: its scales' (``auto``), so that the runtime's
+    ``(q - zero_point) * scale``, computed in the scales' saved dtype, gives the weights the
+    run evaluated (exactly in a float32 load); another named dtype is refused (call this
+    before any work)."""
+    from fedcompress.models.common import parse_dtype
+
+    if setting not in ("auto", quant_config.scale_dtype):
+        raise ValueError(f"save_dtype {setting!r} with quantization scales in "
+                         f"{quant_config.scale_dtype}: expected auto or "
+                         f"{quant_config.scale_dtype} (the runtime dequantizes in the scales' "
+                         "saved dtype; another one would change the weights the run "
+                         "evaluated: set the scale dtype instead)")
+    return parse_dtype(quant_config.scale_dtype)

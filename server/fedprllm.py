@@ -35,6 +35,7 @@ from fedcompress.pruning.local import check_global_ratio
 from fedcompress.report import RunReport
 from server.common import (
     make_server_app,
+    quantized_save_dtype,
     run_with_report,
     save_run_model,
     startup_section,
@@ -60,24 +61,8 @@ def check_settings(settings: dict) -> None:
         raise ValueError("baseline rtn without --quant: expected a quantizing run (rtn rounds "
                          "its weights to nearest in place of GPTQ)")
     if config.quant_config is not None:
-        _quantized_save_dtype(config, server)
+        quantized_save_dtype(server.save_dtype, config.quant_config)
     evals.load_tasks()  # every zero-shot task exists and loads (offline: bundled or cached)
-
-
-def _quantized_save_dtype(config: FedPrLLMConfig, server: RunSettings):
-    """The dtype a quantized model is saved in: its scales' (``auto``), so that the runtime's
-    ``(q - zero_point) * scale`` computed in it gives exactly the weights the run evaluated;
-    another named dtype is refused before any work."""
-    from fedcompress.models.common import parse_dtype
-
-    quant = config.quant_config
-    assert quant is not None
-    if server.save_dtype not in ("auto", quant.scale_dtype):
-        raise ValueError(f"save_dtype {server.save_dtype!r} with quantization scales in "
-                         f"{quant.scale_dtype}: expected auto or {quant.scale_dtype} (the "
-                         "runtime dequantizes in the scales' saved dtype; another one would "
-                         "change the weights the run evaluated: set --quant-scale-dtype)")
-    return parse_dtype(quant.scale_dtype)
 
 
 def server_variants(config: FedPrLLMConfig, which: str) -> list[ServerConfig]:
@@ -109,7 +94,8 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
     if "rtn" in baselines and quant is None:
         raise ValueError("baseline rtn without --quant: expected a quantizing run (rtn rounds "
                          "its weights to nearest in place of GPTQ)")
-    quant_dtype = _quantized_save_dtype(config, server) if quant is not None else None
+    if quant is not None:
+        quantized_save_dtype(server.save_dtype, quant)
     if "dense" in baselines:
         with report.phase("eval"):
             report.add_result(exp.evaluate("dense", exp.model))
@@ -212,20 +198,14 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
                 server_group=variant.group, scale=variant.scale))
         if server.save_model and variant == config.server:
             with report.phase("save"):
+                quantized = None
                 if quant is not None:
-                    from fedcompress.models import model_size, source_dtype
-                    from fedcompress.quant.compressed_tensors import (
-                        packed_layers,
-                        save_quantized,
-                    )
+                    from fedcompress.quant.compressed_tensors import packed_layers
 
-                    saved = save_quantized(
-                        model, out / "model", packed_layers(model, strategy.quantized),  # type: ignore[attr-defined]
-                        quant, exp.tokenizer, quant_dtype)
-                    report.add_model_size(model_size(saved, exp.model, source_dtype(exp.loaded)))
-                else:
-                    save_run_model(report, model, out / "model", exp.tokenizer, exp.loaded,
-                                   exp.model, server.save_dtype, config.dtype)
+                    quantized = (packed_layers(model, strategy.quantized),  # type: ignore
+                                 quant)
+                save_run_model(report, model, out / "model", exp.tokenizer, exp.loaded,
+                               exp.model, server.save_dtype, config.dtype, quantized)
         del model
     if strategy.defence:
         report.extra["defence_outcome"] = strategy.defence
