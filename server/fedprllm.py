@@ -192,6 +192,8 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
             strategy.prune(model, variant)
         name = (f"fedprllm-stats-{config.local_group}" if config.aggregate == "stats"
                 else f"fedprllm-{config.mode}-{variant.label}")
+        if quant is not None:  # e.g. fedprllm-stats-row+w4a16-gptq
+            name += f"+{quant.scheme}-{quant.method}"
         with report.phase("eval"):
             report.add_result(exp.evaluate(
                 name, model, **comm,

@@ -207,8 +207,8 @@ def test_server_app_saves_what_transformers_loads_with_the_reported_perplexity(t
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "ok", report.get("error")
     fed, central, rtn = report["results"]
-    assert (fed["name"], central["name"], rtn["name"]) == ("fedprllm-stats-row", "centralized",
-                                                           "rtn-w4a16")
+    assert (fed["name"], central["name"], rtn["name"]) == (
+        "fedprllm-stats-row+w4a16-gptq", "centralized", "rtn-w4a16")
     assert fed["perplexity"] == central["perplexity"] != rtn["perplexity"]
     size = report["model_size"]
     assert size["format"] == "pack-quantized" and size["dtype"] == "bfloat16"
