@@ -165,6 +165,7 @@ PERPLEXITY = textwrap.dedent("""
     from transformers import AutoModelForCausalLM
 
     job = json.loads(sys.argv[1])
+    torch.set_num_threads(job["threads"])  # the run's: float sums in the same order
     model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=torch.float32).eval()
     assert hasattr(model.model.layers[0].mlp.up_proj, "weight_packed")  # loaded packed
     nll, n = 0.0, 0
@@ -223,7 +224,8 @@ def test_server_app_saves_what_transformers_loads_with_the_reported_perplexity(t
     windows = ids[:3 * 16].reshape(3, 16).tolist()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", PERPLEXITY,
-                           json.dumps({"folder": str(out / "model"), "windows": windows})],
+                           json.dumps({"folder": str(out / "model"), "windows": windows,
+                                       "threads": torch.get_num_threads()})],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])["perplexity"]
