@@ -377,6 +377,20 @@ def test_centralized_walk_gives_the_quantized_model(tiny_model, label):
     assert torch.isfinite(torch.tensor(loss)) and loss < dense_loss + 1.0
 
 
+def test_a_bf16_model_gets_bf16_scales_and_its_weights_exactly(tiny_model):
+    model = tiny_model("llama", n_layers=2).to(torch.bfloat16)
+    prune = PruneConfig("none", 0.0, quant=QuantConfig(group_size=16, symmetric=False))
+    result = local_masks(model, _windows(), prune, batch_size=4, keep_weights=True)
+    apply_masks(model, result.masks, result.weights)
+    for index, layer in enumerate(ModelAdapter(model).layers):
+        for name, module in ModelAdapter.linear_layers(layer).items():
+            quant = result.quant[index][name]
+            assert quant.scale.dtype == torch.bfloat16
+            # the runtime's bf16 dequantization, which the sweep compensated for
+            assert torch.equal(quant.weight.bfloat16().float(), quant.weight)
+            assert torch.equal(weight_matrix(module).float(), quant.weight)
+
+
 def test_a_group_size_that_does_not_divide_a_layer_is_refused_before_any_work(tiny_model):
     model = tiny_model("llama", n_layers=2)  # input widths 32 (hidden) and 64 (down_proj)
     with pytest.raises(ValueError, match="group size 64 does not divide the 32 input features "
