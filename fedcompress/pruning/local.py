@@ -245,6 +245,13 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
     With ``config.onload`` the pass walks an onloaded skeleton (``model`` itself if it is one,
     else one read from the safetensors folder ``model`` was loaded from,
     :func:`~fedcompress.models.onload.onload_skeleton`): one decoder layer in memory at a time.
+
+    With ``config.quant``: :attr:`~fedcompress.pruning.walker.WalkResult.quant` holds every
+    linear layer's :class:`~fedcompress.quant.solver.QuantResult` (integers, scales, zero
+    points, ``g_idx``), whose :attr:`~fedcompress.quant.solver.QuantResult.weight` is, bit for
+    bit, the dequantized weight the pass forwarded through (and, with ``keep_weights``, the one
+    in :attr:`~fedcompress.pruning.walker.WalkResult.weights`). Every quantized layer's width is
+    checked against the group size before any work.
     """
     from fedcompress.models import onload_skeleton, onloader_of
 
