@@ -189,20 +189,23 @@ def test_dead_columns_are_quantized_to_zero():
 
 
 def test_bf16_scales_dequantize_as_the_runtime_does():
-    """bfloat16 scales: the dequantized weight is the exact product, what compressed-tensors
-    computes for a model loaded in float32 (scales upcast); a bfloat16 load rounds it once."""
+    """bfloat16 scales: in a float32 model the dequantized weight is the exact product (what
+    compressed-tensors computes for a float32 load, scales upcast); in a bfloat16 model that
+    product rounded once, the bfloat16 multiplication the runtime does in a bfloat16 load."""
     W, H = _problem()
     config = QuantConfig(group_size=16, symmetric=False)
-    result = gptq_quantize(W.bfloat16(), H, config)
-    assert result.scale.dtype == torch.bfloat16
-    groups = result.column_groups()
-    scale, zero = result.scale[:, groups], result.zero_point[:, groups]
-    float32_load = (result.q.float() - zero.float()) * scale.float()
-    assert torch.equal(result.weight, float32_load)
-    exact = (result.q.double() - zero.double()) * scale.double()
-    assert torch.equal(result.weight.double(), exact)
-    bf16_load = (result.q.to(torch.bfloat16) - zero.to(torch.bfloat16)) * scale
-    assert torch.equal(result.weight.bfloat16(), bf16_load)
+    for weight in (W, W.bfloat16()):
+        result = gptq_quantize(weight, H, config, scale_dtype=torch.bfloat16)
+        assert result.scale.dtype == torch.bfloat16 and result.dtype == weight.dtype
+        groups = result.column_groups()
+        scale, zero = result.scale[:, groups], result.zero_point[:, groups]
+        exact = (result.q.double() - zero.double()) * scale.double()
+        bf16_load = (result.q.to(torch.bfloat16) - zero.to(torch.bfloat16)) * scale
+        if weight.dtype == torch.float32:
+            assert torch.equal(result.weight.double(), exact)
+        else:
+            assert torch.equal(result.weight, bf16_load.float())
+        assert torch.equal(result.weight.bfloat16(), bf16_load)
 
 
 # --- SparseGPT + GPTQ jointly ------------------------------------------------------------------

@@ -16,9 +16,10 @@ schemes), written here in plain torch:
   the scales it saves have the model's dtype).
 * **Quantize-dequantize** of a value ``w`` with scale ``s`` and zero point ``z``:
   ``q = round(clamp(w / s + z, qmin, qmax))`` (``w / s`` in float32, a division, not a product
-  with ``1 / s``), and its value ``(q - z) * s`` exactly, in float32 (:func:`dequantize`:
-  what compressed-tensors' ``_dequantize`` computes for a model loaded in float32; in
-  bfloat16 it rounds that product once more).
+  with ``1 / s``), and its value ``(q - z) * s`` in the dtype of the model's weights
+  (:func:`dequantize`: what compressed-tensors' ``_dequantize`` computes for the model loaded
+  in that dtype: exact in float32, rounded once in bfloat16); the GPTQ sweep compensates the
+  error of that value.
 * **GPTQ** (:func:`gptq_quantize`): the scales come from the dense weights up front (a server
   that holds the model computes them without any data); then the optimal-brain-surgeon sweep
   that SparseGPT uses (:func:`~fedcompress.pruning.scores.obs_sweep`) with this quantizer:
@@ -93,8 +94,10 @@ class QuantResult:
     scale dtype (the dtype the model saves it in); ``zero_point``: ``[out, groups]`` int8
     (zeros when symmetric); ``g_idx``: int32 ``[in]``, the group of every input column, only
     with activation order ``group`` (otherwise column ``j`` is in group ``j // group_size``);
-    ``group_size``: columns per group (0: one group per output channel). :attr:`weight` is the
-    dequantized weight ``(q - zero_point[g]) * scale[g]``, exact in float32.
+    ``group_size``: columns per group (0: one group per output channel); ``dtype``: the dtype
+    of the model's weights, in which the runtime holds the dequantized weight. :attr:`weight`
+    is ``(q - zero_point[g]) * scale[g]`` in that dtype, as float32: the exact product for a
+    float32 model, rounded once for a 16-bit one (:func:`dequantize`).
     """
 
     q: torch.Tensor
@@ -103,16 +106,18 @@ class QuantResult:
     g_idx: torch.Tensor | None
     group_size: int
     symmetric: bool
+    dtype: torch.dtype = CALC_DTYPE
 
     @property
     def weight(self) -> torch.Tensor:
-        return dequantize(self.q, self.scale, self.zero_point, self.group_size, self.g_idx)
+        return dequantize(self.q, self.scale, self.zero_point, self.group_size, self.g_idx,
+                          self.dtype)
 
     def to(self, device: torch.device | str) -> QuantResult:
         """A copy on ``device``."""
         return QuantResult(self.q.to(device), self.scale.to(device), self.zero_point.to(device),
                            None if self.g_idx is None else self.g_idx.to(device),
-                           self.group_size, self.symmetric)
+                           self.group_size, self.symmetric, self.dtype)
 
     def column_groups(self) -> torch.Tensor:
         """The group of every input column (int64 ``[in]``)."""
@@ -128,14 +133,15 @@ def _column_groups(cols: int, group_size: int, g_idx: torch.Tensor | None) -> to
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-               group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """``(q - zero_point[:, g]) * scale[:, g]`` exactly, in float32 (``g`` the group of each
-    column: ``g_idx``, else ``j // group_size``; ``group_size`` 0: one group). The product of an
-    integer of at most 9 bits and a scale of at most 24 significant bits (a 16-bit float's 8 or
-    11, or float32's) rounds only in float32 for float32 scales; for 16-bit scales it is exact,
-    which is what compressed-tensors computes when a model is loaded in float32 (it dequantizes
-    in the scales' dtype, which is then float32: ``tests/test_quant_federated.py``); a model
-    loaded in bfloat16 rounds these weights once, to bfloat16."""
+               group_size: int, g_idx: torch.Tensor | None = None,
+               dtype: torch.dtype = CALC_DTYPE) -> torch.Tensor:
+    """``(q - zero_point[:, g]) * scale[:, g]`` as a model of ``dtype`` holds it, returned as
+    float32 (``g`` the group of each column: ``g_idx``, else ``j // group_size``;
+    ``group_size`` 0: one group). compressed-tensors dequantizes in the scales' dtype, which
+    ``from_pretrained`` makes the model's: in a float32 model the product of a 16-bit scale and
+    an integer of at most 9 bits is exact (``tests/test_quant_federated.py`` loads a saved run
+    so), in a bfloat16 model it is that product rounded once to bfloat16 (float32 computes it
+    exactly, then one rounding: the correctly rounded bfloat16 product)."""
     groups = _column_groups(q.shape[1], group_size, g_idx).to(q.device)
     if scale.shape != zero_point.shape or scale.shape[0] != q.shape[0] \
             or int(groups.max()) >= scale.shape[1]:
@@ -144,7 +150,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                          f"{int(groups.max()) + 1} groups")
     s = scale[:, groups].to(CALC_DTYPE)
     out = q.to(CALC_DTYPE) - zero_point[:, groups].to(CALC_DTYPE)
-    return out * s
+    return _in_dtype(out * s, dtype)
+
+
+def _in_dtype(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The exact float32 product as a model of ``dtype`` holds it (rounded once for a 16-bit
+    model), as float32."""
+    return exact if dtype == CALC_DTYPE else exact.to(dtype).to(CALC_DTYPE)
 
 
 def _scale_dtype(weight: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.dtype:
@@ -196,10 +208,11 @@ def observe(weight: torch.Tensor, config: QuantConfig, scale_dtype: torch.dtype 
     return scales, zero_points
 
 
-def _qdq(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, qmin: float, qmax: float
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(integers, dequantized float32)`` of ``w`` (float32) with scales ``s`` and zero points
-    ``z`` (None: symmetric) broadcast to ``w``."""
+def _qdq(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, qmin: float, qmax: float,
+         dtype: torch.dtype = CALC_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(integers, dequantized)`` of ``w`` (float32) with scales ``s`` and zero points ``z``
+    (None: symmetric) broadcast to ``w``; the dequantized value as a model of ``dtype`` holds
+    it, as float32."""
     scaled = w / s
     if z is not None:
         scaled = scaled + z.to(scaled.dtype)
@@ -207,7 +220,7 @@ def _qdq(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, qmin: float, 
     deq = qf.to(CALC_DTYPE)
     if z is not None:
         deq = deq - z.to(CALC_DTYPE)
-    return qf.to(INT_DTYPE), deq * s.to(CALC_DTYPE)
+    return qf.to(INT_DTYPE), _in_dtype(deq * s.to(CALC_DTYPE), dtype)
 
 
 @torch.no_grad()
@@ -242,7 +255,8 @@ def rtn_quantize(weight: torch.Tensor, config: QuantConfig, *,
     qmin, qmax = quant_range(config.bits)
     q, _ = _qdq(W, scale[:, groups], None if config.symmetric else zero_point[:, groups],
                 qmin, qmax)
-    return QuantResult(q, scale, zero_point, None, config.group_size, config.symmetric)
+    return QuantResult(q, scale, zero_point, None, config.group_size, config.symmetric,
+                       weight.dtype)
 
 
 class _ColumnQuantizer:
@@ -250,8 +264,9 @@ class _ColumnQuantizer:
     sweep's order): records the integers, returns the dequantized column."""
 
     def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, groups: torch.Tensor,
-                 config: QuantConfig, rows: int, cols: int):
+                 config: QuantConfig, rows: int, cols: int, dtype: torch.dtype):
         self.scale = scale
+        self.dtype = dtype
         self.zero_point = None if config.symmetric else zero_point
         self.groups = groups.tolist()
         self.qmin, self.qmax = quant_range(config.bits)
@@ -260,7 +275,7 @@ class _ColumnQuantizer:
     def __call__(self, column: torch.Tensor, index: int) -> torch.Tensor:
         g = self.groups[index]
         z = None if self.zero_point is None else self.zero_point[:, g]
-        q, deq = _qdq(column, self.scale[:, g], z, self.qmin, self.qmax)
+        q, deq = _qdq(column, self.scale[:, g], z, self.qmin, self.qmax, self.dtype)
         self.q[:, index] = q
         return deq
 
@@ -303,7 +318,7 @@ def _obs_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
         scale, zero_point = observe(weight, config, dtype)
         working = natural if perm is None else natural[perm.to(weight.device)]
     W, hinv, _ = prepare_obs(weight, H, config.dampening, name, perm=perm)
-    quantizer = _ColumnQuantizer(scale, zero_point, working, config, rows, cols)
+    quantizer = _ColumnQuantizer(scale, zero_point, working, config, rows, cols, weight.dtype)
     if mask is not None and perm is not None:
         mask = mask[:, perm.to(mask.device)]
     prune_mask, W = obs_sweep(W, hinv, config.block_size, sparsity=sparsity, group=group, nm=nm,
@@ -315,7 +330,7 @@ def _obs_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: QuantConf
     if g_idx is None and config.actorder == "group" and config.group_size:
         raise AssertionError("activation order 'group' lost its g_idx")
     result = QuantResult(q.contiguous(), scale, zero_point, g_idx, config.group_size,
-                         config.symmetric)
+                         config.symmetric, weight.dtype)
     return prune_mask, result, W
 
 

@@ -164,6 +164,7 @@ class StatsFedPrLLM(IterativeFedPrLLM):
         from fedcompress.quant.solver import QuantResult
 
         restored = {}
+        weight_dtype = next(self.model.parameters()).dtype  # the dequantization's (solver)
         for name, weight in self.global_weights.get(layer, {}).items():
             key = f"quant/{mask_key(layer, name)}"
             if f"{key}/q" not in arrays:
@@ -175,7 +176,7 @@ class StatsFedPrLLM(IterativeFedPrLLM):
                 torch.from_numpy(arrays[f"{key}/scale"].copy()).to(quant.torch_scale_dtype),
                 torch.from_numpy(arrays[f"{key}/zero_point"].copy()),
                 None if g_idx is None else torch.from_numpy(g_idx.copy()),
-                quant.group_size, quant.symmetric)
+                quant.group_size, quant.symmetric, weight_dtype)
             if not torch.equal(result.weight, weight):
                 raise ValueError(f"checkpoint of layer {layer}: {name}'s integers do not give "
                                  "its saved weights (expected an unchanged checkpoint)")
