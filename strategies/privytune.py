@@ -53,6 +53,7 @@ from fedcompress.layers.redundancy import CosineMatrix
 from fedcompress.methods.privytune import PrivyTuneConfig, removed_text
 from fedcompress.privacy.accounting import noise_seed
 from strategies.common import (
+    STARTUP_KEYS,
     RecordsReplies,
     StrategyOutcome,
     settings_record,
@@ -186,6 +187,13 @@ class PrivyTuneFedAvg(RecordsReplies, _DPLoRAMessagesMixin, FedAvgM):
         self.outcome.client_metrics[-len(valid):] = [
             {**m, "bytes_up": bytes_up // max(len(valid), 1)}
             for m in self.outcome.client_metrics[-len(valid):]]
+        for reply, _ in valid:
+            # recorded above; a site's start-up split is not FedAvg's to average, and differs in
+            # keys between a site with a warm worker and one without (FedAvg wants equal keys)
+            metrics = reply.content["metrics"]
+            for key in STARTUP_KEYS:
+                if key in metrics:
+                    del metrics[key]
         return [reply for reply, _ in valid]
 
     # -- audit -----------------------------------------------------------------------------------

@@ -62,6 +62,10 @@ OFFLINE = {
     "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
 }
 STARTUP_TIMEOUT = 90.0
+#: Sites whose SuperNode uses a warm site worker (``fedcompress site-worker``), by deployment:
+#: each site keeps a fat ClientApp path somewhere (site 0 of ``full`` runs every method's
+#: messages in their own processes), and the workers spare the suite most processes' imports.
+WORKER_SITES = {"full": (1, 2), "missing": (0,)}
 # A safety net only: a run takes about a minute on 2 cores (more when the machine is busy).
 RUN_TIMEOUT = 300.0
 
@@ -367,10 +371,12 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployments(tmp_path_factory, tiny_model_dir):
-    """Two deployments (``full``, ``missing``: site 2 has no data file, and site 0's SuperNode
-    hands its messages to a warm site worker), each with its one-shot FedPrLLM run started in
-    the background (tests wait for ``dep.result``). Every process, the worker too, is stopped by
-    PID at the end, also on failure; none may be left, nor the worker's socket."""
+    """Two deployments (``full``, ``missing``: site 2 has no data file), each with its one-shot
+    FedPrLLM run started in the background (tests wait for ``dep.result``). Some SuperNodes hand
+    their messages to a warm site worker of their own (:data:`WORKER_SITES`): in ``full`` sites
+    1 and 2 (site 0 starts a ClientApp process per message: the fat path of every method's
+    run), in ``missing`` site 0. Every process, the workers too, is stopped by PID at the end,
+    also on failure; none may be left, nor a worker's socket."""
     root = tmp_path_factory.mktemp("deploy")
     procs = Processes(root)
     deps = {name: Deployment(name, root, procs) for name in ("full", "missing")}
@@ -392,14 +398,17 @@ def deployments(tmp_path_factory, tiny_model_dir):
             if not (dep.name == "missing" and i == MISSING_SITE):
                 site.write_text("".join(documents))
     pool = ThreadPoolExecutor(8)
-    missing = deps["missing"]
-    missing.workers = {}
+    for dep in deps.values():
+        dep.workers = {}
     try:
-        # its start-up (imports) overlaps the SuperLinks' and the registrations; the worker
-        # makes its own 0700 folder for the socket
-        missing.workers[0] = Worker(missing.root / "site-0" / "worker" / "worker.sock",
-                                    missing.root / "cache", root / "worker.log",
-                                    env=missing.env("worker"), wait=False)
+        # their start-up (imports) overlaps the SuperLinks' and the registrations; a worker
+        # makes its own 0700 folder for its socket
+        for name, sites in WORKER_SITES.items():
+            dep = deps[name]
+            for i in sites:
+                dep.workers[i] = Worker(dep.root / f"site-{i}" / "worker" / "worker.sock",
+                                        dep.root / "cache", root / f"worker-{name}-{i}.log",
+                                        env=dep.env(f"worker-{i}"), wait=False)
         for dep in deps.values():
             dep.start_superlink()
         for dep in deps.values():
@@ -421,7 +430,8 @@ def deployments(tmp_path_factory, tiny_model_dir):
     finally:
         left = procs.stop_all()
         pool.shutdown(wait=True, cancel_futures=True)
-        codes = {i: (w.stop(), w.path.exists(), w.log()) for i, w in missing.workers.items()}
+        codes = {(dep.name, i): (w.stop(), w.path.exists(), w.log())
+                 for dep in deps.values() for i, w in dep.workers.items()}
         assert left == [], f"processes left running: {[(p.pid, p.name()) for p in left]}"
         for code, socket_left, log in codes.values():
             assert code == 0 and not socket_left, log
@@ -618,17 +628,26 @@ def test_deployed_run_equals_in_process_vote(deployments, tiny_model_dir):
     assert sorted(c["node"] for c in report["clients"]) == sorted(dep.node_ids)
     assert sorted(c["partition"] for c in report["clients"]) == list(range(CLIENTS))
     assert {"engine_startup", "federated_pruning"} <= set(report["timings"])
-    # Each message ran in its own flwr-clientapp process: every reply carries that process's
-    # whole start-up (Flower's runtime, imports, loading) and its compute.
+    # Site 0 ran each message in its own flwr-clientapp process: every reply carries that
+    # process's whole start-up (Flower's runtime, imports, loading) and its compute. Sites 1
+    # and 2 handed theirs to their warm workers: the thin process's runtime and the exchange.
     split = report["client_startup"]
+    by_node = {c["node"]: c for c in report["clients"]}
     for stage in ("warmup", "masks"):
         records = [r for r in split if r["stage"] == stage]
         assert sorted(r["node"] for r in records) == sorted(dep.node_ids), split
         for r in records:
-            assert r["startup_runtime_seconds"] > 0 and r["startup_import_seconds"] > 0, r
-            assert r["startup_load_seconds"] > 0 and r["compute_seconds"] >= 0, r
+            site = dep.node_ids.index(r["node"])
+            assert r["startup_runtime_seconds"] > 0 and r["compute_seconds"] >= 0, r
             assert r["client_startup_seconds"] == pytest.approx(
                 r["startup_import_seconds"] + r["startup_load_seconds"])
+            if site in dep.workers:
+                assert r["startup_worker_seconds"] >= 0, r
+                assert by_node[r["node"]]["pid"] == dep.workers[site].proc.pid
+            else:
+                assert r["startup_import_seconds"] > 0 and r["startup_load_seconds"] > 0, r
+                assert by_node[r["node"]]["pid"] not in {w.proc.pid
+                                                        for w in dep.workers.values()}
     assert report["client_startup_seconds"] == [r["client_startup_seconds"] for r in split
                                                 if r["stage"] == "warmup"]
 
