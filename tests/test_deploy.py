@@ -16,7 +16,10 @@ FLWR_HOME:
 same seeds and node configs. ``missing``: site 2's data file does not exist; its ClientApp must
 fail with a clear error that the server logs and records (``rejected`` in report.json), and the
 run must go on with the two other sites (``min-clients=2``). An unregistered SuperNode (a fourth
-key pair) must be refused by the SuperLink.
+key pair) must be refused by the SuperLink. Some SuperNodes hand their messages to a warm site
+worker of their own (``fedcompress site-worker``, :data:`WORKER_SITES`): ``full``'s sites 1
+and 2 (site 0 starts a ``flwr-clientapp`` process per message: the fat path of every method's
+run, beside two warm sites), ``missing``'s site 0.
 
 Every process started (SuperLinks, SuperNodes, the ``flwr`` CLI, and the SuperExec /
 flwr-serverapp / flwr-clientapp processes they start) is stopped by PID at the end, also when a
