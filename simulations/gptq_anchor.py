@@ -45,6 +45,7 @@ under ``layers``, the perplexities as results) and llm-compressor's model under
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.metadata
 import importlib.util
@@ -357,13 +358,9 @@ def our_walk(model, windows: torch.Tensor, quant: dict, wanted: set[tuple[int, s
     recorded: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     if with_solver:
         from fedcompress.pruning.local import PruneConfig, layer_prune_fn
-        from fedcompress.quant import QuantConfig
 
-        config = QuantConfig(scheme={4: "w4a16", 8: "w8a16"}[quant["bits"]], method="gptq",
-                             group_size=quant["group_size"], symmetric=quant["symmetric"],
-                             actorder=quant["actorder"], dampening=quant["dampening"],
-                             block_size=quant["block_size"])
-        inner = layer_prune_fn(PruneConfig(method="none", quant=config))  # type: ignore
+        inner = layer_prune_fn(PruneConfig(method="none", sparsity=0.0,  # type: ignore
+                                           quant=quant_config(quant)))
     else:
         inner = None
 
@@ -382,23 +379,59 @@ def our_walk(model, windows: torch.Tensor, quant: dict, wanted: set[tuple[int, s
     return (result if with_solver else None), recorded
 
 
-def our_layer(solver, weight: torch.Tensor, hessian: torch.Tensor, quant: dict) -> dict:
-    """Our GPTQ of one (W, H): integers, scales, zero points, dequantized weights."""
+def solver_module(solver):
+    """The module that defines our solver (its named precision constants live there)."""
+    return sys.modules[solver.__module__]
+
+
+@contextlib.contextmanager
+def hessian_precision(solver, dtype: torch.dtype | None):
+    """Our solver with the Hessian in ``dtype`` up to its inverse's Cholesky factor and for the
+    activation order (llm-compressor's choice: float32) instead of float64: the named constants
+    ``HESSIAN_DTYPE`` of the solver's module and of :mod:`fedcompress.pruning.scores` (its OBS
+    sweep's factorisation) for the duration of the block; ``None``: unchanged."""
+    from fedcompress.pruning import scores
+
+    modules = [m for m in (solver_module(solver), scores) if hasattr(m, "HESSIAN_DTYPE")]
+    saved = [m.HESSIAN_DTYPE for m in modules]
+    if dtype is not None:
+        for m in modules:
+            m.HESSIAN_DTYPE = dtype
+    try:
+        yield
+    finally:
+        for m, value in zip(modules, saved):
+            m.HESSIAN_DTYPE = value
+
+
+def quant_config(quant: dict):
     from fedcompress.quant import QuantConfig
 
-    config = QuantConfig(scheme={4: "w4a16", 8: "w8a16"}[quant["bits"]], method="gptq",
-                         group_size=quant["group_size"], symmetric=quant["symmetric"],
-                         actorder=quant["actorder"], dampening=quant["dampening"],
-                         block_size=quant["block_size"])
-    start = time.perf_counter()
-    result = solver(weight, hessian, config)
-    seconds = time.perf_counter() - start
+    return QuantConfig(scheme={4: "w4a16", 8: "w8a16"}[quant["bits"]], method="gptq",
+                       group_size=quant["group_size"], symmetric=quant["symmetric"],
+                       actorder=quant["actorder"], dampening=quant["dampening"],
+                       block_size=quant["block_size"])
+
+
+def our_layer(solver, weight: torch.Tensor, hessian: torch.Tensor, quant: dict,
+              precision: torch.dtype | None = None) -> dict:
+    """Our GPTQ of one (W, H): integers, scales, zero points, dequantized weights, and the
+    activation order it swept in (``precision``: :func:`hessian_precision`)."""
+    module = solver_module(solver)
+    with hessian_precision(solver, precision):
+        start = time.perf_counter()
+        result = solver(weight, hessian, quant_config(quant))
+        seconds = time.perf_counter() - start
+        perm = None
+        if quant["actorder"] != "none":
+            perm = getattr(result, "perm", None)
+            if perm is None and hasattr(module, "activation_order"):
+                perm = module.activation_order(hessian.to(module.HESSIAN_DTYPE))
     found = {"q": result.q, "scale": result.scale.to(torch.float32),
              "zero_point": result.zero_point.to(torch.float32),
              "weight": result.weight.to(torch.float32), "seconds": seconds}
-    for extra in ("perm", "pre"):
-        if getattr(result, extra, None) is not None:
-            found[extra] = getattr(result, extra)
+    if perm is not None:
+        found["perm"] = perm
     return found
 
 
@@ -424,20 +457,23 @@ def compare_pair(a: dict, b: dict, hessian: torch.Tensor, quant: dict, tie_tol: 
     return cmp
 
 
-def per_layer_rows(ours: dict | None, theirs: dict, recorded: dict, quant: dict,
-                   tie_tol: float) -> list[dict]:
-    """The per-layer agreement table: ours against each llm-compressor variant, and the two
-    variants against each other (what precision alone changes)."""
+#: The pairs of the per-layer table (left against right; the right side carries ``pre``):
+#: ours against llm-compressor as shipped and with our precision, ours with llm-compressor's
+#: precision against it as shipped, and the two llm-compressor variants (precision alone).
+PAIRS = (("ours", "llmc"), ("ours", "llmc-f64"), ("ours-f32", "llmc"), ("llmc-f64", "llmc"))
+
+
+def per_layer_rows(sides: dict[str, dict], recorded: dict, quant: dict, tie_tol: float,
+                   pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[dict]:
+    """The per-layer agreement table: every pair of :data:`PAIRS` whose two sides exist
+    (``sides``: ``{side: {layer key: result}}``), for every recorded layer."""
     rows = []
     for (index, name), rec in recorded.items():
         key = f"{index}.{name}"
-        pairs = []
-        if ours is not None:
-            pairs += [("ours", "llmc"), ("ours", "llmc-f64")]
-        pairs += [("llmc-f64", "llmc")]
         for left, right in pairs:
-            a = ours[key] if left == "ours" else theirs[left][key]
-            b = theirs[right][key]
+            if left not in sides or right not in sides:
+                continue
+            a, b = sides[left][key], sides[right][key]
             row = {"layer": key, "shape": list(rec["weight"].shape), "pair": f"{left} vs {right}",
                    **compare_pair(a, b, rec["hessian"], quant, tie_tol)}
             rows.append(row)
@@ -554,25 +590,29 @@ def main(argv: list[str] | None = None) -> int:
             run_runner(exe, ["solve", str(request), str(work / "solve-answer.safetensors")], log)
         answer, info = runner.load_exchange(work / "solve-answer.safetensors")
         theirs = unpack_answer(answer, variants)
-        ours: dict | None = None
+        sides = dict(theirs)
         if solver is not None:
-            ours = {}
+            sides["ours"], sides["ours-f32"] = {}, {}
             with report.phase("ours-per-layer"):
                 for index, name in names:
                     rec = recorded[(index, name)]
-                    ours[f"{index}.{name}"] = found = our_layer(solver, rec["weight"],
-                                                                rec["hessian"], quant)
+                    key = f"{index}.{name}"
+                    sides["ours"][key] = found = our_layer(solver, rec["weight"],
+                                                           rec["hessian"], quant)
+                    sides["ours-f32"][key] = our_layer(solver, rec["weight"], rec["hessian"],
+                                                       quant, torch.float32)
                     assert walked is not None
                     found["walk_identical"] = bool(torch.equal(
                         found["weight"], walked.weights[index][name].to(torch.float32)))
-        rows = per_layer_rows(ours, theirs, recorded, quant, opts.tie_tol)
+        rows = per_layer_rows(sides, recorded, quant, opts.tie_tol)
         for row in rows:
             side = row["pair"].split(" vs ")[1]
             row["llmc_seconds"] = info["layers"][row["layer"]][side]["seconds"]
             row["llmc_rtn_fallback"] = info["layers"][row["layer"]][side]["rtn_fallback"]
         report.extra["layers"] = rows
-        if ours is not None:
-            report.extra["ours_walk_identical"] = {k: v["walk_identical"] for k, v in ours.items()}
+        if "ours" in sides:
+            report.extra["ours_walk_identical"] = {k: v["walk_identical"]
+                                                   for k, v in sides["ours"].items()}
         report.sections.append(("Per layer: llm-compressor's quantize_weight on our (W, H)",
                                 layer_table(rows)))
         report.write()

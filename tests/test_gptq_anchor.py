@@ -248,25 +248,63 @@ def test_activation_order_and_its_ties():
     assert anchor.tied_columns(h32, torch.tensor([0, 1])) == 2
 
 
-def test_per_layer_rows_compare_each_pair():
+def test_per_layer_rows_compare_each_pair_present():
     a, b, order, pre = _diverging_pair()
     scale = torch.ones(4, 1)
     zp = torch.zeros(4, 1)
 
     def side(q):
-        return {"q": q, "scale": scale, "zero_point": zp, "weight": q.float(), "pre": pre,
-                "perm": order}
+        return {"0.mlp.up_proj": {"q": q, "scale": scale, "zero_point": zp, "weight": q.float(),
+                                  "pre": pre, "perm": order}}
 
     recorded = {(0, "mlp.up_proj"): {"weight": torch.zeros(4, 6),
                                      "hessian": torch.eye(6, dtype=torch.float64)}}
-    theirs = {"llmc": {"0.mlp.up_proj": side(b)}, "llmc-f64": {"0.mlp.up_proj": side(a)}}
+    sides = {"llmc": side(b), "llmc-f64": side(a)}
     quant = {"bits": 4}
-    rows = anchor.per_layer_rows(None, theirs, recorded, quant, 1e-3)
+    rows = anchor.per_layer_rows(sides, recorded, quant, 1e-3)
     assert [r["pair"] for r in rows] == ["llmc-f64 vs llmc"]
     assert rows[0]["differing"] == 4 and rows[0]["explained"]
-    assert rows[0]["max_weight_diff"] == 2.0
-    ours = {"0.mlp.up_proj": side(a)}
-    rows = anchor.per_layer_rows(ours, theirs, recorded, quant, 1e-3)
-    assert [r["pair"] for r in rows] == ["ours vs llmc", "ours vs llmc-f64", "llmc-f64 vs llmc"]
+    assert rows[0]["max_weight_diff"] == 2.0 and rows[0]["scales_identical"]
+    sides.update({"ours": side(a), "ours-f32": side(b)})
+    rows = anchor.per_layer_rows(sides, recorded, quant, 1e-3)
+    assert [r["pair"] for r in rows] == ["ours vs llmc", "ours vs llmc-f64", "ours-f32 vs llmc",
+                                         "llmc-f64 vs llmc"]
     assert rows[1]["differing"] == 0 and rows[1]["explanation"] == "identical integers"
+    assert rows[2]["differing"] == 0
     assert "ours vs llmc" in anchor.layer_table(rows)
+
+
+def test_order_differences_at_tied_diagonals_are_explained():
+    q = torch.zeros(2, 4, dtype=torch.int8)
+    h = torch.diag(torch.tensor([2.0, 2.0, 1.0, 0.5], dtype=torch.float64))
+    base = {"q": q, "scale": torch.ones(2, 1), "zero_point": torch.zeros(2, 1),
+            "weight": q.float(), "pre": torch.zeros(2, 4)}
+    a = {**base, "perm": torch.tensor([0, 1, 2, 3])}
+    b = {**base, "perm": torch.tensor([1, 0, 2, 3])}
+    row = anchor.compare_pair(a, b, h, {"bits": 4}, 1e-3)
+    assert row["order_columns_differing"] == 2 and row["explained"]
+    assert "tie order of the sort" in row["explanation"]
+
+
+def test_hessian_precision_swaps_the_named_constants_and_restores_them(monkeypatch):
+    import sys
+    import types
+
+    from fedcompress.pruning import scores
+
+    fake = types.ModuleType("fake_solver_module")
+    fake.HESSIAN_DTYPE = torch.float64
+
+    def solver(weight, hessian, config):
+        return fake.HESSIAN_DTYPE, scores.HESSIAN_DTYPE
+
+    solver.__module__ = fake.__name__
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    with anchor.hessian_precision(solver, torch.float32):
+        assert solver(None, None, None) == (torch.float32, torch.float32)
+    assert solver(None, None, None) == (torch.float64, torch.float64)
+    with anchor.hessian_precision(solver, None):
+        assert solver(None, None, None) == (torch.float64, torch.float64)
+    with pytest.raises(RuntimeError), anchor.hessian_precision(solver, torch.float32):
+        raise RuntimeError("restored even when the block fails")
+    assert scores.HESSIAN_DTYPE == torch.float64
