@@ -38,8 +38,14 @@ llm-compressor's dampening 0.01, block size 128 and static activation order):
 
 Writes ``report.json`` / ``report.md`` / ``config.toml`` (:class:`~fedcompress.report.RunReport`:
 config, versions of both venvs, git commit, load average, timings, the per-layer agreement table
-under ``layers``, the perplexities as results) and llm-compressor's model under
-``--out``/``llmc-model`` unless ``--no-keep-model``.
+under ``layers``, the perplexities as results), ``llmc-oneshot.json`` (what made
+llm-compressor's model) and, under ``--out``/``cache/`` (not committed with a result), the model
+(``llmc-model``, kept for ``--reuse-llmc`` unless ``--no-keep-model``) and the runner's log.
+
+Under load the whole run takes long (llm-compressor's GPTQ of SmolLM2 alone: about 15-20 min on
+2 busy cores): ``--llmc-only`` makes llm-compressor's model first, and a later run with
+``--reuse-llmc`` and the same ``--out`` measures it beside ours without making it again (the
+report says so, with the timings and commit of the run that made it).
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import datetime as _dt
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -74,6 +82,9 @@ PINS = ("torch==2.13.0", "llmcompressor==0.14.0.1")
 #: A weight whose value before rounding lies within this distance (in integer steps) of a
 #: rounding boundary is a near-tie: float rounding upstream decides its integer.
 TIE_TOL = 1e-3
+#: Where llm-compressor's model is saved, and its runner's log, in ``--out`` (``cache/``: not
+#: committed with a result; the model is reused by ``--reuse-llmc``).
+LLMC_MODEL = Path("cache") / "llmc-model"
 #: The linear layers of the per-layer check (names relative to a decoder layer).
 DEFAULT_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj",
                    "mlp.down_proj")
@@ -128,6 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="distance to a rounding boundary (integer steps) of a near-tie")
     p.add_argument("--no-oneshot", action="store_true",
                    help="skip llm-compressor's end-to-end run (the per-layer check only)")
+    p.add_argument("--llmc-only", action="store_true",
+                   help="run llm-compressor's end-to-end model only (into --out, for a later "
+                        "run with --reuse-llmc)")
+    p.add_argument("--reuse-llmc", action="store_true",
+                   help="keep llm-compressor's model in --out when it was made from the same "
+                        "windows, recipe, model and venv (see llmc-oneshot.json)")
     p.add_argument("--no-keep-model", action="store_true",
                    help="delete llm-compressor's saved model after measuring it")
     p.add_argument("--log-level", default="INFO")
@@ -138,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--dampening {opts.dampening}: expected a fraction in (0, 1)")
     if opts.block_size < 1 or opts.eval_windows < 1 or opts.seqlen < 2:
         p.error("--block-size, --eval-windows must be positive and --seqlen at least 2")
+    if opts.llmc_only and opts.no_oneshot:
+        p.error("--llmc-only with --no-oneshot leaves nothing to run")
     if opts.tie_tol <= 0 or opts.tie_tol >= 0.5:
         p.error(f"--tie-tol {opts.tie_tol}: expected a distance in (0, 0.5)")
     return opts
@@ -497,6 +516,155 @@ def evaluate(model, tokenizer, eval_text: str, opts) -> float:
                       progress=False).perplexity
 
 
+def oneshot_fingerprint(windows: torch.Tensor, quant: dict, model_path: Path,
+                        llmc_versions: dict) -> str:
+    """What llm-compressor's end-to-end run depends on: the windows' token ids, the recipe,
+    the model folder, llm-compressor's venv and the runner's code."""
+    h = hashlib.sha256(windows.to(torch.int64).contiguous().numpy().tobytes())
+    h.update(RUNNER.read_bytes())
+    h.update(json.dumps({"shape": list(windows.shape), "quant": quant, "model": str(model_path),
+                         "versions": llmc_versions, "ignore": ["lm_head"]},
+                        sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def llmc_oneshot(exe: Path, runner, windows: torch.Tensor, quant: dict, model_path: Path,
+                 out: Path, work: Path, log: Path, reuse: bool) -> dict:
+    """llm-compressor's ``oneshot`` on ``windows``: its compressed model in ``out/cache/llmc-model``
+    and what made it in ``out/llmc-oneshot.json`` (timings, versions, the fedcompress commit,
+    load averages, the :func:`oneshot_fingerprint`). ``reuse``: keep an existing model made
+    from the same fingerprint (a run with ``--llmc-only`` earlier) instead of running again."""
+    from fedcompress.report import versions
+
+    llmc_versions = json.loads((work / "versions.json").read_text())
+    fingerprint = oneshot_fingerprint(windows, quant, model_path, llmc_versions)
+    llmc_dir, record = out / LLMC_MODEL, out / "llmc-oneshot.json"
+    if reuse and record.exists() and llmc_dir.exists():
+        info = json.loads(record.read_text())
+        if info.get("fingerprint") == fingerprint:
+            logger.info("reusing llm-compressor's model %s (made %s at %s)", llmc_dir,
+                        info.get("finished"), info.get("fedcompress_commit"))
+            return {**info, "reused": True}
+        logger.warning("%s was made from other windows, recipe or versions: running oneshot "
+                       "again", llmc_dir)
+    request = work / "oneshot-request.safetensors"
+    runner.save_exchange(request, {"input_ids": windows.to(torch.int64)},
+                         {"quant": quant, "model_path": str(model_path), "ignore": ["lm_head"]})
+    if llmc_dir.exists():
+        shutil.rmtree(llmc_dir)
+    llmc_dir.parent.mkdir(parents=True, exist_ok=True)
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    wall = run_runner(exe, ["oneshot", str(request), str(work / "oneshot")], log)
+    shutil.move(str(work / "oneshot" / "model"), llmc_dir)
+    info = {**json.loads((work / "oneshot" / "oneshot.json").read_text()),
+            "wall_seconds": wall, "fingerprint": fingerprint, "started": started,
+            "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "fedcompress_commit": versions().get("git_commit", "unknown"),
+            "load_average_start": load_start,
+            "load_average_end": [round(x, 2) for x in os.getloadavg()]}
+    record.write_text(json.dumps(info, indent=2) + "\n")
+    return {**info, "reused": False}
+
+
+def loaded_form(model) -> dict:
+    """How ``transformers`` loaded a compressed-tensors model: the classes of its linear
+    layers and the dtypes of their parameters."""
+    kinds: dict[str, int] = {}
+    dtypes: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) or "Linear" in type(module).__name__:
+            kinds[type(module).__name__] = kinds.get(type(module).__name__, 0) + 1
+            dtypes.update(str(p.dtype) for p in module.parameters(recurse=False))
+    return {"linear_classes": kinds, "parameter_dtypes": sorted(dtypes)}
+
+
+def ours_and_per_layer(report, opts, loaded, windows: torch.Tensor, eval_text: str,
+                       quant: dict, exe: Path, runner, work: Path, log: Path) -> float:
+    """The dense model's and our centralized GPTQ's perplexity (results), and the per-layer
+    check (``report.extra["layers"]``); returns our perplexity (NaN without our solver)."""
+    from fedcompress.models import ModelAdapter
+    from fedcompress.pruning.local import apply_masks
+
+    model, tokenizer = loaded.model, loaded.tokenizer
+    n_layers = len(ModelAdapter(model))
+    bad = sorted(i for i in opts.layers if not 0 <= i < n_layers)
+    if bad:
+        raise ValueError(f"--layers {bad}: the model has decoder layers 0..{n_layers - 1}")
+    dense_bytes = weights_bytes(Path(loaded.path))
+    with report.phase("dense-eval"):
+        ppl_dense = evaluate(model, tokenizer, eval_text, opts)
+    report.add_result({"name": "dense", "perplexity": ppl_dense,
+                       "weights_bytes": dense_bytes, "folder_bytes": folder_bytes(
+                           Path(loaded.path)), "seconds": 0.0})
+
+    solver = our_solver()
+    report.extra["ours_available"] = solver is not None
+    if solver is None:
+        logger.warning("fedcompress.quant.gptq_quantize does not exist yet: llm-compressor's "
+                       "side only (Hessians from a walk of the dense model)")
+    wanted = {(i, name) for i in opts.layers for name in opts.linears}
+    ppl_ours = float("nan")
+    with report.phase("ours-gptq" if solver else "dense-walk"):
+        start = time.perf_counter()
+        walked, recorded = our_walk(model, windows, quant, wanted, opts.batch_size,
+                                    solver is not None)
+        ours_seconds = time.perf_counter() - start
+    missing = sorted(f"{i}.{n}" for i, n in wanted - set(recorded))
+    if missing:
+        raise ValueError(f"--linears: no linear layers {missing} in the model")
+    if walked is not None:
+        with report.phase("ours-eval"):
+            ours_model = apply_masks(copy.deepcopy(model), walked.masks, walked.weights)
+            ppl_ours = evaluate(ours_model, tokenizer, eval_text, opts)
+            del ours_model
+        report.add_result({"name": "ours-gptq-centralized", "perplexity": ppl_ours,
+                           "seconds": ours_seconds})
+
+    # per layer: llm-compressor's solver on our (W, H)
+    names = sorted(recorded)
+    request = work / "solve-request.safetensors"
+    tensors = {}
+    for index, name in names:
+        tensors[f"{index}.{name}/weight"] = recorded[(index, name)]["weight"]
+        tensors[f"{index}.{name}/hessian"] = recorded[(index, name)]["hessian"]
+    variants = list(runner.VARIANTS)
+    runner.save_exchange(request, tensors, {
+        "quant": quant, "layers": [f"{i}.{n}" for i, n in names], "variants": variants})
+    with report.phase("llmc-per-layer"):
+        run_runner(exe, ["solve", str(request), str(work / "solve-answer.safetensors")], log)
+    answer, info = runner.load_exchange(work / "solve-answer.safetensors")
+    theirs = unpack_answer(answer, variants)
+    sides = dict(theirs)
+    if solver is not None:
+        sides["ours"], sides["ours-f32"] = {}, {}
+        with report.phase("ours-per-layer"):
+            for index, name in names:
+                rec = recorded[(index, name)]
+                key = f"{index}.{name}"
+                sides["ours"][key] = found = our_layer(solver, rec["weight"],
+                                                       rec["hessian"], quant)
+                sides["ours-f32"][key] = our_layer(solver, rec["weight"], rec["hessian"],
+                                                   quant, torch.float32)
+                assert walked is not None
+                found["walk_identical"] = bool(torch.equal(
+                    found["weight"], walked.weights[index][name].to(torch.float32)))
+    rows = per_layer_rows(sides, recorded, quant, opts.tie_tol)
+    for row in rows:
+        side = row["pair"].split(" vs ")[1]
+        row["llmc_seconds"] = info["layers"][row["layer"]][side]["seconds"]
+        row["llmc_rtn_fallback"] = info["layers"][row["layer"]][side]["rtn_fallback"]
+    report.extra["layers"] = rows
+    if "ours" in sides:
+        report.extra["ours_walk_identical"] = {k: v["walk_identical"]
+                                               for k, v in sides["ours"].items()}
+    report.sections.append(("Per layer: llm-compressor's quantize_weight on our (W, H)",
+                            layer_table(rows)))
+    report.write()
+
+    return ppl_ours
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     logging.basicConfig(level=getattr(logging, opts.log_level.upper()),
@@ -505,8 +673,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fedcompress.data.corpora import corpus_text, load_corpus
     from fedcompress.methods.fedprllm.federated import FedPrLLMConfig, federation_windows
-    from fedcompress.models import ModelAdapter, load_model
-    from fedcompress.pruning.local import apply_masks
+    from fedcompress.models import load_model
     from fedcompress.report import RunReport
 
     runner = load_runner()
@@ -520,7 +687,8 @@ def main(argv: list[str] | None = None) -> int:
         except importlib.metadata.PackageNotFoundError:
             report.versions[name] = "not installed"
     work = Path(tempfile.mkdtemp(prefix="gptq-anchor-"))
-    log = out / "llmc.log"
+    log = out / "cache" / "llmc-runner.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     with report:
         with report.phase("llmc-venv"):
@@ -533,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         report.extra["quant"] = quant
         with report.phase("load"):
             loaded = load_model(opts.model, device="cpu", dtype="float32")
-            model, tokenizer = loaded.model, loaded.tokenizer
+            tokenizer = loaded.tokenizer
             config = FedPrLLMConfig(model=opts.model, clients=opts.clients,
                                     samples_per_client=opts.samples_per_client,
                                     seqlen=opts.seqlen, seed=opts.seed,
@@ -542,100 +710,24 @@ def main(argv: list[str] | None = None) -> int:
             eval_text = corpus_text(load_corpus("wiki", "test"))
         report.extra["windows"] = {"calibration": list(windows.shape),
                                    "eval": [opts.eval_windows, opts.eval_seqlen]}
-        dense_bytes = weights_bytes(Path(loaded.path))
-        with report.phase("dense-eval"):
-            ppl_dense = evaluate(model, tokenizer, eval_text, opts)
-        report.add_result({"name": "dense", "perplexity": ppl_dense,
-                           "weights_bytes": dense_bytes, "folder_bytes": folder_bytes(
-                               Path(loaded.path)), "seconds": 0.0})
-
-        solver = our_solver()
-        report.extra["ours_available"] = solver is not None
-        if solver is None:
-            logger.warning("fedcompress.quant.gptq_quantize does not exist yet: llm-compressor's "
-                           "side only (Hessians from a walk of the dense model)")
-        n_layers = len(ModelAdapter(model))
-        wanted = {(i, name) for i in opts.layers for name in opts.linears}
-        bad = sorted(i for i in opts.layers if not 0 <= i < n_layers)
-        if bad:
-            raise ValueError(f"--layers {bad}: the model has decoder layers 0..{n_layers - 1}")
         ppl_ours = float("nan")
-        with report.phase("ours-gptq" if solver else "dense-walk"):
-            start = time.perf_counter()
-            walked, recorded = our_walk(model, windows, quant, wanted, opts.batch_size,
-                                        solver is not None)
-            ours_seconds = time.perf_counter() - start
-        missing = sorted(f"{i}.{n}" for i, n in wanted - set(recorded))
-        if missing:
-            raise ValueError(f"--linears: no linear layers {missing} in the model")
-        if walked is not None:
-            with report.phase("ours-eval"):
-                ours_model = apply_masks(copy.deepcopy(model), walked.masks, walked.weights)
-                ppl_ours = evaluate(ours_model, tokenizer, eval_text, opts)
-                del ours_model
-            report.add_result({"name": "ours-gptq-centralized", "perplexity": ppl_ours,
-                               "seconds": ours_seconds})
-
-        # per layer: llm-compressor's solver on our (W, H)
-        names = sorted(recorded)
-        request = work / "solve-request.safetensors"
-        tensors = {}
-        for index, name in names:
-            tensors[f"{index}.{name}/weight"] = recorded[(index, name)]["weight"]
-            tensors[f"{index}.{name}/hessian"] = recorded[(index, name)]["hessian"]
-        variants = list(runner.VARIANTS)
-        runner.save_exchange(request, tensors, {
-            "quant": quant, "layers": [f"{i}.{n}" for i, n in names], "variants": variants})
-        with report.phase("llmc-per-layer"):
-            run_runner(exe, ["solve", str(request), str(work / "solve-answer.safetensors")], log)
-        answer, info = runner.load_exchange(work / "solve-answer.safetensors")
-        theirs = unpack_answer(answer, variants)
-        sides = dict(theirs)
-        if solver is not None:
-            sides["ours"], sides["ours-f32"] = {}, {}
-            with report.phase("ours-per-layer"):
-                for index, name in names:
-                    rec = recorded[(index, name)]
-                    key = f"{index}.{name}"
-                    sides["ours"][key] = found = our_layer(solver, rec["weight"],
-                                                           rec["hessian"], quant)
-                    sides["ours-f32"][key] = our_layer(solver, rec["weight"], rec["hessian"],
-                                                       quant, torch.float32)
-                    assert walked is not None
-                    found["walk_identical"] = bool(torch.equal(
-                        found["weight"], walked.weights[index][name].to(torch.float32)))
-        rows = per_layer_rows(sides, recorded, quant, opts.tie_tol)
-        for row in rows:
-            side = row["pair"].split(" vs ")[1]
-            row["llmc_seconds"] = info["layers"][row["layer"]][side]["seconds"]
-            row["llmc_rtn_fallback"] = info["layers"][row["layer"]][side]["rtn_fallback"]
-        report.extra["layers"] = rows
-        if "ours" in sides:
-            report.extra["ours_walk_identical"] = {k: v["walk_identical"]
-                                                   for k, v in sides["ours"].items()}
-        report.sections.append(("Per layer: llm-compressor's quantize_weight on our (W, H)",
-                                layer_table(rows)))
-        report.write()
+        if not opts.llmc_only:
+            ppl_ours = ours_and_per_layer(report, opts, loaded, windows, eval_text, quant, exe,
+                                          runner, work, log)
 
         # end to end: llm-compressor's oneshot on the same windows
         if not opts.no_oneshot:
-            request = work / "oneshot-request.safetensors"
-            runner.save_exchange(request, {"input_ids": windows.to(torch.int64)},
-                                 {"quant": quant, "model_path": str(loaded.path),
-                                  "ignore": ["lm_head"]})
-            llmc_dir = out / "llmc-model"
-            if llmc_dir.exists():
-                shutil.rmtree(llmc_dir)
             with report.phase("llmc-oneshot"):
-                wall = run_runner(exe, ["oneshot", str(request), str(work / "oneshot")], log)
-            shutil.move(str(work / "oneshot" / "model"), llmc_dir)
-            inner = json.loads((work / "oneshot" / "oneshot.json").read_text())
-            report.extra["llmc_oneshot"] = {**inner, "wall_seconds": wall}
+                oneshot = llmc_oneshot(exe, runner, windows, quant, Path(loaded.path), out,
+                                       work, log, opts.reuse_llmc)
+            report.extra["llmc_oneshot"] = oneshot
+            llmc_dir = out / LLMC_MODEL
             with report.phase("llmc-eval"):
                 start = time.perf_counter()
                 llmc_model = AutoModelForCausalLM.from_pretrained(llmc_dir)
                 llmc_model.eval()
                 load_s = time.perf_counter() - start
+                report.extra["llmc_loaded"] = loaded_form(llmc_model)
                 ppl_llmc = evaluate(llmc_model, tokenizer, eval_text, opts)
                 del llmc_model
             gap = ppl_llmc / ppl_ours - 1 if math.isfinite(ppl_ours) else float("nan")
@@ -644,8 +736,8 @@ def main(argv: list[str] | None = None) -> int:
             report.add_result({"name": "llmc-gptq", "perplexity": ppl_llmc,
                                "gap_vs_ours": gap, "weights_bytes": weights_bytes(llmc_dir),
                                "folder_bytes": folder_bytes(llmc_dir),
-                               "seconds": inner["timings"]["oneshot"],
-                               "load_seconds": load_s,
+                               "seconds": oneshot["timings"]["oneshot"],
+                               "load_seconds": load_s, "reused": oneshot["reused"],
                                "format": qconfig.get("format", "?")})
             if opts.no_keep_model:
                 shutil.rmtree(llmc_dir)

@@ -308,3 +308,51 @@ def test_hessian_precision_swaps_the_named_constants_and_restores_them(monkeypat
     with pytest.raises(RuntimeError), anchor.hessian_precision(solver, torch.float32):
         raise RuntimeError("restored even when the block fails")
     assert scores.HESSIAN_DTYPE == torch.float64
+
+
+def test_llmc_only_needs_the_oneshot():
+    with pytest.raises(SystemExit):
+        anchor.parse_args(["--llmc-only", "--no-oneshot"])
+    assert anchor.parse_args(["--llmc-only", "--reuse-llmc"]).reuse_llmc
+
+
+def test_oneshot_fingerprint_follows_windows_recipe_model_and_venv():
+    w = torch.arange(12).reshape(3, 4)
+    q = {"bits": 4, "group_size": 64}
+    v = {"llmcompressor": "0.14.0.1"}
+    base = anchor.oneshot_fingerprint(w, q, Path("/m"), v)
+    assert base == anchor.oneshot_fingerprint(w.clone(), dict(q), Path("/m"), dict(v))
+    w2 = w.clone()
+    w2[2, 3] = 0
+    assert base != anchor.oneshot_fingerprint(w2, q, Path("/m"), v)
+    assert base != anchor.oneshot_fingerprint(w, {**q, "group_size": 32}, Path("/m"), v)
+    assert base != anchor.oneshot_fingerprint(w, q, Path("/other"), v)
+    assert base != anchor.oneshot_fingerprint(w, q, Path("/m"), {"llmcompressor": "0.15"})
+
+
+def test_an_earlier_llmc_model_is_reused_only_for_the_same_fingerprint(tmp_path):
+    import json
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    (out / anchor.LLMC_MODEL).mkdir(parents=True)
+    work.mkdir()
+    versions = {"llmcompressor": "0.14.0.1"}
+    (work / "versions.json").write_text(json.dumps(versions))
+    w = torch.arange(8).reshape(2, 4)
+    q = {"bits": 4}
+    fp = anchor.oneshot_fingerprint(w, q, Path("/m"), versions)
+    (out / "llmc-oneshot.json").write_text(json.dumps({"fingerprint": fp,
+                                                       "timings": {"oneshot": 840.0}}))
+    info = anchor.llmc_oneshot(None, None, w, q, Path("/m"), out, work, tmp_path / "log", True)
+    assert info["reused"] and info["timings"]["oneshot"] == 840.0
+
+    class Stop(Exception):
+        pass
+
+    class Runner:  # another recipe: the model must be made again (stopped here)
+        def save_exchange(self, *args):
+            raise Stop
+
+    with pytest.raises(Stop):
+        anchor.llmc_oneshot(None, Runner(), w, {"bits": 8}, Path("/m"), out, work,
+                            tmp_path / "log", True)
