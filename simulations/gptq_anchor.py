@@ -145,6 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reuse-llmc", action="store_true",
                    help="keep llm-compressor's model in --out when it was made from the same "
                         "windows, recipe, model and venv (see llmc-oneshot.json)")
+    p.add_argument("--no-dense", action="store_true",
+                   help="skip the dense model's perplexity (minutes on a busy CPU)")
     p.add_argument("--no-keep-model", action="store_true",
                    help="delete llm-compressor's saved model after measuring it")
     p.add_argument("--log-level", default="INFO")
@@ -357,12 +359,16 @@ def weights_bytes(path: Path) -> int:
 
 
 def our_solver():
-    """``fedcompress.quant.gptq_quantize``, or None while it does not exist."""
-    try:
-        from fedcompress.quant import gptq_quantize  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return gptq_quantize
+    """``fedcompress.quant.gptq_quantize`` (or ``fedcompress.quant.solver``'s), or None while
+    it does not exist."""
+    import importlib
+
+    for name in ("fedcompress.quant", "fedcompress.quant.solver"):
+        try:
+            return importlib.import_module(name).gptq_quantize
+        except (ImportError, AttributeError):
+            continue
+    return None
 
 
 def our_walk(model, windows: torch.Tensor, quant: dict, wanted: set[tuple[int, str]],
@@ -591,12 +597,13 @@ def ours_and_per_layer(report, opts, loaded, windows: torch.Tensor, eval_text: s
     bad = sorted(i for i in opts.layers if not 0 <= i < n_layers)
     if bad:
         raise ValueError(f"--layers {bad}: the model has decoder layers 0..{n_layers - 1}")
-    dense_bytes = weights_bytes(Path(loaded.path))
-    with report.phase("dense-eval"):
-        ppl_dense = evaluate(model, tokenizer, eval_text, opts)
+    ppl_dense = float("nan")
+    if not opts.no_dense:
+        with report.phase("dense-eval"):
+            ppl_dense = evaluate(model, tokenizer, eval_text, opts)
     report.add_result({"name": "dense", "perplexity": ppl_dense,
-                       "weights_bytes": dense_bytes, "folder_bytes": folder_bytes(
-                           Path(loaded.path)), "seconds": 0.0})
+                       "weights_bytes": weights_bytes(Path(loaded.path)),
+                       "folder_bytes": folder_bytes(Path(loaded.path)), "seconds": 0.0})
 
     solver = our_solver()
     report.extra["ours_available"] = solver is not None
@@ -665,6 +672,26 @@ def ours_and_per_layer(report, opts, loaded, windows: torch.Tensor, eval_text: s
     return ppl_ours
 
 
+def earlier_llmc_eval(out: Path, opts: argparse.Namespace) -> dict | None:
+    """llm-compressor's perplexity as an earlier run into ``out`` measured it (the run that made
+    its model, e.g. with ``--llmc-only``), when that run finished and evaluated with the same
+    windows: ``{"perplexity", "fingerprint", "from"}``, or None."""
+    path = out / "report.json"
+    if not path.exists():
+        return None
+    earlier = json.loads(path.read_text())
+    config = earlier.get("config", {})
+    same = all(config.get(k) == getattr(opts, k) for k in ("eval_windows", "eval_seqlen",
+                                                           "batch_size", "model"))
+    found = [r for r in earlier.get("results", []) if r.get("name") == "llmc-gptq"]
+    oneshot = earlier.get("llmc_oneshot", {})
+    if earlier.get("status") != "ok" or not same or not found or "fingerprint" not in oneshot:
+        return None
+    commit = earlier.get("versions", {}).get("git_commit", "?")
+    return {"perplexity": found[0]["perplexity"], "fingerprint": oneshot["fingerprint"],
+            "from": f"{earlier.get('started', '?')} at {commit}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     logging.basicConfig(level=getattr(logging, opts.log_level.upper()),
@@ -680,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     quant = quant_request(opts)
     venv = Path(opts.venv) if opts.venv else default_venv()
     out = Path(opts.out)
+    previous = earlier_llmc_eval(out, opts) if opts.reuse_llmc else None
     report = RunReport.for_script(__file__, opts, seeds={"seed": opts.seed})
     for name in ("compressed-tensors", "safetensors"):
         try:
@@ -728,7 +756,14 @@ def main(argv: list[str] | None = None) -> int:
                 llmc_model.eval()
                 load_s = time.perf_counter() - start
                 report.extra["llmc_loaded"] = loaded_form(llmc_model)
-                ppl_llmc = evaluate(llmc_model, tokenizer, eval_text, opts)
+                if (oneshot["reused"] and previous is not None
+                        and previous["fingerprint"] == oneshot["fingerprint"]):
+                    ppl_llmc = previous["perplexity"]
+                    report.extra["llmc_perplexity_from"] = previous["from"]
+                    logger.info("llm-compressor's perplexity %.4f: measured by the run that "
+                                "made its model (%s)", ppl_llmc, previous["from"])
+                else:
+                    ppl_llmc = evaluate(llmc_model, tokenizer, eval_text, opts)
                 del llmc_model
             gap = ppl_llmc / ppl_ours - 1 if math.isfinite(ppl_ours) else float("nan")
             qconfig = json.loads((llmc_dir / "config.json").read_text()).get(

@@ -356,3 +356,23 @@ def test_an_earlier_llmc_model_is_reused_only_for_the_same_fingerprint(tmp_path)
     with pytest.raises(Stop):
         anchor.llmc_oneshot(None, Runner(), w, {"bits": 8}, Path("/m"), out, work,
                             tmp_path / "log", True)
+
+
+def test_llmc_perplexity_of_an_earlier_run_is_found_only_when_it_fits(tmp_path):
+    import json
+
+    opts = anchor.parse_args(["--out", str(tmp_path), "--reuse-llmc"])
+    assert anchor.earlier_llmc_eval(tmp_path, opts) is None
+    report = {"status": "ok", "started": "2026-11-26T08:34:00", "versions": {"git_commit": "abc"},
+              "config": {"eval_windows": 64, "eval_seqlen": 256, "batch_size": 8,
+                         "model": "smollm2-135m"},
+              "results": [{"name": "llmc-gptq", "perplexity": 33.66}],
+              "llmc_oneshot": {"fingerprint": "f00"}}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    found = anchor.earlier_llmc_eval(tmp_path, opts)
+    assert found == {"perplexity": 33.66, "fingerprint": "f00",
+                     "from": "2026-11-26T08:34:00 at abc"}
+    other = anchor.parse_args(["--out", str(tmp_path), "--eval-windows", "16"])
+    assert anchor.earlier_llmc_eval(tmp_path, other) is None
+    (tmp_path / "report.json").write_text(json.dumps({**report, "status": "failed"}))
+    assert anchor.earlier_llmc_eval(tmp_path, opts) is None
