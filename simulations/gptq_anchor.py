@@ -86,8 +86,7 @@ TIE_TOL = 1e-3
 #: committed with a result; the model is reused by ``--reuse-llmc``).
 LLMC_MODEL = Path("cache") / "llmc-model"
 #: The linear layers of the per-layer check (names relative to a decoder layer).
-DEFAULT_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj",
-                   "mlp.down_proj")
+DEFAULT_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.down_proj")
 
 
 def load_runner():
@@ -145,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reuse-llmc", action="store_true",
                    help="keep llm-compressor's model in --out when it was made from the same "
                         "windows, recipe, model and venv (see llmc-oneshot.json)")
+    p.add_argument("--no-ours-e2e", action="store_true",
+                   help="skip our centralized GPTQ of the whole model (its perplexity); the "
+                        "per-layer check then takes the Hessians from a walk of the dense "
+                        "model")
     p.add_argument("--no-dense", action="store_true",
                    help="skip the dense model's perplexity (minutes on a busy CPU)")
     p.add_argument("--no-keep-model", action="store_true",
@@ -612,10 +615,12 @@ def ours_and_per_layer(report, opts, loaded, windows: torch.Tensor, eval_text: s
                        "side only (Hessians from a walk of the dense model)")
     wanted = {(i, name) for i in opts.layers for name in opts.linears}
     ppl_ours = float("nan")
-    with report.phase("ours-gptq" if solver else "dense-walk"):
+    walk_ours = solver is not None and not opts.no_ours_e2e
+    report.extra["hessians_from"] = ("our centralized GPTQ walk" if walk_ours
+                                     else "a walk of the dense model")
+    with report.phase("ours-gptq" if walk_ours else "dense-walk"):
         start = time.perf_counter()
-        walked, recorded = our_walk(model, windows, quant, wanted, opts.batch_size,
-                                    solver is not None)
+        walked, recorded = our_walk(model, windows, quant, wanted, opts.batch_size, walk_ours)
         ours_seconds = time.perf_counter() - start
     missing = sorted(f"{i}.{n}" for i, n in wanted - set(recorded))
     if missing:
@@ -653,16 +658,16 @@ def ours_and_per_layer(report, opts, loaded, windows: torch.Tensor, eval_text: s
                                                        rec["hessian"], quant)
                 sides["ours-f32"][key] = our_layer(solver, rec["weight"], rec["hessian"],
                                                    quant, torch.float32)
-                assert walked is not None
-                found["walk_identical"] = bool(torch.equal(
-                    found["weight"], walked.weights[index][name].to(torch.float32)))
+                if walked is not None:
+                    found["walk_identical"] = bool(torch.equal(
+                        found["weight"], walked.weights[index][name].to(torch.float32)))
     rows = per_layer_rows(sides, recorded, quant, opts.tie_tol)
     for row in rows:
         side = row["pair"].split(" vs ")[1]
         row["llmc_seconds"] = info["layers"][row["layer"]][side]["seconds"]
         row["llmc_rtn_fallback"] = info["layers"][row["layer"]][side]["rtn_fallback"]
     report.extra["layers"] = rows
-    if "ours" in sides:
+    if walked is not None:
         report.extra["ours_walk_identical"] = {k: v["walk_identical"]
                                                for k, v in sides["ours"].items()}
     report.sections.append(("Per layer: llm-compressor's quantize_weight on our (W, H)",
