@@ -600,13 +600,12 @@ def ours_and_per_layer(report, opts, loaded, windows: torch.Tensor, eval_text: s
     bad = sorted(i for i in opts.layers if not 0 <= i < n_layers)
     if bad:
         raise ValueError(f"--layers {bad}: the model has decoder layers 0..{n_layers - 1}")
-    ppl_dense = float("nan")
+    dense = {"name": "dense", "weights_bytes": weights_bytes(Path(loaded.path)),
+             "folder_bytes": folder_bytes(Path(loaded.path))}
     if not opts.no_dense:
         with report.phase("dense-eval"):
-            ppl_dense = evaluate(model, tokenizer, eval_text, opts)
-    report.add_result({"name": "dense", "perplexity": ppl_dense,
-                       "weights_bytes": weights_bytes(Path(loaded.path)),
-                       "folder_bytes": folder_bytes(Path(loaded.path)), "seconds": 0.0})
+            dense["perplexity"] = evaluate(model, tokenizer, eval_text, opts)
+    report.add_result(dense)
 
     solver = our_solver()
     report.extra["ours_available"] = solver is not None
@@ -806,7 +805,9 @@ def end_to_end_text(results: list[dict]) -> str:
         if name in by:
             r = by[name]
             size = r.get("weights_bytes")
-            lines.append(f"- {name}: perplexity {r['perplexity']:.3f}"
+            ppl = r.get("perplexity")
+            lines.append(f"- {name}: perplexity "
+                         + (f"{ppl:.3f}" if isinstance(ppl, float) else "not measured")
                          + (f", weights {size / 1e6:.1f} MB" if size else ""))
     if "llmc-gptq" in by and "gap_vs_ours" in by["llmc-gptq"]:
         gap = by["llmc-gptq"]["gap_vs_ours"]
