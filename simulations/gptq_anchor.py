@@ -150,6 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model")
     p.add_argument("--no-dense", action="store_true",
                    help="skip the dense model's perplexity (minutes on a busy CPU)")
+    p.add_argument("--llmc-from", default=None,
+                   help="with --reuse-llmc: the --out of the run that made llm-compressor's "
+                        "model (default: --out); waits while that run is still making it")
     p.add_argument("--no-keep-model", action="store_true",
                    help="delete llm-compressor's saved model after measuring it")
     p.add_argument("--log-level", default="INFO")
@@ -538,7 +541,8 @@ def oneshot_fingerprint(windows: torch.Tensor, quant: dict, model_path: Path,
 
 
 def llmc_oneshot(exe: Path, runner, windows: torch.Tensor, quant: dict, model_path: Path,
-                 out: Path, work: Path, log: Path, reuse: bool) -> dict:
+                 out: Path, work: Path, log: Path, reuse: bool,
+                 source: Path | None = None) -> dict:
     """llm-compressor's ``oneshot`` on ``windows``: its compressed model in ``out/cache/llmc-model``
     and what made it in ``out/llmc-oneshot.json`` (timings, versions, the fedcompress commit,
     load averages, the :func:`oneshot_fingerprint`). ``reuse``: keep an existing model made
@@ -547,15 +551,19 @@ def llmc_oneshot(exe: Path, runner, windows: torch.Tensor, quant: dict, model_pa
 
     llmc_versions = json.loads((work / "versions.json").read_text())
     fingerprint = oneshot_fingerprint(windows, quant, model_path, llmc_versions)
+    source = out if source is None else source
+    if reuse:
+        wait_for_run(source)
+        found_dir, found_record = source / LLMC_MODEL, source / "llmc-oneshot.json"
+        if found_record.exists() and found_dir.exists():
+            info = json.loads(found_record.read_text())
+            if info.get("fingerprint") == fingerprint:
+                logger.info("reusing llm-compressor's model %s (made %s at %s)", found_dir,
+                            info.get("finished"), info.get("fedcompress_commit"))
+                return {**info, "reused": True, "model_dir": str(found_dir)}
+            logger.warning("%s was made from other windows, recipe or versions: running "
+                           "oneshot again", found_dir)
     llmc_dir, record = out / LLMC_MODEL, out / "llmc-oneshot.json"
-    if reuse and record.exists() and llmc_dir.exists():
-        info = json.loads(record.read_text())
-        if info.get("fingerprint") == fingerprint:
-            logger.info("reusing llm-compressor's model %s (made %s at %s)", llmc_dir,
-                        info.get("finished"), info.get("fedcompress_commit"))
-            return {**info, "reused": True}
-        logger.warning("%s was made from other windows, recipe or versions: running oneshot "
-                       "again", llmc_dir)
     request = work / "oneshot-request.safetensors"
     runner.save_exchange(request, {"input_ids": windows.to(torch.int64)},
                          {"quant": quant, "model_path": str(model_path), "ignore": ["lm_head"]})
@@ -573,7 +581,17 @@ def llmc_oneshot(exe: Path, runner, windows: torch.Tensor, quant: dict, model_pa
             "load_average_start": load_start,
             "load_average_end": [round(x, 2) for x in os.getloadavg()]}
     record.write_text(json.dumps(info, indent=2) + "\n")
-    return {**info, "reused": False}
+    return {**info, "reused": False, "model_dir": str(llmc_dir)}
+
+
+def wait_for_run(source: Path, poll: float = 30.0) -> None:
+    """Wait while the run writing ``source`` (an earlier ``--llmc-only`` run still making
+    llm-compressor's model) is running."""
+    path = source / "report.json"
+    while path.exists() and json.loads(path.read_text()).get("status") == "running" \
+            and not (source / "llmc-oneshot.json").exists():
+        logger.info("waiting for the run writing %s to make llm-compressor's model", source)
+        time.sleep(poll)
 
 
 def loaded_form(model) -> dict:
@@ -711,7 +729,9 @@ def main(argv: list[str] | None = None) -> int:
     quant = quant_request(opts)
     venv = Path(opts.venv) if opts.venv else default_venv()
     out = Path(opts.out)
-    previous = earlier_llmc_eval(out, opts) if opts.reuse_llmc else None
+    source = Path(opts.llmc_from) if opts.llmc_from else out
+    # the earlier run's report, read before this run's report replaces it (same --out)
+    previous = earlier_llmc_eval(out, opts) if opts.reuse_llmc and source == out else None
     report = RunReport.for_script(__file__, opts, seeds={"seed": opts.seed})
     for name in ("compressed-tensors", "safetensors"):
         try:
@@ -751,9 +771,11 @@ def main(argv: list[str] | None = None) -> int:
         if not opts.no_oneshot:
             with report.phase("llmc-oneshot"):
                 oneshot = llmc_oneshot(exe, runner, windows, quant, Path(loaded.path), out,
-                                       work, log, opts.reuse_llmc)
+                                       work, log, opts.reuse_llmc, source)
+                if opts.reuse_llmc and source != out:
+                    previous = earlier_llmc_eval(source, opts)
             report.extra["llmc_oneshot"] = oneshot
-            llmc_dir = out / LLMC_MODEL
+            llmc_dir = Path(oneshot["model_dir"])
             with report.phase("llmc-eval"):
                 start = time.perf_counter()
                 llmc_model = AutoModelForCausalLM.from_pretrained(llmc_dir)
@@ -778,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
                                "seconds": oneshot["timings"]["oneshot"],
                                "load_seconds": load_s, "reused": oneshot["reused"],
                                "format": qconfig.get("format", "?")})
-            if opts.no_keep_model:
+            if opts.no_keep_model and not oneshot["reused"]:
                 shutil.rmtree(llmc_dir)
         report.sections.insert(0, ("End to end", end_to_end_text(report.results)))
     shutil.rmtree(work, ignore_errors=True)

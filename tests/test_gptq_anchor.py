@@ -345,6 +345,12 @@ def test_an_earlier_llmc_model_is_reused_only_for_the_same_fingerprint(tmp_path)
                                                        "timings": {"oneshot": 840.0}}))
     info = anchor.llmc_oneshot(None, None, w, q, Path("/m"), out, work, tmp_path / "log", True)
     assert info["reused"] and info["timings"]["oneshot"] == 840.0
+    assert info["model_dir"] == str(out / anchor.LLMC_MODEL)
+    # from another run's folder
+    mine = tmp_path / "mine"
+    info = anchor.llmc_oneshot(None, None, w, q, Path("/m"), mine, work, tmp_path / "log", True,
+                               out)
+    assert info["reused"] and info["model_dir"] == str(out / anchor.LLMC_MODEL)
 
     class Stop(Exception):
         pass
