@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +34,6 @@ SLOW_FILES_FIRST = (  # seconds of a file's tests, a loaded run of 2026-11-26 (j
     "tests/test_privytune.py",                 # 192
     "tests/test_flwr_run.py",                  # 487 before four of its six runs went
     "tests/adversarial/test_policy_attacks.py",  # 150
-    "tests/test_site_worker.py",               # 139
     "tests/test_personalized.py",              # 109
     "tests/test_reproducible.py",              # 196 before its six processes became two
     "tests/test_ray_cluster.py",               # 66
@@ -40,6 +44,7 @@ SLOW_FILES_FIRST = (  # seconds of a file's tests, a loaded run of 2026-11-26 (j
     "tests/adversarial/test_ledger.py",        # 41
     "tests/test_eval_tasks_methods.py",        # 38
     "tests/test_secagg.py",                    # 38
+    "tests/test_site_worker.py",               # 38 since its deployment went to test_deploy
 )
 
 
@@ -447,3 +452,45 @@ def write_bench_config(folder, config) -> str:
     path = folder / "bench.toml"
     path.write_text(tomli_w.dumps(config))
     return str(path)
+
+
+#: A site worker's start-up: it imports torch and transformers (longer on a loaded machine).
+WORKER_START_TIMEOUT = 240.0
+
+
+class Worker:
+    """A ``fedcompress site-worker`` process of its own session, stopped by PID (the warm site
+    worker's tests, and the deployed SuperNode that uses one in tests/test_deploy.py).
+    ``wait=False``: return once started; :meth:`wait_ready` before sending it messages."""
+
+    def __init__(self, path: Path, cache: Path, log: Path, env: dict | None = None,
+                 wait: bool = True):
+        self.path, self.log_path = path, log
+        env = {**(env or os.environ), "FEDCOMPRESS_CACHE": str(cache)}
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "fedcompress"), "site-worker", "--socket",
+                 str(path)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + WORKER_START_TIMEOUT
+        while "site worker ready" not in self.log():
+            assert self.proc.poll() is None, f"worker exited {self.proc.returncode}:\n{self.log()}"
+            assert time.monotonic() < deadline, self.log()
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode

@@ -293,10 +293,17 @@ class Deployment:
                   "secagg-peers": str(self.peers)}
         return {**config, **self.policy}
 
+    #: sites whose SuperNode hands its messages to a warm site worker: index -> the worker
+    #: (conftest.Worker) whose socket its node config names
+    workers: dict = {}
+
     def start_sites(self) -> None:
         for i in range(CLIENTS):
-            self.start_supernode(i, " ".join(f"{k}={json.dumps(v)}"
-                                             for k, v in self.node_config(i).items()))
+            config = dict(self.node_config(i))
+            if i in self.workers:
+                self.workers[i].wait_ready()
+                config["site-worker"] = str(self.workers[i].path)
+            self.start_supernode(i, " ".join(f"{k}={json.dumps(v)}" for k, v in config.items()))
 
     def wait_sites(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -360,13 +367,14 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployments(tmp_path_factory, tiny_model_dir):
-    """Two deployments (``full``, ``missing``: site 2 has no data file), each with its one-shot
-    FedPrLLM run started in the background (tests wait for ``dep.result``). Every process is
-    stopped by PID at the end, also on failure; none may be left."""
+    """Two deployments (``full``, ``missing``: site 2 has no data file, and site 0's SuperNode
+    hands its messages to a warm site worker), each with its one-shot FedPrLLM run started in
+    the background (tests wait for ``dep.result``). Every process, the worker too, is stopped by
+    PID at the end, also on failure; none may be left, nor the worker's socket."""
     root = tmp_path_factory.mktemp("deploy")
     procs = Processes(root)
     deps = {name: Deployment(name, root, procs) for name in ("full", "missing")}
-    from conftest import build_tiny_task
+    from conftest import Worker, build_tiny_task
 
     # The sites' policy accepts the tiny model and task, and (research flag: the tests compare
     # a deployed run with the in-process one) draws its secrets from the server's seeds.
@@ -384,7 +392,14 @@ def deployments(tmp_path_factory, tiny_model_dir):
             if not (dep.name == "missing" and i == MISSING_SITE):
                 site.write_text("".join(documents))
     pool = ThreadPoolExecutor(8)
+    missing = deps["missing"]
+    missing.workers = {}
     try:
+        # its start-up (imports) overlaps the SuperLinks' and the registrations; the worker
+        # makes its own 0700 folder for the socket
+        missing.workers[0] = Worker(missing.root / "site-0" / "worker" / "worker.sock",
+                                    missing.root / "cache", root / "worker.log",
+                                    env=missing.env("worker"), wait=False)
         for dep in deps.values():
             dep.start_superlink()
         for dep in deps.values():
@@ -397,7 +412,7 @@ def deployments(tmp_path_factory, tiny_model_dir):
             **RUN, "model": str(tiny_model_dir), "out": str(deps["full"].root / "out")})
         deps["missing"].result = pool.submit(deps["missing"].run, {
             **RUN, "model": str(tiny_model_dir), "out": str(deps["missing"].root / "out"),
-            "min-clients": 2, "save-model": False})
+            "min-clients": 2})
         for dep in deps.values():
             dep.start_sites()
         for dep in deps.values():
@@ -406,7 +421,10 @@ def deployments(tmp_path_factory, tiny_model_dir):
     finally:
         left = procs.stop_all()
         pool.shutdown(wait=True, cancel_futures=True)
+        codes = {i: (w.stop(), w.path.exists(), w.log()) for i, w in missing.workers.items()}
         assert left == [], f"processes left running: {[(p.pid, p.name()) for p in left]}"
+        for code, socket_left, log in codes.values():
+            assert code == 0 and not socket_left, log
 
 
 def test_deployed_ppcgpt_equals_in_process(deployments, tiny_model_dir, openai_stub):
@@ -547,7 +565,8 @@ def test_unregistered_supernode_is_refused(deployments):
 
 def _reference_model(model_dir: Path, settings: dict, node_configs: list[dict]):
     """The in-process vote with the same settings, seeds and node configs (the reference of
-    tests/test_fedprllm.py: the real ClientApp and strategy, messages handled in process)."""
+    tests/test_fedprllm.py: the real ClientApp and strategy, messages handled in process; a
+    site's error is an error reply, as in a deployment)."""
     from conftest import InProcessFederation
     from flwr.app import ArrayRecord, ConfigRecord
 
@@ -557,6 +576,7 @@ def _reference_model(model_dir: Path, settings: dict, node_configs: list[dict]):
 
     class Federation(InProcessFederation):
         app = "clients.app"
+        errors_as_replies = True
 
         def __init__(self, n: int):
             super().__init__(n)
@@ -640,6 +660,35 @@ def test_missing_data_path_is_reported_and_run_goes_on(deployments):
     # The server logged it (the run's log streams the ServerApp's), the site logged it too.
     assert f"client node {site} left out" in log and "does not exist" in log
     assert f"'{dep.sites[MISSING_SITE]}' does not exist" in dep.log(f"supernode-{MISSING_SITE}")
+
+
+def test_deployed_site_with_a_worker_prunes_as_the_fat_path(deployments, tiny_model_dir):
+    """The ``missing`` deployment's site 0 hands its messages to a warm site worker: its masks
+    come from the worker (the thin per-message process's runtime and imports, the worker's
+    loading and compute), the other sites' from their own ClientApp processes, and the pruned
+    model equals the in-process vote of fat ClientApps over the same sites (site 2 failing)."""
+    from fedcompress.models import load_model
+
+    dep = deployments["missing"]
+    worker = dep.workers[0]
+    run, log = dep.result.result()
+    assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"
+    report = json.loads((dep.root / "out" / "report.json").read_text())
+    by_node = {c["node"]: c for c in report["clients"]}
+    assert by_node[dep.node_ids[0]]["pid"] == worker.proc.pid  # site 0: the worker's masks
+    assert by_node[dep.node_ids[1]]["pid"] != worker.proc.pid
+    split = [r for r in report["client_startup"] if r["node"] == dep.node_ids[0]]
+    assert {r["stage"] for r in split} == {"warmup", "masks"}
+    for r in split:  # the thin process's runtime and imports, the worker's load/compute
+        assert r["startup_runtime_seconds"] > 0 and r["startup_worker_seconds"] >= 0, r
+    assert "message 2: train.masks" in worker.log(), worker.log()
+    settings = {**RUN, "model": str(tiny_model_dir), "out": str(dep.root / "out"),
+                "min-clients": 2}
+    reference = _reference_model(tiny_model_dir, settings,
+                                 [dep.node_config(i) for i in range(CLIENTS)])
+    saved = load_model(str(dep.root / "out" / "model"), device="cpu").model
+    for (key, a), (_, b) in zip(reference.state_dict().items(), saved.state_dict().items()):
+        assert torch.equal(a, b), key
 
 
 def _mount(volume: str) -> tuple[str, str]:

@@ -2,8 +2,9 @@
 Flower's serde, the refusals (missing socket, not a socket, other fedcompress version or code,
 garbage or oversized frames), a thin ClientApp process that imports neither torch nor
 transformers and gets the masks of the fat path, the Context's state kept across messages
-(SecAgg+), a worker dying mid-message, and one SuperNode of the loopback deployment using a
-worker. Every worker is started and stopped here by PID; its socket is removed."""
+(SecAgg+) and a worker dying mid-message. A SuperNode of the loopback deployment using a worker
+is tested in tests/test_deploy.py (its ``missing`` deployment's site 0). Every worker is started
+and stopped by PID (``conftest.Worker``); its socket is removed."""
 
 from __future__ import annotations
 
@@ -17,49 +18,16 @@ import stat
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import Worker
 
 from clients import site_worker as sw
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-WORKER_START_TIMEOUT = 240.0  # imports torch and transformers (more on a loaded machine)
-
-
-class Worker:
-    """A ``fedcompress site-worker`` process of its own session, stopped by PID."""
-
-    def __init__(self, path: Path, cache: Path, log: Path, env: dict | None = None):
-        self.path, self.log_path = path, log
-        env = {**(env or os.environ), "FEDCOMPRESS_CACHE": str(cache)}
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [str(BIN / "fedcompress"), "site-worker", "--socket", str(path)],
-                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + WORKER_START_TIMEOUT
-        while "site worker ready" not in self.log():
-            assert self.proc.poll() is None, f"worker exited {self.proc.returncode}:\n{self.log()}"
-            assert time.monotonic() < deadline, self.log()
-            time.sleep(0.2)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     """One worker for the module; at the end, SIGTERM must stop it cleanly (exit 0, its socket
@@ -385,63 +353,3 @@ def test_worker_dying_mid_message_is_a_clear_error(tiny_dir, tmp_path):
         w.stop(signal.SIGKILL)
         if w.path.exists():  # os._exit left it: nobody removes a dead worker's socket
             w.path.unlink()
-
-
-# -- deployed -----------------------------------------------------------------------------------
-@pytest.mark.deploy
-def test_deployed_site_with_a_worker_prunes_as_the_fat_path(tmp_path_factory, tiny_dir):
-    """tests/test_deploy.py's loopback deployment (TLS, 3 authenticated SuperNodes) with site
-    0's SuperNode using a worker: its masks come from the worker, and the pruned model equals
-    the in-process vote of fat ClientApps."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import test_deploy as td
-
-    from fedcompress.models import load_model
-
-    root = tmp_path_factory.mktemp("deploy-worker")
-    procs = td.Processes(root)
-    dep = td.Deployment("w", root, procs)
-    dep.policy = {"models": str(tiny_dir)}  # the sites' policy accepts the tiny model
-    documents = td.WIKI.read_text().splitlines(keepends=True)[:20]
-    for site in dep.sites:
-        site.parent.mkdir()
-        site.write_text("".join(documents))
-    sock = dep.root / "site-0" / "worker" / "worker.sock"  # the worker makes its 0700 folder
-    pool = ThreadPoolExecutor(4)
-    w = None
-    try:
-        w = Worker(sock, dep.root / "cache", root / "worker.log", env=dep.env("worker"))
-        dep.start_superlink()
-        dep.wait_superlink()
-        dep.node_ids = [f.result() for f in dep.register(pool)]
-        settings = {**td.RUN, "model": tiny_dir, "out": str(dep.root / "out")}
-        result = pool.submit(dep.run, settings)
-        for i in range(td.CLIENTS):
-            config = {**dep.node_config(i), **({"site-worker": str(sock)} if i == 0 else {})}
-            dep.start_supernode(i, " ".join(f"{k}={json.dumps(v)}" for k, v in config.items()))
-        dep.wait_sites()
-        run, log = result.result()
-        assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"
-        report = json.loads((dep.root / "out" / "report.json").read_text())
-        assert report["rejected"] == [], report["rejected"]
-        by_node = {c["node"]: c for c in report["clients"]}
-        assert by_node[dep.node_ids[0]]["pid"] == w.proc.pid  # site 0: the worker's masks
-        assert all(by_node[n]["pid"] != w.proc.pid for n in dep.node_ids[1:])
-        split = [r for r in report["client_startup"] if r["node"] == dep.node_ids[0]]
-        assert {r["stage"] for r in split} == {"warmup", "masks"}
-        for r in split:  # the thin process's runtime and imports, the worker's load/compute
-            assert r["startup_runtime_seconds"] > 0 and r["startup_worker_seconds"] >= 0, r
-        reference = td._reference_model(Path(tiny_dir), settings,
-                                         [dep.node_config(i) for i in range(td.CLIENTS)])
-        saved = load_model(str(dep.root / "out" / "model"), device="cpu").model
-        for (key, a), (_, b) in zip(reference.state_dict().items(),
-                                    saved.state_dict().items()):
-            assert torch.equal(a, b), key
-        assert "message 2: train.masks" in w.log(), w.log()
-    finally:
-        left = procs.stop_all()
-        pool.shutdown(wait=True, cancel_futures=True)
-        code = w.stop() if w is not None else 0
-        assert not sock.exists() and code == 0, w.log() if w else ""
-        assert left == [], f"processes left running: {[(p.pid, p.name()) for p in left]}"

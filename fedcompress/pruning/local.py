@@ -1,6 +1,7 @@
 """Local pruning: one client's (or the centralized server's) masks from its calibration windows.
 
-:class:`PruneConfig` names a local pruning recipe; :func:`layer_prune_fn` turns it into the
+:class:`PruneConfig` names a local pruning recipe, optionally with weight quantization
+(:class:`~fedcompress.quant.config.QuantConfig`); :func:`layer_prune_fn` turns it into the
 per-layer function the calibration walker calls; :func:`local_masks` runs the whole pass.
 """
 
@@ -22,8 +23,17 @@ from fedcompress.pruning.scores import (
 )
 from fedcompress.pruning.select import check_group, check_sparsity, parse_nm, select_prune_mask
 from fedcompress.pruning.walker import LayerStats, WalkResult, walk
+from fedcompress.quant.config import QuantConfig
+from fedcompress.quant.solver import (
+    QuantResult,
+    gptq_quantize,
+    rtn_quantize,
+    sparsegpt_quantize,
+)
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "gradient")
+#: The method of a recipe that only quantizes (:attr:`PruneConfig.quant` required).
+NO_PRUNING = "none"
 #: Methods whose scores come from the whole model at once (no calibration walk of the layers):
 #: magnitude needs no data; gradient one backward pass of the dense model over the windows.
 WHOLE_MODEL_METHODS = ("magnitude", "gradient")
@@ -43,6 +53,13 @@ class PruneConfig:
     ``onload``: sequential onloading (:func:`local_masks` walks a skeleton that reads one decoder
     layer at a time from the model's safetensors files; the same masks with a fraction of the
     memory); the ``gradient`` method needs the whole model and refuses it.
+
+    ``quant``: quantize every linear layer of the decoder layers too, in the same pass
+    (:func:`layer_prune_fn`): GPTQ or round-to-nearest of the kept weights (pruned weights stay
+    exactly 0); the next layer's inputs come from the quantized layer. ``method="none"``
+    (:data:`NO_PRUNING`, with ``sparsity=0``): quantization alone. ``sparsegpt`` with GPTQ prunes
+    and quantizes jointly in one OBS sweep; ``magnitude``/``wanda`` select the mask first, then
+    GPTQ compensates the pruned and the quantized weights with a fixed mask.
     """
 
     method: str = "wanda"
@@ -51,11 +68,26 @@ class PruneConfig:
     nm: str | None = None
     layer_sparsity: str = ""
     onload: bool = False
+    quant: QuantConfig | None = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
+        if self.method not in METHODS and self.method != NO_PRUNING:
             raise ValueError(f"unknown pruning method {self.method!r}: expected one of "
-                             f"{', '.join(METHODS)}")
+                             f"{', '.join(METHODS)}, or {NO_PRUNING} with quantization")
+        if self.quant is not None and not isinstance(self.quant, QuantConfig):
+            raise ValueError(f"quant={self.quant!r}: expected a QuantConfig or None")
+        if self.method == NO_PRUNING:
+            if self.quant is None:
+                raise ValueError("pruning method none prunes nothing: expected a quantization "
+                                 "recipe (quant) with it")
+            if self.sparsity != 0 or self.nm is not None or self.layer_sparsity:
+                raise ValueError(f"pruning method none with sparsity {self.sparsity}, N:M "
+                                 f"{self.nm}, plan {self.layer_sparsity!r}: expected sparsity "
+                                 "0, no N:M and no per-layer plan")
+        if self.quant is not None and self.method == "gradient":
+            raise ValueError("quantization with the gradient method: expected none, magnitude, "
+                             "wanda or sparsegpt (the quantization runs in the sequential pass "
+                             "over the layers, the gradient scores need the whole model)")
         check_group(self.group)
         if self.nm_pattern is None:
             check_sparsity(self.sparsity)
@@ -84,44 +116,124 @@ class PruneConfig:
 
     @property
     def needs_hessian(self) -> bool:
-        return self.method == "sparsegpt"
+        return self.method == "sparsegpt" or bool(self.quant and self.quant.needs_hessian)
+
+    @property
+    def needs_walk(self) -> bool:
+        """Whether the masks (and quantized weights) come from the sequential pass over the
+        layers: every recipe but magnitude, gradient and data-free RTN (with method none or
+        magnitude)."""
+        if self.quant is not None and self.quant.method != "rtn":
+            return True
+        return self.method not in (*WHOLE_MODEL_METHODS, NO_PRUNING)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def check_widths(self, model: nn.Module) -> None:
+        """With quantization: refuse a model one of whose quantized layers' input width the
+        group size does not divide (:meth:`QuantConfig.check_width`), before any work."""
+        if self.quant is None:
+            return
+        for index, layer in enumerate(ModelAdapter(model).layers):
+            for name, module in ModelAdapter.linear_layers(layer).items():
+                self.quant.check_width(f"layer {index} {name}", weight_matrix(module).shape[1])
 
-def layer_prune_fn(config: PruneConfig,
-                   gradients: list[dict[str, torch.Tensor]] | None = None):
-    """The walker's per-layer function for a recipe: masks (+ SparseGPT's updated weights).
-    ``gradients`` (one dict per decoder layer, :func:`weight_gradients`): required by the
-    ``gradient`` method, ignored by the others."""
-    nm = config.nm_pattern
-    plan = config.plan
-    if config.method == "gradient" and gradients is None:
-        raise ValueError("the gradient method scores weights by |W * dL/dW|: expected the "
-                         "gradients of the calibration loss (weight_gradients)")
 
-    def prune(index: int, layer: nn.Module, stats: dict[str, LayerStats]):
+class LayerPruner:
+    """The walker's per-layer function of a recipe (:func:`layer_prune_fn`):
+    ``(index, layer, stats) -> (masks, weights or None)``. With quantization it also records
+    each linear layer's :class:`~fedcompress.quant.solver.QuantResult` in :attr:`quantized`
+    (``{layer index: {linear name: result}}``; the walker moves them into
+    :attr:`~fedcompress.pruning.walker.WalkResult.quant`), and ``weights`` are the dequantized
+    float32 weights (masks all False where nothing is pruned)."""
+
+    def __init__(self, config: PruneConfig,
+                 gradients: list[dict[str, torch.Tensor]] | None = None):
+        if config.method == "gradient" and gradients is None:
+            raise ValueError("the gradient method scores weights by |W * dL/dW|: expected the "
+                             "gradients of the calibration loss (weight_gradients)")
+        self.config = config
+        self.gradients = gradients
+        self.nm = config.nm_pattern
+        self.plan = config.plan
+        self.quantized: dict[int, dict[str, QuantResult]] = {}
+
+    def __call__(self, index: int, layer: nn.Module, stats: dict[str, LayerStats]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        config, nm = self.config, self.nm
         masks: dict[str, torch.Tensor] = {}
         weights: dict[str, torch.Tensor] = {}
-        for name, module in ModelAdapter.linear_layers(layer).items():
+        linears = ModelAdapter.linear_layers(layer)
+        if config.quant is not None:
+            for name, module in linears.items():
+                config.quant.check_width(f"layer {index} {name}", weight_matrix(module).shape[1])
+            self.quantized[index] = {}
+        for name, module in linears.items():
             w = weight_matrix(module)
-            ratio = plan.at(index, name)
+            ratio = self.plan.at(index, name)
+            if config.quant is not None:
+                masks[name], weights[name] = self._quantize(index, name, w, stats, ratio)
+                continue
             if config.method == "sparsegpt":
                 masks[name], weights[name] = sparsegpt_prune(
                     w, stats[name].hessian, ratio, config.group, nm, name=name)
                 continue
-            if config.method == "magnitude":
-                scores = magnitude_scores(w)
-            elif config.method == "gradient":
-                assert gradients is not None
-                scores = taylor_scores(w, gradients[index][name])
-            else:
-                scores = wanda_scores(w, stats[name].sq_norm)
-            masks[name] = select_prune_mask(scores, ratio, config.group, nm)
+            masks[name] = select_prune_mask(self._scores(index, name, w, stats), ratio,
+                                            config.group, nm)
         return masks, (weights or None)
 
-    return prune
+    def _scores(self, index: int, name: str, w: torch.Tensor,
+                stats: dict[str, LayerStats]) -> torch.Tensor:
+        if self.config.method == "magnitude":
+            return magnitude_scores(w)
+        if self.config.method == "gradient":
+            assert self.gradients is not None
+            return taylor_scores(w, self.gradients[index][name])
+        return wanda_scores(w, stats[name].sq_norm)
+
+    def _quantize(self, index: int, name: str, w: torch.Tensor, stats: dict[str, LayerStats],
+                  ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(prune mask, dequantized float32 weight)`` of one linear layer; records its
+        :class:`~fedcompress.quant.solver.QuantResult`. The scales are the dense weight's, in
+        its dtype (the model's: the dtype the scales are saved in)."""
+        config, quant = self.config, self.config.quant
+        assert quant is not None
+        label = f"layer {index} {name}"
+        gptq = quant.method == "gptq"
+        hessian = stats[name].hessian if gptq or config.method == "sparsegpt" else None
+        if (gptq or config.method == "sparsegpt") and hessian is None:
+            raise ValueError(f"{label}: {quant.method} with {config.method} needs the inputs' "
+                             "Hessian: expected statistics gathered with hessian=True")
+        if config.method == NO_PRUNING:
+            mask = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
+            result = (gptq_quantize(w, hessian, quant, scale_dtype=w.dtype, name=label) if gptq
+                      else rtn_quantize(w, quant, scale_dtype=w.dtype, name=label))
+        elif config.method == "sparsegpt" and gptq:
+            mask, result = sparsegpt_quantize(w, hessian, quant, ratio, config.group, self.nm,
+                                              scale_dtype=w.dtype, name=label)
+        elif config.method == "sparsegpt":
+            mask, updated = sparsegpt_prune(w, hessian, ratio, config.group, self.nm,
+                                            name=label)
+            result = rtn_quantize(updated, quant, scale_dtype=w.dtype, mask=mask, dense=w,
+                                  name=label)
+        else:
+            mask = select_prune_mask(self._scores(index, name, w, stats), ratio, config.group,
+                                     self.nm)
+            result = (gptq_quantize(w, hessian, quant, scale_dtype=w.dtype, mask=mask,
+                                    name=label) if gptq
+                      else rtn_quantize(w, quant, scale_dtype=w.dtype, mask=mask, name=label))
+        self.quantized[index][name] = result
+        return mask, result.weight
+
+
+def layer_prune_fn(config: PruneConfig,
+                   gradients: list[dict[str, torch.Tensor]] | None = None) -> LayerPruner:
+    """The walker's per-layer function for a recipe (:class:`LayerPruner`): masks (+
+    SparseGPT's updated weights, or the quantized weights). ``gradients`` (one dict per decoder
+    layer, :func:`weight_gradients`): required by the ``gradient`` method, ignored by the
+    others."""
+    return LayerPruner(config, gradients)
 
 
 def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
@@ -136,13 +248,14 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
     from fedcompress.models import onload_skeleton, onloader_of
 
     config.plan.check_layers(len(ModelAdapter(model)))
+    config.check_widths(model)
     if config.onload:
         model = onload_skeleton(model)
     elif onloader_of(model) is not None and config.method == "gradient":
         raise ValueError("the gradient method needs the whole model: this one is an onloaded "
                          "skeleton (load it without onload)")
-    if config.method in WHOLE_MODEL_METHODS:
-        # No layer-by-layer activations: magnitude needs none, gradient one backward pass.
+    if not config.needs_walk:
+        # No layer-by-layer activations: magnitude and RTN need none, gradient one backward pass.
         adapter = ModelAdapter(model)
         grads = (weight_gradients(model, windows, batch_size) if config.method == "gradient"
                  else None)
@@ -150,9 +263,13 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
         result = WalkResult()
         for index in range(len(adapter)):
             with adapter.onloaded(index) as layer:
-                masks, _ = fn(index, layer, {})
-            result.masks.append(masks)
-            result.weights.append(None)
+                masks, weights = fn(index, layer, {})
+            result.masks.append({k: v.cpu() for k, v in masks.items()})
+            result.weights.append({k: v.cpu() for k, v in weights.items()}
+                                  if keep_weights and weights else None)
+            if config.quant is not None:
+                result.quant.append({k: v.to("cpu")
+                                     for k, v in fn.quantized.pop(index).items()})
         return result
     return walk(model, windows, layer_prune_fn(config), hessian=config.needs_hessian,
                 batch_size=batch_size, keep_weights=keep_weights, progress=progress)

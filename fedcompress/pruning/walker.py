@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from fedcompress.models import CALC_DTYPE, HESSIAN_DTYPE, ModelAdapter, weight_matrix
+from fedcompress.quant.solver import QuantResult
 
 logger = logging.getLogger(__name__)
 
@@ -347,10 +348,15 @@ LayerPruneFn = Callable[[int, nn.Module, dict[str, LayerStats]],
 
 @dataclass
 class WalkResult:
-    """Prune masks (True = pruned) per decoder layer and linear layer name."""
+    """Prune masks (True = pruned) per decoder layer and linear layer name; ``weights``: the
+    updated weights (with ``keep_weights``); ``quant``: with a quantizing prune function (one
+    with a ``quantized`` attribute, :class:`~fedcompress.pruning.local.LayerPruner`), per
+    decoder layer the :class:`~fedcompress.quant.solver.QuantResult` of each linear layer (the
+    integers, scales and zero points a saved model needs), else empty."""
 
     masks: list[dict[str, torch.Tensor]] = field(default_factory=list)
     weights: list[dict[str, torch.Tensor] | None] = field(default_factory=list)
+    quant: list[dict[str, QuantResult] | None] = field(default_factory=list)
 
 
 def walk(model: nn.Module, windows: torch.Tensor, prune_fn: LayerPruneFn,
@@ -374,5 +380,10 @@ def walk(model: nn.Module, windows: torch.Tensor, prune_fn: LayerPruneFn,
         result.masks.append({k: v.cpu() for k, v in masks.items()})
         result.weights.append({k: v.cpu() for k, v in weights.items()}
                               if keep_weights and weights else None)
+        quantized = getattr(prune_fn, "quantized", None)
+        if quantized is not None:
+            layer_quant = quantized.pop(index, None)
+            result.quant.append({k: v.to("cpu") for k, v in layer_quant.items()}
+                                if layer_quant is not None else None)
         del stats
     return result

@@ -43,7 +43,9 @@ from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from fedcompress.models import HESSIAN_DTYPE, ModelAdapter, weight_matrix
 from fedcompress.privacy.ledger import Ledger
 from fedcompress.privacy.policy import SitePolicy
+from fedcompress.pruning.local import PruneConfig
 from fedcompress.pruning.walker import LayerStats, input_owners
+from fedcompress.quant.solver import QuantResult
 
 logger = logging.getLogger(__name__)
 
@@ -420,20 +422,44 @@ class StatsAggregator:
 
 def prune_layer(model: nn.Module, layer: int, stats: Mapping[str, LayerStats], prune
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-    """The global masks (and SparseGPT's updated weights) of decoder layer ``layer`` from the
-    summed statistics: the centralized pass's own per-layer function."""
+    """The global masks (and SparseGPT's updated weights, or the quantized weights) of decoder
+    layer ``layer`` from the summed statistics: the centralized pass's own per-layer function
+    (:func:`quantize_layer` also returns the quantization's integers)."""
+    masks, weights, _ = quantize_layer(model, layer, stats, prune)
+    return masks, weights
+
+
+def quantize_layer(model: nn.Module, layer: int, stats: Mapping[str, LayerStats], prune
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None,
+                              dict[str, QuantResult] | None]:
+    """:func:`prune_layer` and, when the recipe quantizes (``prune.quant``), each linear
+    layer's :class:`~fedcompress.quant.solver.QuantResult` (integers, scales, zero points: what
+    the server saves), else None."""
     from fedcompress.pruning.local import layer_prune_fn
 
     module = ModelAdapter(model).layers[layer]
-    masks, weights = layer_prune_fn(prune)(layer, module, dict(stats))
+    fn = layer_prune_fn(prune)
+    masks, weights = fn(layer, module, dict(stats))
+    quant = fn.quantized.get(layer)
     return ({k: v.cpu() for k, v in masks.items()},
-            {k: v.cpu() for k, v in weights.items()} if weights else None)
+            {k: v.cpu() for k, v in weights.items()} if weights else None,
+            {k: v.to("cpu") for k, v in quant.items()} if quant is not None else None)
+
+
+def check_stats_prune(prune) -> None:
+    """A recipe statistics mode runs: wanda or sparsegpt, or quantization alone (method
+    none with GPTQ: the Hessians are the statistics)."""
+    if prune.method in STATS_METHODS:
+        return
+    if prune.method == "none" and prune.quant is not None and prune.quant.needs_hessian:
+        return
+    raise ValueError(f"aggregate=stats with method {prune.method!r}"
+                     f"{' and ' + prune.quant.method if prune.quant else ''}: expected one of "
+                     f"{', '.join(STATS_METHODS)}, or none with GPTQ quantization")
 
 
 def check_stats_config(config: FedPrLLMConfig) -> None:
-    if config.method not in STATS_METHODS:
-        raise ValueError(f"aggregate=stats with method {config.method!r}: expected one of "
-                         f"{', '.join(STATS_METHODS)}")
+    check_stats_prune(config.prune)
 
 
 @dataclass
@@ -452,6 +478,7 @@ class StatsRun:
     server_seconds: list[float] = field(default_factory=list)
     dp: dict = field(default_factory=dict)
     released: list[dict[str, LayerStats]] = field(default_factory=list)
+    quant: list[dict[str, QuantResult] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -467,7 +494,8 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
                 batch_size: int | None = None, frac_bits: int | None = None, *,
                 tokenizer=None, dp_sites: list[DpSite] | None = None, run_id: str = "local",
                 dp_seed: int | None = None, keep_release: bool = False,
-                dp_bounds: list[dict[str, float]] | None = None) -> StatsRun:
+                dp_bounds: list[dict[str, float]] | None = None,
+                prune: PruneConfig | None = None) -> StatsRun:
     """Statistics-mode federated pruning in one process (tests, benchmarks): the same site
     steps, wire round trip and server step as the Flower strategy, sites one after another.
     ``frac_bits``: the sites' statistics are summed as SecAgg+ sums them (fixed point, 64-bit
@@ -481,15 +509,22 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
     keep what the server saw of each layer in :attr:`StatsRun.released` (research: the attacks
     of :mod:`fedcompress.bench.dp_leakage`). ``dp_bounds``: the clip bounds when already
     computed for this model and request (public values,
-    :func:`fedcompress.methods.fedprllm.dp.clip_bounds`; default: computed here)."""
+    :func:`fedcompress.methods.fedprllm.dp.clip_bounds`; default: computed here).
+    ``prune``: the recipe, instead of ``config.prune`` (e.g. one that quantizes,
+    :attr:`~fedcompress.pruning.local.PruneConfig.quant`; not with DP, whose request is built
+    from ``config``); the quantization's integers are in :attr:`StatsRun.quant`."""
     from fedcompress.methods.fedprllm import dp as dpm
     from fedcompress.methods.fedprllm.federated import advance_to_layer, site_layer_stats
     from fedcompress.privacy.dp_stats import secret_rng
 
-    check_stats_config(config)
-    prune = config.prune
+    if prune is not None and config.dp:
+        raise ValueError("a recipe other than config.prune with DP: expected the recipe in the "
+                         "config (the DP request and its clip bounds are built from it)")
+    prune = config.prune if prune is None else prune
+    check_stats_prune(prune)
     n_layers = len(ModelAdapter(model))
     prune.plan.check_layers(n_layers)
+    prune.check_widths(model)
     batch = batch_size or config.batch_size
     hessian = prune.needs_hessian
     plan = None
@@ -572,10 +607,12 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
                              if name not in shared_names})
         if released is not None:
             run.released.append(released)
-        masks, weights = prune_layer(model, layer, layer_stats, prune)
+        masks, weights, quant = quantize_layer(model, layer, layer_stats, prune)
         run.server_seconds.append(time.perf_counter() - start)
         run.masks.append(masks)
         run.weights.append(weights)
+        if prune.quant is not None:
+            run.quant.append(quant)
         run.bytes_up_per_site.append(sent)
         run.site_seconds.append(site_seconds / max(len(windows), 1))
     run.dp = dpm.report(plan, site_eps if plan is not None else ())
