@@ -405,6 +405,8 @@ def our_walk(model, windows: torch.Tensor, quant: dict, wanted: set[tuple[int, s
             return {}, None
         return inner(index, layer, stats)
 
+    if inner is not None and hasattr(inner, "quantized"):
+        prune.quantized = inner.quantized  # type: ignore[attr-defined]  # the walker moves them
     result = walk(model, windows, prune, hessian=True, batch_size=batch_size,
                   keep_weights=with_solver, progress=True)
     return (result if with_solver else None), recorded
