@@ -588,11 +588,10 @@ def llmc_oneshot(exe: Path, runner, windows: torch.Tensor, quant: dict, model_pa
 
 def wait_for_run(source: Path, poll: float = 30.0) -> None:
     """Wait while the run writing ``source`` (an earlier ``--llmc-only`` run still making
-    llm-compressor's model) is running."""
+    llm-compressor's model, or measuring it) is running."""
     path = source / "report.json"
-    while path.exists() and json.loads(path.read_text()).get("status") == "running" \
-            and not (source / "llmc-oneshot.json").exists():
-        logger.info("waiting for the run writing %s to make llm-compressor's model", source)
+    while path.exists() and json.loads(path.read_text()).get("status") == "running":
+        logger.info("waiting for the run writing %s to finish llm-compressor's model", source)
         time.sleep(poll)
 
 
