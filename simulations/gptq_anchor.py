@@ -574,12 +574,13 @@ def llmc_oneshot(exe: Path, runner, windows: torch.Tensor, quant: dict, model_pa
     llmc_dir.parent.mkdir(parents=True, exist_ok=True)
     load_start = [round(x, 2) for x in os.getloadavg()]
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    commit = versions().get("git_commit", "unknown")  # the code that runs, read before it runs
     wall = run_runner(exe, ["oneshot", str(request), str(work / "oneshot")], log)
     shutil.move(str(work / "oneshot" / "model"), llmc_dir)
     info = {**json.loads((work / "oneshot" / "oneshot.json").read_text()),
             "wall_seconds": wall, "fingerprint": fingerprint, "started": started,
             "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "fedcompress_commit": versions().get("git_commit", "unknown"),
+            "fedcompress_commit": commit,
             "load_average_start": load_start,
             "load_average_end": [round(x, 2) for x in os.getloadavg()]}
     record.write_text(json.dumps(info, indent=2) + "\n")
