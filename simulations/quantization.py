@@ -236,7 +236,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="simulations/results/quantization")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES),
+                        choices=[*RECIPES, "none"],
+                        help="quantization recipes (none: only dense, layer removal, decoding)")
     parser.add_argument("--group-size", type=int, default=None,
                         help="W4A16 group size (default: the largest of 128, 64, 32 that "
                         "divides every quantized layer's input width)")
@@ -257,7 +259,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="report.json of simulations/gptq_anchor.py (llm-compressor)")
     parser.add_argument("--no-decode", action="store_true", help="skip the decoding speeds")
     parser.add_argument("--keep", action="store_true", help="keep the saved folders in OUT")
-    return parser.parse_args(argv)
+    opts = parser.parse_args(argv)
+    if "none" in opts.recipes and len(opts.recipes) > 1:
+        parser.error(f"--recipes {' '.join(opts.recipes)}: expected none alone, or recipes")
+    return opts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         windows = federation_windows(tokenizer, base)[0]
         union = torch.cat(windows)
         timing_rows = []
-        for recipe in opts.recipes:
+        for recipe in (r for r in opts.recipes if r != "none"):
             method, sparsity, scheme, recipe_group = RECIPES[recipe]
             size = group if recipe_group == "w4" else recipe_group
             config = base.replace(method=method, sparsity=sparsity, quant=scheme,

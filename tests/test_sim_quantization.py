@@ -94,3 +94,10 @@ def test_help_runs(sim):
     with pytest.raises(SystemExit) as exit_:
         sim.parse_args(["--help"])
     assert exit_.value.code == 0
+
+
+def test_recipes_none_alone(sim):
+    assert sim.parse_args(["--recipes", "none"]).recipes == ["none"]
+    assert sim.parse_args([]).recipes == list(sim.RECIPES)
+    with pytest.raises(SystemExit):
+        sim.parse_args(["--recipes", "none", "w4a16"])
