@@ -428,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
                 with report.phase(f"decode-{name}"):
                     speed = decode_speed(folders[name], ids_file, opts.threads, opts.new_tokens)
                 for row in report.results:
-                    if row["name"] == name:
+                    if row["name"] == name:  # flat too: docs/numbers.toml cites a row's key
                         row["decode"] = speed
+                        row["decode_tokens_per_second"] = speed["tokens_per_second"]
                 report.write()
 
         by = {r["name"]: r for r in report.results}
