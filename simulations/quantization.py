@@ -248,7 +248,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--eval-seqlen", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=4,
+                        help="windows per forward; equal to --samples-per-client, the "
+                        "centralized walk's batches are the sites' windows (float32 matmuls "
+                        "depend on the batch: otherwise federated and centralized inputs, and "
+                        "so integers, differ in later layers)")
     parser.add_argument("--remove-ratio", type=float, default=0.25,
                         help="share of decoder layers removed (lowest Block Influence)")
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -271,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     anchor = None
     if opts.llmc_report:  # read first: a wrong path fails before any work
         anchor = json.loads(Path(opts.llmc_report).read_text())
+    if opts.batch_size != opts.samples_per_client:
+        logger.warning("--batch-size %d differs from --samples-per-client %d: the centralized "
+                       "batches are not the sites' windows, so federated and centralized GPTQ "
+                       "will not be equal bit for bit", opts.batch_size, opts.samples_per_client)
     report = RunReport.for_script(__file__, opts, seeds={"seed": opts.seed})
     mismatches: list[str] = []
     with report, tempfile.TemporaryDirectory() as tmp:
