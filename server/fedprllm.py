@@ -57,12 +57,18 @@ def check_settings(settings: dict) -> None:
     if server.resume and config.mode != "iterative" and config.aggregate != "stats":
         raise ValueError("resume=True is invalid: expected mode iterative or aggregate stats "
                          "(a one-shot vote has one round: run it again)")
+    _check_quant(config, server)
+    evals.load_tasks()  # every zero-shot task exists and loads (offline: bundled or cached)
+
+
+def _check_quant(config: FedPrLLMConfig, server: RunSettings) -> None:
+    """The rtn baseline needs a quantizing run; a quantized model's save dtype must be its
+    scales' (:func:`~server.common.quantized_save_dtype`)."""
     if "rtn" in server.baseline_list() and config.quant_config is None:
         raise ValueError("baseline rtn without --quant: expected a quantizing run (rtn rounds "
                          "its weights to nearest in place of GPTQ)")
     if config.quant_config is not None:
         quantized_save_dtype(server.save_dtype, config.quant_config)
-    evals.load_tasks()  # every zero-shot task exists and loads (offline: bundled or cached)
 
 
 def server_variants(config: FedPrLLMConfig, which: str) -> list[ServerConfig]:
@@ -85,17 +91,13 @@ def run(grid: Grid, settings: dict) -> RunReport:
 def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: RunSettings,
          report: RunReport) -> None:
     out = Path(server.out)
+    _check_quant(config, server)  # before the model is loaded (flwr run skips check_settings)
     with report.phase("setup"):
         device = None if server.device in ("", "auto") else server.device
         exp = prepare_experiment(config, eval_config, device=device)
     report.extra["model"] = {"spec": exp.loaded.spec, **exp.loaded.info}
     baselines = server.baseline_list()
     quant = config.quant_config
-    if "rtn" in baselines and quant is None:
-        raise ValueError("baseline rtn without --quant: expected a quantizing run (rtn rounds "
-                         "its weights to nearest in place of GPTQ)")
-    if quant is not None:
-        quantized_save_dtype(server.save_dtype, quant)
     if "dense" in baselines:
         with report.phase("eval"):
             report.add_result(exp.evaluate("dense", exp.model))
