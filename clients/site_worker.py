@@ -51,6 +51,7 @@ first. Only the standard library and Flower here: the thin process imports this 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -389,7 +390,10 @@ def exchange(path: str, message: Any, context: Any, root: Path | None = None
              "files": files, "task": _task_identity()}
     with _connect(path) as sock:
         try:
-            write_json(sock, hello)
+            # a busy worker writes its refusal and closes without reading: the hello may meet a
+            # closed pipe, and the refusal is still there to read (and name the reason)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                write_json(sock, hello)
             answer = read_json(sock, time.monotonic() + IO_TIMEOUT)
             if not answer.get("ok"):
                 raise SiteWorkerError(f"the site worker at {path} refused the message: "

@@ -457,12 +457,29 @@ def test_connections_beyond_the_cap_are_refused_then_served_again(private_dir):
         deadline = time.monotonic() + 10
         while True:  # the slots come back once the idle ones hang up
             with _raw(path) as sock:
-                sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused, closed
+                    sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
                 error = sw.read_json(sock)["error"]
             if "not a site-worker frame" in error:
                 break
             assert time.monotonic() < deadline, error
             time.sleep(0.1)
+
+
+def test_a_busy_worker_is_named_as_busy_to_the_supernode(private_dir):
+    """The SuperNode's side of the exchange: a worker with no free slot writes its refusal and
+    closes without reading the hello, so the hello may meet a closed pipe; the error must still
+    say the worker is busy (not that it died mid-message), and nothing of the message is sent."""
+    path = private_dir / "w.sock"
+    with running_worker(path, max_connections=1, timeout=30):
+        idle = _raw(path)  # holds the one slot
+        try:
+            time.sleep(0.5)
+            for _ in range(5):  # the closed pipe is a race (the close must beat the hello)
+                with pytest.raises(sw.SiteWorkerError, match="busy: 1 connections open"):
+                    sw.exchange(str(path), message=None, context=None)
+        finally:
+            idle.close()
 
 
 @pytest.mark.parametrize("how", ["stall", "trickle"])
@@ -498,11 +515,14 @@ def test_a_client_stalling_mid_frame_is_dropped(private_dir, caplog, how):
             elapsed = time.monotonic() - start
         assert closed and elapsed > 0.95, elapsed  # not before the deadline (timer slack: 50 ms)
         # the one slot is free again (the worker frees it just after closing the socket: under
-        # load a connection may still find it busy for a moment, so retry for up to 30 s)
+        # load a connection may still find it busy for a moment, so retry for up to 30 s; a busy
+        # worker writes its refusal and closes at once, so the request may meet a closed pipe:
+        # the refusal is still there to read)
         deadline = time.monotonic() + 30
         while True:
             with _raw(path) as sock:
-                sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
                 error = sw.read_json(sock)["error"]
             if "busy" not in error or time.monotonic() > deadline:
                 break
