@@ -24,6 +24,7 @@ from fedcompress.methods.fedprllm.stats import (
     layer_in_features,
     stats_nbytes,
     stats_prune,
+    validate_stats,
 )
 from fedcompress.models import ModelAdapter, load_model
 from fedcompress.pruning.local import apply_masks, local_masks
@@ -174,6 +175,37 @@ def test_stats_round_trip_sends_shared_inputs_once(tiny, hessian):
         if hessian:
             assert torch.equal(back[name].hessian_sum, st.hessian_sum)
     assert sum(a.nbytes for a in arrays.values()) == stats_nbytes(features, hessian, shared)
+
+
+def test_packed_sum_equals_the_sum_of_the_full_matrices(tiny):
+    """The server adds the sites' statistics in their wire form and unpacks once: every entry
+    is the same float64 sum, in the same order, as merging the sites' full matrices (the
+    bit-for-bit equality with centralized GPTQ / SparseGPT rests on it)."""
+    features = layer_in_features(tiny.model, 0)
+    aggregator = StatsAggregator(features, True)
+    merged: dict = {}
+    for seed in range(3):
+        windows = torch.randint(4, 100, (2, 16), generator=torch.Generator().manual_seed(seed))
+        stats = collect_stats(ModelAdapter(tiny.model).layers[0],
+                              capture_layer_inputs(tiny.model, windows), hessian=True)
+        arrays, shared = encode_stats(stats, 0)
+        aggregator.add(validate_stats(arrays, shared, features, 0, True) if seed != 1
+                       else decode_stats(arrays, shared, features, 0, True))  # either form
+        decoded = decode_stats(arrays, shared, features, 0, True)
+        for name in features:
+            if name not in merged:
+                merged[name] = LayerStats(features[name], hessian=True)
+            merged[name].merge(decoded[name])
+    summed = aggregator.layer_stats()
+    assert aggregator.sites == 3 and summed is not aggregator.layer_stats()  # fresh objects
+    for name, st in merged.items():
+        assert summed[name].tokens == st.tokens
+        assert torch.equal(summed[name].sq_sum, st.sq_sum)
+        assert torch.equal(summed[name].hessian_sum, st.hessian_sum)
+        assert torch.equal(summed[name].hessian_sum, summed[name].hessian_sum.T)
+    with pytest.raises(ValueError, match="without a Hessian"):
+        aggregator.add(decode_stats(*encode_stats(_site_stats(tiny, False), 0), features, 0,
+                                    False))
 
 
 def _mutations(arrays):

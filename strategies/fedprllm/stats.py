@@ -78,8 +78,8 @@ class StatsFedPrLLM(IterativeFedPrLLM):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         from fedcompress.methods.fedprllm.stats import (
             StatsAggregator,
-            decode_stats,
             layer_in_features,
+            validate_stats,
         )
 
         layer = self._layer(server_round)
@@ -90,7 +90,7 @@ class StatsFedPrLLM(IterativeFedPrLLM):
         def validate(reply: Message):
             arrays = {k: a.numpy() for k, a in reply.content["stats"].items()}
             shared = {str(k): str(v) for k, v in reply.content["shared"].items()}
-            return decode_stats(arrays, shared, features, layer, hessian)
+            return validate_stats(arrays, shared, features, layer, hessian)
 
         valid, rejected = collect_valid_replies(replies, validate, stage="stats",
                                                 server_round=layer + 1, what="statistics",

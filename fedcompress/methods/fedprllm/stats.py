@@ -30,6 +30,7 @@ sums) before it counts.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -87,9 +88,60 @@ def layer_in_features(model: nn.Module, layer: int) -> dict[str, int]:
             for name, m in ModelAdapter.linear_layers(adapter.layers[layer]).items()}
 
 
+@functools.lru_cache(maxsize=32)
 def _triu(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of each entry of an ``n x n`` upper triangle in wire order (row-major);
+    cached (a model has a handful of widths): callers index with them and never write them."""
     rows, cols = torch.triu_indices(n, n)
     return rows, cols
+
+
+@functools.lru_cache(maxsize=32)
+def _triu_diagonal(n: int) -> np.ndarray:
+    """Where the diagonal sits in the wire's upper triangle: entry ``(i, i)`` at
+    ``i n - i (i - 1) / 2``."""
+    i = np.arange(n, dtype=np.int64)
+    return i * n - i * (i - 1) // 2
+
+
+def _unpack_hessian(h: np.ndarray, n: int) -> torch.Tensor:
+    """The symmetric ``n x n`` matrix whose upper triangle is ``h`` (the values copied, not
+    recomputed: both triangles hold the same floats)."""
+    full = torch.zeros(n, n, dtype=torch.from_numpy(h[:0]).dtype)
+    rows, cols = _triu(n)
+    values = torch.from_numpy(np.ascontiguousarray(h))
+    full[rows, cols] = values
+    full[cols, rows] = values
+    return full
+
+
+@dataclass
+class PackedStats:
+    """One linear layer's statistics as they travel: float64 square sums, the Hessian sum's
+    upper triangle (row-major, or None) and the token count. Sums of these are sums of the
+    matrices, entry by entry (the server adds sites' statistics in this form and unpacks the
+    total once per layer: :class:`StatsAggregator`)."""
+
+    in_features: int
+    tokens: int
+    sq_sum: np.ndarray
+    hessian_upper: np.ndarray | None
+
+    @classmethod
+    def from_layer_stats(cls, st: LayerStats) -> PackedStats:
+        h = None
+        if st.hessian_sum is not None:
+            rows, cols = _triu(st.in_features)
+            h = st.hessian_sum[rows, cols].cpu().numpy()
+        return cls(st.in_features, st.tokens, st.sq_sum.cpu().numpy().astype(np.float64), h)
+
+    def unpack(self) -> LayerStats:
+        st = LayerStats(self.in_features, hessian=self.hessian_upper is not None)
+        st.sq_sum = torch.from_numpy(self.sq_sum.copy())
+        st.tokens = self.tokens
+        if self.hessian_upper is not None:
+            st.hessian_sum = _unpack_hessian(self.hessian_upper, self.in_features)
+        return st
 
 
 def _same(a: LayerStats, b: LayerStats) -> bool:
@@ -125,10 +177,10 @@ def encode_stats(stats: Mapping[str, LayerStats], layer: int
             shared[name] = owner
             continue
         sent.append(name)
-        arrays[_key(layer, name, "sq")] = st.sq_sum.cpu().numpy().astype(np.float64)
-        if st.hessian_sum is not None:
-            rows, cols = _triu(st.in_features)
-            arrays[_key(layer, name, "h")] = st.hessian_sum[rows, cols].cpu().numpy()
+        packed = PackedStats.from_layer_stats(st)
+        arrays[_key(layer, name, "sq")] = packed.sq_sum
+        if packed.hessian_upper is not None:
+            arrays[_key(layer, name, "h")] = packed.hessian_upper
     return arrays, shared
 
 
@@ -140,7 +192,26 @@ def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
     statistics get the same object. :class:`InvalidStatsError` says what is wrong.
     Also decodes the sites' sum rebuilt from SecAgg+ (:func:`decode_fixed`: float64 too).
     ``dp``: a sum carrying DP noise, whose square sums may be negative (post-processing floors
-    them, :func:`fedcompress.privacy.dp_stats.postprocess`)."""
+    them, :func:`fedcompress.privacy.dp_stats.postprocess`). The checks are
+    :func:`validate_stats`'s; a server summing many sites adds the validated packed form
+    instead (:meth:`StatsAggregator.add`) and unpacks once."""
+    unpacked: dict[int, LayerStats] = {}
+    out: dict[str, LayerStats] = {}
+    for name, packed in validate_stats(arrays, shared, in_features, layer, hessian,
+                                       dp).items():
+        if id(packed) not in unpacked:
+            unpacked[id(packed)] = packed.unpack()
+        out[name] = unpacked[id(packed)]
+    return out
+
+
+def validate_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
+                   in_features: Mapping[str, int], layer: int, hessian: bool, dp: bool = False
+                   ) -> dict[str, PackedStats]:
+    """:func:`decode_stats`'s checks, the statistics left in their wire form
+    (:class:`PackedStats`; linear layers that share statistics get the same object): names,
+    shapes, dtypes, finite values, non-negative square sums (unless ``dp``), one positive token
+    count, the Hessian's diagonal twice the square sums."""
     names = set(in_features)
     unknown = sorted(set(shared) - names)
     if unknown:
@@ -160,7 +231,7 @@ def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
         raise InvalidStatsError(f"layer {layer}: token count {tokens_arr!r}: expected one "
                                 "positive int64")
     tokens = int(tokens_arr[0])
-    out: dict[str, LayerStats] = {}
+    out: dict[str, PackedStats] = {}
     for name in sent:
         n = in_features[name]
         sq = np.asarray(arrays[_key(layer, name, "sq")])
@@ -170,9 +241,7 @@ def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
         if not np.isfinite(sq).all() or (not dp and (sq < 0).any()):
             raise InvalidStatsError(f"{_key(layer, name, 'sq')}: square sums must be finite "
                                     "and non-negative")
-        st = LayerStats(n, hessian=hessian)
-        st.sq_sum = torch.from_numpy(sq.copy())
-        st.tokens = tokens
+        h = None
         if hessian:
             h = np.asarray(arrays[_key(layer, name, "h")])
             size = n * (n + 1) // 2
@@ -181,19 +250,14 @@ def decode_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
                                         f"expected {_WIRE_HESSIAN} ({size},) (upper triangle)")
             if not np.isfinite(h).all():
                 raise InvalidStatsError(f"{_key(layer, name, 'h')}: not finite")
-            full = torch.zeros(n, n, dtype=torch.from_numpy(h[:0]).dtype)
-            rows, cols = _triu(n)
-            values = torch.from_numpy(h.copy())
-            full[rows, cols] = values
-            full[cols, rows] = values
-            diag = torch.diagonal(full).double()
-            gap = (diag - 2 * st.sq_sum).abs().max() / max(float(diag.abs().max()), 1e-30)
+            diag = h[_triu_diagonal(n)].astype(np.float64)
+            gap = np.abs(diag - 2 * sq).max() / max(float(np.abs(diag).max()), 1e-30)
             if float(gap) > DIAG_TOLERANCE:
                 raise InvalidStatsError(f"{_key(layer, name, 'h')}: the Hessian's diagonal "
                                         "is not twice the square sums (relative gap "
                                         f"{float(gap):.3g})")
-            st.hessian_sum = full
-        out[name] = st
+            h = h.copy()
+        out[name] = PackedStats(n, tokens, sq.copy(), h)
     for name, owner in shared.items():
         if owner not in sent:
             raise InvalidStatsError(f"layer {layer}: {name} shares the statistics of {owner!r}, "
@@ -395,29 +459,52 @@ def stats_nbytes(in_features: Mapping[str, int], hessian: bool,
 
 @dataclass
 class StatsAggregator:
-    """The sum of the sites' statistics of one decoder layer (float64 at the server)."""
+    """The sum of the sites' statistics of one decoder layer (float64 at the server), kept in
+    the wire's packed form (:class:`PackedStats`: the Hessian's upper triangle) and unpacked
+    once, by :meth:`layer_stats`: the same additions, entry by entry, as summing the full
+    matrices, without rebuilding each site's matrix."""
 
     in_features: dict[str, int]
     hessian: bool
     sites: int = 0
-    sums: dict[str, LayerStats] = field(default_factory=dict)
+    sums: dict[str, PackedStats] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.sums = {name: LayerStats(n, hessian=self.hessian)
+        self.sums = {name: PackedStats(n, 0, np.zeros(n, np.float64),
+                                       np.zeros(n * (n + 1) // 2, _WIRE_HESSIAN)
+                                       if self.hessian else None)
                      for name, n in self.in_features.items()}
 
-    def add(self, stats: Mapping[str, LayerStats]) -> None:
-        """One site's validated statistics (:func:`decode_stats`)."""
+    def add(self, stats: Mapping[str, LayerStats | PackedStats]) -> None:
+        """One site's validated statistics (:func:`validate_stats`, or :func:`decode_stats`'s
+        unpacked ones)."""
         if set(stats) != set(self.sums):
             raise InvalidStatsError("statistics do not name the layer's linear layers")
+        packed: dict[int, PackedStats] = {}
         for name, st in stats.items():
-            self.sums[name].merge(st)
+            if id(st) not in packed:
+                packed[id(st)] = (st if isinstance(st, PackedStats)
+                                  else PackedStats.from_layer_stats(st))
+            part, total = packed[id(st)], self.sums[name]
+            if part.in_features != total.in_features:
+                raise ValueError(f"statistics of {part.in_features} input features cannot be "
+                                 f"added to statistics of {total.in_features}")
+            if (part.hessian_upper is None) != (total.hessian_upper is None):
+                raise ValueError("statistics with and without a Hessian cannot be added")
+        for name, st in stats.items():
+            part, total = packed[id(st)], self.sums[name]
+            np.add(total.sq_sum, part.sq_sum, out=total.sq_sum)
+            if total.hessian_upper is not None and part.hessian_upper is not None:
+                np.add(total.hessian_upper, part.hessian_upper, out=total.hessian_upper)
+            total.tokens += part.tokens
         self.sites += 1
 
     def layer_stats(self) -> dict[str, LayerStats]:
+        """The summed statistics, unpacked (fresh objects on every call: the server's
+        post-processing may change them in place)."""
         if not self.sites:
             raise ValueError("no site's statistics were aggregated")
-        return self.sums
+        return {name: total.unpack() for name, total in self.sums.items()}
 
 
 def prune_layer(model: nn.Module, layer: int, stats: Mapping[str, LayerStats], prune
@@ -579,7 +666,7 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
             site_seconds += time.perf_counter() - start
             sent = max(sent, sum(int(a.nbytes) for a in arrays.values()))
             if frac_bits is None:
-                aggregator.add(decode_stats(arrays, shared, features, layer, hessian))
+                aggregator.add(validate_stats(arrays, shared, features, layer, hessian))
                 continue
             if site_plan is not None and site_plan.placement == "distributed":
                 vector = dpm.noisy_fixed(arrays, layer, site_plan, hessian, len(windows),
