@@ -13,7 +13,11 @@ declares (``fedcompress.methods.personalize.METHOD.actions``):
 * ``query.personalize``: this site's plan and the global masks of every layer outside its
   personalized units (``shared``), and the uniform vote's masks (``uniform``); the site prunes
   its personalized layers with local masks in one walker pass, scores every model on its
-  held-out windows, and sends back only the scores. Its personalized masks never leave.
+  held-out windows, and sends back only the scores. Its personalized masks never leave. With
+  the guard (``guard = "heldout"``, the default) the site keeps the better of its
+  personalized model and uniform FedPrLLM by those held-out scores and says which
+  (``kept_fedprllm``, ``kept``: the kept model's perplexity, chosen on the same windows, so an
+  optimistic figure; the two models' own scores are sent too).
 
 The dense model is loaded once per process (cached) and never mutated.
 """
@@ -156,6 +160,14 @@ def personalize(message: Message, context: Context) -> Message:
         metrics[name] = pz.windows_perplexity(pruned, held, config.batch_size)
         metrics[f"sparsity_{name}"] = sparsity_report(pruned)["overall"]
         del pruned
+    if config.guard != "off":
+        if "fedprllm" not in metrics:
+            raise RuntimeError("the guard compares the personalized model with uniform "
+                               "FedPrLLM, but the server sent no uniform masks")
+        kept, why = pz.guard_choice(metrics)
+        metrics["kept_fedprllm"] = int(kept == "fedprllm")
+        metrics["kept"] = metrics[kept]
+        logger.info("site %d keeps its %s model: %s", partition, kept, why)
     if message.content["plan"].get("dense", False):
         metrics["dense"] = pz.windows_perplexity(model, held, config.batch_size)
     metrics["seconds"] = time.perf_counter() - start

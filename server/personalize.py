@@ -56,10 +56,13 @@ def _run(grid: Grid, config: pz.PersonalizeConfig, evals: TaskEvalSettings,
         sites = strategy.collect_classes(grid, server.timeout)
         counts = pz.global_classes([c.classes for c in sites.values()])
         plan = pz.site_classes_plan(strategy.units, counts.classes, loaded.model,
-                                    config.sparsity, config.factors)
+                                    config.sparsity, config.factors, config.bound)
+        plan_info = pz.site_plan_summary(strategy.units, counts.classes, loaded.model,
+                                         config.sparsity, config.factors, config.bound)
+    logger.info("global plan: %s", plan_info["text"])
     report.extra["classes"] = {**counts.to_dict(),
                                "sites": {str(n): c.classes for n, c in sites.items()}}
-    report.extra["global_plan"] = plan.to_dict()
+    report.extra["global_plan"] = {**plan.to_dict(), "summary": plan_info}
     report.write()
     with report.phase("masks"):
         voted, uniform = strategy.collect_masks(grid, list(sites), plan, baselines,
@@ -67,10 +70,36 @@ def _run(grid: Grid, config: pz.PersonalizeConfig, evals: TaskEvalSettings,
     with report.phase("personalize"):
         scores = strategy.personalize(grid, sites, counts, voted, uniform, baselines,
                                       server.timeout)
+    plans = {int(m["partition"]): strategy.site_plans.get(int(m["node"]))
+             for m in scores if "node" in m}
     for m in sorted(scores, key=lambda m: m["partition"]):
         row = {"name": f"site-{int(m['partition'])}", "site": int(m["partition"]),
                **{k: v for k, v in m.items() if k not in ("stage", "round", "partition")}}
+        summary = plans.get(int(m["partition"]))
+        if summary is not None:
+            row.update({"plan_min_ratio": summary["min_ratio"],
+                        "plan_max_ratio": summary["max_ratio"],
+                        "plan_spread": summary["spread"], "bound_bit": summary["bound_bit"]})
+        if "kept_fedprllm" in m:
+            row["kept_model"] = "fedprllm" if m["kept_fedprllm"] else "personalized"
+            row["guard"] = pz.guard_choice(m)[1]
         report.add_result(row)
+    report.extra["site_plans"] = {str(p): s for p, s in sorted(plans.items()) if s}
+    report.sections.append(("Plans", (
+        f"Global plan: {plan_info['text']}. "
+        + ("Each site's plan (its personalized units at the personalized factor, the global "
+           "class elsewhere, rescaled to p): " + "; ".join(
+               f"site {p}: {s['text']}" for p, s in sorted(plans.items()) if s)
+           if any(plans.values()) else ""))))
+    if config.guard != "off" and scores:
+        kept = sorted(int(m["partition"]) for m in scores if m.get("kept_fedprllm"))
+        report.extra["guard"] = {"kept_fedprllm": kept, "sites": len(scores)}
+        report.sections.append(("Site guard", (
+            f"Each site compared its personalized model with uniform FedPrLLM on its held-out "
+            f"windows and kept the better: {len(kept)} of {len(scores)} sites kept uniform "
+            f"FedPrLLM" + (f" (sites {kept})" if kept else "") + ". The kept model's "
+            "perplexity (column kept) is chosen on the same windows it is scored on, so it is "
+            "optimistic; the two models' own columns are not.")))
     shared_text = sorted(int(m["partition"]) for m in scores if not m.get("heldout_separate", 1))
     if shared_text:
         report.sections.append(("Held-out text", (

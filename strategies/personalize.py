@@ -46,6 +46,7 @@ class PersonalizeServer(RecordsReplies):
         self.outcome = StrategyOutcome()
         self.units = units_of(model, config.granularity)
         self.shapes = expected_shapes(model)
+        self.site_plans: dict[int, dict] = {}  # node -> its plan's summary (round 3)
 
     def _send(self, grid: Grid, contents: dict[int, RecordDict], action: str, timeout: float
               ) -> list[Message]:
@@ -82,9 +83,10 @@ class PersonalizeServer(RecordsReplies):
                       baselines: list[str], timeout: float
                       ) -> tuple[MaskAggregator, MaskAggregator | None]:
         """Round 2: the sites' masks at the global plan, summed; and at the uniform ratio
-        (the uniform FedPrLLM vote) when that baseline is asked for, else None. A site keeps
+        (the uniform FedPrLLM vote) when that baseline or the sites' guard needs it, else
+        None. A site keeps
         its uniform masks as its local-only model when that baseline is asked for."""
-        uniform_wanted = "fedprllm" in baselines
+        uniform_wanted = "fedprllm" in baselines or self.config.guard != "off"
         content = RecordDict({"config": settings_record(self.config),
                               "plan": ConfigRecord({"layer_sparsity": plan.to_text(),
                                                     "uniform": uniform_wanted,
@@ -117,8 +119,12 @@ class PersonalizeServer(RecordsReplies):
             uniform_record = _record(masks)
         votes = voted.counts()
         for node, site in sites.items():
-            plan = pz.site_classes_plan(self.units, pz.site_view(site, counts), self.model,
-                                        self.config.sparsity, self.config.factors)
+            view = pz.site_view(site, counts)
+            plan = pz.site_classes_plan(self.units, view, self.model, self.config.sparsity,
+                                        self.config.factors, self.config.bound)
+            self.site_plans[node] = pz.site_plan_summary(
+                self.units, view, self.model, self.config.sparsity, self.config.factors,
+                self.config.bound)
             shared = pz.shared_masks(votes, plan, pz.personal_linears(site),
                                      self.model, self.config.group, self.config.tie_break)
             content = RecordDict({
@@ -139,6 +145,9 @@ class PersonalizeServer(RecordsReplies):
                     raise ValueError(f"{key}={value} is not finite")
             if "personalized" not in metrics:
                 raise ValueError("no perplexity of the personalized model")
+            if self.config.guard != "off" and metrics.get("kept_fedprllm") not in (0, 1):
+                raise ValueError("the site's guard named no kept model (kept_fedprllm "
+                                 f"{metrics.get('kept_fedprllm')!r}: expected 0 or 1)")
 
         self._keep("personalize", 3, replies, validate, what="scores")
         return self.stage_metrics("personalize")

@@ -13,10 +13,12 @@ from fedcompress.layers.personalized import (
     classify_units,
     mean_lm_loss,
     personalized_plan,
+    plan_summary,
+    reclassify,
     switched_off,
     units_of,
 )
-from fedcompress.pruning.allocation import rescale
+from fedcompress.pruning.allocation import bounded_rescale, rescale
 from fedcompress.pruning.local import PruneConfig, layer_sizes, local_masks
 
 PLANTED = "1.mlp"
@@ -167,6 +169,130 @@ def test_rescale_is_exact_and_refuses_the_impossible():
         rescale([0.1], [1], 1.2)
 
 
+def test_bounded_rescale_keeps_p_and_the_bound_and_equals_eq4_inside_it():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    solved = same = 0
+    for _ in range(500):
+        k = int(rng.integers(1, 20))
+        raw = list(rng.random(k) * rng.integers(0, 2, k))
+        sizes = list(rng.integers(1, 100, k))
+        p = float(rng.random() * 0.9)
+        bound = float(rng.random() * (0.99 - p))
+        try:
+            out = bounded_rescale(raw, sizes, p, bound)
+        except ValueError as err:
+            assert "out of reach inside the ratio bound" in str(err)
+            continue
+        solved += 1
+        assert np.dot(out.ratios, sizes) / sum(sizes) == pytest.approx(p, abs=1e-12)
+        assert min(out.ratios) >= max(0.0, p - bound) - 1e-12
+        assert max(out.ratios) <= p + bound + 1e-12
+        try:
+            eq4 = rescale(raw, sizes, p)
+        except ValueError:
+            continue
+        if max(eq4) <= p + bound and min(eq4) >= p - bound:  # the bound does not bind
+            assert out.ratios == pytest.approx(eq4, abs=1e-12) and not out.bit
+            same += 1
+    assert solved > 200 and same > 50
+
+
+def test_bounded_rescale_names_what_it_cannot_do():
+    with pytest.raises(ValueError, match=r"out of reach inside the ratio bound 0.1: .*0\.7000 "
+                       r"\(40\.0% of the weights\).*the mean is 0\.5800"):
+        bounded_rescale([0, 0, 0, 1], [1, 2, 3, 4], 0.6, 0.1)
+    with pytest.raises(ValueError, match="expected a bound below 1 - sparsity = 0.2000"):
+        bounded_rescale([1, 2], [1, 1], 0.8, 0.2)
+    with pytest.raises(ValueError, match="ratio bound -0.1"):
+        bounded_rescale([1, 2], [1, 1], 0.5, -0.1)
+    clipped = bounded_rescale([0.5, 0.5, 0.75, 1.0], [1, 2, 3, 4], 0.6, 0.1)
+    assert clipped.ratios == pytest.approx([0.5, 0.5, 1.7 / 3, 0.7])  # mean 6 / 10
+    assert clipped.clipped_low == [0, 1] and clipped.clipped_high == [3] and clipped.bit
+
+
+def _smollm2_sizes():
+    """SmolLM2-135M's prunable linear layers and their sizes (shapes only: no weights)."""
+    import transformers
+
+    from fedcompress.models.embedded import embedded_model_dir
+
+    config = transformers.AutoConfig.from_pretrained(embedded_model_dir("smollm2-135m")[0])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return units_of(model), layer_sizes(model)
+
+
+def test_the_collapsed_plan_of_the_issue_is_bounded():
+    """A plan like the one the issue found on 4 sites (Alg. 1 called 40 of SmolLM2's 60
+    sublayers personalized, none generic, the rest others): here every MLP and 10 attention
+    sublayers personalized, 20 attention sublayers others. At p = 0.6 Eq. 4 alone puts 83% on
+    every "others" sublayer (the issue's counts gave 86%); with the default bound no unit
+    strays more than 0.1 from p, the mean is still p, and the summary says the bound bit and
+    what Eq. 4 alone would have done."""
+    from fedcompress.layers.personalized import DEFAULT_RATIO_BOUND
+
+    units, sizes = _smollm2_sizes()
+    names = list(units)
+    assert len(names) == 60
+    unit_class = {u: "personalized" if u.endswith("mlp") or int(u.split(".")[0]) % 3 == 0
+                  else "others" for u in names}
+    assert sum(c == "personalized" for c in unit_class.values()) == 40
+    classes = {lin: unit_class[u] for u, lins in units.items() for lin in lins}
+    eq4 = personalized_plan(classes, sizes, 0.6)
+    assert max(eq4.linears.values()) == pytest.approx(0.831, abs=1e-3)  # the collapse
+    bounded = personalized_plan(classes, sizes, 0.6, bound=DEFAULT_RATIO_BOUND)
+    ratios = list(bounded.linears.values())
+    assert max(ratios) <= 0.7 + 1e-12 and min(ratios) >= 0.5 - 1e-12
+    total = sum(sizes.values())
+    assert sum(bounded.linears[k] * n for k, n in sizes.items()) / total == pytest.approx(0.6)
+    summary = plan_summary(classes, sizes, 0.6, bound=DEFAULT_RATIO_BOUND)
+    assert summary.bound_bit and summary.eq4_max == pytest.approx(max(eq4.linears.values()))
+    assert summary.clipped["high"] and summary.max_ratio == pytest.approx(0.7)
+    assert "the bound 0.1 bit" in summary.line()
+    assert not plan_summary(classes, sizes, 0.6).bound_bit  # Eq. 4 alone: nothing clipped
+
+
+def test_reclassify_paper_rule_is_alg1_and_relative_rule_uses_the_draws_quantile():
+    units = {u: [f"{u}.x"] for u in ("a", "b", "c", "d", "e")}
+    draws = [{"units": ["a", "b"], "loss": 3.0}, {"units": ["b", "c"], "loss": 2.5},
+             {"units": ["c", "d"], "loss": 2.2}]
+    paper = reclassify(units, draws, base_loss=2.0)  # every draw above the untouched loss
+    assert paper.classes == {"a": "personalized", "b": "personalized", "c": "personalized",
+                             "d": "personalized", "e": "others"}
+    assert paper.threshold == 2.0 and paper.rule == "paper"
+    relative = reclassify(units, draws, base_loss=2.0, rule="relative")  # median 2.5
+    assert relative.threshold == 2.5
+    assert relative.classes == {"a": "personalized", "b": "personalized", "c": "generic",
+                                "d": "generic", "e": "others"}
+    assert relative.to_dict()["base_loss"] == 2.0
+    with pytest.raises(ValueError, match="rule='mean' is invalid"):
+        reclassify(units, draws, 2.0, rule="mean")
+    with pytest.raises(ValueError, match="quantile=1 is invalid"):
+        ClassifyConfig(rule="relative", quantile=1)
+
+
+def test_classify_units_applies_its_rule_to_the_same_draws(planted):
+    model, a, _ = planted
+    paper = classify_units(model, a, ClassifyConfig(k=2, max_iter=6, seed=3))
+    relative = classify_units(model, a, ClassifyConfig(k=2, max_iter=6, seed=3,
+                                                       rule="relative"))
+    assert [d["units"] for d in paper.draws] == [d["units"] for d in relative.draws]
+    assert relative.base_loss == pytest.approx(paper.threshold)
+    again = reclassify(paper.units, paper.draws, paper.threshold, "relative")
+    assert again.classes == relative.classes
+
+
+def test_the_guard_keeps_the_better_model_and_says_why():
+    from fedcompress.methods.personalize import guard_choice
+
+    kept, why = guard_choice({"personalized": 3308.0, "fedprllm": 67.5})
+    assert kept == "fedprllm" and "49.01x" in why
+    assert guard_choice({"personalized": 60.0, "fedprllm": 67.5})[0] == "personalized"
+    assert guard_choice({"personalized": 67.5, "fedprllm": 67.5})[0] == "personalized"
+
+
 # -- federated personalization (fedcompress.methods.personalize) -----------------------------
 def test_global_classes_count_sites_and_break_ties_towards_keeping_weights():
     from fedcompress.methods.personalize import global_classes
@@ -295,7 +421,13 @@ def test_personalize_study_runs_resumes_and_records_a_failure(tiny_dir, tmp_path
     assert "magnitude broke" in by_status["magnitude0.6"]["error"]
     ok = by_status["wanda0.5"]
     assert ok["status"] == "ok" and set(ok["perplexity"]) == {
-        "local-only", "fedprllm", "seed004-local", "personalized"}
+        "local-only", "fedprllm", "seed004-local", "personalized", "kept"}
+    assert ok["kept"] == ["fedprllm" if a > b else "personalized" for a, b in
+                          zip(ok["perplexity"]["personalized"], ok["perplexity"]["fedprllm"])]
+    assert ok["perplexity"]["kept"] == [min(a, b) for a, b in
+                                        zip(ok["perplexity"]["personalized"],
+                                            ok["perplexity"]["fedprllm"])]
+    assert ok["plan"]["bound"] == 0.1 and len(ok["site_plans"]) == 2
     for name, values in ok["achieved_sparsity"].items():
         assert all(v == pytest.approx(0.5, abs=0.04) for v in values), name
     assert len(ok["dense"]) == 2 and ok["classes_key"] == by_status["wanda0.6"]["classes_key"]
@@ -351,8 +483,10 @@ def test_method_in_process_equals_the_library_steps(tiny_dir, tmp_path):
     assert report["classes"]["sites"] == {str(100 + s): sites[s].classes for s in range(3)}
     counts = pz.global_classes([c.classes for c in sites])
     units = sites[0].units
-    plan = pz.site_classes_plan(units, counts.classes, model, 0.5, config.factors)
-    assert report["global_plan"] == plan.to_dict()
+    plan = pz.site_classes_plan(units, counts.classes, model, 0.5, config.factors,
+                                config.bound)
+    assert {k: v for k, v in report["global_plan"].items() if k != "summary"} == plan.to_dict()
+    assert report["global_plan"]["summary"]["bound"] == config.bound == 0.1
     voted = MaskAggregator(model, 3)
     for s in range(3):
         masks = local_masks(model, calib[s], PruneConfig("wanda", 0.5, "row",
@@ -361,13 +495,17 @@ def test_method_in_process_equals_the_library_steps(tiny_dir, tmp_path):
                    for n, m in layer.items()})
     for s in range(3):
         mine = pz.site_classes_plan(units, pz.site_view(sites[s], counts), model, 0.5,
-                                    config.factors)
+                                    config.factors, config.bound)
         shared = pz.shared_masks(voted.counts(), mine, pz.personal_linears(sites[s]), model)
         masks = pz.site_masks(model, calib[s], mine, shared, batch_size=2)
         ppl = pz.windows_perplexity(apply_masks(copy.deepcopy(model), masks), held[s], 2)
         assert rows[s]["personalized"] == pytest.approx(ppl, rel=1e-6)
         assert rows[s]["sparsity_personalized"] == pytest.approx(0.5, abs=0.04)
         assert {"fedprllm", "local-only", "dense"} <= set(rows[s])
+        kept = "fedprllm" if rows[s]["personalized"] > rows[s]["fedprllm"] else "personalized"
+        assert rows[s]["kept_model"] == kept and rows[s]["kept"] == rows[s][kept]
+        assert str(rows[s]["guard"]).startswith(f"kept {kept}:")
+        assert rows[s]["plan_max_ratio"] <= 0.6 + 1e-9
         own = local_masks(model, calib[s], PruneConfig("wanda", 0.5, "row"), 2).masks
         assert rows[s]["local-only"] == pytest.approx(pz.windows_perplexity(
             apply_masks(copy.deepcopy(model), own), held[s], 2), rel=1e-6)
@@ -387,11 +525,21 @@ def test_only_the_asked_baselines_are_computed(tiny_dir, tmp_path, monkeypatch):
         return original(model, windows, config, **kwargs)
 
     monkeypatch.setattr(cp, "local_masks", counting)
-    report = _in_process(_settings(tiny_dir, tmp_path / "run", baselines="dense"))
+    report = _in_process(_settings(tiny_dir, tmp_path / "run", baselines="dense",
+                                   guard="off"))
     assert report["status"] == "ok"
     assert passes == [True] * 3  # one pass per site, at the global plan
     for row in report["results"]:
-        assert "dense" in row and "fedprllm" not in row and "local-only" not in row
+        assert "dense" in row and "fedprllm" not in row and "kept" not in row
+        assert "local-only" not in row
+    # the guard needs uniform FedPrLLM: the sites make its masks even when no baseline asks
+    passes.clear()
+    report = _in_process(_settings(tiny_dir, tmp_path / "guarded", baselines="dense"))
+    assert report["status"] == "ok"
+    assert sorted(passes) == [False] * 3 + [True] * 3
+    for row in report["results"]:
+        assert {"fedprllm", "kept", "kept_model"} <= set(row) and "local-only" not in row
+    assert report["guard"]["sites"] == 3
 
 
 def test_a_site_sending_bad_classes_is_left_out(tiny_dir, tmp_path, monkeypatch):

@@ -60,6 +60,11 @@ METHODS = ("local-only", "fedprllm", "seed004-local", "personalized")
 CLASSIFY_KEYS = ("model", "dtype", "clients", "samples_per_client", "seqlen", "calib_text",
                  "partition", "alpha", "seed", "k", "max_iter", "granularity", "zero",
                  "adapt_steps", "adapt_lr", "batch_size")
+#: Besides the windows, what the local-only and uniform FedPrLLM baselines depend on.
+_BASELINE_KEYS = ("sparsity", "importance", "group", "tie_break")
+#: What a cell stored before these settings existed computed: Alg. 1's own rule, Eq. 4
+#: without a bound, no guard.
+LEGACY = {"class_rule": "paper", "class_quantile": 0.5, "ratio_bound": 1.0, "guard": "off"}
 _WINDOW_KEYS = ("model", "dtype", "clients", "samples_per_client", "seqlen", "calib_text",
                 "partition", "alpha", "seed", "batch_size")
 
@@ -100,7 +105,7 @@ def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
 
 
 def record_cell(record: Mapping[str, Any]) -> Cell:
-    cell = stored_cell("personalize", record, _config_cls())
+    cell = stored_cell("personalize", record, _config_cls(), legacy=LEGACY)
     return Cell("personalize", (*cell.client, ("methods", record.get("methods",
                                                                      ",".join(METHODS)))))
 
@@ -122,6 +127,7 @@ class CellRunner:
         self.out = runner.out
         self._models: dict[tuple, Any] = {}
         self._windows: dict[str, dict] = {}
+        self._baselines: dict[str, dict[str, list[tuple]]] = {}
 
     def model(self, config):
         from fedcompress.models import load_model
@@ -153,10 +159,45 @@ class CellRunner:
                                   "dense": dense}
         return self._windows[key]
 
+    def baseline_scores(self, config, model, calib, held) -> dict[str, list[tuple]]:
+        """Every site's held-out (perplexity, achieved sparsity) of local-only (its own masks
+        at ``p``) and uniform FedPrLLM (the vote of those masks at ``p``): they depend on the
+        data, ``p`` and the vote's settings only, so the cells that differ elsewhere (class
+        rule, bound, guard, factors) share them (kept in memory for the run)."""
+        from fedcompress.methods import personalize as pz
+        from fedcompress.methods.fedprllm.federated import MaskAggregator
+        from fedcompress.pruning.local import local_masks
+
+        key = _digest({k: getattr(config, k) for k in (*_WINDOW_KEYS, *_BASELINE_KEYS)})
+        if key not in self._baselines:
+            uniform = MaskAggregator(model, config.clients)
+            local = []
+            for s in range(config.clients):
+                masks = local_masks(model, calib[s], config.prune_config(),
+                                    batch_size=config.batch_size).masks
+                local.append(_score(model, masks, held[s], config.batch_size))
+                uniform.add(_flat(masks))
+                del masks
+            voted = pz.masks_by_layer_list(pz.shared_masks(
+                uniform.counts(), pz.SparsityPlan(config.sparsity), set(), model, config.group,
+                config.tie_break), model)
+            self._baselines[key] = {
+                "local-only": local,
+                "fedprllm": [_score(model, voted, held[s], config.batch_size)
+                             for s in range(config.clients)]}
+        return self._baselines[key]
+
     def classes(self, config, loaded, calib) -> tuple[list, float, str]:
-        """Every site's classification (Alg. 1), computed once per :data:`CLASSIFY_KEYS`
-        and kept in ``OUT/personalize/classes-<key>.json``; its seconds; its key."""
-        from fedcompress.layers.personalized import Classification, classify_units, units_of
+        """Every site's classification (Alg. 1), its draws computed once per
+        :data:`CLASSIFY_KEYS` and kept in ``OUT/personalize/classes-<key>.json`` (the paper's
+        classes with them), the classes of the cell's ``class_rule`` derived from the same
+        draws; its seconds; its key."""
+        from fedcompress.layers.personalized import (
+            Classification,
+            classify_units,
+            reclassify,
+            units_of,
+        )
         from fedcompress.methods import personalize as pz
 
         settings = config.to_dict()
@@ -166,19 +207,27 @@ class CellRunner:
         if path.exists():
             stored = json.loads(path.read_text())
             sites = [Classification(c["classes"], units, c["threshold"], c["draws"],
-                                    c.get("adapt_losses", [])) for c in stored["sites"]]
-            return sites, stored["seconds"], key
-        start = time.perf_counter()
-        sites = [classify_units(loaded.model, calib[s], config.classify_config(s))
-                 for s in range(config.clients)]
-        seconds = time.perf_counter() - start
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps({"settings": {k: settings[k] for k in CLASSIFY_KEYS},
-                                       "seconds": seconds,
-                                       "sites": [c.to_dict() for c in sites]}) + "\n")
-        counts = pz.global_classes([c.classes for c in sites])
-        pz.plot_unit_classes(counts, self.out / f"unit-classes-{key}.png")
-        return sites, seconds, key
+                                    c.get("adapt_losses", []), c.get("rule", "paper"),
+                                    c.get("base_loss", c["threshold"]))
+                     for c in stored["sites"]]
+        else:
+            start = time.perf_counter()
+            paper = config.replace(class_rule="paper")  # the draws: the same under any rule
+            sites = [classify_units(loaded.model, calib[s], paper.classify_config(s))
+                     for s in range(config.clients)]
+            seconds = time.perf_counter() - start
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, json.dumps({"settings": {k: settings[k] for k in CLASSIFY_KEYS},
+                                           "seconds": seconds,
+                                           "sites": [c.to_dict() for c in sites]}) + "\n")
+            counts = pz.global_classes([c.classes for c in sites])
+            pz.plot_unit_classes(counts, self.out / f"unit-classes-{key}.png")
+            stored = {"seconds": seconds}
+        if config.class_rule != "paper":  # the same draws, the cell's rule
+            sites = [reclassify(units, c.draws, c.base_loss if c.base_loss is not None
+                                else c.threshold, config.class_rule, config.class_quantile)
+                     for c in sites]
+        return sites, stored["seconds"], key
 
     def compute(self, cell: Cell) -> dict:
         """One cell: every site's held-out perplexity per method at the cell's sparsity."""
@@ -200,24 +249,17 @@ class CellRunner:
         p, batch = config.sparsity, config.batch_size
         sites = range(config.clients)
         errors: list[dict] = []
-        local: list = []
-        uniform_masks = None
-        if {"local-only", "fedprllm"} & set(methods):
-            # uniform FedPrLLM and local-only: the sites' masks at p
-            uniform = MaskAggregator(model, config.clients)
-            for s in sites:
-                masks = local_masks(model, calib[s], config.prune_config(),
-                                    batch_size=batch).masks
-                local.append(masks)
-                uniform.add(_flat(masks))
-            uniform_masks = pz.masks_by_layer_list(pz.shared_masks(
-                uniform.counts(), pz.SparsityPlan(p), set(), model, config.group,
-                config.tie_break), model)
-        voted_counts, plan = None, None
+        baselines = (self.baseline_scores(config, model, calib, held)
+                     if {"local-only", "fedprllm"} & set(methods) else {})
+        voted_counts, plan, plan_info = None, None, None
+        bound = config.bound
         try:
-            plan = pz.site_classes_plan(units, counts.classes, model, p, config.factors)
+            plan = pz.site_classes_plan(units, counts.classes, model, p, config.factors, bound)
+            plan_info = pz.site_plan_summary(units, counts.classes, model, p, config.factors,
+                                             bound)
         except ValueError as err:  # Eq. 4 cannot reach p on the global classes: recorded
             errors.append({"site": "all", "method": "global plan", "error": str(err)})
+        site_plans: list[dict | None] = []
         if "personalized" in methods and plan is not None:
             voted = MaskAggregator(model, config.clients)
             for s in sites:
@@ -235,14 +277,13 @@ class CellRunner:
                     continue
                 try:
                     plans[name] = pz.site_classes_plan(units, classes, model, p,
-                                                       config.factors)
+                                                       config.factors, bound)
+                    if name == "personalized":
+                        site_plans.append(pz.site_plan_summary(units, classes, model, p,
+                                                               config.factors, bound))
                 except ValueError as err:  # Eq. 4 cannot reach p for this site: recorded
                     errors.append({"site": s, "method": name, "error": str(err)})
             candidates = {}
-            if "local-only" in methods:
-                candidates["local-only"] = local[s]
-            if uniform_masks is not None and "fedprllm" in methods:
-                candidates["fedprllm"] = uniform_masks
             if "seed004-local" in plans:
                 candidates["seed004-local"] = pz.site_masks(
                     model, calib[s], plans["seed004-local"], None, batch_size=batch,
@@ -256,17 +297,28 @@ class CellRunner:
                                     config.tie_break),
                     batch_size=batch, importance=config.importance)
             for name in methods:
-                ppl, fraction = (_score(model, candidates[name], held[s], batch)
+                ppl, fraction = (baselines[name][s] if name in baselines else
+                                 _score(model, candidates[name], held[s], batch)
                                  if name in candidates else (math.nan, math.nan))
                 perplexity[name].append(ppl)
                 achieved[name].append(fraction)
+        both = {"personalized", "fedprllm"} <= set(methods)
         wins = (sum(a < b for a, b in zip(perplexity["personalized"], perplexity["fedprllm"])
                     if not math.isnan(a))
-                if {"personalized", "fedprllm"} <= set(methods) else None)
+                if both else None)
+        kept: list[str] = []
+        if both and config.guard != "off":  # each site's guard, on its held-out windows
+            perplexity["kept"] = []
+            for mine, uniform in zip(perplexity["personalized"], perplexity["fedprllm"]):
+                choice = ("fedprllm" if math.isnan(mine) else
+                          pz.guard_choice({"personalized": mine, "fedprllm": uniform})[0])
+                kept.append(choice)
+                perplexity["kept"].append(uniform if choice == "fedprllm" else mine)
         return {"name": f"personalize p={p:g}", "sources": data["sources"],
                 "dense": data["dense"], "perplexity": perplexity, "achieved_sparsity": achieved,
-                "wins": wins, "errors": errors,
-                "global_plan": plan.to_dict() if plan else None, "classes_key": key,
+                "wins": wins, "errors": errors, "kept": kept,
+                "global_plan": plan.to_dict() if plan else None, "plan": plan_info,
+                "site_plans": site_plans, "classes_key": key,
                 "classify_seconds": classify_seconds,
                 "classes": {**counts.to_dict(),
                             "site_counts": [c.counts() for c in classifications]}}
@@ -324,7 +376,7 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
     from fedcompress.bench.tables import StudyTable
 
     fixed = {k: v for k, v in study.settings.items() if k not in study.swept}
-    names = ["dense", *METHODS]
+    names = ["dense", *METHODS, "kept"]
     rows, per_site = [], []
     for cell in study.cells:
         label = _label(study, cell)
@@ -337,9 +389,15 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
         per = {"dense": r["dense"], **r["perplexity"]}
         mean_units = {c: statistics.fmean(s[c] for s in r["classes"]["site_counts"])
                       for c in ("personalized", "generic", "others")}
+        against = versus_fedprllm(per)
+        plan = r.get("plan") or {}
         rows.append([label, "ok", *[_mean_median(per[n]) if n in per else "-" for n in names],
                      "-" if r.get("wins") is None else f"{r['wins']}/{sites}",
-                     " / ".join(f"{mean_units[c]:.1f}" for c in mean_units)])
+                     "-" if against is None else
+                     f"{against['within']}/{against['sites']}, {against['worst']:.2f}x",
+                     " / ".join(f"{mean_units[c]:.1f}" for c in mean_units),
+                     f"{plan['min_ratio']:.2f}-{plan['max_ratio']:.2f}"
+                     + (" (bound bit)" if plan.get("bound_bit") else "") if plan else "-"])
         body = [[str(s), ", ".join(f"{k} {v}" for k, v in r["sources"][s].items()),
                  *[_fmt(per[n][s]) if n in per else "-" for n in names]]
                 for s in range(sites)]
@@ -354,12 +412,30 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
             ["site", "sources", *names], body, first_value=2, best=None))
     note = ("Perplexity of each site's own held-out windows (lower is better), mean (median) "
             "over the sites; every model of a row has the same overall sparsity. `wins`: sites "
-            "where personalized beats uniform FedPrLLM. Units: mean units per site classified "
-            "personalized / generic / others (Alg. 1). Fixed: "
+            "where personalized beats uniform FedPrLLM; `within 2%, worst`: sites where "
+            "personalized is at most 2% worse than uniform FedPrLLM (or better), and its "
+            "worst ratio to it; `kept`: the model each site's guard kept (the better of the "
+            "two on its held-out windows: optimistic, chosen on the windows it is scored on). "
+            "Units: mean units per site classified personalized / generic / others (Alg. 1). "
+            "Global plan: its lowest and highest ratio. Fixed: "
             + ", ".join(f"{k}={v}" for k, v in sorted(fixed.items())) + ".")
-    summary = StudyTable("", note, ["cell", "status", *names, "wins",
-                                    "units p / g / o"], rows, first_value=2, best=None)
+    summary = StudyTable("", note, ["cell", "status", *names, "wins", "within 2%, worst",
+                                    "units p / g / o", "global plan"], rows, first_value=2,
+                         best=None)
     return [summary, *per_site]
+
+
+def versus_fedprllm(perplexity: Mapping[str, list[float]], margin: float = 0.02
+                    ) -> dict | None:
+    """Personalized against uniform FedPrLLM over the sites: how many are within ``margin``
+    (relative) of it or better, and the worst ratio (a site whose plan failed counts as
+    worse: ratio infinite); None without both."""
+    if "personalized" not in perplexity or "fedprllm" not in perplexity:
+        return None
+    ratios = [math.inf if math.isnan(a) else a / b
+              for a, b in zip(perplexity["personalized"], perplexity["fedprllm"])]
+    return {"sites": len(ratios), "within": sum(r <= 1 + margin for r in ratios),
+            "worst": max(ratios) if ratios else math.nan}
 
 
 def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Path]:

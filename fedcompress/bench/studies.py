@@ -143,11 +143,14 @@ def check_keys(name: str, kind: str, table: Mapping[str, Any], known, hint: str 
                                f"{hint}; expected some of {sorted(set(known) | set(META_KEYS))}")
 
 
-def stored_cell(kind: str, record: Mapping[str, Any], config_cls, drop=()) -> Cell:
+def stored_cell(kind: str, record: Mapping[str, Any], config_cls, drop=(),
+                legacy: Mapping[str, Any] | None = None) -> Cell:
     """The cell of a stored record whose settings are those of ``config_cls`` (settings it
-    lacks, added later, take their default)."""
+    lacks, added later, take their ``legacy`` value: what the code computed before the
+    setting existed; else their default)."""
     names = [k for k in config_cls.names() if k not in drop]
-    values = {**config_cls.defaults(), **{k: record[k] for k in names if k in record}}
+    values = {**config_cls.defaults(), **(legacy or {}),
+              **{k: record[k] for k in names if k in record}}
     return Cell(kind, tuple((k, values[k]) for k in names))
 
 

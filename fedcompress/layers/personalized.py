@@ -52,19 +52,24 @@ import torch
 from torch import nn
 
 from fedcompress.models import ModelAdapter, weight_matrix
-from fedcompress.pruning.allocation import SparsityPlan, rescale
+from fedcompress.pruning.allocation import SparsityPlan, bounded_rescale, rescale
 from fedcompress.pruning.local import token_nll
 
 __all__ = [
     "CLASSES",
     "DEFAULT_FACTORS",
+    "DEFAULT_RATIO_BOUND",
     "GRANULARITIES",
+    "RULES",
     "ZERO_MODES",
     "Classification",
     "ClassifyConfig",
+    "PlanSummary",
     "classify_units",
     "mean_lm_loss",
     "personalized_plan",
+    "plan_summary",
+    "reclassify",
     "switched_off",
     "units_of",
 ]
@@ -73,6 +78,10 @@ logger = logging.getLogger(__name__)
 
 GRANULARITIES = ("sublayer", "linear", "layer")
 ZERO_MODES = ("weights", "skip")
+#: Class rules: Alg. 1's threshold (the untouched loss) or a quantile of the draws' losses.
+RULES = ("paper", "relative")
+#: Default bound on every unit's ratio around the global p (personalized plans; 1: no bound).
+DEFAULT_RATIO_BOUND = 0.1
 CLASSES = ("personalized", "generic", "others")
 #: Eq. 4: the factor of ``p`` per class (generic p, personalized p/2, others (p + p/2)/2).
 DEFAULT_FACTORS = {"generic": 1.0, "personalized": 0.5, "others": 0.75}
@@ -170,6 +179,10 @@ class ClassifyConfig:
             ``batch_size`` windows per step) on the client's windows before the draws; the
             threshold and the draws use the adapted model; 0: the model as given.
         adapt_lr: That adaptation's learning rate.
+        rule: The threshold a draw's loss is compared with: ``"paper"`` (Alg. 1: the untouched
+            model's loss) or ``"relative"`` (the ``quantile`` of the draws' own losses; module
+            docstring).
+        quantile: The relative rule's quantile (0.5: the median draw).
     """
 
     k: int = 4
@@ -180,6 +193,8 @@ class ClassifyConfig:
     batch_size: int = 4
     adapt_steps: int = 0
     adapt_lr: float = 1e-3
+    rule: str = "paper"
+    quantile: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("k", "max_iter", "batch_size"):
@@ -200,6 +215,11 @@ class ClassifyConfig:
         lr = self.adapt_lr
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
             raise ValueError(f"adapt_lr={lr!r} is invalid: expected a number > 0")
+        if self.rule not in RULES:
+            raise ValueError(f"rule={self.rule!r} is invalid: expected one of {', '.join(RULES)}")
+        q = self.quantile
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q < 1:
+            raise ValueError(f"quantile={q!r} is invalid: expected a number in (0, 1)")
 
 
 @dataclass
@@ -213,6 +233,8 @@ class Classification:
     threshold: float
     draws: list[dict] = field(default_factory=list)
     adapt_losses: list[float] = field(default_factory=list)
+    rule: str = "paper"
+    base_loss: float | None = None  # the untouched model's loss (the paper's threshold)
 
     def counts(self) -> dict[str, int]:
         return {c: sum(1 for v in self.classes.values() if v == c) for c in CLASSES}
@@ -223,9 +245,9 @@ class Classification:
                 for linear in linears}
 
     def to_dict(self) -> dict:
-        return {"threshold": self.threshold, "classes": dict(self.classes),
-                "counts": self.counts(), "draws": list(self.draws),
-                "adapt_losses": list(self.adapt_losses)}
+        return {"rule": self.rule, "threshold": self.threshold, "base_loss": self.base_loss,
+                "classes": dict(self.classes), "counts": self.counts(),
+                "draws": list(self.draws), "adapt_losses": list(self.adapt_losses)}
 
 
 def adapted_copy(model: nn.Module, windows: torch.Tensor, steps: int, lr: float, seed: int,
@@ -264,10 +286,8 @@ def classify_units(model: nn.Module, windows: torch.Tensor, config: ClassifyConf
     if config.k > len(names):
         raise ValueError(f"k={config.k} units per draw, but the model has only {len(names)} "
                          f"{config.granularity} units: expected k <= {len(names)}")
-    threshold = mean_lm_loss(model, windows, config.batch_size)
+    base_loss = mean_lm_loss(model, windows, config.batch_size)
     rng = np.random.default_rng(config.seed)
-    personalized: set[str] = set()
-    generic: set[str] = set()
     draws = []
     from tqdm.auto import tqdm
 
@@ -279,24 +299,66 @@ def classify_units(model: nn.Module, windows: torch.Tensor, config: ClassifyConf
             loss = mean_lm_loss(model, windows, config.batch_size)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss {loss} with units {subset} switched off")
-        if loss > threshold:
-            personalized.update(subset)
-        elif loss < threshold:
-            generic.update(u for u in subset if u not in personalized)
         draws.append({"units": subset, "loss": loss})
-    classes = {u: "personalized" if u in personalized else
-               "generic" if u in generic else "others" for u in names}
-    result = Classification(classes, units, threshold, draws, adapt_losses)
-    logger.info("classified %d units: %s (threshold loss %.4f)", len(names), result.counts(),
-                threshold)
+    result = reclassify(units, draws, base_loss, config.rule, config.quantile)
+    result.adapt_losses = adapt_losses
+    logger.info("classified %d units (%s rule): %s (threshold loss %.4f, untouched %.4f)",
+                len(names), config.rule, result.counts(), result.threshold, base_loss)
     return result
 
 
+def reclassify(units: Mapping[str, list[str]], draws: Sequence[Mapping], base_loss: float,
+               rule: str = "paper", quantile: float = 0.5) -> Classification:
+    """Alg. 1's classes from its draws (``{"units", "loss"}`` in draw order) under ``rule``:
+    the threshold is ``base_loss`` (the untouched model's loss: the paper) or the ``quantile``
+    of the draws' losses (``"relative"``). A draw ABOVE the threshold makes its units
+    personalized, BELOW makes those not already personalized generic; personalized wins
+    (module docstring). The draws do not depend on the rule: one set of draws serves both.
+
+    Why a relative rule: on a pretrained LM nearly every draw of ``k`` units switched off
+    raises the loss above the untouched model's, so the paper's rule finds almost every drawn
+    unit personalized and none generic (measured: ``docs/personalized.md``), and Eq. 4 then
+    spreads ``p`` over the few units left. The median draw splits the drawn units into the
+    half whose removal hurts this site most and the half it hurts least."""
+    if rule not in RULES:
+        raise ValueError(f"rule={rule!r} is invalid: expected one of {', '.join(RULES)}")
+    if rule == "relative" and not draws:
+        raise ValueError("the relative rule needs at least one draw")
+    losses = np.array([float(d["loss"]) for d in draws], dtype=np.float64)
+    threshold = (float(np.quantile(losses, quantile)) if rule == "relative"
+                 else float(base_loss))
+    personalized: set[str] = set()
+    generic: set[str] = set()
+    for draw, loss in zip(draws, losses):
+        if loss > threshold:
+            personalized.update(draw["units"])
+        elif loss < threshold:
+            generic.update(u for u in draw["units"] if u not in personalized)
+    classes = {u: "personalized" if u in personalized else
+               "generic" if u in generic else "others" for u in units}
+    return Classification(classes, {u: list(v) for u, v in units.items()}, threshold,
+                          [dict(d) for d in draws], [], rule, float(base_loss))
+
+
 def personalized_plan(classes: Mapping[str, str], sizes: Mapping[str, int], sparsity: float,
-                      factors: Mapping[str, float] | None = None) -> SparsityPlan:
+                      factors: Mapping[str, float] | None = None,
+                      bound: float | None = None) -> SparsityPlan:
     """Eq. 4's per-linear ratios from each linear layer's class (``classes``: linear key ->
     class, every key of ``sizes``), rescaled to a mean of ``sparsity`` over the weights
-    (module docstring)."""
+    (module docstring); with ``bound`` (< 1), no ratio strays more than ``bound`` from
+    ``sparsity`` (:func:`~fedcompress.pruning.allocation.bounded_rescale`: the same plan when
+    Eq. 4's ratios already lie inside it). :func:`plan_summary` says whether it bit."""
+    keys, raw, weights = _plan_inputs(classes, sizes, sparsity, factors)
+    if bound is None or bound >= 1:
+        ratios = rescale(raw, weights, sparsity)
+    else:
+        ratios = bounded_rescale(raw, weights, sparsity, bound).ratios
+    return SparsityPlan(sparsity, linears=dict(zip(keys, ratios)))
+
+
+def _plan_inputs(classes: Mapping[str, str], sizes: Mapping[str, int], sparsity: float,
+                 factors: Mapping[str, float] | None
+                 ) -> tuple[list[str], list[float], list[int]]:
     factors = dict(DEFAULT_FACTORS if factors is None else factors)
     unknown = sorted(set(factors) - set(CLASSES)) + sorted(set(CLASSES) - set(factors))
     if unknown:
@@ -311,6 +373,72 @@ def personalized_plan(classes: Mapping[str, str], sizes: Mapping[str, int], spar
     bad = sorted({classes[k] for k in keys} - set(CLASSES))
     if bad:
         raise ValueError(f"unknown classes {bad}: expected {CLASSES}")
-    ratios = rescale([factors[classes[k]] * sparsity for k in keys], [sizes[k] for k in keys],
-                     sparsity)
-    return SparsityPlan(sparsity, linears=dict(zip(keys, ratios)))
+    return keys, [factors[classes[k]] * sparsity for k in keys], [sizes[k] for k in keys]
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What a personalized plan does to the units (for reports): per class, the units and
+    their ratio range; the weighted spread of the ratios; Eq. 4's unbounded ratios where the
+    bound bit (``None`` when Eq. 4 alone cannot reach ``p``: some ratio >= 1)."""
+
+    sparsity: float
+    bound: float | None
+    counts: dict[str, int]
+    class_ratios: dict[str, list[float]]  # class -> [min, max] over its linear layers
+    min_ratio: float
+    max_ratio: float
+    spread: float  # weighted standard deviation of the ratios around p
+    bound_bit: bool
+    clipped: dict[str, list[str]]  # "low" / "high" -> linear keys the bound clipped
+    eq4_max: float | None  # the largest ratio of Eq. 4 without the bound
+
+    def to_dict(self) -> dict:
+        return {"sparsity": self.sparsity, "bound": self.bound, "counts": dict(self.counts),
+                "class_ratios": dict(self.class_ratios), "min_ratio": self.min_ratio,
+                "max_ratio": self.max_ratio, "spread": self.spread,
+                "bound_bit": self.bound_bit, "clipped": dict(self.clipped),
+                "eq4_max": self.eq4_max}
+
+    def line(self) -> str:
+        """One line for logs and tables."""
+        ranges = ", ".join(f"{n} {c} linears at {lo:.3f}" + (f"-{hi:.3f}" if hi > lo else "")
+                           for c, n in self.counts.items() if n
+                           for lo, hi in [self.class_ratios[c]])
+        bit = (f"; the bound {self.bound:g} bit ({len(self.clipped['low'])} linears raised, "
+               f"{len(self.clipped['high'])} lowered; Eq. 4 alone: max "
+               + (f"{self.eq4_max:.3f})" if self.eq4_max is not None else "out of reach)")
+               if self.bound_bit else "")
+        return (f"ratios {self.min_ratio:.3f}-{self.max_ratio:.3f} around p={self.sparsity:g} "
+                f"(spread {self.spread:.3f}): {ranges}{bit}")
+
+
+def plan_summary(classes: Mapping[str, str], sizes: Mapping[str, int], sparsity: float,
+                 factors: Mapping[str, float] | None = None,
+                 bound: float | None = None) -> PlanSummary:
+    """:class:`PlanSummary` of :func:`personalized_plan` with the same arguments (``classes``
+    and ``sizes`` keyed by linear layer)."""
+    keys, raw, weights = _plan_inputs(classes, sizes, sparsity, factors)
+    bounded = bound is not None and bound < 1
+    if bounded:
+        result = bounded_rescale(raw, weights, sparsity, float(bound))  # type: ignore[arg-type]
+        ratios, low, high = result.ratios, result.clipped_low, result.clipped_high
+    else:
+        ratios, low, high = rescale(raw, weights, sparsity), [], []
+    try:
+        eq4_max: float | None = max(rescale(raw, weights, sparsity))
+    except ValueError:
+        eq4_max = None
+    n = np.asarray(weights, dtype=np.float64)
+    r = np.asarray(ratios, dtype=np.float64)
+    spread = float(np.sqrt(np.dot((r - sparsity) ** 2, n) / n.sum()))
+    class_ratios = {}
+    counts = {}
+    for cls in CLASSES:
+        mine = [ratio for k, ratio in zip(keys, ratios) if classes[k] == cls]
+        counts[cls] = len(mine)
+        class_ratios[cls] = [min(mine), max(mine)] if mine else []
+    return PlanSummary(sparsity, float(bound) if bounded else None, counts, class_ratios,
+                       float(r.min()), float(r.max()), spread, bool(low or high),
+                       {"low": [keys[i] for i in low], "high": [keys[i] for i in high]},
+                       eq4_max)

@@ -45,12 +45,15 @@ from torch import nn
 from fedcompress.config import ServerSettings, Settings, setting
 from fedcompress.layers.personalized import (
     CLASSES,
+    DEFAULT_RATIO_BOUND,
     GRANULARITIES,
+    RULES,
     ZERO_MODES,
     Classification,
     ClassifyConfig,
     mean_lm_loss,
     personalized_plan,
+    plan_summary,
 )
 from fedcompress.masks.aggregate import TIE_BREAKS, global_mask
 from fedcompress.methods.base import Method
@@ -75,7 +78,9 @@ __all__ = [
     "UnitCounts",
     "check_corpora",
     "global_classes",
+    "guard_choice",
     "site_classes_plan",
+    "site_plan_summary",
     "masks_by_layer_list",
     "personal_linears",
     "plot_unit_classes",
@@ -94,6 +99,9 @@ TIE_ORDER = ("personalized", "others", "generic")
 IMPORTANCES = ("wanda", "magnitude", "gradient")
 #: What each site evaluates next to its personalized model.
 BASELINES = ("dense", "fedprllm", "local-only")
+#: The site's guard: keep the better of its personalized and the uniform FedPrLLM model by
+#: its held-out perplexity, or always keep the personalized one.
+GUARDS = ("heldout", "off")
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,19 @@ class PersonalizeConfig(Settings):
                                "the adapted copy serves the classification only.", ge=0)
     adapt_lr: float = setting(1e-3, "Learning rate of that adaptation (AdamW, LoRA r 8).",
                               gt=0.0)
+    class_rule: str = setting("paper", "Alg. 1's threshold: paper (the untouched model's "
+                              "loss: on a pretrained LM nearly every drawn unit ends "
+                              "personalized) or relative (the --class-quantile of the draws' "
+                              "own losses).", choices=RULES)
+    class_quantile: float = setting(0.5, "The relative rule's quantile of the draws' losses.",
+                                    gt=0.0, lt=1.0)
+    ratio_bound: float = setting(DEFAULT_RATIO_BOUND, "No unit's ratio strays more than this "
+                                 "from p (Eq. 4's proportions kept inside it; it binds only "
+                                 "where Eq. 4 alone would go further); 1: no bound.",
+                                 ge=0.0, le=1.0)
+    guard: str = setting("heldout", "Each site keeps the better of its personalized model and "
+                         "uniform FedPrLLM by its held-out perplexity (heldout), or always its "
+                         "personalized one (off).", choices=GUARDS)
     group: str = setting("layer", "Server's comparison group for the vote.", choices=GROUPS)
     tie_break: str = setting("magnitude", "Among equal vote counts prune first.",
                              choices=TIE_BREAKS)
@@ -147,6 +168,14 @@ class PersonalizeConfig(Settings):
     def validate(self) -> None:
         if self.min_clients > self.clients:
             raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
+        if self.ratio_bound < 1 and self.sparsity + self.ratio_bound >= 1:
+            raise self.invalid("ratio_bound", f"below 1 - sparsity = {1 - self.sparsity:g} "
+                               "(a unit's ratio would reach 1), or 1 for no bound")
+
+    @property
+    def bound(self) -> float | None:
+        """The ratio bound of the plans (None: Eq. 4 alone)."""
+        return None if self.ratio_bound >= 1 else self.ratio_bound
 
     @property
     def required_clients(self) -> int:
@@ -159,7 +188,8 @@ class PersonalizeConfig(Settings):
 
     def classify_config(self, partition: int) -> ClassifyConfig:
         return classify_config(self.k, self.max_iter, self.granularity, self.zero, self.seed,
-                               partition, self.batch_size, self.adapt_steps, self.adapt_lr)
+                               partition, self.batch_size, self.adapt_steps, self.adapt_lr,
+                               self.class_rule, self.class_quantile)
 
     def prune_config(self, layer_sparsity: str = ""):
         """The local recipe of a site's masks (its importance, row-wise comparison as Wanda's
@@ -260,11 +290,35 @@ def global_classes(sites: Sequence[Mapping[str, str]]) -> UnitCounts:
 
 def site_classes_plan(units: Mapping[str, Sequence[str]], unit_classes: Mapping[str, str],
                       model: nn.Module, sparsity: float,
-                      factors: Mapping[str, float] | None = None) -> SparsityPlan:
+                      factors: Mapping[str, float] | None = None,
+                      bound: float | None = None) -> SparsityPlan:
     """Eq. 4's per-linear plan for ``unit_classes`` (unit -> class), rescaled to ``sparsity``
-    over ``model``'s prunable weights."""
+    over ``model``'s prunable weights; no ratio further than ``bound`` from it (None: no
+    bound)."""
     linear_classes = {lin: unit_classes[u] for u, lins in units.items() for lin in lins}
-    return personalized_plan(linear_classes, layer_sizes(model), sparsity, factors)
+    return personalized_plan(linear_classes, layer_sizes(model), sparsity, factors, bound)
+
+
+def site_plan_summary(units: Mapping[str, Sequence[str]], unit_classes: Mapping[str, str],
+                      model: nn.Module, sparsity: float,
+                      factors: Mapping[str, float] | None = None,
+                      bound: float | None = None) -> dict:
+    """:func:`site_classes_plan`'s ratios described for a report
+    (:class:`~fedcompress.layers.personalized.PlanSummary`, with its one-line text)."""
+    linear_classes = {lin: unit_classes[u] for u, lins in units.items() for lin in lins}
+    summary = plan_summary(linear_classes, layer_sizes(model), sparsity, factors, bound)
+    return {**summary.to_dict(), "text": summary.line()}
+
+
+def guard_choice(scores: Mapping[str, float]) -> tuple[str, str]:
+    """The site's guard: the model it keeps (``personalized`` or ``fedprllm``) by its held-out
+    perplexities ``scores``, and why. Ties keep the personalized model."""
+    mine, uniform = float(scores["personalized"]), float(scores["fedprllm"])
+    if mine <= uniform:
+        return "personalized", (f"kept personalized: {mine:.2f} <= uniform FedPrLLM "
+                                f"{uniform:.2f} on the held-out windows")
+    return "fedprllm", (f"kept fedprllm: personalized {mine:.2f} > uniform FedPrLLM "
+                        f"{uniform:.2f} on the held-out windows ({mine / uniform:.2f}x)")
 
 
 def site_view(site: Classification, global_: UnitCounts) -> dict[str, str]:
@@ -364,11 +418,13 @@ def windows_perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int 
 
 def classify_config(k: int, max_iter: int, granularity: str, zero: str, seed: int,
                     partition: int, batch_size: int, adapt_steps: int = 0,
-                    adapt_lr: float = 1e-3) -> ClassifyConfig:
+                    adapt_lr: float = 1e-3, rule: str = "paper",
+                    quantile: float = 0.5) -> ClassifyConfig:
     """A site's Alg. 1 settings: its draws seeded by the run seed and its partition."""
     return ClassifyConfig(k=k, max_iter=max_iter, granularity=granularity, zero=zero,
                           seed=seed * 1_000_003 + partition, batch_size=batch_size,
-                          adapt_steps=adapt_steps, adapt_lr=adapt_lr)
+                          adapt_steps=adapt_steps, adapt_lr=adapt_lr, rule=rule,
+                          quantile=quantile)
 
 
 def plot_unit_classes(counts: UnitCounts, path) -> None:
@@ -398,7 +454,7 @@ def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     results = report.get("results", [])
     rows = [r for r in results if "site" in r]
     held = [r for r in results if "site" not in r]  # the server's models, scored on tasks
-    names = [k for k in ("personalized", "fedprllm", "local-only", "dense")
+    names = [k for k in ("personalized", "fedprllm", "kept", "local-only", "dense")
              if any(k in r for r in rows)]
     tasks = accuracy_columns(held)
     table = [[str(r["site"])] + [f"{r[n]:.2f}" if n in r else "-" for n in names]
@@ -409,6 +465,10 @@ def summary(report: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     if "wins" in report:
         notes.append(f"personalized beats uniform FedPrLLM on {report['wins']} of "
                      f"{len(rows)} sites")
+    if "guard" in report:
+        kept = report["guard"]["kept_fedprllm"]
+        notes.append(f"kept: the model each site's guard kept (the better on its held-out "
+                     f"windows; {len(kept)} of {len(rows)} sites kept uniform FedPrLLM)")
     if tasks:
         notes.append("perplexity columns: each site's held-out windows; acc <task>: the "
                      "server's global models (the sites' personalized models are not scored "

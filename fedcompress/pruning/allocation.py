@@ -36,7 +36,9 @@ from fedcompress.pruning.select import check_sparsity
 
 __all__ = [
     "PROFILES",
+    "BoundedRatios",
     "SparsityPlan",
+    "bounded_rescale",
     "owl_ratios",
     "outlier_ratio",
     "renormalize",
@@ -182,11 +184,9 @@ def renormalize(ratios: Sequence[float], sizes: Sequence[int], target: float) ->
     return [float(x) for x in shifted]
 
 
-def rescale(ratios: Sequence[float], sizes: Sequence[int], target: float) -> list[float]:
-    """``ratios`` multiplied by one constant so that their mean weighted by ``sizes`` is
-    ``target`` (float64): the proportions between ratios are kept (Eq. 4 of the personalized
-    pruning paper). All-zero ratios cannot reach a positive target; a scaled ratio >= 1 is an
-    error naming it."""
+def _scaling_inputs(ratios: Sequence[float], sizes: Sequence[int], target: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The checked float64 ratios and sizes of :func:`rescale` / :func:`bounded_rescale`."""
     check_sparsity(target)
     if len(ratios) != len(sizes) or not ratios:
         raise ValueError(f"{len(ratios)} ratios for {len(sizes)} layer sizes")
@@ -194,6 +194,15 @@ def rescale(ratios: Sequence[float], sizes: Sequence[int], target: float) -> lis
     n = np.asarray(sizes, dtype=np.float64)
     if (n <= 0).any() or (r < 0).any() or not np.isfinite(r).all():
         raise ValueError("layer sizes must be positive and ratios finite and >= 0")
+    return r, n
+
+
+def rescale(ratios: Sequence[float], sizes: Sequence[int], target: float) -> list[float]:
+    """``ratios`` multiplied by one constant so that their mean weighted by ``sizes`` is
+    ``target`` (float64): the proportions between ratios are kept (Eq. 4 of the personalized
+    pruning paper). All-zero ratios cannot reach a positive target; a scaled ratio >= 1 is an
+    error naming it."""
+    r, n = _scaling_inputs(ratios, sizes, target)
     mean = float(np.dot(r, n) / n.sum())
     if mean == 0:
         if target == 0:
@@ -206,6 +215,78 @@ def rescale(ratios: Sequence[float], sizes: Sequence[int], target: float) -> lis
                              "not below 1: this plan cannot reach it (lower the sparsity or "
                              "the spread of the factors)")
     return [float(x) for x in scaled]
+
+
+@dataclass(frozen=True)
+class BoundedRatios:
+    """:func:`bounded_rescale`'s answer: the ratios, the constant that multiplied the raw
+    ratios, the bound's interval, and where the bound bit (indices clipped to ``low`` /
+    ``high``)."""
+
+    ratios: list[float]
+    scale: float
+    low: float
+    high: float
+    clipped_low: list[int]
+    clipped_high: list[int]
+
+    @property
+    def bit(self) -> bool:
+        return bool(self.clipped_low or self.clipped_high)
+
+
+def bounded_rescale(ratios: Sequence[float], sizes: Sequence[int], target: float,
+                    bound: float) -> BoundedRatios:
+    """``ratios`` multiplied by one constant ``c`` and each clipped to ``[target - bound,
+    target + bound]`` (and to ``[0, 1)``), ``c`` chosen so that the mean weighted by ``sizes``
+    is ``target`` (float64). Where :func:`rescale` already lands inside the bound the answer is
+    the same; otherwise the proportions hold among the ratios the bound did not clip (OWL's
+    lambda in spirit: no layer strays further than ``bound`` from ``target``).
+
+    The weighted mean of the clipped ratios is continuous, non-decreasing and piecewise linear
+    in ``c``: it is solved exactly on the piece that holds ``target``. A target the bound cannot
+    reach (every positive ratio at ``target + bound`` and the mean still below it, e.g. when
+    most weights have raw ratio 0) is an error with the numbers."""
+    if not (isinstance(bound, (int, float)) and math.isfinite(bound) and bound >= 0):
+        raise ValueError(f"ratio bound {bound!r}: expected a number >= 0")
+    r, n = _scaling_inputs(ratios, sizes, target)
+    low, high = max(0.0, target - bound), target + bound
+    if high >= 1.0:
+        raise ValueError(f"ratio bound {bound} at sparsity {target} lets a layer reach a ratio "
+                         f"of {high:.4f} >= 1: expected a bound below 1 - sparsity = "
+                         f"{1 - target:.4f}")
+    total = float(n.sum())
+
+    def mean_at(c: float) -> float:
+        return float(np.dot(np.clip(c * r, low, high), n) / total)
+
+    ceiling = float(np.dot(np.where(r > 0, high, low), n) / total)  # c -> infinity
+    if target > ceiling + 1e-12:
+        share = float(n[r > 0].sum() / total)
+        raise ValueError(f"the sparsity {target} is out of reach inside the ratio bound "
+                         f"{bound}: with every layer that has a positive ratio at "
+                         f"{high:.4f} ({share:.1%} of the weights) and the rest at {low:.4f}, "
+                         f"the mean is {ceiling:.4f}; raise the bound or the factors of the "
+                         "classes at ratio 0")
+    if target <= low or not (r > 0).any():  # every ratio at low (= target, or 0)
+        c = 0.0
+    else:
+        positive = r[r > 0]
+        breaks = np.unique(np.concatenate([low / positive, high / positive]))
+        values = np.array([mean_at(float(b)) for b in breaks])
+        k = int(np.searchsorted(values, target))  # first break with mean >= target
+        lo_c = float(breaks[k - 1]) if k > 0 else 0.0
+        hi_c = float(breaks[min(k, len(breaks) - 1)])
+        mid = np.clip(0.5 * (lo_c + hi_c) * r, low, high)
+        free = (mid > low) & (mid < high)
+        fixed = float(np.dot(np.where(free, 0.0, mid), n))
+        slope = float(np.dot(np.where(free, r, 0.0), n))
+        c = (target * total - fixed) / slope if slope > 0 else hi_c
+    scaled = c * r
+    out = np.clip(scaled, low, high)
+    return BoundedRatios([float(x) for x in out], float(c), low, high,
+                         [i for i, v in enumerate(scaled) if v < low],
+                         [i for i, v in enumerate(scaled) if v > high])
 
 
 def outlier_ratio(scores: Sequence[torch.Tensor], m: float) -> float:
