@@ -254,6 +254,44 @@ def test_the_collapsed_plan_of_the_issue_is_bounded():
     assert not plan_summary(classes, sizes, 0.6).bound_bit  # Eq. 4 alone: nothing clipped
 
 
+def test_a_setting_unlike_the_study_collapses_under_eq4_alone_not_under_the_bound(embedded):
+    """Held-out style, the issue's setting in small: SmolLM2, 4 sites, wiki + code (Dirichlet
+    0.1), 16 draws of 4 sublayers on one window of 32 tokens each (the committed study: 8 sites,
+    wiki + shakespeare + code, 32 draws). The paper's rule calls most sublayers personalized and
+    (almost) none generic, and Eq. 4 alone then puts about 86% sparsity on every sublayer left,
+    at every site (the collapse the issue measured); the default bound keeps every ratio within
+    p +- 0.1 at the same mean; the relative rule splits the same draws into both classes."""
+    from fedcompress.methods import personalize as pz
+
+    model, tokenizer = embedded.model, embedded.tokenizer
+    config = pz.PersonalizeConfig(clients=4, samples_per_client=1, seqlen=32,
+                                  calib_text="wiki+code", alpha=0.1, max_iter=16, sparsity=0.6,
+                                  batch_size=1)
+    calib, _ = pz.site_windows(config, tokenizer)
+    sites = [classify_units(model, calib[s], config.classify_config(s)) for s in range(4)]
+    assert all(site.counts()["personalized"] > 30 >= 3 >= site.counts()["generic"]
+               for site in sites)
+    counts = pz.global_classes([site.classes for site in sites])
+    units = units_of(model)
+    sizes = layer_sizes(model)
+    total = sum(sizes.values())
+    for classes in [counts.classes, *(pz.site_view(site, counts) for site in sites)]:
+        eq4 = pz.site_classes_plan(units, classes, model, 0.6, config.factors)
+        assert max(eq4.linears.values()) > 0.85  # collapsed
+        bounded = pz.site_classes_plan(units, classes, model, 0.6, config.factors,
+                                       config.bound)
+        ratios = bounded.linears.values()
+        assert 0.5 - 1e-9 <= min(ratios) and max(ratios) <= 0.7 + 1e-9
+        assert math.fsum(bounded.linears[k] * n for k, n in sizes.items()) / total == (
+            pytest.approx(0.6, abs=1e-9))
+        info = pz.site_plan_summary(units, classes, model, 0.6, config.factors, config.bound)
+        assert info["bound_bit"] and info["eq4_max"] == pytest.approx(
+            max(eq4.linears.values()))
+    relative = [reclassify(site.units, site.draws, site.threshold, "relative") for site in sites]
+    assert all(site.counts()["generic"] > 10 and site.counts()["personalized"] > 10
+               for site in relative)
+
+
 def test_reclassify_paper_rule_is_alg1_and_relative_rule_uses_the_draws_quantile():
     units = {u: [f"{u}.x"] for u in ("a", "b", "c", "d", "e")}
     draws = [{"units": ["a", "b"], "loss": 3.0}, {"units": ["b", "c"], "loss": 2.5},
