@@ -22,6 +22,9 @@ split:
   (the run fails after writing every row if they are not);
 * ``...-rtn``: the same recipe with round-to-nearest (no data);
 * ``sparsegpt50-w4a16-federated`` (and ``-centralized``): SparseGPT 50% and 4-bit jointly;
+* ``...-federated-secagg`` (``--secagg-frac-bits``): the federated run with the sites' Hessians
+  summed in fixed point as SecAgg+ sums them (without the cryptography), and how many of its
+  integers differ from the plain federated run's;
 * ``layers-removed``: the ``--remove-ratio`` decoder layers with the lowest Block Influence
   (ShortGPT / PPC-GPT: ``1 - mean cos(x_in, x_out)`` of each layer) on the pooled calibration
   windows, removed (:func:`fedcompress.layers.lowest_score_plan`), saved with its smaller config;
@@ -123,8 +126,9 @@ def result_name(recipe: str, solver: str, where: str | None = None) -> str:
     recipe's solver is implied)."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
-    if where not in (None, "federated", "centralized"):
-        raise ValueError(f"where={where!r}: expected federated, centralized or None")
+    if where not in (None, "federated", "centralized", "federated-secagg"):
+        raise ValueError(f"where={where!r}: expected federated, centralized, "
+                         "federated-secagg or None")
     parts = [recipe] if recipe.startswith("sparsegpt") else [recipe, solver]
     return "-".join(parts + ([where] if where else []))
 
@@ -261,6 +265,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="eval windows the decoding process also scores (a load check)")
     parser.add_argument("--llmc-report", default=None,
                         help="report.json of simulations/gptq_anchor.py (llm-compressor)")
+    parser.add_argument("--secagg-frac-bits", type=int, default=None,
+                        help="also run each recipe with the sites' Hessians summed in fixed "
+                        "point as SecAgg+ sums them (this many fractional bits, e.g. 25, "
+                        "fedprllm's default): its perplexity and the integers that differ from "
+                        "the plain federated run (off by default)")
     parser.add_argument("--no-decode", action="store_true", help="skip the decoding speeds")
     parser.add_argument("--keep", action="store_true", help="keep the saved folders in OUT")
     opts = parser.parse_args(argv)
@@ -389,6 +398,22 @@ def main(argv: list[str] | None = None) -> int:
                                 "mask_bits_differing": masks_differing, **timing,
                                 "bytes_up_per_site": sum(fed.bytes_up_per_site)})
                 report.add_result(row)
+            if opts.secagg_frac_bits is not None:  # the sites' Hessians summed as SecAgg+ does
+                name = result_name(recipe, "gptq", "federated-secagg")
+                with report.phase(name):
+                    start = time.perf_counter()
+                    secure = stats_prune(model, windows, config, frac_bits=opts.secagg_frac_bits,
+                                         prune=prune)
+                    secure_s = time.perf_counter() - start
+                    quantized = apply_masks(copy.deepcopy(model), secure.masks, secure.weights)
+                    ppl = evaluate(quantized)
+                    del quantized
+                report.add_result({
+                    "name": name, "recipe": recipe, "solver": "gptq", "where": "federated-secagg",
+                    "scheme": scheme, "group_size": size, "sparsity": sparsity,
+                    "frac_bits": opts.secagg_frac_bits, "perplexity": ppl, "seconds": secure_s,
+                    **{f"{k}_vs_plain": v for k, v in compare_quant(secure.quant,
+                                                                     fed.quant).items()}})
             if recipe.startswith("sparsegpt"):
                 continue
             name = result_name(recipe, "rtn")

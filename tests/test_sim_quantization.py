@@ -42,6 +42,8 @@ def test_row_names_are_stable(sim):
         "sparsegpt50-w4a16-federated"
     with pytest.raises(ValueError, match="recipe 'w3a16'"):
         sim.result_name("w3a16", "gptq")
+    assert sim.result_name("w4a16", "gptq", "federated-secagg") == (
+        "w4a16-gptq-federated-secagg")
     with pytest.raises(ValueError, match="where='server'"):
         sim.result_name("w4a16", "gptq", "server")
 
