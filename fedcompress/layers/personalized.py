@@ -319,7 +319,7 @@ def reclassify(units: Mapping[str, list[str]], draws: Sequence[Mapping], base_lo
 
     Why a relative rule: on a pretrained LM nearly every draw of ``k`` units switched off
     raises the loss above the untouched model's, so the paper's rule finds almost every drawn
-    unit personalized and none generic (measured: ``docs/personalized.md``), and Eq. 4 then
+    unit personalized and none generic (measured: ``docs/personalize.md``), and Eq. 4 then
     spreads ``p`` over the few units left. The median draw splits the drawn units into the
     half whose removal hurts this site most and the half it hurts least."""
     if rule not in RULES:
