@@ -211,6 +211,31 @@ def test_column_group_on_non_contiguous_counts_and_weights():
                                                     w.contiguous()))
 
 
+def test_column_group_ignores_non_finite_keys_of_untied_weights():
+    """A NaN or infinite weight that is not tied at its column's threshold (selected outright
+    here) plays no part in the tie-break: the mask is the one its finite stand-in gives. (A
+    tied one is refused: ``test_global_mask_refuses_non_finite_tied_weights_in_every_group``.)"""
+    gen = torch.Generator().manual_seed(11)
+    counts = torch.ones(100, 3, dtype=torch.uint8)
+    counts[:10] = 2  # 10 selected outright, 40 of the 90 tied at count 1
+    weight = torch.randn(100, 3, generator=gen)
+    odd = weight.clone()
+    odd[3, 0], odd[5, 1], odd[7, 2] = float("nan"), float("inf"), -float("inf")
+    got = global_mask(counts, 0.5, "column", "magnitude", odd)
+    assert torch.equal(got, ref_global_mask(counts, 0.5, "column", "magnitude", weight))
+    assert got[:10].all() and got.sum() == 150
+
+
+def test_column_group_on_columns_taller_than_a_16_bit_count():
+    """Columns of more than 65,535 rows count their tied keys' buckets in 64 bits."""
+    gen = torch.Generator().manual_seed(12)
+    counts = _vote_like_counts(16, (70_000, 2), gen)
+    weight = torch.randn(70_000, 2, generator=gen)
+    for sparsity in (0.3, 0.5):
+        assert torch.equal(global_mask(counts, sparsity, "column", "magnitude", weight),
+                           ref_global_mask(counts, sparsity, "column", "magnitude", weight))
+
+
 def test_radix_select_of_tied_keys_equals_sorting():
     """``_kth_smallest_radix`` (a histogram step, then a bitwise search of one bucket) gives
     every rank of the sorted keys, on narrow and wide ranges, equal keys and zeros."""

@@ -313,25 +313,76 @@ def select_rows(counts, key, use_key, k, n_values, mask):
     return k * rows
 
 
-# the index of a word's lowest set bit: (bit * magic) >> 58 through a de Bruijn table
-_DEBRUIJN_MAGIC = np.uint64(0x03F79D71B4CB0A89)
-_DEBRUIJN = np.zeros(64, dtype=np.int64)
-for _i in range(64):
-    _DEBRUIJN[((1 << _i) * 0x03F79D71B4CB0A89 & (2**64 - 1)) >> 58] = _i
+_KEY_SHIFT = 20  # a tied key's bucket: its float32 bits >> 20 (8 buckets per binade)
+_KEY_BUCKETS = 256  # buckets per column: 32 binades below the column's largest |key|
+
+
+@numba.njit(**_JIT)
+def _key_buckets(counts, kb, tie, lo, bkt, khist):
+    """Every weight's key bucket into ``bkt`` (uint8: ``(|key| bits >> _KEY_SHIFT) - lo[c]``,
+    clamped to ``0.._KEY_BUCKETS-1``, a monotone map of ``|key|``), and the histogram
+    ``khist[bucket, c]`` of the entries tied at their column's threshold (``count == tie[c]``).
+    Row by row: the buckets without a branch (vectorised) into a row of flat indices, then one
+    increment per weight (0 for an untied one: a branch per weight would mispredict)."""
+    rows, cols = counts.shape
+    flat = khist.reshape(-1)
+    idx = np.empty(cols, dtype=np.int64)
+    inc = np.empty(cols, dtype=khist.dtype)
+    top = np.int32(_KEY_BUCKETS - 1)
+    for r in range(rows):
+        crow = counts[r]
+        krow = kb[r]
+        brow = bkt[r]
+        for c in range(cols):
+            b = krow[c] & np.int32(0x7FFFFFFF)
+            bk = min(max((b >> np.int32(_KEY_SHIFT)) - lo[c], np.int32(0)), top)
+            brow[c] = bk
+            idx[c] = bk * cols + c
+            inc[c] = crow[c] == tie[c]
+        for c in range(cols):
+            flat[idx[c]] += inc[c]
+
+
+@numba.njit(**_JIT)
+def _cut_buckets(khist, tie, need, cut, start):
+    """Per column with a tie: the bucket ``cut[c]`` of ``khist`` ``[buckets, cols]`` holding its
+    ``need[c]``-th smallest tied key; ``need[c]`` becomes the number the column takes of that
+    bucket's entries, ``start`` the per-column segments (prefix sums) of those entries."""
+    for c in range(tie.shape[0]):
+        start[c + 1] = start[c]
+        if tie[c] >= 0:
+            below = 0
+            for b in range(khist.shape[0]):
+                h = np.int64(khist[b, c])
+                if below + h >= need[c]:
+                    cut[c] = b
+                    need[c] -= below
+                    start[c + 1] += h
+                    break
+                below += h
 
 
 @numba.njit(**_JIT)
 def select_columns(counts, key, use_key, k, n_values, mask):
     """:func:`select_rows` for every *column* of the row-major ``counts`` ``[rows, cols]``
-    (``k`` per column), without a transposed copy: one pass builds every column's histogram
-    (``[n_values, cols]``, in cache), which gives each column's threshold count; a second pass
-    writes the mask row by row, every column's outright selections (``count >= thr``), and
-    gathers only the entries tied at a column's threshold (when the column takes some of them,
-    64 rows at a time as bit words, without a branch per weight)
-    into per-column segments, in row order; a radix select of each segment's keys
-    (:func:`_take_tied`) then marks its ``need`` first by (``|key|``, row). Equal to a stable
-    sort of each column by (count descending, ``|key|`` ascending, row ascending). Returns the
-    number of selected weights, or -1 when a tied key is NaN or infinite.
+    (``k`` per column), without a transposed copy. Equal to a stable sort of each column by
+    (count descending, ``|key|`` ascending, row ascending). Returns the number of selected
+    weights, or -1 when a tied key is NaN or infinite.
+
+    A column group ties on about half its entries (its threshold count is often 0 or the site
+    count), so the tie-break is most of the work; it runs on row-major passes, none of them
+    gathering the tied entries:
+
+    1. every column's count histogram (``[n_values, cols]``, in cache) and largest ``|key|``,
+       which give its threshold count (``count >= thr``: selected outright), the count tied at
+       the threshold and how many of the tied entries it takes (``need``);
+    2. each tied entry's key bucket (:func:`_key_buckets`: 8 per binade, the column's 32
+       binades below its largest key) and every column's histogram of its tied entries'
+       buckets, which gives the bucket holding the ``need``-th smallest tied key: tied entries
+       in a lower bucket are selected, in a higher one not;
+    3. the mask, row by row, and the few tied entries in the cut bucket (about 1% of a column)
+       gathered into per-column segments, where a radix select (:func:`_take_tied`) marks the
+       first ones by (``|key|``, row).
     """
     rows, cols = counts.shape
     if k < 0 or k > rows:
@@ -340,13 +391,19 @@ def select_columns(counts, key, use_key, k, n_values, mask):
         mask[:, :] = 0
         return 0
     hist = np.zeros((n_values, cols), dtype=np.int32)
+    kb = key.view(np.int32)
+    top = np.zeros(cols, dtype=np.int32)  # the column's largest |key| bits
     for r in range(rows):
+        crow = counts[r]
         for c in range(cols):
-            hist[counts[r, c], c] += 1
-    thr = np.empty(cols, dtype=np.int64)  # count >= thr[c]: selected outright
-    tie = np.full(cols, -1, dtype=np.int64)  # the count tied at the threshold (-1: none)
+            hist[crow[c], c] += 1
+        if use_key:
+            krow = kb[r]
+            for c in range(cols):
+                top[c] = max(top[c], krow[c] & np.int32(0x7FFFFFFF))
+    thr = np.empty(cols, dtype=np.int32)  # count >= thr[c]: selected outright
+    tie = np.full(cols, -1, dtype=np.int32)  # the count tied at the threshold (-1: none)
     need = np.zeros(cols, dtype=np.int64)
-    start = np.zeros(cols + 1, dtype=np.int64)  # segments of the tied entries, per column
     for c in range(cols):
         ge = 0
         for v in range(n_values - 1, -1, -1):
@@ -360,11 +417,7 @@ def select_columns(counts, key, use_key, k, n_values, mask):
                     thr[c] = v + 1
                     tie[c] = v
                     need[c] = nd
-                    start[c + 1] = h
                 break
-    for c in range(cols):
-        start[c + 1] += start[c]
-    flat = mask.reshape(-1)
     if not use_key:  # index order: a column's first ``need`` tied rows, as they come
         taken = np.zeros(cols, dtype=np.int64)
         for r in range(rows):
@@ -376,36 +429,59 @@ def select_columns(counts, key, use_key, k, n_values, mask):
                     taken[c] += 1
                 mask[r, c] = sel
         return k * cols
-    pos = start[:-1].copy()
-    tied_keys = np.empty(start[cols], dtype=np.float32)
-    tied_rows = np.empty(start[cols], dtype=np.int64)
-    # 64 rows at a time: every column's tied rows as the bits of one word (without a branch,
-    # vectorised over the columns), then each column's set bits, lowest first (a branch per
-    # tied entry, not per weight: ties are random, a branch per weight mispredicts)
-    tied_bits = np.zeros(cols, dtype=np.uint64)
-    one = np.uint64(1)
-    for r0 in range(0, rows, 64):
-        tied_bits[:] = 0
-        for r in range(r0, min(r0 + 64, rows)):
-            shift = np.uint64(r - r0)
-            for c in range(cols):
-                x = counts[r, c]
-                mask[r, c] = x >= thr[c]
-                tied_bits[c] |= np.uint64(x == tie[c]) << shift
-        for c in range(cols):
-            word = tied_bits[c]
-            p = pos[c]
-            while word:
-                low = word & (~word + one)
-                r = r0 + _DEBRUIJN[(low * _DEBRUIJN_MAGIC) >> np.uint64(58)]
-                tied_keys[p] = abs(key[r, c])
-                tied_rows[p] = r
-                p += 1
-                word ^= low
-            pos[c] = p
+    finite = np.int32(_NON_FINITE)
     for c in range(cols):
-        if tie[c] >= 0 and not _take_tied(tied_keys[start[c]:start[c + 1]],
-                                          tied_rows[start[c]:start[c + 1]], need[c], True,
+        if top[c] >= finite:  # a NaN or infinite key in the column (rare): an error when tied,
+            top[c] = 0  # else the column's largest finite key sets its buckets
+            for r in range(rows):
+                b = kb[r, c] & np.int32(0x7FFFFFFF)
+                if b >= finite:
+                    if counts[r, c] == tie[c]:
+                        return -1
+                else:
+                    top[c] = max(top[c], b)
+    lo = np.empty(cols, dtype=np.int32)
+    for c in range(cols):
+        lo[c] = max((top[c] >> np.int32(_KEY_SHIFT)) - np.int32(_KEY_BUCKETS - 1), np.int32(0))
+    bkt = np.empty((rows, cols), dtype=np.uint8)
+    cut = np.full(cols, -1, dtype=np.int32)  # the bucket holding the need-th smallest tied key
+    start = np.zeros(cols + 1, dtype=np.int64)  # segments of the cut buckets' entries
+    if rows < 65536:  # a bucket's count fits 16 bits: half the histogram's cache
+        khist16 = np.zeros((_KEY_BUCKETS, cols), dtype=np.uint16)
+        _key_buckets(counts, kb, tie, lo, bkt, khist16)
+        _cut_buckets(khist16, tie, need, cut, start)
+    else:
+        khist = np.zeros((_KEY_BUCKETS, cols), dtype=np.int64)
+        _key_buckets(counts, kb, tie, lo, bkt, khist)
+        _cut_buckets(khist, tie, need, cut, start)
+    pos = start[:-1].copy()
+    seg_keys = np.empty(start[cols], dtype=np.float32)
+    seg_rows = np.empty(start[cols], dtype=np.int64)
+    nwords = (cols + 7) // 8
+    flag = np.zeros(nwords * 8, dtype=np.uint8)  # a row's cut-bucket entries, 8 to a word
+    flag_words = flag.view(np.uint64)
+    for r in range(rows):
+        crow = counts[r]
+        brow = bkt[r]
+        mrow = mask[r]
+        for c in range(cols):  # vectorised
+            x = crow[c]
+            bk = np.int32(brow[c])
+            t = x == tie[c]
+            mrow[c] = (x >= thr[c]) | (t & (bk < cut[c]))
+            flag[c] = t & (bk == cut[c])
+        for q in range(nwords):  # a branch per word; one per entry only where a word has one
+            if flag_words[q]:
+                for c in range(q * 8, q * 8 + 8):
+                    if flag[c]:
+                        p = pos[c]
+                        seg_keys[p] = abs(key[r, c])
+                        seg_rows[p] = r
+                        pos[c] = p + 1
+    flat = mask.reshape(-1)
+    for c in range(cols):
+        if tie[c] >= 0 and not _take_tied(seg_keys[start[c]:start[c + 1]],
+                                          seg_rows[start[c]:start[c + 1]], need[c], True,
                                           flat, cols, c):
             return -1
     return k * cols
