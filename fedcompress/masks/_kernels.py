@@ -83,40 +83,75 @@ def _add_chunk(words, start, n, ops, buf):
 
 
 @numba.njit(**_JIT)
-def count_words(words, nwords, ops, planes, n_slots, lanes, chunk, out, wide):
+def _planes_to_bytes(p0, p1, p2, p3, p4, p5, p6, p7, n, rows):
+    """Byte counts from up to 8 count planes (``p0..p7``: word ``w`` of each, bit ``j`` of every
+    count in plane ``j``; absent planes are zero rows), 64 weights per word: ``rows[b, w]``
+    holds the counts of byte ``b`` of word ``w`` (its 8 weights, MSB first, one byte each).
+    Per byte: the planes' bytes as the rows of an 8x8 bit matrix, transposed by three delta
+    swaps, then byte-reversed (the packing is MSB first). Only shifts and masks, the same for
+    every word: the loop over words is vectorised (a table lookup per byte and plane is not)."""
+    m = np.uint64(255)
+    for b in range(8):
+        s = np.uint64(8 * b)
+        row = rows[b]
+        for w in range(n):
+            x = ((p0[w] >> s) & m) | (((p1[w] >> s) & m) << np.uint64(8)) \
+                | (((p2[w] >> s) & m) << np.uint64(16)) | (((p3[w] >> s) & m) << np.uint64(24)) \
+                | (((p4[w] >> s) & m) << np.uint64(32)) | (((p5[w] >> s) & m) << np.uint64(40)) \
+                | (((p6[w] >> s) & m) << np.uint64(48)) | (((p7[w] >> s) & m) << np.uint64(56))
+            t = (x ^ (x >> np.uint64(7))) & np.uint64(0x00AA00AA00AA00AA)
+            x = x ^ t ^ (t << np.uint64(7))
+            t = (x ^ (x >> np.uint64(14))) & np.uint64(0x0000CCCC0000CCCC)
+            x = x ^ t ^ (t << np.uint64(14))
+            t = (x ^ (x >> np.uint64(28))) & np.uint64(0x00000000F0F0F0F0)
+            x = x ^ t ^ (t << np.uint64(28))
+            x = ((x >> np.uint64(8)) & np.uint64(0x00FF00FF00FF00FF)) \
+                | ((x & np.uint64(0x00FF00FF00FF00FF)) << np.uint64(8))
+            x = ((x >> np.uint64(16)) & np.uint64(0x0000FFFF0000FFFF)) \
+                | ((x & np.uint64(0x0000FFFF0000FFFF)) << np.uint64(16))
+            row[w] = (x >> np.uint64(32)) | (x << np.uint64(32))
+
+
+@numba.njit(**_JIT)
+def count_words(words, nwords, ops, planes, n_slots, chunk, out, wide):
     """Vote counts of the ``m`` packed masks ``words`` (a typed list of ``m`` uint64 arrays of
     ``nwords`` words each: the codec's bytes viewed as little-endian words, read where they are,
     never stacked into one array). Per chunk of words: the schedule's adders, then the count
     planes expanded into ``out``:
 
-    * ``wide=False`` (``m <= 255``): ``out`` uint64 ``[nwords * 8]``; viewed as uint8 it holds
-      one count per weight in weight order (each plane spread into byte lanes through
-      ``lanes``: byte -> its 8 bits, MSB first, as 8 byte lanes);
+    * ``wide=False`` (``m <= 255``, at most 8 planes): ``out`` uint64 ``[nwords * 8]``; viewed
+      as uint8 it holds one count per weight in weight order (:func:`_planes_to_bytes`);
     * ``wide=True``: ``out`` int32 ``[nwords * 64]``, one count per weight.
     """
-    buf = np.empty((n_slots, chunk), dtype=np.uint64)
+    buf = np.zeros((n_slots + 1, chunk), dtype=np.uint64)  # the last row stays 0: no plane
     n_planes = planes.shape[0]
-    plane_words = np.empty(n_planes, dtype=np.uint64)  # one word of every plane, loaded once
+    if wide:
+        plane_words = np.empty(n_planes, dtype=np.uint64)  # one word of every plane
+        for start in range(0, nwords, chunk):
+            n = min(chunk, nwords - start)
+            _add_chunk(words, start, n, ops, buf)
+            for w in range(n):
+                for j in range(n_planes):
+                    plane_words[j] = buf[planes[j], w]
+                for bit in range(64):  # byte by byte, MSB first inside each byte
+                    shift = np.uint64(8 * (bit // 8) + 7 - bit % 8)
+                    total = 0
+                    for j in range(n_planes):
+                        total += np.int64((plane_words[j] >> shift) & np.uint64(1)) << j
+                    out[(start + w) * 64 + bit] = total
+        return
+    rows = np.empty((8, chunk), dtype=np.uint64)
+    pl = np.full(8, n_slots, dtype=np.int64)
+    pl[:n_planes] = planes
     for start in range(0, nwords, chunk):
         n = min(chunk, nwords - start)
         _add_chunk(words, start, n, ops, buf)
-        for w in range(n):
-            for j in range(n_planes):
-                plane_words[j] = buf[planes[j], w]
-            for byte in range(8):
-                if wide:
-                    for bit in range(8):  # MSB first inside each byte
-                        shift = np.uint64(8 * byte + 7 - bit)
-                        total = 0
-                        for j in range(n_planes):
-                            total += np.int64((plane_words[j] >> shift) & np.uint64(1)) << j
-                        out[(start + w) * 64 + byte * 8 + bit] = total
-                else:
-                    acc = np.uint64(0)
-                    for j in range(n_planes):
-                        v = (plane_words[j] >> np.uint64(8 * byte)) & np.uint64(255)
-                        acc |= lanes[v] << np.uint64(j)
-                    out[(start + w) * 8 + byte] = acc
+        _planes_to_bytes(buf[pl[0]], buf[pl[1]], buf[pl[2]], buf[pl[3]], buf[pl[4]],
+                         buf[pl[5]], buf[pl[6]], buf[pl[7]], n, rows)
+        for w in range(n):  # the 8 rows interleaved into weight order
+            base = (start + w) * 8
+            for b in range(8):
+                out[base + b] = rows[b, w]
 
 
 # ---- selection of the top counts per comparison group ------------------------------------

@@ -46,11 +46,6 @@ def count_dtype(n_clients: int) -> torch.dtype:
     return torch.int64
 
 
-_LANES = np.zeros(256, dtype=np.uint64)  # byte -> its 8 bits (MSB first) as 8 byte lanes
-for _byte in range(256):
-    for _bit in range(8):
-        if _byte >> (7 - _bit) & 1:
-            _LANES[_byte] |= np.uint64(1 << (8 * _bit))
 _CHUNK_WORDS = 256  # words per client per counting step: the adder slots stay in L2
 
 
@@ -133,9 +128,9 @@ def count_words(words: Sequence[np.ndarray], numel: int) -> torch.Tensor:
     for w in words:
         typed.append(w)
     ops, planes, n_slots = kernels.count_schedule(m)
-    wide = m > 255  # else one byte per count: every plane spreads into 8 byte lanes per word
+    wide = m > 255  # else one byte per count (at most 8 count planes)
     out = np.empty(nwords * 64, dtype=np.int32) if wide else np.empty(nwords * 8, dtype=np.uint64)
-    kernels.count_words(typed, nwords, ops, planes, n_slots, _LANES, _CHUNK_WORDS, out, wide)
+    kernels.count_words(typed, nwords, ops, planes, n_slots, _CHUNK_WORDS, out, wide)
     counts = out[:numel] if wide else out.view(np.uint8)[:numel]
     return torch.from_numpy(counts).to(count_dtype(m))
 
