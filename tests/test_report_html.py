@@ -486,6 +486,26 @@ def test_chart_numbers_are_the_reports(tmp_path):
     assert widths["centralized"] > widths["fedprllm-oneshot-layer"] > widths["dense"]
 
 
+def test_busy_machine_is_judged_by_the_load_before_the_run(tmp_path):
+    """The 1-minute load at a run's end counts the run itself (an idle 2-CPU machine running a
+    2-thread job ends near 2): only the load when the run started says whether another job
+    held the CPUs."""
+    folder = make_run(tmp_path / "run")
+    path = folder / "report.json"
+    report = json.loads(path.read_text())
+
+    def lead(start, end):
+        report["machine"].update(cpu_count=2, load_average_start=[start, 1.0, 1.0],
+                                 load_average_end=[end, 1.0, 1.0])
+        path.write_text(json.dumps(report))
+        answer = render_run(folder).split('<section id="answer">')[1].split("</section>")[0]
+        return _visible_text(answer.split('<p class="lead">')[1].split("</p>")[0])
+
+    assert "busy machine" not in lead(0.17, 2.18)  # idle before, the run's own load at the end
+    assert ("The times were measured on a busy machine (1-minute load average 1.5 on 2 CPUs "
+            "when the run started): compare them with care.") in lead(1.5, 3.0)
+
+
 def test_no_best_claim_for_what_is_not_best(tmp_path):
     # FedPrLLM worse than centralized and than dense: the page must not call it best
     folder = make_run(tmp_path / "run", ppl=52.5)
