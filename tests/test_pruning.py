@@ -5,11 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedcompress.models import ModelAdapter
+from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.local import PruneConfig, apply_masks, local_masks, sparsity_report
-from fedcompress.pruning.scores import CholeskyError, sparsegpt_prune, wanda_scores
+from fedcompress.pruning.scores import (
+    RIA_ALPHA,
+    CholeskyError,
+    ria_scores,
+    sparsegpt_prune,
+    wanda_scores,
+)
 from fedcompress.pruning.select import parse_nm, select_prune_mask
-from fedcompress.pruning.walker import capture_layer_inputs, forward_layer
+from fedcompress.pruning.walker import capture_layer_inputs, forward_layer, walk
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text", "opt", "gpt2"])
@@ -119,7 +125,7 @@ def test_bad_sparsity(sparsity):
 
 
 def test_unknown_method():
-    with pytest.raises(ValueError, match="magnitude, wanda, sparsegpt"):
+    with pytest.raises(ValueError, match="magnitude, wanda, ria, sparsegpt"):
         PruneConfig("obs", 0.5)
 
 
@@ -129,7 +135,47 @@ def test_wanda_score_definition():
     assert wanda_scores(w, sq).tolist() == [[2.0, 2.0], [6.0, 0.5]]
 
 
-@pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
+def test_ria_score_definition():
+    """RIA by hand: |W_ij| over its row's and its column's total |W|, summed, times
+    (mean x_j^2)^(a/2) = ||X_j||^a up to a per-layer constant, a = 0.5."""
+    w = torch.tensor([[1.0, -2.0], [3.0, 0.0]])
+    sq = torch.tensor([4.0, 16.0])  # ^(1/4): sqrt(2), 2
+    # row totals 3, 3; column totals 4, 2
+    want = torch.tensor([[(1 / 3 + 1 / 4) * 2 ** 0.5, (2 / 3 + 2 / 2) * 2],
+                         [(3 / 3 + 3 / 4) * 2 ** 0.5, 0.0]])
+    assert torch.allclose(ria_scores(w, sq), want, rtol=1e-6, atol=0)
+    # a zero row or column scores 0, not NaN; the exponent is RIA_ALPHA unless given
+    zero = ria_scores(torch.zeros(2, 3), torch.ones(3))
+    assert torch.equal(zero, torch.zeros(2, 3))
+    assert RIA_ALPHA == 0.5
+    assert torch.allclose(ria_scores(w, sq, alpha=0.0), want / torch.tensor([2 ** 0.5, 2.0]))
+    with pytest.raises(ValueError, match="input features"):
+        ria_scores(w, torch.ones(3))
+    with pytest.raises(ValueError, match="exponent"):
+        ria_scores(w, sq, alpha=-1.0)
+
+
+def test_ria_masks_are_the_top_of_its_own_score(tiny_model):
+    """``PruneConfig("ria")`` prunes by :func:`ria_scores` of the walker's statistics (layer 0's
+    inputs are the embeddings, the same for any mask), not by Wanda's."""
+    model = tiny_model("llama", n_layers=1)
+    windows = torch.randint(5, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    seen = {}
+
+    def record(_index, layer, stats):
+        seen.update(stats)
+        return {}, None
+
+    walk(model, windows, record)
+    ria = local_masks(model, windows, PruneConfig("ria", 0.5, "row")).masks[0]
+    wanda = local_masks(model, windows, PruneConfig("wanda", 0.5, "row")).masks[0]
+    for name, module in ModelAdapter.linear_layers(ModelAdapter(model).layers[0]).items():
+        scores = ria_scores(weight_matrix(module), seen[name].sq_norm)
+        assert torch.equal(ria[name], select_prune_mask(scores, 0.5, "row")), name
+    assert any(not torch.equal(ria[n], wanda[n]) for n in ria)
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda", "ria", "sparsegpt"])
 @pytest.mark.parametrize("group", ["layer", "row", "column"])
 def test_local_masks_hit_the_sparsity(tiny_model, method, group):
     model = tiny_model("llama", n_layers=2)

@@ -17,6 +17,7 @@ from fedcompress.models import CALC_DTYPE, ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan, outlier_ratio
 from fedcompress.pruning.scores import (
     magnitude_scores,
+    ria_scores,
     sparsegpt_prune,
     taylor_scores,
     wanda_scores,
@@ -31,7 +32,10 @@ from fedcompress.quant.solver import (
     sparsegpt_quantize,
 )
 
-METHODS = ("magnitude", "wanda", "sparsegpt", "gradient")
+METHODS = ("magnitude", "wanda", "ria", "sparsegpt", "gradient")
+#: Local methods whose statistics are sums over tokens, so that statistics mode prunes with them
+#: exactly (magnitude needs no data; the gradient method needs the whole model's backward pass).
+STATS_METHODS = ("wanda", "ria", "sparsegpt")
 #: The method of a recipe that only quantizes (:attr:`PruneConfig.quant` required).
 NO_PRUNING = "none"
 #: Methods whose scores come from the whole model at once (no calibration walk of the layers):
@@ -43,9 +47,11 @@ WHOLE_MODEL_METHODS = ("magnitude", "gradient")
 class PruneConfig:
     """A local pruning recipe.
 
-    ``method``: ``magnitude`` (``|W|``), ``wanda`` (``|W| * ||X_j||``), ``sparsegpt`` (OBS with
-    weight update) or ``gradient`` (first-order Taylor ``|W * dL/dW|``, the gradient of the mean
-    token loss of the windows through the DENSE model, :func:`weight_gradients`).
+    ``method``: ``magnitude`` (``|W|``), ``wanda`` (``|W| * ||X_j||``), ``ria`` (relative
+    importance times ``||X_j||^0.5``, :func:`~fedcompress.pruning.scores.ria_scores`: the same
+    statistics as Wanda), ``sparsegpt`` (OBS with weight update) or ``gradient`` (first-order
+    Taylor ``|W * dL/dW|``, the gradient of the mean token loss of the windows through the DENSE
+    model, :func:`weight_gradients`).
     ``group`` is the *local* comparison group (``layer``/``row``/``column``); ``nm`` an N:M
     pattern like ``"2:4"`` (then ``sparsity`` is implied: N/M). ``layer_sparsity`` is a
     per-layer / per-linear plan (:meth:`~fedcompress.pruning.allocation.SparsityPlan.to_text`;
@@ -58,8 +64,8 @@ class PruneConfig:
     (:func:`layer_prune_fn`): GPTQ or round-to-nearest of the kept weights (pruned weights stay
     exactly 0); the next layer's inputs come from the quantized layer. ``method="none"``
     (:data:`NO_PRUNING`, with ``sparsity=0``): quantization alone. ``sparsegpt`` with GPTQ prunes
-    and quantizes jointly in one OBS sweep; ``magnitude``/``wanda`` select the mask first, then
-    GPTQ compensates the pruned and the quantized weights with a fixed mask.
+    and quantizes jointly in one OBS sweep; ``magnitude``/``wanda``/``ria`` select the mask first,
+    then GPTQ compensates the pruned and the quantized weights with a fixed mask.
     """
 
     method: str = "wanda"
@@ -98,7 +104,7 @@ class PruneConfig:
         if self.onload and self.method == "gradient":
             raise ValueError("onloading reads one decoder layer at a time; the gradient method "
                              "needs a backward pass through the whole model: expected "
-                             "magnitude, wanda or sparsegpt with onload")
+                             "magnitude, wanda, ria or sparsegpt with onload")
 
     @cached_property
     def plan(self) -> SparsityPlan:
@@ -190,6 +196,8 @@ class LayerPruner:
         if self.config.method == "gradient":
             assert self.gradients is not None
             return taylor_scores(w, self.gradients[index][name])
+        if self.config.method == "ria":
+            return ria_scores(w, stats[name].sq_norm)
         return wanda_scores(w, stats[name].sq_norm)
 
     def _quantize(self, index: int, name: str, w: torch.Tensor, stats: dict[str, LayerStats],

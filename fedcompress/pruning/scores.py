@@ -1,4 +1,4 @@
-"""Stateless pruning math: importance scores (magnitude, Wanda, first-order Taylor) and
+"""Stateless pruning math: importance scores (magnitude, Wanda, RIA, first-order Taylor) and
 SparseGPT's OBS update.
 
 All arithmetic runs in :data:`~fedcompress.models.common.CALC_DTYPE` (float32) whatever the
@@ -18,6 +18,8 @@ from fedcompress.pruning.select import select_prune_mask
 
 logger = logging.getLogger(__name__)
 
+#: RIA's exponent of the input norm (Zhang et al., ICLR 2024: ``a = 0.5``).
+RIA_ALPHA = 0.5
 #: SparseGPT defaults from Frantar & Alistarh (2023).
 SPARSEGPT_BLOCKSIZE = 128
 SPARSEGPT_PERCDAMP = 0.01
@@ -37,6 +39,26 @@ def wanda_scores(weight: torch.Tensor, sq_norm: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"input statistics of length {tuple(sq_norm.shape)} do not match a "
                          f"weight with {weight.shape[1]} input features")
     return weight.detach().to(CALC_DTYPE).abs() * sq_norm.to(CALC_DTYPE).sqrt().unsqueeze(0)
+
+
+def ria_scores(weight: torch.Tensor, sq_norm: torch.Tensor, alpha: float = RIA_ALPHA
+               ) -> torch.Tensor:
+    """RIA (Relative Importance and Activations, Zhang et al., ICLR 2024):
+    ``(|W_ij| / sum_k |W_ik| + |W_ij| / sum_k |W_kj|) * ||X_j||_2 ** alpha``, each weight's
+    magnitude relative to its output row's and its input column's total, times the input's norm
+    to the power ``alpha`` (:data:`RIA_ALPHA`). ``sq_norm`` is the mean of ``x_j^2`` over
+    tokens, as for :func:`wanda_scores` (``||X_j||_2`` up to a per-layer constant, which ranks
+    nothing). A row or column of zeros scores 0 (never 0/0)."""
+    if sq_norm.shape != (weight.shape[1],):
+        raise ValueError(f"input statistics of length {tuple(sq_norm.shape)} do not match a "
+                         f"weight with {weight.shape[1]} input features")
+    if not alpha >= 0:
+        raise ValueError(f"RIA exponent {alpha!r}: expected a number >= 0")
+    w = weight.detach().to(CALC_DTYPE).abs()
+    rows = w.sum(1, keepdim=True)
+    cols = w.sum(0, keepdim=True)
+    relative = w / torch.where(rows > 0, rows, 1.0) + w / torch.where(cols > 0, cols, 1.0)
+    return relative * sq_norm.to(CALC_DTYPE).pow(alpha / 2).unsqueeze(0)
 
 
 def taylor_scores(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from fedcompress.masks.aggregate import TIE_BREAKS
 from fedcompress.masks.robust import DEFAULT_Z, DEFENCES, check_defence
 from fedcompress.methods.evaluation import TaskEvalSettings
 from fedcompress.pruning.allocation import PROFILES
-from fedcompress.pruning.local import METHODS, NO_PRUNING
+from fedcompress.pruning.local import METHODS, NO_PRUNING, STATS_METHODS
 from fedcompress.pruning.select import GROUPS, check_group
 from fedcompress.quant.config import (
     ACTORDERS,
@@ -104,7 +104,8 @@ class FedPrLLMConfig(Settings):
     model: str = setting("smollm2-135m", "Model spec: embedded name, local directory, .gguf "
                          "file or hub id.")
     dtype: str = setting("float32", "Model dtype.", choices=DTYPES)
-    method: str = setting("wanda", "Local pruning: magnitude, wanda, sparsegpt, gradient "
+    method: str = setting("wanda", "Local pruning: magnitude, wanda, ria (relative importance "
+                          "times input norm^0.5, Wanda's statistics), sparsegpt, gradient "
                           "(first-order Taylor |W * dL/dW|, one backward pass; one-shot only), "
                           "or none (quantization alone: --quant with --aggregate stats and "
                           "--sparsity 0).", choices=(*METHODS, NO_PRUNING))
@@ -320,9 +321,9 @@ class FedPrLLMConfig(Settings):
 
     def _validate_stats(self) -> None:
         """Statistics mode: what does not apply to it is refused, not ignored."""
-        if self.method not in ("wanda", "sparsegpt", NO_PRUNING):
-            raise self.invalid("method", "wanda, sparsegpt or none with aggregate stats (their "
-                               "statistics are sums over tokens; magnitude needs no data)")
+        if self.method not in (*STATS_METHODS, NO_PRUNING):
+            raise self.invalid("method", "wanda, ria, sparsegpt or none with aggregate stats "
+                               "(their statistics are sums over tokens; magnitude needs no data)")
         if self.method == NO_PRUNING and self.quant_config is None:
             raise self.invalid("method", "wanda or sparsegpt without --quant (none prunes "
                                "nothing: it is quantization alone)")

@@ -44,15 +44,12 @@ from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from fedcompress.models import HESSIAN_DTYPE, ModelAdapter, weight_matrix
 from fedcompress.privacy.ledger import Ledger
 from fedcompress.privacy.policy import SitePolicy
-from fedcompress.pruning.local import PruneConfig
+from fedcompress.pruning.local import STATS_METHODS, PruneConfig
 from fedcompress.pruning.walker import LayerStats, input_owners
 from fedcompress.quant.solver import QuantResult
 
 logger = logging.getLogger(__name__)
 
-#: Local methods whose statistics are sums over tokens (magnitude needs none; the gradient
-#: method needs the whole model's backward pass).
-STATS_METHODS = ("wanda", "sparsegpt")
 #: Largest relative gap accepted between a Hessian's diagonal and twice the square sums (both
 #: are sums of the same squares, in float64; SecAgg+'s fixed point adds at most n 2^-(f+1)).
 DIAG_TOLERANCE = 1e-3
