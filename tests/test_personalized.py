@@ -437,6 +437,17 @@ def test_personalize_study_plan_and_errors():
             plan({"study": {"x": {"kind": "personalize", **table}}})
 
 
+def test_a_failed_site_plan_counts_as_worse_and_is_said_in_words():
+    from fedcompress.bench.personalize_study import _ratio, versus_fedprllm
+
+    per = {"personalized": [10.0, math.nan, 12.0], "fedprllm": [10.0, 11.0, 10.0]}
+    against = versus_fedprllm(per)
+    assert against == {"sites": 3, "within": 1, "worst": math.inf}
+    assert _ratio(against["worst"]) == "a site's plan failed"
+    assert _ratio(1.234) == "1.23x"
+    assert versus_fedprllm({"personalized": [1.0]}) is None
+
+
 def test_personalize_study_runs_resumes_and_records_a_failure(tiny_dir, tmp_path, monkeypatch):
     import json
 

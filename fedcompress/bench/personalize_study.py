@@ -283,6 +283,8 @@ class CellRunner:
                                                                config.factors, bound))
                 except ValueError as err:  # Eq. 4 cannot reach p for this site: recorded
                     errors.append({"site": s, "method": name, "error": str(err)})
+                    if name == "personalized":
+                        site_plans.append(None)  # one entry per site, in site order
             candidates = {}
             if "seed004-local" in plans:
                 candidates["seed004-local"] = pz.site_masks(
@@ -394,7 +396,7 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
         rows.append([label, "ok", *[_mean_median(per[n]) if n in per else "-" for n in names],
                      "-" if r.get("wins") is None else f"{r['wins']}/{sites}",
                      "-" if against is None else
-                     f"{against['within']}/{against['sites']}, {against['worst']:.2f}x",
+                     f"{against['within']}/{against['sites']}, {_ratio(against['worst'])}",
                      " / ".join(f"{mean_units[c]:.1f}" for c in mean_units),
                      f"{plan['min_ratio']:.2f}-{plan['max_ratio']:.2f}"
                      + (" (bound bit)" if plan.get("bound_bit") else "") if plan else "-"])
@@ -423,6 +425,12 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
                                     "units p / g / o", "global plan"], rows, first_value=2,
                          best=None)
     return [summary, *per_site]
+
+
+def _ratio(worst: float) -> str:
+    """The worst ratio to uniform FedPrLLM as the table prints it (a site whose plan failed
+    makes it infinite: said in words)."""
+    return "a site's plan failed" if math.isinf(worst) else f"{worst:.2f}x"
 
 
 def versus_fedprllm(perplexity: Mapping[str, list[float]], margin: float = 0.02
