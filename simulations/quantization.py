@@ -28,8 +28,9 @@ split:
 * ``layers-removed``: the ``--remove-ratio`` decoder layers with the lowest Block Influence
   (ShortGPT / PPC-GPT: ``1 - mean cos(x_in, x_out)`` of each layer) on the pooled calibration
   windows, removed (:func:`fedcompress.layers.lowest_score_plan`), saved with its smaller config;
-* ``llmc-gptq`` (``--llmc-report``): llm-compressor's perplexity from the report of
-  ``simulations/gptq_anchor.py``, beside ours, with the settings that differ from this run's.
+* ``<scheme>-llmc-gptq-centralized`` (``--llmc-report``, one report per scheme):
+  llm-compressor's perplexity from the report of ``simulations/gptq_anchor.py`` (its
+  ``--scheme``), beside ours, with the settings that differ from this run's.
 
 Every model is saved (quantized ones in compressed-tensors ``pack-quantized`` with bfloat16
 scales and other tensors, :func:`fedcompress.quant.compressed_tensors.save_quantized`; the others
@@ -56,7 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,8 @@ RECIPES = {
 }
 #: Settings of this run that the llm-compressor anchor's report must share for its perplexity
 #: to sit in the same table: (our option, the anchor's config key).
+#: The anchor's group size per scheme this script compares (None: our W4A16 group size).
+ANCHOR_GROUP: dict[str, int | None] = {"w4a16": None, "w8a16": 0}
 ANCHOR_SETTINGS = (("model", "model"), ("clients", "clients"),
                    ("samples_per_client", "samples_per_client"), ("seqlen", "seqlen"),
                    ("seed", "seed"), ("eval_windows", "eval_windows"),
@@ -170,31 +173,48 @@ def time_ratio(federated_seconds: float, centralized_seconds: float) -> float:
 
 def anchor_row(anchor: Mapping[str, Any], ours: Mapping[str, Any],
                group_size: int) -> dict[str, Any]:
-    """llm-compressor's row from the anchor's ``report.json`` (``anchor``): its perplexity and
-    every setting that differs from this run's (``ours``: this run's options by name;
-    ``group_size``: our W4A16 group size), or an error when it has no finished
-    ``llmc-gptq`` row."""
+    """llm-compressor's row from the anchor's ``report.json`` (``anchor``, made with its
+    ``--scheme``: ``w4a16`` when its config names none): its perplexity and every setting that
+    differs from this run's (``ours``: this run's options by name; ``group_size``: our W4A16
+    group size; W8A16 is per output channel, the anchor's group size 0), or an error when it
+    has no finished ``llmc-gptq`` row or a scheme this script does not run."""
     found = [r for r in anchor.get("results", []) if r.get("name") == "llmc-gptq"]
     if not found or not isinstance(found[0].get("perplexity"), (int, float)):
         raise ValueError(f"the anchor report (status {anchor.get('status')!r}) has no "
                          "llmc-gptq row with a perplexity: expected a finished "
                          "simulations/gptq_anchor.py run")
     config = anchor.get("config", {})
+    scheme = config.get("scheme", "w4a16")
+    if scheme not in ANCHOR_GROUP:
+        raise ValueError(f"the anchor report's scheme {scheme!r}: expected one of "
+                         f"{', '.join(ANCHOR_GROUP)}")
     differ = {}
     for mine, theirs in ANCHOR_SETTINGS:
         if config.get(theirs) != ours.get(mine):
             differ[mine] = {"ours": ours.get(mine), "anchor": config.get(theirs)}
-    quant = {"scheme": "w4a16", "group_size": group_size}
-    for key, value in quant.items():
-        if key in config and config[key] != value:
-            differ[key] = {"ours": value, "anchor": config[key]}
+    expected = group_size if ANCHOR_GROUP[scheme] is None else ANCHOR_GROUP[scheme]
+    if "group_size" in config and config["group_size"] != expected:
+        differ["group_size"] = {"ours": expected, "anchor": config["group_size"]}
     row = found[0]
-    return {"name": "llmc-gptq-centralized", "recipe": "w4a16", "solver": "llm-compressor",
-            "perplexity": float(row["perplexity"]),
+    return {"name": f"{scheme}-llmc-gptq-centralized", "recipe": scheme,
+            "solver": "llm-compressor", "perplexity": float(row["perplexity"]),
             "weights_mib": row["weights_bytes"] / 2**20 if "weights_bytes" in row else None,
             "seconds": row.get("seconds"), "anchor_status": anchor.get("status"),
             "anchor_commit": anchor.get("versions", {}).get("git_commit"),
             "settings_differing": differ}
+
+
+def anchor_rows(anchors: Sequence[Mapping[str, Any]], ours: Mapping[str, Any],
+                group_size: int) -> list[dict[str, Any]]:
+    """:func:`anchor_row` of each report, at most one per scheme (two of one scheme: an
+    error naming it)."""
+    rows = [anchor_row(anchor, ours, group_size) for anchor in anchors]
+    schemes = [row["recipe"] for row in rows]
+    twice = sorted({s for s in schemes if schemes.count(s) > 1})
+    if twice:
+        raise ValueError(f"--llmc-report: two reports of scheme {', '.join(twice)}: expected "
+                         "one per scheme")
+    return rows
 
 
 def block_influence_windows(model: torch.nn.Module, windows: torch.Tensor,
@@ -263,8 +283,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads when decoding")
     parser.add_argument("--loaded-windows", type=int, default=2,
                         help="eval windows the decoding process also scores (a load check)")
-    parser.add_argument("--llmc-report", default=None,
-                        help="report.json of simulations/gptq_anchor.py (llm-compressor)")
+    parser.add_argument("--llmc-report", nargs="+", default=[],
+                        help="report.json of simulations/gptq_anchor.py (llm-compressor), one "
+                        "per scheme (its --scheme: w4a16, w8a16)")
     parser.add_argument("--secagg-frac-bits", type=int, default=None,
                         help="also run each recipe with the sites' Hessians summed in fixed "
                         "point as SecAgg+ sums them (this many fractional bits, e.g. 25, "
@@ -281,9 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    anchor = None
-    if opts.llmc_report:  # read first: a wrong path fails before any work
-        anchor = json.loads(Path(opts.llmc_report).read_text())
+    # read first: a wrong path fails before any work
+    anchors = [json.loads(Path(path).read_text()) for path in opts.llmc_report]
     if opts.batch_size != opts.samples_per_client:
         logger.warning("--batch-size %d differs from --samples-per-client %d: the centralized "
                        "batches are not the sites' windows, so federated and centralized GPTQ "
@@ -304,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                                       f"largest of {list(GROUP_SIZES)} dividing every width"}
         logger.info("W4A16 group size %d (input widths %s)", group, widths)
         # llm-compressor's row is read before any work: a report without it fails here
-        llmc = anchor_row(anchor, vars(opts), group) if anchor is not None else None
+        llmc = anchor_rows(anchors, vars(opts), group)
         eval_text = corpus_text(load_corpus("wiki", "test"))
         ids = tokenizer(eval_text, return_tensors="pt", add_special_tokens=False).input_ids[0]
         ids_file = Path(tmp) / "ids.pt"
@@ -446,9 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                            "block_influence": list(importance.scores), "perplexity": ppl,
                            **size_of(saved)})
 
-        if llmc is not None:
-            row = llmc
-            ours = [r for r in report.results if r["name"] == "w4a16-gptq-centralized"]
+        for row in llmc:
+            ours = [r for r in report.results
+                    if r["name"] == result_name(row["recipe"], "gptq", "centralized")]
             if ours:
                 row["gap_vs_ours_centralized"] = row["perplexity"] / ours[0]["perplexity"] - 1
             report.add_result(row)
@@ -496,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
                  "decompresses packed layers at the first forward and then runs dense "
                  "weights). Layer removal: Block Influence on the pooled calibration windows "
                  "(in a federation the sites would send their per-layer cosine sums)."]
-        if llmc is not None:
-            differ = by["llmc-gptq-centralized"]["settings_differing"]
-            notes.append("llm-compressor (from " + str(opts.llmc_report) + "): "
+        for row, path in zip(llmc, opts.llmc_report):
+            differ = row["settings_differing"]
+            notes.append(f"llm-compressor {row['recipe']} (from {path}): "
                          + ("the same windows and recipe" if not differ else
                             "settings that DIFFER: " + json.dumps(differ)))
         report.sections.append(("Reading", "\n\n".join(notes)))

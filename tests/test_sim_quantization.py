@@ -83,13 +83,27 @@ def test_anchor_row_reports_the_settings_that_differ(sim):
                           {"name": "llmc-gptq", "perplexity": 33.7, "weights_bytes": 2**21}]}
     ours = dict(config)
     row = sim.anchor_row(anchor, ours, 64)
-    assert row["name"] == "llmc-gptq-centralized" and row["perplexity"] == 33.7
-    assert row["settings_differing"] == {} and row["weights_mib"] == 2.0
+    assert row["name"] == "w4a16-llmc-gptq-centralized" and row["perplexity"] == 33.7
+    assert row["recipe"] == "w4a16" and row["settings_differing"] == {}
+    assert row["weights_mib"] == 2.0
     row = sim.anchor_row(anchor, {**ours, "eval_windows": 4}, 32)
     assert row["settings_differing"] == {"eval_windows": {"ours": 4, "anchor": 64},
                                          "group_size": {"ours": 32, "anchor": 64}}
     with pytest.raises(ValueError, match="no llmc-gptq row"):
         sim.anchor_row({"status": "running", "results": [{"name": "dense"}]}, ours, 64)
+    # W8A16: per output channel (the anchor's group size 0), whatever our W4A16 group size
+    w8 = {**anchor, "config": {**config, "scheme": "w8a16", "group_size": 0}}
+    row = sim.anchor_row(w8, ours, 64)
+    assert row["name"] == "w8a16-llmc-gptq-centralized" and row["settings_differing"] == {}
+    grouped = {**anchor, "config": {**config, "scheme": "w8a16", "group_size": 128}}
+    assert sim.anchor_row(grouped, ours, 64)["settings_differing"] == {
+        "group_size": {"ours": 0, "anchor": 128}}
+    with pytest.raises(ValueError, match="scheme 'w3a16'"):
+        sim.anchor_row({**anchor, "config": {**config, "scheme": "w3a16"}}, ours, 64)
+    # one report per scheme
+    assert [r["recipe"] for r in sim.anchor_rows([anchor, w8], ours, 64)] == ["w4a16", "w8a16"]
+    with pytest.raises(ValueError, match="two reports of scheme w4a16"):
+        sim.anchor_rows([anchor, anchor], ours, 64)
 
 
 def test_help_runs(sim):
