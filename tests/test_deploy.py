@@ -767,8 +767,12 @@ def test_compose_file_is_the_tested_deployment(tmp_path):
         seen.setdefault("data", set()).add(default_data)
     assert seen["partitions"] == set(range(CLIENTS)) and len(seen["keys"]) == CLIENTS
     assert len(seen["data"]) == CLIENTS
-    for ignore in (".gitignore", "docker/Dockerfile.dockerignore"):
+    for ignore in (".gitignore", "docker/Dockerfile.dockerignore", ".dockerignore"):
         assert "docker/data" in (REPO / ignore).read_text(), ignore
+    # Docker's legacy builder reads only the context's .dockerignore: the same exclusions
+    lines = {x for x in (REPO / "docker/Dockerfile.dockerignore").read_text().splitlines()
+             if x and not x.startswith("#")}
+    assert lines <= set((REPO / ".dockerignore").read_text().splitlines())
     for volume in services["superlink"]["volumes"] + services["cli"]["volumes"]:
         _, source = _mount(volume)
         if source.startswith("./certs/"):
