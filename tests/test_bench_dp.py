@@ -45,8 +45,12 @@ def test_the_plan_of_a_dp_study(tiny_dir, corpus):
     assert len(dp) == 2 * 2 * (2 * 2 + 1)
     kinds = [c.kind for c in study.cells]
     assert kinds.count("dense") == 1
-    for kind in ("centralized", "local-only", "fedprllm"):
+    for kind in ("centralized", "local-only", "fedprllm", "dp-public"):
         assert kinds.count(kind) == 4, kind  # per method and budget
+    public = [c.settings() for c in study.cells if c.kind == "dp-public"]
+    assert all(not s["dp_epsilon"] and s["aggregate"] == "stats" for s in public)
+    assert {(s["method"], s["clients"], s["samples_per_client"]) for s in public} == {
+        (m, 2, w) for m in ("wanda", "sparsegpt") for w in (2, 4)}
     for cell in dp:
         s = cell.settings()
         assert s["aggregate"] == "stats" and "group" not in s  # no server variant
@@ -66,6 +70,9 @@ def test_the_plan_of_a_dp_study(tiny_dir, corpus):
     # a stored record finds its cell again
     record = {"kind": "dp-stats", **dict(dp[3].client), "eval": dict(dp[3].evals)}
     assert dp_study.record_cell(record).id == dp[3].id
+    public_cell = next(c for c in study.cells if c.kind == "dp-public")
+    record = {"kind": "dp-public", **dict(public_cell.client), "eval": dict(public_cell.evals)}
+    assert dp_study.record_cell(record).id == public_cell.id
     # no baselines, one epsilon: DP cells only
     (only,) = plan(_config(tiny_dir, corpus, baselines=[], epsilon=8))
     assert [c.kind for c in only.cells] == ["dp-stats"]
@@ -121,8 +128,14 @@ def test_a_dp_study_end_to_end(bench):
     assert "sigma" not in dp[0.0] and dp[0.0]["dp_report"] == {"dp": False}
     central = next(r for r in records.values() if r["kind"] == "centralized")
     assert dp[0.0]["perplexity"] == central["perplexity"]  # the same model
+    # the public baseline: centralized pruning on as many windows of public text
+    (public,) = [r for r in records.values() if r["kind"] == "dp-public"]
+    assert public["public_windows"] == 4 and public["public_text"] == "wiki validation"
+    assert public["public_tokens"] > 0 and public["sparsity"] == pytest.approx(0.5, abs=0.05)
+    assert public["name"] == "public-calibration wanda 2x2"
     md = (out / "report.md").read_text()
     assert "DP tiny" in md and "ε=4" in md and "no DP = centralized" in md
+    assert "public text (centralized)" in md
     assert "yes (identical)" in md and "#### DP cells" in md
     assert "| 2x2 | distributed |" in md and "| 2x2 | central |" in md
     assert (out / "dp-dp.png").stat().st_size > 0 and "dp-dp.png" in md

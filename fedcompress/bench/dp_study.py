@@ -19,7 +19,11 @@ windows (the table says whether its perplexity equals the centralized cell's).
 Beside them, planned as ordinary bench cells (shared with any other study of the folder that
 plans the same cells): ``dense``, ``centralized``, ``local-only`` (site 0) and ``votes``
 (FedPrLLM's one-shot vote of the sites' local masks, server comparison group ``vote_group``)
-at each budget.
+at each budget; and the study's own ``public`` cell per budget: centralized pruning on PUBLIC
+text alone (:func:`~fedcompress.privacy.dp_stats.public_windows`: as many windows as the
+budget's sites hold together, from the public corpus the DP plan already takes its clip bounds
+from), what a server could do with no site's data and no privacy cost, the baseline a DP run
+has to beat to be worth its epsilon.
 
 Settings of the study table (``[bench]`` settings of the same name apply too):
 
@@ -34,7 +38,7 @@ Settings of the study table (``[bench]`` settings of the same name apply too):
   and is trusted with it) and/or ``distributed`` (each site adds a Skellam share in SecAgg+'s
   fixed-point lanes; the sum is taken as SecAgg+ takes it, without the cryptography);
 * ``baselines``: some of :data:`BASELINES` (default all: ``centralized``, ``local-only``,
-  ``votes``, ``dense``);
+  ``votes``, ``dense``, ``public``);
 * ``vote_group``: the votes' server comparison group (default ``layer``);
 * the evaluation settings (``eval_text``, ``eval_windows``, ...), as every study.
 
@@ -94,7 +98,9 @@ logger = logging.getLogger(__name__)
 DP_CELL = "dp-stats"
 #: What the study plans beside its DP cells (ordinary bench cells; ``votes``: FedPrLLM's
 #: one-shot vote).
-BASELINES = ("centralized", "local-only", "votes", "dense")
+BASELINES = ("centralized", "local-only", "votes", "dense", "public")
+#: The kind of a study's ``public`` cell: centralized pruning on public text (:func:`compute`).
+PUBLIC_CELL = "dp-public"
 #: The default epsilons (``"none"``: no DP).
 EPSILONS = (1, 2, 4, 8, 16, "none")
 PLACEMENTS = ("central", "distributed")
@@ -237,7 +243,7 @@ def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
             raise BenchConfigError(f"study {name!r}: {key} is an empty list")
     options["rows"] = swept
     cells: dict[str, Cell] = {}
-    fed_baselines = [b for b in options["baselines"] if b != "votes"]
+    fed_baselines = [b for b in options["baselines"] if b not in ("votes", "public")]
     for values in itertools.product(*(settings[k] for k in swept)):
         point = {**settings, **dict(zip(swept, values))}
         for clients, windows in options["budgets"]:
@@ -246,6 +252,10 @@ def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
                 for epsilon in options["epsilons"]:
                     cell = dp_cell(name, budget, evals, epsilon, placement)
                     cells.setdefault(cell.id, cell)
+            if "public" in options["baselines"]:  # the budget's settings without DP
+                plain = dp_cell(name, budget, evals, 0.0, options["placements"][0])
+                public = Cell(PUBLIC_CELL, plain.client, (), plain.evals)
+                cells.setdefault(public.id, public)
             # the baselines: ordinary bench cells (no DP settings: shared with other studies)
             votes = {k: v for k, v in budget.items() if not k.startswith("dp_")}
             votes.update(mode="oneshot", group=options["vote_group"], **evals)
@@ -288,8 +298,9 @@ def record_cell(record: Mapping[str, Any]) -> Cell:
     default)."""
     from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 
-    cell = stored_cell(DP_CELL, record, FedPrLLMConfig, drop=SERVER_KEYS)
-    return Cell(DP_CELL, cell.client, (), tuple(sorted(record.get("eval", {}).items())))
+    kind = PUBLIC_CELL if record.get("kind") == PUBLIC_CELL else DP_CELL
+    cell = stored_cell(kind, record, FedPrLLMConfig, drop=SERVER_KEYS)
+    return Cell(kind, cell.client, (), tuple(sorted(record.get("eval", {}).items())))
 
 
 def dp_seed(cell: Cell) -> int:
@@ -344,6 +355,35 @@ def compute(exp: Experiment, cell: Cell) -> dict:
     return record
 
 
+def compute_public(exp: Experiment, cell: Cell) -> dict:
+    """A ``public`` cell's record: centralized pruning (the cell's method and local group) on
+    ``clients x samples_per_client`` windows of the public corpus (seed: the cell's), evaluated
+    as every cell; the record says which text and how many of its tokens the windows came
+    from."""
+    from fedcompress.data.calibration import tokenize_corpus
+    from fedcompress.data.corpora import load_corpus
+    from fedcompress.privacy.dp_stats import PUBLIC_CORPUS, PUBLIC_SPLIT, public_windows
+    from fedcompress.pruning.local import apply_masks, local_masks
+
+    config = cell.config()
+    view = copy.copy(exp)
+    view.config = config
+    n = config.clients * config.samples_per_client
+    start = time.perf_counter()
+    windows = public_windows(exp.tokenizer, config.seqlen, n, seed=config.seed)
+    result = local_masks(exp.model, windows, config.prune, batch_size=config.batch_size)
+    seconds = time.perf_counter() - start
+    model = apply_masks(exp.fresh_copy(), result.masks, result.weights)
+    tokens = int(tokenize_corpus(exp.tokenizer, load_corpus(PUBLIC_CORPUS,
+                                                           PUBLIC_SPLIT)).numel())
+    name = (f"public-calibration {config.method} {budget_label(config.to_dict())}")
+    record = view.evaluate(name, model, prune_seconds=seconds, public_windows=n,
+                           public_text=f"{PUBLIC_CORPUS} {PUBLIC_SPLIT}",
+                           public_tokens=tokens)
+    del model
+    return record
+
+
 def run_cells(runner: BenchRunner, cells: list[Cell]) -> None:
     """Run the pending DP cells: each model loaded once, each set of windows and evaluation
     text prepared once (as the bench prepares its FedPrLLM cells'), each cell stored at once
@@ -374,7 +414,8 @@ def run_cells(runner: BenchRunner, cells: list[Cell]) -> None:
                     runner.run_cell(cell, lambda err=err: _raise(err))
                 continue
             for cell in same:
-                runner.run_cell(cell, lambda cell=cell, exp=exp: compute(exp, cell))
+                work = compute_public if cell.kind == PUBLIC_CELL else compute
+                runner.run_cell(cell, lambda cell=cell, exp=exp, work=work: work(exp, cell))
         del loaded
 
 
@@ -388,7 +429,8 @@ def _raise(err: BaseException):
 
 _REFERENCE = {"centralized": "centralized", "local-only": "local-only", "fedprllm": "votes"}
 _BASELINE_LABEL = {"centralized": "centralized", "local-only": "local-only (site 0)",
-                   "votes": "FedPrLLM vote", "dense": "dense"}
+                   "votes": "FedPrLLM vote", "dense": "dense",
+                   "public": "public text (centralized)"}
 
 
 def _rows(study: Study) -> list[dict[str, Any]]:
@@ -443,6 +485,8 @@ def row_values(study: Study, results: Mapping[str, dict], row: Mapping[str, Any]
             if eps and s["dp_placement"] != row["placement"]:
                 continue
             out[f"eps:{eps:g}"] = results.get(cell.id)
+        elif cell.kind == PUBLIC_CELL:
+            out["public"] = results.get(cell.id)
         elif cell.kind in _REFERENCE:
             out[_REFERENCE[cell.kind]] = results.get(cell.id)
     return out
@@ -484,8 +528,10 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
             "(delta and the clip bounds as fixed below; the noise multiplier and the epsilon "
             "the accountant spent over every layer's release are in the next table), beside "
             "the dense model, centralized pruning on the pooled windows, site 0 alone "
-            "(local-only) and FedPrLLM's one-shot vote (server "
-            f"{options['vote_group']} group) at the same budget (sites x windows per site). "
+            "(local-only), FedPrLLM's one-shot vote (server "
+            f"{options['vote_group']} group) at the same budget (sites x windows per site) "
+            "and centralized pruning on as many windows of public text (no site's data: "
+            "the baseline a DP run must beat). "
             "`no DP` is plain statistics mode, which is centralized pruning on the same "
             "windows (the last column compares the two perplexities). The noise is "
             f"{SEEDED_NOTE}. Fixed: {fixed}.")
@@ -554,7 +600,7 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.2), squeeze=False)
     styles = {"centralized": "--", "no DP": (0, (1, 1)), "local-only": ":", "votes": "-.",
-              "dense": "-"}
+              "dense": "-", "public": (0, (5, 1, 1, 1))}
     eps = [e for e in options["epsilons"] if e > 0]
     values_all: list[float] = []
     for ax, (method, lines) in zip(axes[0], sorted(panels.items())):

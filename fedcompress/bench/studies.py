@@ -217,7 +217,7 @@ KINDS: dict[str, StudyKind] = {k.name: k for k in (
     StudyKind("personalize", ("personalize",), _lazy(_PERSONALIZE, "plan_study"),
               _lazy(_PERSONALIZE, "record_cell"), _lazy(_PERSONALIZE, "run_cells"),
               _lazy(_PERSONALIZE, "study_tables"), _lazy(_PERSONALIZE, "study_plots")),
-    StudyKind("dp", ("dp-stats",), _lazy(_DP, "plan_study"), _lazy(_DP, "record_cell"),
+    StudyKind("dp", ("dp-stats", "dp-public"), _lazy(_DP, "plan_study"), _lazy(_DP, "record_cell"),
               _lazy(_DP, "run_cells"), _lazy(_DP, "study_tables"), _lazy(_DP, "study_plots"),
               overrides=EVAL_KEYS),
     StudyKind("dp-leakage", ("dp-leakage",), _lazy(_DP_LEAKAGE, "plan_study"),
