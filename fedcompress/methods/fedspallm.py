@@ -28,7 +28,7 @@ was written, so every choice below that the abstract leaves open is named as suc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
