@@ -71,6 +71,11 @@ def test_assign_layers_covers_every_layer_within_each_budget():
     assert set().union(*map(set, out)) == set(range(6))
     assert out == assign_layers(6, [2, 3, 1, 4], seed=3)
     assert assign_layers(3, [3, 3], seed=0) == [[0, 1, 2], [0, 1, 2]]
+    # budgets that add up to twice the layers: not the same sets in turn (random fills)
+    halves = [assign_layers(30, [15] * 4, seed=s) for s in range(5)]
+    assert any(h[0] != h[2] for h in halves)
+    for h in halves:
+        assert set(h[0]) | set(h[1]) | set(h[2]) | set(h[3]) == set(range(30))
     with pytest.raises(ValueError, match="add up to 4 < 6"):
         assign_layers(6, [2, 2], seed=0)
     with pytest.raises(ValueError, match=r"budgets \[7\]"):

@@ -20,9 +20,10 @@ was written, so every choice below that the abstract leaves open is named as suc
   matrix". The count order is the open reading of "mask expansion" (a third-party
   reimplementation reads it the same way); the magnitude tie-break is this module's choice.
 * **Layer sampling** (:func:`assign_layers`): the server gives each site as many decoder layers
-  as its resources allow, drawn uniformly from one shuffled order of the layers, so that every
-  layer is pruned by at least one site (the paper's sampling distribution was not readable:
-  this is this module's choice, and it refuses budgets that leave a layer unassigned).
+  as its resources allow: every layer first goes to some site (one shuffled order, dealt in
+  turn), then each site's budget is filled uniformly at random (the paper's sampling
+  distribution was not readable: this is this module's choice, and it refuses budgets that
+  leave a layer unassigned).
 * One round (one-shot).
 """
 
@@ -46,10 +47,12 @@ VALUE_BYTES = 4
 
 def assign_layers(n_layers: int, budgets: Sequence[int], seed: int) -> list[list[int]]:
     """Each site's decoder layers: site ``i`` gets ``budgets[i]`` distinct layers (what its
-    resources allow), taken in turn from one uniformly shuffled order of the ``n_layers``
-    layers (seeded: the server's public choice), wrapping around, so that every layer goes to
-    at least one site. Refuses a budget outside ``1..n_layers`` or budgets that add up to fewer
-    than ``n_layers`` (a layer no site prunes would stay dense)."""
+    resources allow). First every layer, in one uniformly shuffled order, goes to a site in
+    turn (skipping the sites whose budget is full), so that every layer is pruned by at least
+    one site; then each site fills the rest of its budget with layers drawn uniformly from the
+    ones it does not have. Seeded: the server's public choice. Refuses a budget outside
+    ``1..n_layers`` or budgets that add up to fewer than ``n_layers`` (a layer no site prunes
+    would stay dense)."""
     if n_layers < 1:
         raise ValueError(f"{n_layers} decoder layers: expected at least 1")
     budgets = [int(b) for b in budgets]
@@ -61,12 +64,18 @@ def assign_layers(n_layers: int, budgets: Sequence[int], seed: int) -> list[list
     if sum(budgets) < n_layers:
         raise ValueError(f"layer budgets {budgets} add up to {sum(budgets)} < {n_layers} "
                          "layers: a layer no site prunes would stay dense")
-    order = np.random.default_rng(seed).permutation(n_layers)
-    out, pos = [], 0
-    for budget in budgets:
-        out.append(sorted(int(order[(pos + j) % n_layers]) for j in range(budget)))
-        pos += budget
-    return out
+    rng = np.random.default_rng(seed)
+    sets: list[set[int]] = [set() for _ in budgets]
+    site = 0
+    for layer in rng.permutation(n_layers):
+        while len(sets[site]) == budgets[site]:
+            site = (site + 1) % len(budgets)
+        sets[site].add(int(layer))
+        site = (site + 1) % len(budgets)
+    for own, budget in zip(sets, budgets):
+        rest = [i for i in range(n_layers) if i not in own]
+        own.update(int(i) for i in rng.choice(rest, size=budget - len(own), replace=False))
+    return [sorted(own) for own in sets]
 
 
 @dataclass
