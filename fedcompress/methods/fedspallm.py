@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcompress.masks.aggregate import global_mask
+from fedcompress.masks.aggregate import count_dtype, global_mask
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan
 from fedcompress.pruning.local import PruneConfig, local_masks
@@ -155,7 +155,7 @@ def aggregate_layer(masks: Sequence[torch.Tensor], values: Sequence[torch.Tensor
     the most sites that pruned them (ties: the smallest averaged ``|W|``, then the index), the
     kept ones at their average."""
     average, keepers = l0_average(masks, values)
-    pruners = (len(masks) - keepers).to(torch.int16)
+    pruners = (len(masks) - keepers).to(count_dtype(len(masks)))
     mask = global_mask(pruners, sparsity, group, "magnitude", average)
     kept_unheld = int(((keepers == 0) & ~mask).sum())
     if kept_unheld:
