@@ -70,6 +70,20 @@ def test_the_plan_of_a_dp_study(tiny_dir, corpus):
     # a stored record finds its cell again
     record = {"kind": "dp-stats", **dict(dp[3].client), "eval": dict(dp[3].evals)}
     assert dp_study.record_cell(record).id == dp[3].id
+    # a DP record from before dp_normalize existed released raw statistics: not this cell
+    legacy = {k: v for k, v in record.items() if k != "dp_normalize"}
+    assert dp[3].settings()["dp_epsilon"] and dp[3].settings()["dp_normalize"] == "public"
+    assert dp_study.record_cell(legacy).settings()["dp_normalize"] == "none"
+    assert dp_study.record_cell(legacy).id != dp[3].id
+    plain = next(c for c in dp if not c.settings()["dp_epsilon"])
+    plain_record = {k: v for k, v in plain.client if k != "dp_normalize"}
+    assert dp_study.record_cell({"kind": "dp-stats", **plain_record,
+                                 "eval": dict(plain.evals)}).id == plain.id
+    # both normalizations side by side: a swept setting
+    (both,) = plan(_config(tiny_dir, corpus, dp_normalize=["public", "none"], epsilon=8,
+                           baselines=[]))
+    assert both.options["rows"] == ["dp_normalize"]
+    assert sorted(c.settings()["dp_normalize"] for c in both.cells) == ["none", "public"]
     public_cell = next(c for c in study.cells if c.kind == "dp-public")
     record = {"kind": "dp-public", **dict(public_cell.client), "eval": dict(public_cell.evals)}
     assert dp_study.record_cell(record).id == public_cell.id

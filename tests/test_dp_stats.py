@@ -96,14 +96,25 @@ def test_secret_rng_differs_and_seeded_rng_repeats():
 # -- clipping and sensitivity -------------------------------------------------------------------
 
 
-def _release(model, wins, hessian, bounds):
+def _release(model, wins, hessian, bounds, scales=None):
     inputs = layer0_inputs(model, wins)
     layer = ModelAdapter(model).layers[0]
-    return dps.clipped_layer_stats(layer, inputs, hessian, bounds, batch_size=3)
+    return dps.clipped_layer_stats(layer, inputs, hessian, bounds, batch_size=3, scales=scales)
+
+
+def _random_scales(model, spread=1e4, seed=0):
+    """Positive per-coordinate scales of layer 0's blocks, over ``spread`` orders of size."""
+    from fedcompress.methods.fedprllm.stats import layer_in_features, layer_sharing
+
+    gen = torch.Generator().manual_seed(seed)
+    shared = layer_sharing(model, 0)
+    return {k: spread ** torch.rand(d, generator=gen, dtype=torch.float64)
+            for k, d in layer_in_features(model, 0).items() if k not in shared}
 
 
 @pytest.mark.parametrize("hessian", [False, True])
-def test_one_replaced_window_moves_each_block_by_at_most_sqrt2_c(tiny, hessian):
+@pytest.mark.parametrize("normalized", [False, True])
+def test_one_replaced_window_moves_each_block_by_at_most_sqrt2_c(tiny, hessian, normalized):
     base = windows(6)
     inputs = layer0_inputs(tiny, base)
     layer = ModelAdapter(tiny).layers[0]
@@ -111,8 +122,10 @@ def test_one_replaced_window_moves_each_block_by_at_most_sqrt2_c(tiny, hessian):
     blocks = sorted(set(owners.values()))
     assert len(blocks) == 4  # q/k/v, o, gate/up, down
     # bounds far below the windows' norms: every window is clipped
-    bounds = {k: 1e-3 * (i + 1) for i, k in enumerate(blocks)}
-    release = _release(tiny, base, hessian, bounds)
+    # normalized: the bound holds in the normalized units, whatever the (public) scales
+    scales = _random_scales(tiny) if normalized else None
+    bounds = {k: 1e-3 * (i + 1) * (1e-6 if normalized else 1) for i, k in enumerate(blocks)}
+    release = _release(tiny, base, hessian, bounds, scales)
     assert all(release.clipped[k] == 6 for k in blocks)
     # sharers hold one object, which encode_stats sends once
     assert release.stats["self_attn.q_proj"] is release.stats["self_attn.k_proj"]
@@ -125,10 +138,11 @@ def test_one_replaced_window_moves_each_block_by_at_most_sqrt2_c(tiny, hessian):
     hidden = inputs.hidden.clone()
     hidden[2] = other
     b = _vec(dps.clipped_layer_stats(layer, LayerInputs(hidden, inputs.layer_kwargs, 0),
-                                     hessian, bounds, 3).stats, hessian)
+                                     hessian, bounds, 3, scales).stats, hessian)
     # and the dataset with window 2 removed (add/remove adjacency)
     removed = LayerInputs(inputs.hidden[[0, 1, 3, 4, 5]], inputs.layer_kwargs, 0)
-    c = _vec(dps.clipped_layer_stats(layer, removed, hessian, bounds, 3).stats, hessian)
+    c = _vec(dps.clipped_layer_stats(layer, removed, hessian, bounds, 3, scales).stats,
+             hessian)
     total = 0.0
     for k in blocks:
         diff = float(torch.linalg.norm(a[k] - b[k]))
@@ -156,6 +170,78 @@ def test_unclipped_windows_sum_to_the_plain_statistics(tiny):
         dps.clipped_layer_stats(layer, inputs, False, {"nope": 1.0, **{k: 1.0 for k in blocks}})
     with pytest.raises(ValueError, match="no clip bound"):
         dps.clipped_layer_stats(layer, inputs, False, {})
+
+
+@pytest.mark.parametrize("hessian", [False, True])
+def test_normalized_sums_map_back_to_the_plain_statistics(tiny, hessian):
+    """Unclipped and noise-free, normalizing then :func:`denormalize` is the identity: the
+    server gets the inputs' own statistics back (Wanda's square sums, SparseGPT's Hessian)."""
+    from fedcompress.pruning.walker import collect_stats
+
+    wins = windows(5, seed=4)
+    inputs = layer0_inputs(tiny, wins)
+    layer = ModelAdapter(tiny).layers[0]
+    plain = collect_stats(layer, inputs, hessian=hessian, batch_size=2)
+    scales = _random_scales(tiny, seed=2)
+    release = dps.clipped_layer_stats(layer, inputs, hessian, {k: 1e30 for k in scales}, 2,
+                                      scales)
+    normalized = _vec(release.stats, hessian)
+    some = sorted(scales)[0]
+    assert not torch.allclose(normalized[some], _vec(plain, hessian)[some], rtol=1e-3)
+    dps.denormalize(release.stats, scales, hessian)
+    for name, st in plain.items():
+        got = release.stats[name]
+        assert torch.allclose(got.sq_sum, st.sq_sum, rtol=1e-9, atol=1e-12)
+        if hessian:
+            assert torch.allclose(got.hessian_sum, st.hessian_sum, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="no public scales"):
+        dps.denormalize(release.stats, {}, hessian)
+    with pytest.raises(ValueError, match="no public scales"):
+        next(dps.window_sums(layer, inputs, hessian, 2, {}))
+
+
+def test_public_scales_are_the_public_mean_squares(tiny):
+    """Each block's scales are its inputs' per-token mean squares over the public windows
+    (what Wanda's ``scaler_row`` is), the same at every call; the bounds are then a quantile
+    of the NORMALIZED window norms."""
+    from fedcompress.pruning.walker import collect_stats
+
+    wins = windows(10, seed=3)
+    calib = dps.public_calibration(tiny, wins, hessian=False, quantile=1.0, batch_size=4)
+    assert calib.normalize == "public" and len(calib.scales) == 2
+    plain = collect_stats(ModelAdapter(tiny).layers[0], layer0_inputs(tiny, wins), False, 4)
+    for k, c in calib.scales[0].items():
+        want = plain[k].sq_sum / plain[k].tokens
+        assert torch.allclose(c, torch.clamp(want, min=dps.SCALE_FLOOR * float(want.max())),
+                              rtol=1e-9)
+    again = dps.public_scales(tiny, wins, batch_size=4)
+    assert all(torch.equal(again[i][k], calib.scales[i][k]) for i in range(2)
+               for k in again[i])
+    # at the maximum, no public window is clipped in normalized units
+    bounds = {k: c * 1.0001 for k, c in calib.bounds[0].items()}
+    assert all(v == 0 for v in _release(tiny, wins, False, bounds,
+                                        calib.scales[0]).clipped.values())
+    raw = dps.public_clip_bounds(tiny, wins, hessian=False, quantile=1.0, batch_size=4)
+    assert any(not math.isclose(raw[0][k], calib.bounds[0][k]) for k in raw[0])
+
+
+def test_a_plan_takes_public_scales_only_with_public_normalization():
+    bounds = [{"a": 1.0}]
+    good = [{"a": torch.ones(4, dtype=torch.float64)}]
+    plan = dps.plan_dp_stats(8.0, 1e-5, "central", bounds, normalize="public", scales=good)
+    assert plan.layer_scales(0) is plan.scales[0]
+    assert plan.ledger_mechanism()["normalize"] == "public"
+    assert "scales_digest" in plan.ledger_mechanism()
+    raw = dps.plan_dp_stats(8.0, 1e-5, "central", bounds)
+    assert raw.layer_scales(0) is None and raw.ledger_mechanism()["normalize"] == "none"
+    for kwargs, match in [(dict(normalize="public"), "public scales exactly"),
+                          (dict(scales=good), "public scales exactly"),
+                          (dict(normalize="whiten", scales=good), "normalize"),
+                          (dict(normalize="public", scales=[{"b": good[0]["a"]}]), "blocks"),
+                          (dict(normalize="public", scales=good * 2), "2 layers"),
+                          (dict(normalize="public", scales=[{"a": torch.zeros(4)}]), "> 0")]:
+        with pytest.raises(ValueError, match=match):
+            dps.plan_dp_stats(8.0, 1e-5, "central", bounds, **kwargs)
 
 
 def test_public_tokens_only():

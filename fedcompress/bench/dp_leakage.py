@@ -108,6 +108,8 @@ class DpLeakageConfig(Settings):
     clip_quantile: float = setting(0.95, "Quantile of the public per-window norms (clip "
                                    "bounds).", gt=0.0, le=1.0)
     public_windows: int = setting(32, "Public windows the clip bounds are measured on.", ge=1)
+    normalize: str = setting("public", "Input normalization before clipping (public: by the "
+                             "public scales; none: raw statistics).", choices=("public", "none"))
     batch_size: int = setting(4, "Windows per forward.", ge=1)
     seed: int = setting(0, "Seed of the windows' draw (and of the noise, per trial).", ge=0)
     mask_view: bool = setting(True, "Also attack the released mask: one noise-free pruning of "
@@ -165,17 +167,19 @@ def _layer_stats(blocks: Mapping[str, torch.Tensor], owners: Mapping[str, str],
 
 @torch.no_grad()
 def window_blocks(layer: torch.nn.Module, inputs: Any, hessian: bool,
-                  bounds: Mapping[str, float], batch_size: int = 8
+                  bounds: Mapping[str, float], batch_size: int = 8,
+                  scales: Mapping[str, torch.Tensor] | None = None
                   ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Every window's own clipped statistics of ``layer``, as the sites clip them
     (:func:`fedcompress.privacy.dp_stats.window_sums`, each window's block norms scaled by
     :func:`fedcompress.privacy.dp_stats.clip_factors`, what
     :func:`~fedcompress.privacy.dp_stats.clipped_layer_stats` sums): ``(window index,
     {block: flat vector})`` (square sums; the Hessian's upper triangle with ``hessian``). A
-    bound of ``inf`` clips nothing (no DP)."""
+    bound of ``inf`` clips nothing (no DP). ``scales``: the plan's public scales (the sites
+    normalize their inputs by them before clipping; the release is in those units)."""
     from fedcompress.privacy import dp_stats as dps
 
-    for start, sq, hs in dps.window_sums(layer, inputs, hessian, batch_size):
+    for start, sq, hs in dps.window_sums(layer, inputs, hessian, batch_size, scales):
         factors = dps.clip_factors(dps._block_norms(sq, hs, hessian), bounds)
         for b in range(next(iter(sq.values())).shape[0]):
             out = {}
@@ -260,16 +264,18 @@ def measure(config: DpLeakageConfig, device: str | None = None,
                          dp_placement=config.placement,
                          secagg=dp and config.placement == "distributed",
                          dp_clip_quantile=config.clip_quantile,
-                         dp_public_windows=config.public_windows)
+                         dp_public_windows=config.public_windows,
+                         dp_normalize=config.normalize)
     prune = fed.prune
     hessian = prune.needs_hessian
     the_plan = None
     if dp:
         request = dpm.DpRequest.from_config(fed, L, S)
-        bounds = dpm.clip_bounds(model, lm.tokenizer, request, hessian, config.batch_size)
-        the_plan = dpm.plan(request, bounds, dpm.block_dims(model, bounds, hessian))
+        calib = dpm.public_calibration(model, lm.tokenizer, request, hessian,
+                                       config.batch_size)
+        the_plan = dpm.plan(request, calib, dpm.block_dims(model, calib.bounds, hessian))
     else:
-        bounds = None
+        calib = None
     timings["setup"] = timings.get("setup", 0.0) + time.perf_counter() - start
 
     groups: dict[str, tuple[list[list[float]], list[list[bool]]]] = {k: ([], [])
@@ -286,7 +292,7 @@ def measure(config: DpLeakageConfig, device: str | None = None,
         ref, fresh, kept = drawn["ref"], drawn["fresh"], set(drawn["kept"])
         dp_seed = trial_seed if dp else None
         run = stats_prune(model, drawn["sites"], fed, tokenizer=lm.tokenizer, dp_seed=dp_seed,
-                          keep_release=True, dp_bounds=bounds)
+                          keep_release=True, dp_calibration=calib)
         if dp and not math.isclose(run.dp["sigma"], the_plan.sigma):
             raise RuntimeError(f"the run's sigma {run.dp['sigma']} is not the attacker's "
                                f"{the_plan.sigma}: the plans differ")
@@ -310,11 +316,13 @@ def measure(config: DpLeakageConfig, device: str | None = None,
             owners_list = sorted(release_stats)
             if the_plan is not None:
                 layer_bounds = the_plan.bounds[layer]
+                layer_scales = the_plan.layer_scales(layer)
                 std = the_plan.noise_std(layer)
                 if the_plan.placement == "distributed":
                     std = {k: s * math.sqrt(S / the_plan.threshold) for k, s in std.items()}
             else:
                 layer_bounds = dict.fromkeys(owners_list, math.inf)
+                layer_scales = None
                 std = dict.fromkeys(owners_list, 1.0)
             release = _blocks(release_stats, owners_list, hessian)
             total: dict[str, torch.Tensor] | None = None
@@ -324,7 +332,7 @@ def measure(config: DpLeakageConfig, device: str | None = None,
                 dims = {k: int(weight_matrix(m).shape[1]) for k, m in
                         ModelAdapter.linear_layers(module).items() if k in owners_list}
                 for w, vec in window_blocks(module, inputs, hessian, layer_bounds,
-                                            config.batch_size):
+                                            config.batch_size, layer_scales):
                     if w < S * W:
                         total = vec if total is None else _add(total, vec)
                     if w in kept:
@@ -352,8 +360,11 @@ def measure(config: DpLeakageConfig, device: str | None = None,
                 del per, total
                 continue
 
-            def mask_of(blocks, windows, layer=layer, owners=owners, dims=dims):
+            def mask_of(blocks, windows, layer=layer, owners=owners, dims=dims,
+                        scales=layer_scales):
                 stats = _layer_stats(blocks, owners, dims, hessian, windows * config.seqlen)
+                if scales is not None:  # as the server: back to the inputs' units
+                    dps.denormalize(stats, scales, hessian)
                 return prune_layer(model, layer, stats, prune)[0]
 
             for i, t in enumerate(targets):
@@ -435,10 +446,11 @@ def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
 
 
 def record_cell(record: Mapping[str, Any]) -> Cell:
-    """The cell a stored record belongs to (settings it lacks take their default)."""
+    """The cell a stored record belongs to (settings it lacks take their default, but
+    ``normalize``: a record from before it existed released raw statistics)."""
     from fedcompress.bench.studies import stored_cell
 
-    return stored_cell(KIND, record, DpLeakageConfig)
+    return stored_cell(KIND, record, DpLeakageConfig, legacy={"normalize": "none"})
 
 
 def run_cell(cell: Cell, device: str | None = None) -> dict:

@@ -295,11 +295,13 @@ def dp_cell(name: str, point: Mapping[str, Any], evals: Mapping[str, Any], epsil
 
 def record_cell(record: Mapping[str, Any]) -> Cell:
     """The cell a stored DP record belongs to (settings it lacks, added later, take their
-    default)."""
+    default, but ``dp_normalize``: a DP record from before it existed released raw
+    statistics)."""
     from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 
     kind = PUBLIC_CELL if record.get("kind") == PUBLIC_CELL else DP_CELL
-    cell = stored_cell(kind, record, FedPrLLMConfig, drop=SERVER_KEYS)
+    legacy = {"dp_normalize": "none"} if record.get("dp_epsilon") else None
+    cell = stored_cell(kind, record, FedPrLLMConfig, drop=SERVER_KEYS, legacy=legacy)
     return Cell(kind, cell.client, (), tuple(sorted(record.get("eval", {}).items())))
 
 

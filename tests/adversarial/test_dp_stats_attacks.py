@@ -22,8 +22,8 @@ def model():
 
 def request(**kw):
     base = dict(epsilon=8.0, delta=1e-5, placement="distributed", unit="window", clip=5.0,
-                clip_quantile=0.95, public_windows=8, releases=LAYERS, sites=5, threshold=3,
-                windows=4, seqlen=16)
+                normalize="none", clip_quantile=0.95, public_windows=8, releases=LAYERS,
+                sites=5, threshold=3, windows=4, seqlen=16)
     base.update(kw)
     return dpm.DpRequest(**base)
 
@@ -33,9 +33,22 @@ def policy(tmp_path, **kw):
 
 
 def plan_for(model, pol, req):
-    bounds = dpm.clip_bounds(model, None, req, hessian=False)
-    dims = dpm.block_dims(model, bounds, hessian=False)
-    return dpm.site_plan(pol, req, LAYERS, bounds, dims)
+    """The site's plan; with ``normalize="public"``, unit scales stand for the public ones (the
+    tiny model has no tokenizer for public text)."""
+    import torch
+
+    from fedcompress.methods.fedprllm.stats import layer_in_features
+    from fedcompress.privacy.dp_stats import PublicCalibration
+
+    calib = dpm.public_calibration(model, None, dpm.DpRequest(**{**req.__dict__,
+                                                                 "normalize": "none"}),
+                                   hessian=False)
+    if req.normalize == "public":
+        calib = PublicCalibration(calib.bounds, [
+            {k: torch.ones(layer_in_features(model, i)[k], dtype=torch.float64) for k in b}
+            for i, b in enumerate(calib.bounds)])
+    dims = dpm.block_dims(model, calib.bounds, hessian=False)
+    return dpm.site_plan(pol, req, LAYERS, calib, dims)
 
 
 def test_an_honest_request_is_planned(model, tmp_path):
@@ -77,6 +90,7 @@ def _dp_releases(ledger):
     dict(epsilon=6.0),       # another budget mid-run (another sigma)
     dict(placement="central"),
     dict(releases=LAYERS + 3),  # more releases announced after the first
+    dict(normalize="public"),   # normalized inputs after raw ones (another clipping)
 ])
 def test_the_mechanism_cannot_change_mid_run(model, tmp_path, change):
     pol = policy(tmp_path, dp_placements=("central", "distributed"))
@@ -136,7 +150,7 @@ def test_in_process_run_refused_before_any_release(tmp_path, tiny_dir):
     tiny = load_model(tiny_dir, device="cpu").model
     config = FedPrLLMConfig(model=tiny_dir, clients=2, samples_per_client=2, seqlen=16,
                             batch_size=2, aggregate="stats", dp_epsilon=8.0,
-                            dp_placement="central", dp_clip=5.0)
+                            dp_placement="central", dp_clip=5.0, dp_normalize="none")
     policies = [SitePolicy(state_dir=str(tmp_path / "a"), dp_placements=("central",)),
                 SitePolicy(state_dir=str(tmp_path / "b"), max_epsilon=4.0,
                            dp_placements=("central",))]

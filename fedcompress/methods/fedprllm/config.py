@@ -203,6 +203,13 @@ class FedPrLLMConfig(Settings):
                              "statistic (0: from public text, --dp-clip-quantile of the "
                              "per-window norms of the bundled wiki corpus' validation windows "
                              "through the dense model, per layer and input).", ge=0.0)
+    dp_normalize: str = setting(
+        "public", "DP statistics: public (each input coordinate divided by its public "
+        "root-mean-square, from the same public windows as the clip bounds, before a window's "
+        "statistics are clipped and noised, and multiplied back after the noise: free, and every "
+        "coordinate then carries signal above the noise) or none (raw statistics: the few "
+        "outlier channels take the clip bound and most coordinates sit below the noise).",
+        choices=("public", "none"))
     dp_clip_quantile: float = setting(0.95, "DP statistics: quantile of the public per-window "
                                       "norms used as the default clip bound.", gt=0.0, le=1.0)
     dp_public_windows: int = setting(32, "DP statistics: public windows the default clip "

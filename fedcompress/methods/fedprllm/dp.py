@@ -10,7 +10,8 @@ method's glue:
   (:class:`~fedcompress.privacy.policy.SitePolicy`: an epsilon above ``max-epsilon``, a delta
   above ``max-delta``, a placement outside ``dp-placements``, no DP without ``allow-no-dp``, a
   SecAgg+ threshold below its floor, fewer releases than the model has layers: refused), the
-  clip bounds come from public text (:func:`clip_bounds`, the same at every party) and the
+  clip bounds (and the scales the inputs are normalized by) come from public text
+  (:func:`public_calibration`, the same at every party) and the
   noise from its own accountant; each release is checked and recorded by its ledger
   (:func:`record_release`: the run's first release fixes the mechanism, at most ``L``
   releases);
@@ -51,6 +52,8 @@ class DpRequest:
         placement: ``central`` or ``distributed``.
         unit: Privacy unit (``window``).
         clip: A fixed clip bound for every block (0: the public default).
+        normalize: ``public`` (inputs normalized by their public scales before clipping) or
+            ``none``.
         clip_quantile: Quantile of the public per-window norms (the default bounds).
         public_windows: Public windows the default bounds are measured on.
         releases: Layer releases of the run (the model's decoder layers).
@@ -65,6 +68,7 @@ class DpRequest:
     placement: str
     unit: str
     clip: float
+    normalize: str
     clip_quantile: float
     public_windows: int
     releases: int
@@ -77,7 +81,8 @@ class DpRequest:
     def from_config(cls, config: FedPrLLMConfig, releases: int, sites: int) -> DpRequest:
         threshold = config.threshold_for(sites) if config.dp_placement == "distributed" else 0
         return cls(float(config.dp_epsilon), float(config.dp_delta), config.dp_placement,
-                   config.dp_unit, float(config.dp_clip), float(config.dp_clip_quantile),
+                   config.dp_unit, float(config.dp_clip), config.dp_normalize,
+                   float(config.dp_clip_quantile),
                    int(config.dp_public_windows), int(releases), int(sites), int(threshold),
                    int(config.samples_per_client), int(config.seqlen))
 
@@ -91,29 +96,43 @@ class DpRequest:
         missing = sorted(f"dp_{k}" for k in names if f"dp_{k}" not in record)
         if missing:
             raise ValueError(f"DP request without {missing}")
-        kinds = {"placement": str, "unit": str, "epsilon": float, "delta": float,
+        kinds = {"placement": str, "unit": str, "normalize": str, "epsilon": float,
+                 "delta": float,
                  "clip": float, "clip_quantile": float}
         return cls(**{k: kinds.get(k, int)(record[f"dp_{k}"]) for k in names})
 
 
-def clip_bounds(model: nn.Module, tokenizer: Any, request: DpRequest, hessian: bool,
-                batch_size: int = 8) -> list[dict[str, float]]:
-    """Each decoder layer's clip bound per block: ``request.clip`` for every block when set,
-    else :func:`~fedcompress.privacy.dp_stats.public_clip_bounds` on
+def public_calibration(model: nn.Module, tokenizer: Any, request: DpRequest, hessian: bool,
+                       batch_size: int = 8) -> dps.PublicCalibration:
+    """Each decoder layer's clip bound per block (``request.clip`` for every block when set)
+    and, with ``request.normalize == "public"``, each block's public scales:
+    :func:`~fedcompress.privacy.dp_stats.public_calibration` on
     :func:`~fedcompress.privacy.dp_stats.public_windows` (public text only: every party
     computes the same values)."""
     from fedcompress.methods.fedprllm.stats import layer_in_features, layer_sharing
     from fedcompress.models import ModelAdapter
 
-    if request.clip > 0:
-        out = []
-        for layer in range(len(ModelAdapter(model))):
-            shared = layer_sharing(model, layer)
-            out.append({name: float(request.clip) for name in layer_in_features(model, layer)
-                        if name not in shared})
-        return out
-    windows = dps.public_windows(tokenizer, request.seqlen, request.public_windows)
-    return dps.public_clip_bounds(model, windows, hessian, request.clip_quantile, batch_size)
+    if request.normalize not in dps.NORMALIZATIONS:
+        raise ValueError(f"dp_normalize={request.normalize!r}: expected one of "
+                         f"{dps.NORMALIZATIONS}")
+    calib = None
+    if request.clip <= 0 or request.normalize == "public":
+        if tokenizer is None:
+            raise ValueError("public clip bounds or scales need the model's tokenizer (for "
+                             "the public windows): expected a tokenizer, or dp_clip > 0 with "
+                             "dp_normalize 'none'")
+        windows = dps.public_windows(tokenizer, request.seqlen, request.public_windows)
+        calib = dps.public_calibration(model, windows, hessian, request.clip_quantile,
+                                       batch_size, request.normalize)
+    if request.clip <= 0:
+        assert calib is not None
+        return calib
+    out = []
+    for layer in range(len(ModelAdapter(model))):
+        shared = layer_sharing(model, layer)
+        out.append({name: float(request.clip) for name in layer_in_features(model, layer)
+                    if name not in shared})
+    return dps.PublicCalibration(out, calib.scales if calib is not None else None)
 
 
 def block_dims(model: nn.Module, bounds: Sequence[Mapping[str, float]], hessian: bool
@@ -129,21 +148,27 @@ def block_dims(model: nn.Module, bounds: Sequence[Mapping[str, float]], hessian:
     return out
 
 
-def plan(request: DpRequest, bounds: Sequence[Mapping[str, float]],
+def plan(request: DpRequest, calib: dps.PublicCalibration,
          dims: Sequence[Mapping[str, int]]) -> DpStatsPlan:
     """The run's mechanism for ``request`` (the server's and every site's own computation:
     deterministic, from public values)."""
     clip = "fixed" if request.clip > 0 else f"public-q{request.clip_quantile:g}"
+    if calib.normalize != request.normalize:
+        raise ValueError(f"public calibration normalized {calib.normalize!r}: the request "
+                         f"asks {request.normalize!r}")
+    bounds = calib.bounds
     if request.placement == "central":
-        return dps.plan_dp_stats(request.epsilon, request.delta, "central", bounds, clip=clip)
+        return dps.plan_dp_stats(request.epsilon, request.delta, "central", bounds, clip=clip,
+                                 normalize=calib.normalize, scales=calib.scales)
     gaussian = dps.gaussian_sigma(request.epsilon, request.delta, len(bounds))
     frac_bits = dps.dp_frac_bits(gaussian, bounds, request.windows, request.sites)
     return dps.plan_dp_stats(request.epsilon, request.delta, "distributed", bounds, dims,
-                             frac_bits, request.threshold, clip=clip)
+                             frac_bits, request.threshold, clip=clip,
+                             normalize=calib.normalize, scales=calib.scales)
 
 
 def site_plan(policy: SitePolicy, request: DpRequest, n_layers: int,
-              bounds: Sequence[Mapping[str, float]], dims: Sequence[Mapping[str, int]]
+              calib: dps.PublicCalibration, dims: Sequence[Mapping[str, int]]
               ) -> DpStatsPlan | None:
     """This site's mechanism for ``request`` under ITS policy (None: no DP, which only a policy
     with ``allow-no-dp`` accepts); :class:`~fedcompress.privacy.policy.PolicyError` for a
@@ -166,11 +191,14 @@ def site_plan(policy: SitePolicy, request: DpRequest, n_layers: int,
                               f"floor {floor} of {request.sites} sites (node config "
                               "secagg-min-fraction, secagg-max-colluders): fewer honest sites' "
                               "noise would reach the sum")
-    if len(bounds) != request.releases:
+    if len(calib.bounds) != request.releases:
         # more releases than layers: the bounds of the model's layers, the noise for all
-        bounds = list(bounds) + [bounds[-1]] * (request.releases - len(bounds))
+        extra = request.releases - len(calib.bounds)
+        calib = dps.PublicCalibration(
+            list(calib.bounds) + [calib.bounds[-1]] * extra,
+            None if calib.scales is None else list(calib.scales) + [calib.scales[-1]] * extra)
         dims = list(dims) + [dims[-1]] * (request.releases - len(dims))
-    return plan(request, bounds, dims)
+    return plan(request, calib, dims)
 
 
 def record_release(ledger: Any, run_id: int | str, the_plan: DpStatsPlan, layer: int) -> Any:
@@ -187,7 +215,7 @@ def site_release(model: nn.Module, inputs: Any, the_plan: DpStatsPlan, layer: in
 
     with ModelAdapter(model).onloaded(inputs.layer) as module:
         clipped = dps.clipped_layer_stats(module, inputs, hessian, the_plan.bounds[layer],
-                                          batch_size)
+                                          batch_size, the_plan.layer_scales(layer))
     windows, seqlen = int(inputs.hidden.shape[0]), int(inputs.hidden.shape[1])
     for st in clipped.stats.values():
         dps.check_public_tokens(st.tokens, windows, seqlen)
@@ -227,10 +255,13 @@ def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: Dp
                   released: dict[str, Any] | None = None) -> dict[str, Any]:
     """The server's step on the sites' summed statistics of layer ``layer``: sharers get their
     owner's object (one noise draw per block), the central placement's Gaussian noise is added
-    (``rng``: a secret one by default), then post-processing. Returns ``stats``.
+    (``rng``: a secret one by default), then post-processing and, with normalization, the map
+    back to the inputs' units (:func:`~fedcompress.privacy.dp_stats.denormalize`). Returns
+    ``stats``.
     ``released``: filled with a copy of each block's statistics (by its owner's name) as the
-    server holds them after the noise and before post-processing (what the DP release is; the
-    attacks of :mod:`fedcompress.privacy.dp_attacks` score it)."""
+    server holds them after the noise and before post-processing (what the DP release is, in
+    normalized units with normalization; the attacks of :mod:`fedcompress.privacy.dp_attacks`
+    score it)."""
     for name, owner in shared.items():
         stats[name] = stats[owner]
     std = the_plan.noise_std(layer)
@@ -241,6 +272,9 @@ def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: Dp
     if released is not None:
         released.update({owner: copy_stats(stats[owner]) for owner in std})
     dps.postprocess(stats, std, hessian)
+    scales = the_plan.layer_scales(layer)
+    if scales is not None:
+        dps.denormalize(stats, scales, hessian)
     return stats
 
 
@@ -264,23 +298,25 @@ def report(the_plan: DpStatsPlan | None, site_epsilons: Sequence[float] = ()) ->
             "placement": the_plan.placement, "unit": the_plan.unit,
             "mechanism": the_plan.mechanism, "sigma": the_plan.sigma,
             "releases": the_plan.releases, "clip": the_plan.clip,
+            "normalize": the_plan.normalize,
             "frac_bits": the_plan.frac_bits, "threshold": the_plan.threshold,
             "epsilon_spent": the_plan.epsilon_after(the_plan.releases),
             "site_epsilon": [float(e) for e in site_epsilons]}
 
 
-#: Clip bounds computed in this process: ``{(model id, request fields): bounds}`` (public
-#: values; a warm site worker keeps them across messages, a per-message process recomputes).
-_BOUNDS: dict[tuple, list[dict[str, float]]] = {}
+#: Public calibrations computed in this process: ``{(model id, request fields): calibration}``
+#: (public values; a warm site worker keeps them across messages, a per-message process
+#: recomputes).
+_BOUNDS: dict[tuple, dps.PublicCalibration] = {}
 
 
-def cached_bounds(model: nn.Module, tokenizer: Any, request: DpRequest, hessian: bool,
-                  batch_size: int = 8) -> list[dict[str, float]]:
-    """:func:`clip_bounds`, computed once per process for a model and request."""
-    key = (id(model), request.clip, request.clip_quantile, request.public_windows,
-           request.seqlen, hessian)
+def cached_calibration(model: nn.Module, tokenizer: Any, request: DpRequest, hessian: bool,
+                       batch_size: int = 8) -> dps.PublicCalibration:
+    """:func:`public_calibration`, computed once per process for a model and request."""
+    key = (id(model), request.clip, request.normalize, request.clip_quantile,
+           request.public_windows, request.seqlen, hessian)
     if key not in _BOUNDS:
-        _BOUNDS[key] = clip_bounds(model, tokenizer, request, hessian, batch_size)
+        _BOUNDS[key] = public_calibration(model, tokenizer, request, hessian, batch_size)
     return _BOUNDS[key]
 
 
@@ -309,8 +345,9 @@ def site_step(policy: SitePolicy, ledger: Any, run_id: int | str, config: FedPrL
     request = DpRequest.from_config(config, n_layers, config.clients)
     policy.check_epsilon(request.epsilon or None, "dp_epsilon")  # refuse before any work
     hessian = config.prune.needs_hessian
-    bounds = cached_bounds(model, tokenizer, request, hessian, config.batch_size)
-    the_plan = site_plan(policy, request, n_layers, bounds, block_dims(model, bounds, hessian))
+    calib = cached_calibration(model, tokenizer, request, hessian, config.batch_size)
+    the_plan = site_plan(policy, request, n_layers, calib,
+                         block_dims(model, calib.bounds, hessian))
     if the_plan is None:
         return None
     shape = (int(inputs.hidden.shape[0]), int(inputs.hidden.shape[1]))
@@ -337,8 +374,8 @@ def server_plan(config: FedPrLLMConfig, model: nn.Module, tokenizer: Any
         return None
     request = DpRequest.from_config(config, len(ModelAdapter(model)), config.clients)
     hessian = config.prune.needs_hessian
-    bounds = cached_bounds(model, tokenizer, request, hessian, config.batch_size)
-    return plan(request, bounds, block_dims(model, bounds, hessian))
+    calib = cached_calibration(model, tokenizer, request, hessian, config.batch_size)
+    return plan(request, calib, block_dims(model, calib.bounds, hessian))
 
 
 def describe(the_plan: DpStatsPlan) -> str:
@@ -348,7 +385,8 @@ def describe(the_plan: DpStatsPlan) -> str:
              f"distributed: each site added a Skellam share in its SecAgg+ lanes (target noise "
              f"whenever at least {the_plan.threshold} sites are honest), accounted as Skellam")
     return (f"statistics of each site clipped per calibration window (privacy unit: one "
-            f"window; bounds {the_plan.clip}), noise multiplier {the_plan.sigma:.3g} over "
+            f"window; bounds {the_plan.clip}; input normalization {the_plan.normalize}), "
+            f"noise multiplier {the_plan.sigma:.3g} over "
             f"{the_plan.releases} layer releases for epsilon {the_plan.epsilon:g} "
             f"(accountant: {the_plan.epsilon_after(the_plan.releases):.3g}), delta "
             f"{the_plan.delta:g} per site; {where}")

@@ -42,6 +42,7 @@ from torch import nn
 
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from fedcompress.models import HESSIAN_DTYPE, ModelAdapter, weight_matrix
+from fedcompress.privacy.dp_stats import PublicCalibration
 from fedcompress.privacy.ledger import Ledger
 from fedcompress.privacy.policy import SitePolicy
 from fedcompress.pruning.local import STATS_METHODS, PruneConfig
@@ -578,7 +579,7 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
                 batch_size: int | None = None, frac_bits: int | None = None, *,
                 tokenizer=None, dp_sites: list[DpSite] | None = None, run_id: str = "local",
                 dp_seed: int | None = None, keep_release: bool = False,
-                dp_bounds: list[dict[str, float]] | None = None,
+                dp_calibration: PublicCalibration | None = None,
                 prune: PruneConfig | None = None) -> StatsRun:
     """Statistics-mode federated pruning in one process (tests, benchmarks): the same site
     steps, wire round trip and server step as the Flower strategy, sites one after another.
@@ -591,9 +592,9 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
     its ledger; the distributed placement sums fixed-point lanes at the plan's fractional bits
     (``frac_bits`` is then ignored). ``dp_seed``: seeded noise (tests only). ``keep_release``:
     keep what the server saw of each layer in :attr:`StatsRun.released` (research: the attacks
-    of :mod:`fedcompress.bench.dp_leakage`). ``dp_bounds``: the clip bounds when already
-    computed for this model and request (public values,
-    :func:`fedcompress.methods.fedprllm.dp.clip_bounds`; default: computed here).
+    of :mod:`fedcompress.bench.dp_leakage`). ``dp_calibration``: the clip bounds and scales
+    when already computed for this model and request (public values,
+    :func:`fedcompress.methods.fedprllm.dp.public_calibration`; default: computed here).
     ``prune``: the recipe, instead of ``config.prune`` (e.g. one that quantizes,
     :attr:`~fedcompress.pruning.local.PruneConfig.quant`; not with DP, whose request is built
     from ``config``); the quantization's integers are in :attr:`StatsRun.quant`."""
@@ -615,14 +616,14 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
     site_plans: list = []
     if config.dp:
         request = dpm.DpRequest.from_config(config, n_layers, len(windows))
-        bounds = (dp_bounds if dp_bounds is not None
-                  else dpm.clip_bounds(model, tokenizer, request, hessian, batch))
-        dims = dpm.block_dims(model, bounds, hessian)
-        plan = dpm.plan(request, bounds, dims)
+        calib = (dp_calibration if dp_calibration is not None
+                 else dpm.public_calibration(model, tokenizer, request, hessian, batch))
+        dims = dpm.block_dims(model, calib.bounds, hessian)
+        plan = dpm.plan(request, calib, dims)
         sites = dp_sites or [DpSite(SitePolicy(simulation=True)) for _ in windows]
         if len(sites) != len(windows):
             raise ValueError(f"{len(sites)} DP sites for {len(windows)} sites' windows")
-        site_plans = [dpm.site_plan(site.policy, request, n_layers, bounds, dims)
+        site_plans = [dpm.site_plan(site.policy, request, n_layers, calib, dims)
                       for site in sites]
         if plan.placement == "distributed":
             frac_bits = plan.frac_bits
