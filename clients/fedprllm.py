@@ -6,6 +6,8 @@ declares (``fedcompress.methods.fedprllm.METHOD.actions``):
 * ``train.masks`` (one-shot): every layer's masks in one reply;
 * ``train.layer_mask`` (iterative): one layer per round; this node keeps its activations in its
   Flower context state and first applies the server's global mask of the previous layer;
+* ``train.fedspallm`` (``aggregate=fedspallm``, the peer system): the masks and kept weights of
+  the decoder layers the server assigned this node;
 * ``query.outliers`` (``sparsity_profile=owl``, before the pruning rounds): OWL's outlier ratio of
   every decoder layer on this node's windows (L numbers, nothing else).
 
@@ -162,6 +164,23 @@ def oneshot_masks(message: Message, context: Context) -> Message:
     masks = _site_masks(message, context, config, partition, model, windows)
     return _reply(message, encode_wire(flatten_masks(masks), model, config,
                                        _reference(message)),
+                  {"seconds": time.perf_counter() - start, "windows": len(windows),
+                   "partition": partition})
+
+
+def fedspallm_release(message: Message, context: Context) -> Message:
+    """FedSpaLLM: SparseGPT on this node's windows over the decoder layers the server assigned
+    it (``layers``), the others dense; its masks and kept weights
+    (:func:`fedcompress.methods.fedspallm.site_release`, :func:`~fedcompress.methods.fedspallm.
+    encode_release`)."""
+    from fedcompress.methods.fedspallm import encode_release, site_release
+
+    config, partition, model, windows = _setup(message, context)
+    layers = [int(i) for i in message.content["layers"]["layers"]]
+    start = time.perf_counter()
+    release = site_release(model, windows, layers, config.sparsity, config.local_group,
+                           config.batch_size)
+    return _reply(message, encode_release(release),
                   {"seconds": time.perf_counter() - start, "windows": len(windows),
                    "partition": partition})
 

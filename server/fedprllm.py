@@ -73,10 +73,10 @@ def _check_quant(config: FedPrLLMConfig, server: RunSettings) -> None:
 
 def server_variants(config: FedPrLLMConfig, which: str) -> list[ServerConfig]:
     """``configured``: the run's server variant; ``all``: every group x scaling (one-shot)."""
-    if config.aggregate == "stats" and which != "configured":
-        raise ValueError(f"variants {which!r} with aggregate stats: expected 'configured' (the "
-                         "server variants are ways of voting; statistics mode has no vote)")
-    if which == "configured" or config.mode == "iterative" or config.aggregate == "stats":
+    if config.aggregate != "votes" and which != "configured":
+        raise ValueError(f"variants {which!r} with aggregate {config.aggregate}: expected "
+                         "'configured' (the server variants are ways of voting)")
+    if which == "configured" or config.mode == "iterative" or config.aggregate != "votes":
         return [config.server]
     if which != "all":
         raise ValueError(f"variants {which!r}: expected 'configured' or 'all'")
@@ -168,6 +168,9 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
                "**Unauthenticated** (simulation without secagg-key/secagg-peers): unsigned "
                "keys and no consistency round, so only an honest-but-curious server is "
                "covered."))))
+    if config.aggregate == "fedspallm":  # the server's public layer assignment, per node
+        report.extra["fedspallm_layers"] = {str(node): layers for node, layers
+                                            in getattr(strategy, "node_layers", {}).items()}
     if config.aggregate == "stats":
         report.extra["stats_layers"] = {str(k): v for k, v in
                                         getattr(strategy, "layer_cost", {}).items()}
@@ -193,6 +196,7 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         with report.phase("aggregate"):
             strategy.prune(model, variant)
         name = (f"fedprllm-stats-{config.local_group}" if config.aggregate == "stats"
+                else f"fedspallm-{variant.group}" if config.aggregate == "fedspallm"
                 else f"fedprllm-{config.mode}-{variant.label}")
         if quant is not None:  # e.g. fedprllm-stats-row+w4a16-gptq
             name += f"+{quant.scheme}-{quant.method}"

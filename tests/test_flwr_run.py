@@ -5,8 +5,9 @@ Every process the run started (SuperLink, SuperExec, flwr-simulation, Ray) is st
 afterwards.
 
 Where each runtime is tested per method (one test per pair, no two doing the same work):
-FedPrLLM under `flwr run` here (with SecAgg+, whose path holds the plain vote's) and a
-run-config key of another method refused; the plain vote under the Simulation Engine in
+FedPrLLM under `flwr run` here (with SecAgg+, whose path holds the plain vote's), the peer
+FedSpaLLM against an aggregation computed by hand, and a run-config key of another method
+refused; the plain vote under the Simulation Engine in
 ``tests/test_fedprllm.py``; PPC-GPT, PrunePrivyTune and personalized pruning under the
 Simulation Engine in their own test files (``simulate_method``, the runtime `flwr run` starts
 too, with the same ClientApp and ServerApp objects); every method deployed from the same FAB
@@ -23,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,6 +166,21 @@ def _only_run_status(flwr: str, env: dict, log: str) -> str:
     return runs[0]["status"]
 
 
+def _run_completed(run_config: str, env: dict) -> str:
+    """`flwr run .` of FedPrLLM's app with ``run_config`` on :data:`CLIENTS` simulated
+    SuperNodes, checked to have completed; its log."""
+    flwr = str(Path(sys.executable).parent / "flwr")
+    proc = subprocess.run(
+        [flwr, "run", ".", "--federation-config",
+         f"num-supernodes={CLIENTS} client-resources-num-cpus=1",
+         "--run-config", run_config, "--stream"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert _only_run_status(flwr, env, log) == "finished:completed"
+    return log
+
+
 @pytest.mark.simulation
 def test_flwr_run_fedprllm_over_secagg(tiny_model_dir, flwr_env, tmp_path):
     """The quick start's `flwr run .` of FedPrLLM, with SecAgg+ (its four rounds: keys, shares,
@@ -174,16 +191,7 @@ def test_flwr_run_fedprllm_over_secagg(tiny_model_dir, flwr_env, tmp_path):
         f'model="{tiny_model_dir}"', f"clients={CLIENTS}", "samples-per-client=2", "seqlen=16",
         "batch-size=2", "eval-seqlen=16", "eval-windows=4", f'out="{out}"', 'device="cpu"',
         'baselines="dense"', "secagg=true"))
-    flwr = str(Path(sys.executable).parent / "flwr")
-    proc = subprocess.run(
-        [flwr, "run", ".", "--federation-config",
-         f"num-supernodes={CLIENTS} client-resources-num-cpus=1",
-         "--run-config", run_config, "--stream"],
-        cwd=REPO, env=flwr_env, capture_output=True, text=True, timeout=240)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-
-    assert _only_run_status(flwr, flwr_env, log) == "finished:completed"
+    _run_completed(run_config, flwr_env)
 
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "ok" and report["rejected"] == []
@@ -195,6 +203,78 @@ def test_flwr_run_fedprllm_over_secagg(tiny_model_dir, flwr_env, tmp_path):
     # 3 sites: 2-bit lanes (32 weights per word) plus the keys and shares
     assert report["secagg"]["sum"]["bits_per_weight_up"] == 2
     assert fed["bits_per_weight_up"] > 2
+
+
+def _hand_fedspallm(holders: list[tuple[np.ndarray, np.ndarray]], sparsity: float
+                    ) -> np.ndarray:
+    """FedSpaLLM's aggregation of one weight matrix by hand, from the paper's words: each
+    weight the mean of the values of the sites that kept it (0 if none did), then the mask
+    expanded over the whole matrix: the weights the most sites pruned go first, among equal
+    counts the smallest averaged magnitude, then the lowest index, until the target share is
+    pruned. ``holders``: each site's (pruned mask, its weight matrix)."""
+    shape = holders[0][0].shape
+    total = np.zeros(shape)
+    keepers = np.zeros(shape, dtype=np.int64)
+    for pruned, weight in holders:
+        total += np.where(pruned, 0.0, weight.astype(np.float64))
+        keepers += ~pruned
+    average = np.divide(total, keepers, out=np.zeros(shape), where=keepers > 0)
+    average = average.astype(np.float32)
+    pruners = (len(holders) - keepers).reshape(-1)
+    order = np.lexsort((np.arange(pruners.size), np.abs(average).reshape(-1), -pruners))
+    out = average.reshape(-1).copy()
+    out[order[:int(sparsity * pruners.size)]] = 0.0
+    return out.reshape(shape)
+
+
+@pytest.mark.simulation
+def test_flwr_run_fedspallm_equals_a_hand_computed_aggregation(tiny_model_dir, flwr_env,
+                                                                tmp_path):
+    """FedSpaLLM under `flwr run`: each site's SparseGPT release over the layers the server
+    dealt it, recomputed here from its own windows, aggregated by hand
+    (:func:`_hand_fedspallm`), is the saved model's every linear weight."""
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig, federation_windows
+    from fedcompress.models import ModelAdapter, load_model, weight_matrix
+    from fedcompress.pruning.local import PruneConfig, local_masks
+
+    out = tmp_path / "out"
+    settings = dict(clients=CLIENTS, samples_per_client=2, seqlen=16, batch_size=2,
+                    method="sparsegpt", aggregate="fedspallm", fedspallm_layers=2)
+    run_config = " ".join(f"fedprllm.{item}" for item in (
+        f'model="{tiny_model_dir}"', f"clients={CLIENTS}", "samples-per-client=2", "seqlen=16",
+        "batch-size=2", "eval-seqlen=16", "eval-windows=4", f'out="{out}"', 'device="cpu"',
+        'baselines="dense"', 'method="sparsegpt"', 'aggregate="fedspallm"',
+        "fedspallm-layers=2", 'save-dtype="float32"'))
+    _run_completed(run_config, flwr_env)
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok" and report["rejected"] == []
+    assert [r["name"] for r in report["results"]] == ["dense", "fedspallm-layer"]
+
+    partition = {m["node"]: int(m["partition"]) for m in report["clients"]}
+    layers_of = {int(n): v for n, v in report["fedspallm_layers"].items()}
+    assert sorted(layers_of) == sorted(partition) and len(partition) == CLIENTS
+    assert sorted({i for v in layers_of.values() for i in v}) == [0, 1, 2]
+    held = [sum(i in v for v in layers_of.values()) for i in range(3)]
+    assert max(held) >= 2  # some layer is averaged over several sites
+    loaded = load_model(str(tiny_model_dir), device="cpu")
+    config = FedPrLLMConfig(model=str(tiny_model_dir), **settings)
+    windows = federation_windows(loaded.tokenizer, config)[0]
+    sites = {}
+    for node in sorted(partition):  # each site's own SparseGPT pass, its other layers dense
+        ratios = ",".join("0.5" if i in layers_of[node] else "0" for i in range(3))
+        result = local_masks(loaded.model, windows[partition[node]],
+                             PruneConfig("sparsegpt", 0.5, "row", layer_sparsity=ratios),
+                             batch_size=2, keep_weights=True)
+        sites[node] = result
+    saved = load_model(str(out / "model"), device="cpu").model
+    for i, layer in enumerate(ModelAdapter(saved).layers):
+        for name, module in ModelAdapter.linear_layers(layer).items():
+            holders = [(sites[n].masks[i][name].numpy(), sites[n].weights[i][name].numpy())
+                       for n in sorted(sites) if i in layers_of[n]]
+            want = _hand_fedspallm(holders, 0.5)
+            got = weight_matrix(module).detach().numpy()
+            assert np.array_equal(got == 0, want == 0), (i, name)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=f"{i} {name}")
 
 
 @pytest.mark.simulation

@@ -37,6 +37,13 @@ import torch
 from torch import nn
 
 from fedcompress.masks.aggregate import count_dtype, global_mask
+from fedcompress.masks.codec import (
+    MaskDecodeError,
+    check_packed,
+    decode_mask,
+    encode_mask,
+    mask_key,
+)
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan
 from fedcompress.pruning.local import PruneConfig, local_masks
@@ -120,6 +127,82 @@ def site_release(model: nn.Module, windows: torch.Tensor, layers: Sequence[int],
     return release
 
 
+#: Wire-key suffixes of a site's release: each linear layer's packed mask and kept values.
+MASK_SUFFIX, VALUES_SUFFIX = ".mask", ".values"
+
+
+def encode_release(release: SiteRelease) -> dict[str, np.ndarray]:
+    """A site's release as Flower arrays: per linear layer of its assigned layers,
+    ``layers.L.NAME.mask`` (bit-packed, :func:`~fedcompress.masks.codec.encode_mask`) and
+    ``layers.L.NAME.values`` (float32, its kept weights in row-major order)."""
+    out: dict[str, np.ndarray] = {}
+    for layer in release.layers:
+        for name, mask in release.masks[layer].items():
+            key = mask_key(layer, name)
+            out[key + MASK_SUFFIX] = encode_mask(mask)
+            out[key + VALUES_SUFFIX] = (release.values[layer][name].detach().cpu()
+                                        .to(torch.float32).numpy())
+    return out
+
+
+def decode_release(payload: dict[str, np.ndarray], layers: Sequence[int],
+                   shapes: dict[str, tuple[int, ...]]) -> SiteRelease:
+    """A site's release from its arrays, checked against the layers it was asked to prune and
+    the model's shapes (``shapes``: wire key -> ``[out, in]``, every layer's): exactly the
+    assigned layers' keys, valid packed masks, as many finite float32 values as kept weights;
+    :class:`~fedcompress.masks.codec.MaskDecodeError` naming the first problem."""
+    assigned = sorted(set(int(i) for i in layers))
+    wanted = {k for k in shapes if int(k.split(".")[1]) in assigned}
+    expected = {k + suffix for k in wanted for suffix in (MASK_SUFFIX, VALUES_SUFFIX)}
+    missing, extra = sorted(expected - set(payload)), sorted(set(payload) - expected)
+    if missing or extra:
+        raise MaskDecodeError(f"release keys do not match the assigned layers {assigned}: "
+                              f"missing {missing[:3]}, unexpected {extra[:3]}")
+    release = SiteRelease(assigned)
+    for key in sorted(wanted):
+        layer, name = int(key.split(".")[1]), key.split(".", 2)[2]
+        packed, values = payload[key + MASK_SUFFIX], payload[key + VALUES_SUFFIX]
+        pruned = check_packed(packed, shapes[key], key)
+        kept = int(np.prod(shapes[key])) - pruned
+        if not isinstance(values, np.ndarray) or values.dtype != np.float32 \
+                or values.ndim != 1 or values.size != kept:
+            got = (f"{values.dtype} {values.shape}" if isinstance(values, np.ndarray)
+                   else type(values).__name__)
+            raise MaskDecodeError(f"{key}: values {got}: expected {kept} float32 values (one "
+                                  "per kept weight)")
+        if not np.isfinite(values).all():
+            raise MaskDecodeError(f"{key}: values that are not finite")
+        release.masks.setdefault(layer, {})[name] = decode_mask(packed, shapes[key], key)
+        release.values.setdefault(layer, {})[name] = torch.from_numpy(values.copy())
+    return release
+
+
+def aggregate_releases(model: nn.Module, releases: Sequence[SiteRelease], sparsity: float,
+                       group: str = "layer"
+                       ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """The server's step over the sites' releases: per decoder layer and linear layer, the l0
+    average and mask expansion of the sites that hold it (:func:`aggregate_layer`); ValueError
+    naming the layers no release holds (they would stay dense)."""
+    adapter = ModelAdapter(model)
+    unheld = [i for i in range(len(adapter)) if not any(i in r.masks for r in releases)]
+    if unheld:
+        raise ValueError(f"decoder layers {unheld} are in no valid site's release: expected "
+                         "every layer pruned by at least one site")
+    masks: list[dict[str, torch.Tensor]] = []
+    weights: list[dict[str, torch.Tensor]] = []
+    for i, layer in enumerate(adapter.layers):
+        held = [r for r in releases if i in r.masks]
+        layer_masks, layer_weights = {}, {}
+        for name, module in ModelAdapter.linear_layers(layer).items():
+            mask, weight = aggregate_layer([r.masks[i][name] for r in held],
+                                           [r.values[i][name] for r in held], sparsity, group)
+            layer_masks[name] = mask
+            layer_weights[name] = weight.to(weight_matrix(module).dtype)
+        masks.append(layer_masks)
+        weights.append(layer_weights)
+    return masks, weights
+
+
 def l0_average(masks: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The l0-norm aggregation of one weight matrix: ``(average, keepers)``, where ``keepers``
@@ -190,16 +273,5 @@ def fedspallm_prune(model: nn.Module, windows: Sequence[torch.Tensor], sparsity:
     assignment = assign_layers(n_layers, budgets, seed)
     releases = [site_release(model, w, layers, sparsity, local_group, batch_size)
                 for w, layers in zip(windows, assignment)]
-    masks: list[dict[str, torch.Tensor]] = []
-    weights: list[dict[str, torch.Tensor]] = []
-    for i, layer in enumerate(ModelAdapter(model).layers):
-        held = [r for r in releases if i in r.masks]
-        layer_masks, layer_weights = {}, {}
-        for name, module in ModelAdapter.linear_layers(layer).items():
-            mask, weight = aggregate_layer([r.masks[i][name] for r in held],
-                                           [r.values[i][name] for r in held], sparsity, group)
-            layer_masks[name] = mask
-            layer_weights[name] = weight.to(weight_matrix(module).dtype)
-        masks.append(layer_masks)
-        weights.append(layer_weights)
+    masks, weights = aggregate_releases(model, releases, sparsity, group)
     return FedSpaLLMRun(masks, weights, assignment, [r.nbytes() for r in releases])

@@ -20,6 +20,8 @@ The strategies, by module (each importing only those listed before it):
   :class:`SecureIterativeFedPrLLM`);
 * :mod:`strategies.fedprllm.stats`: the statistics mode, plain and summed by SecAgg+
   (:class:`StatsFedPrLLM`, :class:`SecureStatsFedPrLLM`);
+* :mod:`strategies.fedprllm.fedspallm`: the peer system FedSpaLLM (:class:`FedSpaLLMStrategy`:
+  the sites' pruned weights, l0-averaged);
 
 and :func:`make_strategy` here, which picks one from the config.
 """
@@ -33,13 +35,15 @@ import torch
 
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from strategies.common import NotEnoughClientsError
+from strategies.fedprllm.fedspallm import FedSpaLLMStrategy
 from strategies.fedprllm.iterative import IterativeFedPrLLM
 from strategies.fedprllm.oneshot import FedPrLLM
 from strategies.fedprllm.secure import SecureFedPrLLM, SecureIterativeFedPrLLM
 from strategies.fedprllm.stats import SecureStatsFedPrLLM, StatsFedPrLLM
 
-__all__ = ["FedPrLLM", "IterativeFedPrLLM", "NotEnoughClientsError", "SecureFedPrLLM",
-           "SecureIterativeFedPrLLM", "SecureStatsFedPrLLM", "StatsFedPrLLM", "make_strategy"]
+__all__ = ["FedPrLLM", "FedSpaLLMStrategy", "IterativeFedPrLLM", "NotEnoughClientsError",
+           "SecureFedPrLLM", "SecureIterativeFedPrLLM", "SecureStatsFedPrLLM", "StatsFedPrLLM",
+           "make_strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +53,8 @@ def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module,
                   tokenizer=None) -> FedPrLLM:
     """The strategy of ``config``; ``tokenizer``: for the public clip windows of DP
     statistics (``--dp-epsilon`` with the default ``--dp-clip``)."""
+    if config.aggregate == "fedspallm":
+        return FedSpaLLMStrategy(config, model)
     if config.aggregate == "stats":
         if not config.secagg:
             logger.warning("statistics mode without --secagg: the server sees each site's "

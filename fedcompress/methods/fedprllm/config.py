@@ -27,7 +27,7 @@ from fedcompress.quant.config import (
 
 MODES = ("oneshot", "iterative")
 #: What sites send: their masks (the vote of FedPrLLM) or their inputs' statistics (exact).
-AGGREGATES = ("votes", "stats")
+AGGREGATES = ("votes", "stats", "fedspallm")
 WIRES = ("packed", "compressed")
 PARTITIONS = ("iid", "dirichlet")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -147,8 +147,16 @@ class FedPrLLMConfig(Settings):
         "votes", "What sites send: votes (their local masks; the server votes: FedPrLLM) or "
         "stats (per decoder layer, the sums of their inputs' statistics for wanda or "
         "sparsegpt; the server prunes exactly as centralized pruning on the union of the "
-        "sites' windows, one round per layer; --mode, --group and --scale apply to votes).",
+        "sites' windows, one round per layer; --mode, --group and --scale apply to votes) or "
+        "fedspallm (FedSpaLLM, the peer system: each site runs sparsegpt on the decoder layers "
+        "the server assigns it and sends their masks and kept weights; the server averages each "
+        "weight over the sites that kept it and expands the mask to the exact sparsity within "
+        "--group; one round).",
         choices=AGGREGATES)
+    fedspallm_layers: int = setting(0, "FedSpaLLM: decoder layers each site prunes (what its "
+                                    "resources allow; 0: every layer). The server deals every "
+                                    "layer to some site, then fills each site's budget at "
+                                    "random (seeded by --seed).", ge=0)
     clients: int = setting(16, "Number of clients.", ge=1)
     samples_per_client: int = setting(4, "Calibration windows per client.", ge=1)
     seqlen: int = setting(256, "Tokens per calibration window.", ge=2)
@@ -265,6 +273,10 @@ class FedPrLLMConfig(Settings):
                                "stats)")
         if self.aggregate == "stats":
             self._validate_stats()
+        if self.aggregate == "fedspallm":
+            self._validate_fedspallm()
+        elif self.fedspallm_layers:
+            raise self.invalid("fedspallm_layers", "0 unless aggregate is fedspallm")
         if self.nm not in ("", "none") and (self.sparsity_profile != "uniform"
                                             or self.layer_sparsity):
             raise self.invalid("nm", "none with a per-layer sparsity profile or plan (N:M fixes "
@@ -342,6 +354,25 @@ class FedPrLLMConfig(Settings):
             if getattr(self, key) != default:
                 raise self.invalid(key, f"{default!r} with aggregate stats (it applies to "
                                    "votes; the statistics' comparison group is --local-group)")
+
+    def _validate_fedspallm(self) -> None:
+        """FedSpaLLM: sparsegpt, one uniform sparsity, one plain round; the rest is refused,
+        not ignored."""
+        if self.method != "sparsegpt":
+            raise self.invalid("method", "sparsegpt with aggregate fedspallm (the sites send "
+                               "SparseGPT's updated weights)")
+        one_sparsity = "with aggregate fedspallm (its mask expansion reaches one sparsity per "
+        for key, wrong in (("nm", self.nm not in ("", "none")),
+                           ("sparsity_profile", self.sparsity_profile != "uniform"),
+                           ("layer_sparsity", bool(self.layer_sparsity))):
+            if wrong:
+                raise self.invalid(key, f"its default {one_sparsity}comparison group)")
+        for key, default in (("mode", "oneshot"), ("scale", False), ("defence", "none"),
+                             ("attack", "none"), ("secagg", False), ("wire", "packed"),
+                             ("quant", "none")):
+            if getattr(self, key) != default:
+                raise self.invalid(key, f"{default!r} with aggregate fedspallm (it applies to "
+                                   "FedPrLLM's votes or statistics)")
 
     def threshold_for(self, sites: int) -> int:
         """The SecAgg+ threshold of an aggregation over ``sites`` sites."""
