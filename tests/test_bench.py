@@ -246,3 +246,52 @@ def test_server_cost_names_the_model_of_each_row():
     assert lines[1:] == [
         "| smollm2-135m | 16 | 4 | wanda | 0.5 | layer | 4.00 | 0.500 | 0.500 | 25.0% |",
         "| qwen2.5-0.5b | 16 | 4 | wanda | 0.5 | row | 4.00 | 0.500 | 0.500 | 25.0% |"]
+
+
+def test_bench_runs_statistics_mode_and_fedspallm_cells(tiny_dir, tmp_path, monkeypatch):
+    """A FedPrLLM study's ``aggregate``: statistics mode (Wanda: the centralized perplexity
+    exactly) and the peer FedSpaLLM (its sites' releases computed once for every server
+    group), not votes under another name; DP statistics belong to a study of kind dp."""
+    import fedcompress.methods.fedspallm as fs
+
+    config = _config(tiny_dir)
+    config["bench"].update(clients=3, samples_per_client=2)
+    config["study"] = {
+        "stats": {"method": "wanda", "sparsity": 0.5, "aggregate": "stats",
+                  "baselines": ["centralized"]},
+        "peer": {"method": "sparsegpt", "sparsity": 0.5, "aggregate": "fedspallm",
+                 "fedspallm_layers": 2, "group": ["layer", "row"]}}
+    calls = []
+    real = fs.site_release
+    monkeypatch.setattr(fs, "site_release", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = tmp_path / "out"
+    report = run_bench(_write(tmp_path, config), out, progress=False)
+    assert report.status == "ok"
+    data = json.loads((out / "report.json").read_text())
+    by_name = {r["name"]: r for r in data["results"]}
+    stats, central = by_name["fedprllm-stats-row"], by_name["centralized"]
+    assert stats["perplexity"] == central["perplexity"] and stats["rounds"] == 3
+    layer, row = by_name["fedspallm-layer"], by_name["fedspallm-row"]
+    assert len(calls) == 3  # one release per site, shared by both groups
+    for r in (layer, row):
+        assert r["layers_per_site"] == [2, 2, 2] and r["rounds"] == 1
+        assert abs(r["sparsity_measured"] - 0.5) < 0.02
+    assert layer["bytes_up_per_client"] == row["bytes_up_per_client"] > 0
+    assert layer["perplexity"] != row["perplexity"]
+    dp = _config(tiny_dir, aggregate="stats", dp_epsilon=8.0, dp_placement="central",
+                 method="wanda", group="layer")
+    with pytest.raises(BenchConfigError, match="kind dp"):
+        plan(dp)
+
+
+def test_strategy_labels_name_the_aggregation():
+    from fedcompress.bench.tables import strategy_label
+
+    base = {"kind": "fedprllm", "mode": "oneshot", "group": "row", "scale": False}
+    assert strategy_label(base) == "FedPrLLM one-shot, server row"
+    assert strategy_label({**base, "aggregate": "stats", "group": "layer",
+                           "local_group": "row"}) == "FedPrLLM statistics mode, row"
+    assert strategy_label({**base, "aggregate": "fedspallm", "fedspallm_layers": 2}) == (
+        "FedSpaLLM, server row, 2 layers per site")
+    assert strategy_label({**base, "aggregate": "fedspallm", "fedspallm_layers": 0},
+                          ("group",)) == "FedSpaLLM, all layers per site"

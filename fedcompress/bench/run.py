@@ -151,7 +151,8 @@ def server_cost(records: list[dict]) -> str:
     """Vote counting + global-mask selection per one-shot variant vs one client's masks."""
     rows = []
     for r in records:
-        if r.get("status") != "ok" or r.get("kind") != "fedprllm" or r.get("mode") != "oneshot":
+        if (r.get("status") != "ok" or r.get("kind") != "fedprllm" or r.get("mode") != "oneshot"
+                or r.get("aggregate", "votes") != "votes"):
             continue
         if r.get("client_seconds_mean") is None or r.get("aggregate_seconds") is None:
             continue

@@ -279,6 +279,10 @@ def _cells(study: str, point: dict, baselines: list[str]) -> Iterator[Cell]:
         eval_config = EvalConfig(**evals)
     except (TypeError, ValueError) as err:
         raise BenchConfigError(f"study {study!r}: {err}") from err
+    if config.dp:
+        raise BenchConfigError(f"study {study!r}: dp_epsilon={config.dp_epsilon}: DP statistics "
+                               "cells belong to a study of kind dp (seeded noise, its "
+                               "baselines and plot)")
     if config.wire != "packed" and config.mode != "oneshot":
         raise BenchConfigError(f"study {study!r}: wire={config.wire!r} with mode="
                                f"{config.mode!r}: the bench measures the {config.wire} wire "
@@ -455,14 +459,25 @@ class BenchRunner:
     def _run_group(self, exp: Experiment, cells: list[Cell]) -> None:
         """Cells sharing the model, calibration windows and evaluation text."""
         fed: dict[str, list[Cell]] = {}
+        peers: dict[str, list[Cell]] = {}  # FedSpaLLM cells, by their sites' releases
         for cell in cells:
-            if cell.kind == "fedprllm":
+            if cell.kind != "fedprllm":
+                continue
+            aggregate = dict(cell.client)["aggregate"]
+            if aggregate == "votes":
                 fed.setdefault(cell.vote_id, []).append(cell)
+            elif aggregate == "fedspallm":
+                peers.setdefault(cell.client_id, []).append(cell)
         for cell in cells:
             if cell.kind == "dense":
                 self.run_cell(cell, lambda: exp.evaluate("dense", exp.model))
         for vote_id, variants in fed.items():
             self._run_federated(exp, vote_id, variants)
+        for cell in cells:
+            if cell.kind == "fedprllm" and dict(cell.client)["aggregate"] == "stats":
+                self.run_cell(cell, lambda cell=cell: self._stats_mode(exp, cell))
+        for variants in peers.values():
+            self._run_fedspallm(exp, variants)
         for cell in cells:
             if cell.kind == "centralized":
                 self.run_cell(cell, lambda cell=cell: self._centralized(exp, cell))
@@ -667,6 +682,70 @@ class BenchRunner:
                             **({"attack_outcome": meta["attack"]} if "attack" in meta else {}),
                             **({"defence_outcome": aggregator.rejection.to_dict()}
                                if aggregator.rejection is not None else {}))
+
+    def _stats_mode(self, exp: Experiment, cell: Cell) -> dict:
+        """A statistics-mode cell: the sites' summed statistics, one round per decoder layer
+        (:func:`~fedcompress.methods.fedprllm.stats.stats_prune`; the bytes are a site's
+        statistics over every round)."""
+        from fedcompress.methods.fedprllm.stats import stats_prune
+        from fedcompress.pruning.local import apply_masks
+
+        config = cell.config()
+        start = time.perf_counter()
+        run = stats_prune(exp.model, exp.windows, config, tokenizer=exp.tokenizer)
+        seconds = time.perf_counter() - start
+        model = apply_masks(exp.fresh_copy(), run.masks, run.weights)
+        up = int(sum(run.bytes_up_per_site))
+        return exp.evaluate(f"fedprllm-stats-{config.local_group}", model,
+                            prune_seconds=seconds, rounds=len(run.masks),
+                            bytes_up_per_client=up, bytes_up_total=up * config.clients,
+                            client_seconds_mean=float(sum(run.site_seconds)) / config.clients,
+                            server_seconds=float(sum(run.server_seconds)))
+
+    def _run_fedspallm(self, exp: Experiment, variants: list[Cell]) -> None:
+        """FedSpaLLM cells sharing their sites' releases (the same client settings: only the
+        server's comparison ``group`` differs): the releases once, then each cell's l0 average
+        and mask expansion (:mod:`fedcompress.methods.fedspallm`)."""
+        from fedcompress.methods.fedspallm import assign_layers, site_release
+        from fedcompress.models import ModelAdapter
+
+        config = variants[0].config()
+        try:
+            n_layers = len(ModelAdapter(exp.model))
+            assignment = assign_layers(n_layers, [config.fedspallm_layers or n_layers]
+                                       * config.clients, config.seed)
+            seconds, releases = [], []
+            for windows, layers in zip(_progress(exp.windows, self.progress,
+                                                 f"FedSpaLLM releases ({config.clients} "
+                                                 "sites)"), assignment):
+                start = time.perf_counter()
+                releases.append(site_release(exp.model, windows, layers, config.sparsity,
+                                             config.local_group, config.batch_size))
+                seconds.append(time.perf_counter() - start)
+        except Exception as err:
+            for cell in variants:
+                self.run_cell(cell, lambda err=err: _raise(err))
+            return
+        for cell in variants:
+            self.run_cell(cell, lambda cell=cell: self._fedspallm(exp, cell, releases,
+                                                                  seconds))
+
+    def _fedspallm(self, exp: Experiment, cell: Cell, releases: list, seconds: list[float]
+                   ) -> dict:
+        from fedcompress.methods.fedspallm import aggregate_releases
+        from fedcompress.pruning.local import apply_masks
+
+        config = cell.config()
+        start = time.perf_counter()
+        masks, weights = aggregate_releases(exp.model, releases, config.sparsity, config.group)
+        aggregate = time.perf_counter() - start
+        model = apply_masks(exp.fresh_copy(), masks, weights)
+        up = [r.nbytes() for r in releases]
+        return exp.evaluate(f"fedspallm-{config.group}", model, rounds=1,
+                            aggregate_seconds=aggregate,
+                            client_seconds_mean=float(np.mean(seconds)),
+                            bytes_up_per_client=int(np.mean(up)), bytes_up_total=int(sum(up)),
+                            layers_per_site=[len(r.layers) for r in releases])
 
     def _iterative(self, exp: Experiment, cell: Cell) -> dict:
         config = cell.config()

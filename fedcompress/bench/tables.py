@@ -21,6 +21,13 @@ def strategy_label(settings: dict, omit: tuple[str, ...] = ()) -> str:
     kind = settings["kind"]
     if kind != "fedprllm":
         return KIND_LABEL[kind]
+    aggregate = settings.get("aggregate", "votes")
+    if aggregate == "stats":  # no vote: its comparison group is the sites' local group
+        return f"FedPrLLM statistics mode, {settings.get('local_group', 'row')}"
+    if aggregate == "fedspallm":
+        budget = settings.get("fedspallm_layers") or "all"
+        return (f"FedSpaLLM{'' if 'group' in omit else ', server ' + settings['group']}, "
+                f"{budget} layers per site")
     parts = []
     if "mode" not in omit:
         parts.append(f"FedPrLLM {'one-shot' if settings.get('mode') == 'oneshot' else 'iterative'}")
