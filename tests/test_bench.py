@@ -295,3 +295,24 @@ def test_strategy_labels_name_the_aggregation():
         "FedSpaLLM, server row, 2 layers per site")
     assert strategy_label({**base, "aggregate": "fedspallm", "fedspallm_layers": 0},
                           ("group",)) == "FedSpaLLM, all layers per site"
+
+
+def test_the_peers_config_plans_every_strategy():
+    """simulations/bench_peers.toml (issue 34) plans votes, the iterative vote, statistics
+    mode, RIA and FedSpaLLM at every sparsity and both budgets, without running anything."""
+    import tomllib
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "simulations" / "bench_peers.toml"
+    studies = plan(tomllib.loads(path.read_text()))
+    cells = [c.settings() for s in studies for c in s.cells]
+    fed = [c for c in cells if c["kind"] == "fedprllm"]
+    for budget in ((64, 1), (16, 4)):
+        mine = [c for c in fed if (c["clients"], c["samples_per_client"]) == budget]
+        kinds = {(c["method"], c["aggregate"], c["mode"]) for c in mine}
+        assert kinds == {("wanda", "votes", "oneshot"), ("wanda", "votes", "iterative"),
+                         ("wanda", "stats", "oneshot"), ("ria", "stats", "oneshot"),
+                         ("sparsegpt", "stats", "oneshot"), ("ria", "votes", "oneshot"),
+                         ("sparsegpt", "fedspallm", "oneshot")}
+        assert {c["sparsity"] for c in mine} == {0.5, 0.6, 0.7}
+    assert all(c["model"] == "qwen2.5-0.5b" for c in cells if "model" in c)
