@@ -5,9 +5,10 @@ it does (issue 30: "show how far it is and why: the noise per column against the
 
 What is measured, for Wanda's square sums on the dense model (``--model``) and ``--sample``
 calibration windows of ``--seqlen`` tokens of the calibration text (wiki train), for each
-budget (``--budgets``: sites x windows, N windows in all), each epsilon (``--epsilons``) and
-each input normalization (``none``: the raw statistics; ``public``: each coordinate divided by
-its public mean square first, :func:`fedcompress.privacy.dp_stats.public_calibration`):
+budget (``--budgets``: sites x windows, N windows in all), each epsilon (``--epsilons``), each
+input normalization (``none``: the raw statistics; ``public``: each coordinate divided by its
+public mean square first, :func:`fedcompress.privacy.dp_stats.public_calibration`) and each
+quantile of the public window norms taken as the clip bound (``--clip-quantiles``):
 
 * the plan a run would use (:func:`fedcompress.methods.fedprllm.dp.plan`: public clip bounds,
   opacus' RDP accountant over every decoder layer's release, central placement, delta
@@ -93,20 +94,23 @@ def measure(opts: argparse.Namespace, report: RunReport) -> list[dict[str, Any]]
     base = dict(model=opts.model, method="wanda", sparsity=0.5, seqlen=opts.seqlen,
                 aggregate="stats", dp_placement="central", dp_delta=opts.delta,
                 batch_size=opts.batch_size)
-    cells = [(b, e, n) for b in opts.budgets for e in opts.epsilons for n in NORMALIZATIONS]
+    cells = [(b, e, n, q) for b in opts.budgets for e in opts.epsilons for n in NORMALIZATIONS
+             for q in opts.clip_quantiles]
     plans, calibs = {}, {}
     with report.phase("public calibration"):
         for norm in NORMALIZATIONS:
-            config = FedPrLLMConfig(**base, dp_epsilon=1.0, dp_normalize=norm)
-            request = dpm.DpRequest.from_config(config, n_layers, 1)
-            calibs[norm] = dpm.public_calibration(model, lm.tokenizer, request, False,
-                                                  opts.batch_size)
-        for (sites, per), eps, norm in cells:
+            for q in opts.clip_quantiles:
+                config = FedPrLLMConfig(**base, dp_epsilon=1.0, dp_normalize=norm,
+                                        dp_clip_quantile=q)
+                request = dpm.DpRequest.from_config(config, n_layers, 1)
+                calibs[norm, q] = dpm.public_calibration(model, lm.tokenizer, request, False,
+                                                         opts.batch_size)
+        for (sites, per), eps, norm, q in cells:
             config = FedPrLLMConfig(**base, dp_epsilon=eps, dp_normalize=norm, clients=sites,
-                                    samples_per_client=per)
+                                    samples_per_client=per, dp_clip_quantile=q)
             request = dpm.DpRequest.from_config(config, n_layers, sites)
-            plans[(sites, per), eps, norm] = dpm.plan(
-                request, calibs[norm], dpm.block_dims(model, calibs[norm].bounds, False))
+            plans[(sites, per), eps, norm, q] = dpm.plan(
+                request, calibs[norm, q], dpm.block_dims(model, calibs[norm, q].bounds, False))
     prune = FedPrLLMConfig(**base).prune
     out = {cell: {"layers": []} for cell in cells}
     adapter = ModelAdapter(model)
@@ -122,8 +126,9 @@ def measure(opts: argparse.Namespace, report: RunReport) -> list[dict[str, Any]]
                         raw_parts.setdefault(k, []).append(v)
                 raw = {k: torch.cat(v) for k, v in raw_parts.items()}
                 sharing = layer_sharing(model, layer)
-                for (sites, per), eps, norm in cells:
-                    plan = plans[(sites, per), eps, norm]
+                for cell in cells:
+                    (sites, per), eps, norm, q = cell
+                    plan = plans[cell]
                     n = sites * per
                     tokens = n * opts.seqlen
                     scales = plan.layer_scales(layer)
@@ -144,7 +149,7 @@ def measure(opts: argparse.Namespace, report: RunReport) -> list[dict[str, Any]]
                                               np.random.default_rng(rng.integers(2 ** 63)))
                     flips, bits = _flipped(truth, prune_layer(model, layer, noisy, prune)[0])
                     all_ratios = np.concatenate(list(ratios.values()))
-                    out[(sites, per), eps, norm]["layers"].append({
+                    out[cell]["layers"].append({
                         "layer": layer,
                         "median_snr": float(np.median(all_ratios)),
                         "p10_snr": float(np.quantile(all_ratios, 0.1)),
@@ -158,12 +163,14 @@ def measure(opts: argparse.Namespace, report: RunReport) -> list[dict[str, Any]]
                     inputs = forward_layer(module, inputs, opts.batch_size)
             logger.info("layer %d/%d", layer + 1, n_layers)
     records = []
-    for (sites, per), eps, norm in cells:
-        layers = out[(sites, per), eps, norm]["layers"]
-        plan = plans[(sites, per), eps, norm]
+    for cell in cells:
+        (sites, per), eps, norm, q = cell
+        layers = out[cell]["layers"]
+        plan = plans[cell]
         records.append({
-            "name": f"{sites}x{per} eps {eps:g} {norm}", "budget": f"{sites}x{per}",
-            "windows": sites * per, "epsilon": eps, "normalize": norm, "sigma": plan.sigma,
+            "name": f"{sites}x{per} eps {eps:g} {norm} q{q:g}", "budget": f"{sites}x{per}",
+            "windows": sites * per, "epsilon": eps, "normalize": norm, "clip_quantile": q,
+            "sigma": plan.sigma,
             "releases": plan.releases,
             "median_snr": float(np.median([x["median_snr"] for x in layers])),
             "p10_snr": float(np.median([x["p10_snr"] for x in layers])),
@@ -175,13 +182,15 @@ def measure(opts: argparse.Namespace, report: RunReport) -> list[dict[str, Any]]
     return records
 
 
-def plot(records: list[dict[str, Any]], budget: str, epsilon: float, path: Path) -> None:
+def plot(records: list[dict[str, Any]], budget: str, epsilon: float, quantile: float,
+         path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    chosen = [r for r in records if r["budget"] == budget and r["epsilon"] == epsilon]
+    chosen = [r for r in records if r["budget"] == budget and r["epsilon"] == epsilon
+              and r["clip_quantile"] == quantile]
     if not chosen:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -200,7 +209,8 @@ def plot(records: list[dict[str, Any]], budget: str, epsilon: float, path: Path)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"DP statistics, Wanda square sums: {budget} windows, epsilon {epsilon:g}")
+    fig.suptitle(f"DP statistics, Wanda square sums: {budget} windows, epsilon {epsilon:g}, "
+                 f"clip at the public q{quantile:g}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -213,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                         default=[(16, 4), (16, 64)], help="sites x windows, e.g. 16x64")
     parser.add_argument("--epsilons", nargs="+", type=float, default=[1, 2, 4, 8, 16])
     parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--clip-quantiles", nargs="+", type=float, default=[0.95],
+                        help="quantiles of the public window norms taken as the clip bound")
     parser.add_argument("--sample", type=int, default=128,
                         help="calibration windows the expected signal is estimated from")
     parser.add_argument("--seqlen", type=int, default=128)
@@ -228,12 +240,13 @@ def main(argv: list[str] | None = None) -> None:
         records = measure(opts, report)
         for record in records:
             report.add_result(record)
-        rows = [[r["budget"], f"{r['epsilon']:g}", r["normalize"], f"{r['sigma']:.3g}",
+        rows = [[r["budget"], f"{r['epsilon']:g}", r["normalize"],
+                 f"{r['clip_quantile']:g}", f"{r['sigma']:.3g}",
                  f"{r['median_snr']:.3g}", f"{r['p10_snr']:.3g}",
                  f"{100 * r['below_one']:.1f}%", f"{100 * r['clipped']:.1f}%",
                  f"{100 * r['flipped']:.1f}%"] for r in records]
         report.sections.append(("Signal against noise per coordinate", markdown_table(
-            ["budget", "epsilon", "normalize", "sigma", "median signal/noise",
+            ["budget", "epsilon", "normalize", "clip quantile", "sigma", "median signal/noise",
              "10th pct signal/noise", "coordinates below 1", "windows clipped",
              "mask bits flipped"], rows)
             + f"\n\n{opts.model}, Wanda 50% (row groups), central noise, delta {opts.delta:g}, "
@@ -242,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
               "the dense model; the ratio's median over a layer's coordinates, then over the "
               "layers (10th percentile likewise); flipped bits: one seeded noise draw per layer "
               "against the no-DP mask, mean over the layers."))
-        plot(records, opts.plot_budget, opts.plot_epsilon,
+        plot(records, opts.plot_budget, opts.plot_epsilon, opts.clip_quantiles[0],
              Path(opts.out) / "signal_noise.png")
     print(report.markdown())
 

@@ -23,20 +23,24 @@ def sim():
 def test_signal_noise_records(sim, tiny_dir, corpus, tmp_path):
     out = tmp_path / "out"
     sim.main(["--model", tiny_dir, "--calib-text", corpus, "--budgets", "2x2", "2x8",
-              "--epsilons", "2", "16", "--sample", "4", "--seqlen", "16", "--batch-size", "2",
+              "--epsilons", "2", "16", "--clip-quantiles", "0.95", "0.5", "--sample", "4",
+              "--seqlen", "16", "--batch-size", "2",
               "--plot-budget", "2x8", "--plot-epsilon", "16", "--out", str(out)])
     report = json.loads((out / "report.json").read_text())
-    records = {(r["budget"], r["epsilon"], r["normalize"]): r for r in report["results"]}
-    assert len(records) == 2 * 2 * 2
-    for (budget, eps, norm), r in records.items():
+    records = {(r["budget"], r["epsilon"], r["normalize"], r["clip_quantile"]): r
+               for r in report["results"]}
+    assert len(records) == 2 * 2 * 2 * 2
+    for (budget, eps, norm, q), r in records.items():
         assert r["windows"] == {"2x2": 4, "2x8": 16}[budget]
         assert 0 <= r["flipped"] <= 1 and 0 <= r["clipped"] <= 1
         assert len(r["layers"]) == 3  # every decoder layer of the tiny llama
         # more epsilon, less noise; more windows, more signal (the noise is the same)
         if eps == 2:
-            assert records[budget, 16.0, norm]["median_snr"] > r["median_snr"]
+            assert records[budget, 16.0, norm, q]["median_snr"] > r["median_snr"]
+        if q == 0.5:  # a lower bound clips more windows
+            assert r["clipped"] >= records[budget, eps, norm, 0.95]["clipped"]
         if budget == "2x2":
-            assert records["2x8", eps, norm]["median_snr"] == pytest.approx(
+            assert records["2x8", eps, norm, q]["median_snr"] == pytest.approx(
                 4 * r["median_snr"], rel=1e-6)
     assert (out / "signal_noise.png").stat().st_size > 0
     assert "Signal against noise" in (out / "report.md").read_text()
