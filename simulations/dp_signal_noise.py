@@ -7,8 +7,10 @@ What is measured, for Wanda's square sums on the dense model (``--model``) and `
 calibration windows of ``--seqlen`` tokens of the calibration text (wiki train), for each
 budget (``--budgets``: sites x windows, N windows in all), each epsilon (``--epsilons``), each
 input normalization (``none``: the raw statistics; ``public``: each coordinate divided by its
-public mean square first, :func:`fedcompress.privacy.dp_stats.public_calibration`) and each
-quantile of the public window norms taken as the clip bound (``--clip-quantiles``):
+public mean square first, :func:`fedcompress.privacy.dp_stats.public_calibration`), with or
+without the server's shrinkage toward the public prior (:func:`fedcompress.privacy.dp_stats.
+shrink`), and each quantile of the public window norms taken as the clip bound
+(``--clip-quantiles``):
 
 * the plan a run would use (:func:`fedcompress.methods.fedprllm.dp.plan`: public clip bounds,
   opacus' RDP accountant over every decoder layer's release, central placement, delta
@@ -47,6 +49,8 @@ from fedcompress.report import RunReport, markdown_table
 logger = logging.getLogger(__name__)
 
 NORMALIZATIONS = ("none", "public")
+#: (normalization, the server's prior) of every variant measured
+VARIANTS = (("none", "none"), ("public", "none"), ("public", "shrink"))
 _BUDGET = re.compile(r"(\d+)x(\d+)")
 
 
@@ -94,22 +98,22 @@ def measure(opts: argparse.Namespace, report: RunReport) -> list[dict[str, Any]]
     base = dict(model=opts.model, method="wanda", sparsity=0.5, seqlen=opts.seqlen,
                 aggregate="stats", dp_placement="central", dp_delta=opts.delta,
                 batch_size=opts.batch_size)
-    cells = [(b, e, n, q) for b in opts.budgets for e in opts.epsilons for n in NORMALIZATIONS
+    cells = [(b, e, v, q) for b in opts.budgets for e in opts.epsilons for v in VARIANTS
              for q in opts.clip_quantiles]
     plans, calibs = {}, {}
     with report.phase("public calibration"):
         for norm in NORMALIZATIONS:
             for q in opts.clip_quantiles:
                 config = FedPrLLMConfig(**base, dp_epsilon=1.0, dp_normalize=norm,
-                                        dp_clip_quantile=q)
+                                        dp_clip_quantile=q, dp_prior="none")
                 request = dpm.DpRequest.from_config(config, n_layers, 1)
                 calibs[norm, q] = dpm.public_calibration(model, lm.tokenizer, request, False,
                                                          opts.batch_size)
-        for (sites, per), eps, norm, q in cells:
+        for (sites, per), eps, (norm, prior), q in cells:
             config = FedPrLLMConfig(**base, dp_epsilon=eps, dp_normalize=norm, clients=sites,
-                                    samples_per_client=per, dp_clip_quantile=q)
+                                    samples_per_client=per, dp_clip_quantile=q, dp_prior=prior)
             request = dpm.DpRequest.from_config(config, n_layers, sites)
-            plans[(sites, per), eps, norm, q] = dpm.plan(
+            plans[(sites, per), eps, (norm, prior), q] = dpm.plan(
                 request, calibs[norm, q], dpm.block_dims(model, calibs[norm, q].bounds, False))
     prune = FedPrLLMConfig(**base).prune
     out = {cell: {"layers": []} for cell in cells}
@@ -127,7 +131,7 @@ def measure(opts: argparse.Namespace, report: RunReport) -> list[dict[str, Any]]
                 raw = {k: torch.cat(v) for k, v in raw_parts.items()}
                 sharing = layer_sharing(model, layer)
                 for cell in cells:
-                    (sites, per), eps, norm, q = cell
+                    (sites, per), eps, (norm, prior), q = cell
                     plan = plans[cell]
                     n = sites * per
                     tokens = n * opts.seqlen
@@ -146,7 +150,8 @@ def measure(opts: argparse.Namespace, report: RunReport) -> list[dict[str, Any]]
                                                owners, tokens), prune)[0]
                     noisy = dpm.server_finish(_stats(signal, owners, tokens), sharing, plan,
                                               layer, False, sites,
-                                              np.random.default_rng(rng.integers(2 ** 63)))
+                                              np.random.default_rng(rng.integers(2 ** 63)),
+                                              prior=prior)
                     flips, bits = _flipped(truth, prune_layer(model, layer, noisy, prune)[0])
                     all_ratios = np.concatenate(list(ratios.values()))
                     out[cell]["layers"].append({
@@ -164,12 +169,13 @@ def measure(opts: argparse.Namespace, report: RunReport) -> list[dict[str, Any]]
             logger.info("layer %d/%d", layer + 1, n_layers)
     records = []
     for cell in cells:
-        (sites, per), eps, norm, q = cell
+        (sites, per), eps, (norm, prior), q = cell
         layers = out[cell]["layers"]
         plan = plans[cell]
         records.append({
-            "name": f"{sites}x{per} eps {eps:g} {norm} q{q:g}", "budget": f"{sites}x{per}",
-            "windows": sites * per, "epsilon": eps, "normalize": norm, "clip_quantile": q,
+            "name": f"{sites}x{per} eps {eps:g} {norm} {prior} q{q:g}",
+            "budget": f"{sites}x{per}", "windows": sites * per, "epsilon": eps,
+            "normalize": norm, "prior": prior, "clip_quantile": q,
             "sigma": plan.sigma,
             "releases": plan.releases,
             "median_snr": float(np.median([x["median_snr"] for x in layers])),
@@ -197,9 +203,9 @@ def plot(records: list[dict[str, Any]], budget: str, epsilon: float, quantile: f
     for r in chosen:
         xs = [x["layer"] for x in r["layers"]]
         ax1.plot(xs, [x["median_snr"] for x in r["layers"]], marker="o", ms=3,
-                 label=f"normalize {r['normalize']}")
+                 label=f"normalize {r['normalize']}, prior {r['prior']}")
         ax2.plot(xs, [100 * x["flipped"] for x in r["layers"]], marker="o", ms=3,
-                 label=f"normalize {r['normalize']}")
+                 label=f"normalize {r['normalize']}, prior {r['prior']}")
     ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax1.set_yscale("log")
     ax1.set_xlabel("decoder layer")
@@ -240,13 +246,14 @@ def main(argv: list[str] | None = None) -> None:
         records = measure(opts, report)
         for record in records:
             report.add_result(record)
-        rows = [[r["budget"], f"{r['epsilon']:g}", r["normalize"],
+        rows = [[r["budget"], f"{r['epsilon']:g}", r["normalize"], r["prior"],
                  f"{r['clip_quantile']:g}", f"{r['sigma']:.3g}",
                  f"{r['median_snr']:.3g}", f"{r['p10_snr']:.3g}",
                  f"{100 * r['below_one']:.1f}%", f"{100 * r['clipped']:.1f}%",
                  f"{100 * r['flipped']:.1f}%"] for r in records]
         report.sections.append(("Signal against noise per coordinate", markdown_table(
-            ["budget", "epsilon", "normalize", "clip quantile", "sigma", "median signal/noise",
+            ["budget", "epsilon", "normalize", "prior", "clip quantile", "sigma",
+             "median signal/noise",
              "10th pct signal/noise", "coordinates below 1", "windows clipped",
              "mask bits flipped"], rows)
             + f"\n\n{opts.model}, Wanda 50% (row groups), central noise, delta {opts.delta:g}, "

@@ -70,20 +70,27 @@ def test_the_plan_of_a_dp_study(tiny_dir, corpus):
     # a stored record finds its cell again
     record = {"kind": "dp-stats", **dict(dp[3].client), "eval": dict(dp[3].evals)}
     assert dp_study.record_cell(record).id == dp[3].id
-    # a DP record from before dp_normalize existed released raw statistics: not this cell
-    legacy = {k: v for k, v in record.items() if k != "dp_normalize"}
+    # a DP record from before dp_normalize and dp_prior existed released raw statistics: not
+    # this cell
+    legacy = {k: v for k, v in record.items() if k not in ("dp_normalize", "dp_prior")}
     assert dp[3].settings()["dp_epsilon"] and dp[3].settings()["dp_normalize"] == "public"
     assert dp_study.record_cell(legacy).settings()["dp_normalize"] == "none"
+    assert dp_study.record_cell(legacy).settings()["dp_prior"] == "none"
     assert dp_study.record_cell(legacy).id != dp[3].id
     plain = next(c for c in dp if not c.settings()["dp_epsilon"])
-    plain_record = {k: v for k, v in plain.client if k != "dp_normalize"}
+    plain_record = {k: v for k, v in plain.client if k not in ("dp_normalize", "dp_prior")}
     assert dp_study.record_cell({"kind": "dp-stats", **plain_record,
                                  "eval": dict(plain.evals)}).id == plain.id
-    # both normalizations side by side: a swept setting
-    (both,) = plan(_config(tiny_dir, corpus, dp_normalize=["public", "none"], epsilon=8,
+    # the server's prior with and without: a swept setting; raw statistics have no prior
+    (both,) = plan(_config(tiny_dir, corpus, dp_prior=["shrink", "none"], epsilon=8,
                            baselines=[]))
-    assert both.options["rows"] == ["dp_normalize"]
-    assert sorted(c.settings()["dp_normalize"] for c in both.cells) == ["none", "public"]
+    assert both.options["rows"] == ["dp_prior"]
+    assert sorted(c.settings()["dp_prior"] for c in both.cells) == ["none", "shrink"]
+    (raw,) = plan(_config(tiny_dir, corpus, dp_normalize="none", dp_prior="none", epsilon=8,
+                          baselines=[]))
+    assert raw.cells[0].settings()["dp_normalize"] == "none"
+    with pytest.raises(BenchConfigError, match="dp_prior='shrink' is invalid"):
+        plan(_config(tiny_dir, corpus, dp_normalize="none", epsilon=8, baselines=[]))
     public_cell = next(c for c in study.cells if c.kind == "dp-public")
     record = {"kind": "dp-public", **dict(public_cell.client), "eval": dict(public_cell.evals)}
     assert dp_study.record_cell(record).id == public_cell.id

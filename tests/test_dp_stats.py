@@ -383,3 +383,71 @@ def test_postprocess_floors_square_sums():
     st.sq_sum = torch.tensor([-1.0, 2.0, -0.5, 3.0], dtype=torch.float64)
     dps.postprocess({"a": st}, {"a": 1.0}, hessian=False)
     assert st.sq_sum.tolist() == [0.0, 2.0, 0.0, 3.0]
+
+
+@pytest.mark.parametrize("hessian", [False, True])
+def test_shrink_moves_a_drowned_release_to_its_mean_and_keeps_a_clear_one(hessian):
+    """James-Stein toward the block's mean: noise far above the coordinates' spread gives the
+    prior (every coordinate the mean: no exact zeros to prune whole columns); noise far below
+    it changes nothing that matters; the mean itself is kept."""
+    gen = torch.Generator().manual_seed(0)
+    d = 400
+    signal = 100.0 + 10.0 * torch.randn(d, dtype=torch.float64, generator=gen)
+
+    def release(noise_std):
+        st = LayerStats(d, hessian=hessian)
+        if hessian:
+            h = torch.diag(2 * signal) + 0.5
+            h += noise_std * torch.randn(d, d, dtype=torch.float64, generator=gen)
+            st.hessian_sum = (h + h.T) / 2
+            st.sq_sum = torch.diagonal(st.hessian_sum).clone() / 2
+        else:
+            st.sq_sum = signal + noise_std * torch.randn(d, dtype=torch.float64, generator=gen)
+        return st
+
+    def vec(st):
+        return torch.diagonal(st.hessian_sum) / 2 if hessian else st.sq_sum
+
+    drowned = release(1e4)
+    before = vec(drowned).clone()
+    dps.shrink({"a": drowned}, {"a": 1e4}, hessian)
+    after = vec(drowned)
+    # the sample spread of pure noise passes the noise's by chance by a few % at most
+    assert float(after.std()) < 0.35 * float(before.std())
+    assert float(after.mean()) == pytest.approx(float(before.mean()), rel=1e-9)
+    clear = release(1e-3)
+    before = vec(clear).clone()
+    dps.shrink({"a": clear}, {"a": 1e-3}, hessian)
+    assert torch.allclose(vec(clear), before, rtol=1e-6)
+    assert float(vec(clear).mean()) == pytest.approx(float(before.mean()), rel=1e-12)
+    if hessian:
+        assert torch.equal(clear.hessian_sum, clear.hessian_sum.T)
+        assert torch.allclose(clear.sq_sum, torch.diagonal(clear.hessian_sum) / 2)
+    with pytest.raises(ValueError, match="no noise scale"):
+        dps.shrink({"a": clear}, {}, hessian)
+
+
+def test_the_server_shrinks_only_a_normalized_release(tiny_dir):
+    """server_finish: with normalization and prior shrink, a release the noise drowns prunes as
+    the public scales' shape would; the setting is refused without normalization."""
+    from fedcompress.config import SettingsError
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+
+    with pytest.raises(SettingsError, match="dp_prior"):
+        FedPrLLMConfig(model=tiny_dir, aggregate="stats", dp_epsilon=8.0,
+                       dp_placement="central", dp_normalize="none", dp_prior="shrink")
+    from fedcompress.methods.fedprllm import dp as dpm
+
+    d = 16
+    plan = dps.plan_dp_stats(1.0, 1e-5, "central", [{"a": 1.0}], normalize="public",
+                             scales=[{"a": torch.linspace(1, 4, d, dtype=torch.float64)}])
+    st = LayerStats(d)  # no spread between the coordinates, noise of std ~7 on each
+    st.sq_sum = torch.full((d,), 1000.0, dtype=torch.float64)
+    out = dpm.server_finish({"a": st}, {}, plan, 0, False, 2, np.random.default_rng(3),
+                            prior="shrink")
+    # about the mean times each public scale: the scales' shape, not the noise's
+    ratio = out["a"].sq_sum / torch.linspace(1, 4, d, dtype=torch.float64)
+    assert float(ratio.std() / ratio.mean()) < 0.01 and float(ratio.mean()) > 990
+    with pytest.raises(ValueError, match="prior='maybe'"):
+        dpm.server_finish({"a": LayerStats(d)}, {}, plan, 0, False, 2,
+                          np.random.default_rng(3), prior="maybe")

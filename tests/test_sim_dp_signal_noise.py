@@ -27,9 +27,9 @@ def test_signal_noise_records(sim, tiny_dir, corpus, tmp_path):
               "--seqlen", "16", "--batch-size", "2",
               "--plot-budget", "2x8", "--plot-epsilon", "16", "--out", str(out)])
     report = json.loads((out / "report.json").read_text())
-    records = {(r["budget"], r["epsilon"], r["normalize"], r["clip_quantile"]): r
+    records = {(r["budget"], r["epsilon"], (r["normalize"], r["prior"]), r["clip_quantile"]): r
                for r in report["results"]}
-    assert len(records) == 2 * 2 * 2 * 2
+    assert len(records) == 2 * 2 * 3 * 2
     for (budget, eps, norm, q), r in records.items():
         assert r["windows"] == {"2x2": 4, "2x8": 16}[budget]
         assert 0 <= r["flipped"] <= 1 and 0 <= r["clipped"] <= 1

@@ -265,7 +265,8 @@ def measure(config: DpLeakageConfig, device: str | None = None,
                          secagg=dp and config.placement == "distributed",
                          dp_clip_quantile=config.clip_quantile,
                          dp_public_windows=config.public_windows,
-                         dp_normalize=config.normalize)
+                         dp_normalize=config.normalize,
+                         dp_prior="shrink" if config.normalize == "public" else "none")
     prune = fed.prune
     hessian = prune.needs_hessian
     the_plan = None

@@ -295,12 +295,12 @@ def dp_cell(name: str, point: Mapping[str, Any], evals: Mapping[str, Any], epsil
 
 def record_cell(record: Mapping[str, Any]) -> Cell:
     """The cell a stored DP record belongs to (settings it lacks, added later, take their
-    default, but ``dp_normalize``: a DP record from before it existed released raw
-    statistics)."""
+    default, but ``dp_normalize`` and ``dp_prior``: a DP record from before they existed
+    released raw statistics, and one from before ``dp_prior`` was not shrunk)."""
     from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 
     kind = PUBLIC_CELL if record.get("kind") == PUBLIC_CELL else DP_CELL
-    legacy = {"dp_normalize": "none"} if record.get("dp_epsilon") else None
+    legacy = {"dp_normalize": "none", "dp_prior": "none"} if record.get("dp_epsilon") else None
     cell = stored_cell(kind, record, FedPrLLMConfig, drop=SERVER_KEYS, legacy=legacy)
     return Cell(kind, cell.client, (), tuple(sorted(record.get("eval", {}).items())))
 

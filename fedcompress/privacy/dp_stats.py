@@ -86,6 +86,17 @@ the accounting and the guarantee are unchanged, and multiplying back is post-pro
 coordinate whose private values are far above its public scale makes its window clipped
 (biased, not leaked).
 
+**Shrinkage toward the public prior** (``prior="shrink"``, with normalization; :func:`shrink`).
+Normalized, every coordinate of a block has the same public expectation, so the block's mean
+is a prior for each coordinate; the noisy release ``y`` is shrunk toward it with the
+James-Stein weight ``w = tau^2 / (tau^2 + s^2)``, ``tau^2 = max(0, var(y) - s^2)`` the spread
+of the coordinates beyond the noise ``s`` (a Hessian: its diagonal and its off-diagonal
+entries, each toward its own mean). Where the noise drowns the signal (few windows, small
+epsilon) the release falls back to the public scales' shape instead of a random one (exact
+zeros from the floor below would prune whole input columns); where the signal dominates it is
+the release itself. It reads only the release, the public scales and the public noise scale:
+post-processing, no privacy cost.
+
 **Post-processing** (free): negative noisy square sums are floored at 0 and a noisy Hessian is
 made positive definite (:func:`make_positive_definite`: eigenvalues floored at the noise's
 spectral scale) before SparseGPT inverts it.
@@ -148,6 +159,7 @@ __all__ = [
     "public_windows",
     "secret_rng",
     "sensitivity",
+    "shrink",
     "skellam_epsilon",
     "skellam_noise",
     "skellam_rdp",
@@ -162,6 +174,9 @@ PLACEMENTS = ("central", "distributed")
 #: How input coordinates are scaled before a window's statistics are clipped: by their public
 #: per-token mean square (``public``), or not at all (``none``).
 NORMALIZATIONS = ("public", "none")
+#: What the server does with a normalized noisy release before it prunes: shrink it toward the
+#: public prior (``shrink``, :func:`shrink`) or take it as it is (``none``).
+PRIORS = ("shrink", "none")
 #: Smallest public scale, relative to the block's largest (a coordinate that is (nearly) zero on
 #: public text is scaled as if it were this small: its private values are then clipped, not
 #: blown up to infinity).
@@ -838,6 +853,44 @@ def denormalize(stats: Mapping[str, Any], scales: Mapping[str, torch.Tensor],
             st.sq_sum = torch.diagonal(st.hessian_sum).double().clone() / 2
         else:
             st.sq_sum = st.sq_sum * c.to(st.sq_sum)
+
+
+def _js(values: torch.Tensor, noise_std: float) -> torch.Tensor:
+    """``values`` shrunk toward their mean with the James-Stein weight for noise ``noise_std``."""
+    if values.numel() < 2:
+        return values
+    mean = values.mean()
+    spread = max(0.0, float(values.var()) - float(noise_std) ** 2)
+    weight = spread / (spread + float(noise_std) ** 2) if spread > 0 else 0.0
+    return mean + weight * (values - mean)
+
+
+def shrink(stats: Mapping[str, Any], std: Mapping[str, float], hessian: bool) -> None:
+    """Shrink each block's noisy NORMALIZED release toward the public prior (module
+    docstring; post-processing): the square sums toward their mean; a Hessian's diagonal and
+    off-diagonal entries each toward its own mean (its square sums then ``diag / 2``). In place,
+    once per distinct statistics object (``std``: each block's total noise std, by its
+    owner's name)."""
+    done: set[int] = set()
+    for name in sorted(stats):
+        st = stats[name]
+        if id(st) in done:
+            continue
+        done.add(id(st))
+        if name not in std:
+            raise ValueError(f"no noise scale for {name}: expected one per block")
+        if hessian:
+            h = st.hessian_sum.double()
+            n = h.shape[0]
+            rows, cols = torch.triu_indices(n, n, offset=1)
+            out = torch.diag(_js(torch.diagonal(h).clone(), std[name]))
+            off = _js(h[rows, cols].clone(), std[name])
+            out[rows, cols] = off
+            out[cols, rows] = off
+            st.hessian_sum = out.to(st.hessian_sum.dtype)
+            st.sq_sum = torch.diagonal(out).clone() / 2
+        else:
+            st.sq_sum = _js(st.sq_sum.double(), std[name])
 
 
 def postprocess(stats: Mapping[str, Any], std: Mapping[str, float], hessian: bool) -> None:

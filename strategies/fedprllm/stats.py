@@ -118,7 +118,8 @@ class StatsFedPrLLM(IterativeFedPrLLM):
             from fedcompress.methods.fedprllm.stats import layer_sharing
 
             stats = server_finish(dict(stats), layer_sharing(self.model, layer), self.dp_plan,
-                                  layer, self.config.prune.needs_hessian, aggregator.sites)
+                                  layer, self.config.prune.needs_hessian, aggregator.sites,
+                                  prior=self.config.dp_prior)
         masks, weights, quantized = quantize_layer(self.model, layer, stats, self.config.prune)
         self.layer_cost[layer] = {"server_seconds": time.monotonic() - start,
                                   "sites": aggregator.sites}

@@ -150,7 +150,8 @@ def test_in_process_run_refused_before_any_release(tmp_path, tiny_dir):
     tiny = load_model(tiny_dir, device="cpu").model
     config = FedPrLLMConfig(model=tiny_dir, clients=2, samples_per_client=2, seqlen=16,
                             batch_size=2, aggregate="stats", dp_epsilon=8.0,
-                            dp_placement="central", dp_clip=5.0, dp_normalize="none")
+                            dp_placement="central", dp_clip=5.0, dp_normalize="none",
+                            dp_prior="none")
     policies = [SitePolicy(state_dir=str(tmp_path / "a"), dp_placements=("central",)),
                 SitePolicy(state_dir=str(tmp_path / "b"), max_epsilon=4.0,
                            dp_placements=("central",))]

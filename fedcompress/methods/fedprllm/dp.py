@@ -252,12 +252,15 @@ def noisy_fixed(arrays: Mapping[str, np.ndarray], layer: int, the_plan: DpStatsP
 def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: DpStatsPlan,
                   layer: int, hessian: bool, sites: int,
                   rng: np.random.Generator | None = None,
-                  released: dict[str, Any] | None = None) -> dict[str, Any]:
+                  released: dict[str, Any] | None = None,
+                  prior: str = "none") -> dict[str, Any]:
     """The server's step on the sites' summed statistics of layer ``layer``: sharers get their
     owner's object (one noise draw per block), the central placement's Gaussian noise is added
-    (``rng``: a secret one by default), then post-processing and, with normalization, the map
-    back to the inputs' units (:func:`~fedcompress.privacy.dp_stats.denormalize`). Returns
-    ``stats``.
+    (``rng``: a secret one by default), then post-processing: with normalization and
+    ``prior="shrink"`` the shrinkage toward the public prior
+    (:func:`~fedcompress.privacy.dp_stats.shrink`), the floor and positive-definite Hessian,
+    and the map back to the inputs' units (:func:`~fedcompress.privacy.dp_stats.denormalize`).
+    Returns ``stats``.
     ``released``: filled with a copy of each block's statistics (by its owner's name) as the
     server holds them after the noise and before post-processing (what the DP release is, in
     normalized units with normalization; the attacks of :mod:`fedcompress.privacy.dp_attacks`
@@ -271,8 +274,12 @@ def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: Dp
         std = {k: s * float(np.sqrt(max(sites, 1) / the_plan.threshold)) for k, s in std.items()}
     if released is not None:
         released.update({owner: copy_stats(stats[owner]) for owner in std})
-    dps.postprocess(stats, std, hessian)
+    if prior not in dps.PRIORS:
+        raise ValueError(f"prior={prior!r}: expected one of {dps.PRIORS}")
     scales = the_plan.layer_scales(layer)
+    if prior == "shrink" and scales is not None:
+        dps.shrink(stats, std, hessian)
+    dps.postprocess(stats, std, hessian)
     if scales is not None:
         dps.denormalize(stats, scales, hessian)
     return stats

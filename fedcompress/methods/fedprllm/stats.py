@@ -685,7 +685,8 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
         if plan is not None:
             layer_stats = dpm.server_finish(dict(layer_stats), layer_sharing(model, layer),
                                             plan, layer, hessian, len(windows),
-                                            rng(layer, len(windows)), released)
+                                            rng(layer, len(windows)), released,
+                                            config.dp_prior)
         elif released is not None:
             shared_names = layer_sharing(model, layer)
             released.update({name: dpm.copy_stats(st) for name, st in layer_stats.items()
