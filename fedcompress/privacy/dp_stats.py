@@ -771,17 +771,23 @@ def _sym_noise(n: int, std: float, rng: np.random.Generator) -> torch.Tensor:
     return noise
 
 
+def _distinct(stats: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """``(owner name, statistics)`` once per distinct object of ``stats`` (sharers hold their
+    owner's object; the first name in sorted order is the owner)."""
+    done: set[int] = set()
+    for name in sorted(stats):
+        st = stats[name]
+        if id(st) not in done:
+            done.add(id(st))
+            yield name, st
+
+
 def add_gaussian(stats: Mapping[str, Any], std: Mapping[str, float], hessian: bool,
                  rng: np.random.Generator) -> None:
     """Central placement: add ``N(0, std[j]^2)`` to every coordinate of each block (the
     square sums; with ``hessian`` the Hessian's upper triangle, mirrored, and the square sums
     set to ``diag / 2``), in place, once per distinct statistics object."""
-    done: set[int] = set()
-    for name in sorted(stats):  # the first name of a shared object is its owner
-        st = stats[name]
-        if id(st) in done:
-            continue
-        done.add(id(st))
+    for name, st in _distinct(stats):
         if name not in std:
             raise ValueError(f"no noise scale for {name}: expected one per block")
         owner = name
@@ -835,12 +841,7 @@ def denormalize(stats: Mapping[str, Any], scales: Mapping[str, torch.Tensor],
     values, free): square sums times ``c``; a Hessian ``R H R`` with ``R = diag(sqrt(c))`` (its
     square sums ``diag / 2``). In place, once per distinct statistics object (``scales`` by its
     owner's name)."""
-    done: set[int] = set()
-    for name in sorted(stats):
-        st = stats[name]
-        if id(st) in done:
-            continue
-        done.add(id(st))
+    for name, st in _distinct(stats):
         if name not in scales:
             raise ValueError(f"no public scales for {name}: expected one per block")
         c = torch.as_tensor(scales[name], dtype=torch.float64)
@@ -871,12 +872,7 @@ def shrink(stats: Mapping[str, Any], std: Mapping[str, float], hessian: bool) ->
     off-diagonal entries each toward its own mean (its square sums then ``diag / 2``). In place,
     once per distinct statistics object (``std``: each block's total noise std, by its
     owner's name)."""
-    done: set[int] = set()
-    for name in sorted(stats):
-        st = stats[name]
-        if id(st) in done:
-            continue
-        done.add(id(st))
+    for name, st in _distinct(stats):
         if name not in std:
             raise ValueError(f"no noise scale for {name}: expected one per block")
         if hessian:
@@ -898,12 +894,7 @@ def postprocess(stats: Mapping[str, Any], std: Mapping[str, float], hessian: boo
     Hessian sum made positive definite (:func:`make_positive_definite`) and its square sums
     set to ``diag / 2``. In place, once per distinct statistics object; ``std``: each block's
     total noise std (its owner's name)."""
-    done: set[int] = set()
-    for name in sorted(stats):
-        st = stats[name]
-        if id(st) in done:
-            continue
-        done.add(id(st))
+    for name, st in _distinct(stats):
         if hessian:
             st.hessian_sum = make_positive_definite(st.hessian_sum, std[name])
             st.sq_sum = torch.diagonal(st.hessian_sum).double().clone() / 2
