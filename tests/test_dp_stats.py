@@ -412,9 +412,8 @@ def test_shrink_moves_a_drowned_release_to_its_mean_and_keeps_a_clear_one(hessia
     before = vec(drowned).clone()
     dps.shrink({"a": drowned}, {"a": 1e4}, hessian)
     after = vec(drowned)
-    # the sample spread of pure noise passes the noise's by chance by a few % at most
-    assert float(after.std()) < 0.35 * float(before.std())
-    assert float(after.mean()) == pytest.approx(float(before.mean()), rel=1e-9)
+    # a spread the noise alone gives is not credited to the signal: the mean, everywhere
+    assert torch.allclose(after, torch.full_like(after, float(before.mean())), rtol=1e-12)
     clear = release(1e-3)
     before = vec(clear).clone()
     dps.shrink({"a": clear}, {"a": 1e-3}, hessian)

@@ -89,9 +89,10 @@ coordinate whose private values are far above its public scale makes its window 
 **Shrinkage toward the public prior** (``prior="shrink"``, with normalization; :func:`shrink`).
 Normalized, every coordinate of a block has the same public expectation, so the block's mean
 is a prior for each coordinate; the noisy release ``y`` is shrunk toward it with the
-James-Stein weight ``w = tau^2 / (tau^2 + s^2)``, ``tau^2 = max(0, var(y) - s^2)`` the spread
-of the coordinates beyond the noise ``s`` (a Hessian: its diagonal and its off-diagonal
-entries, each toward its own mean). Where the noise drowns the signal (few windows, small
+James-Stein weight ``w = tau^2 / (tau^2 + s^2)``, ``tau^2`` the spread of the coordinates
+beyond the noise ``s`` and beyond what a noise-only sample spread reaches by chance
+(:data:`SPREAD_Z`) (a Hessian: its diagonal and its off-diagonal entries, each toward its own
+mean). Where the noise drowns the signal (few windows, small
 epsilon) the release falls back to the public scales' shape instead of a random one (exact
 zeros from the floor below would prune whole input columns); where the signal dominates it is
 the release itself. It reads only the release, the public scales and the public noise scale:
@@ -856,13 +857,24 @@ def denormalize(stats: Mapping[str, Any], scales: Mapping[str, torch.Tensor],
             st.sq_sum = st.sq_sum * c.to(st.sq_sum)
 
 
+#: Standard errors of the noise's sample variance that the coordinates' spread must pass before
+#: the shrinkage credits any of it to the signal (pure noise passes 2 about 2% of the time).
+SPREAD_Z = 2.0
+
+
 def _js(values: torch.Tensor, noise_std: float) -> torch.Tensor:
-    """``values`` shrunk toward their mean with the James-Stein weight for noise ``noise_std``."""
-    if values.numel() < 2:
+    """``values`` shrunk toward their mean with the James-Stein weight for noise ``noise_std``:
+    ``w = tau^2 / (tau^2 + s^2)``, the signal's spread ``tau^2`` being what the sample variance
+    has beyond the noise's ``s^2`` and beyond :data:`SPREAD_Z` standard errors of a noise-only
+    sample variance (``s^2 sqrt(2 / (n - 1))``): a spread the noise alone could give is not
+    credited to the signal."""
+    n = values.numel()
+    if n < 2:
         return values
     mean = values.mean()
-    spread = max(0.0, float(values.var()) - float(noise_std) ** 2)
-    weight = spread / (spread + float(noise_std) ** 2) if spread > 0 else 0.0
+    noise = float(noise_std) ** 2
+    spread = float(values.var()) - noise * (1.0 + SPREAD_Z * math.sqrt(2.0 / (n - 1)))
+    weight = spread / (spread + noise) if spread > 0 else 0.0
     return mean + weight * (values - mean)
 
 
