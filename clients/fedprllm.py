@@ -179,7 +179,7 @@ def fedspallm_release(message: Message, context: Context) -> Message:
     layers = [int(i) for i in message.content["layers"]["layers"]]
     start = time.perf_counter()
     release = site_release(model, windows, layers, config.sparsity, config.local_group,
-                           config.batch_size)
+                           config.batch_size, config.onload)
     return _reply(message, encode_release(release),
                   {"seconds": time.perf_counter() - start, "windows": len(windows),
                    "partition": partition})

@@ -316,3 +316,10 @@ def test_the_peers_config_plans_every_strategy():
                          ("sparsegpt", "fedspallm", "oneshot")}
         assert {c["sparsity"] for c in mine} == {0.5, 0.6, 0.7}
     assert all(c["model"] == "qwen2.5-0.5b" for c in cells if "model" in c)
+    big = plan(tomllib.loads((path.parent / "bench_peers_1p5b.toml").read_text()))
+    fed = [c.settings() for s in big for c in s.cells if c.kind == "fedprllm"]
+    assert all(c["onload"] and c["model"] == "qwen2.5-1.5b" for c in fed)
+    assert {(c["method"], c["aggregate"]) for c in fed} == {
+        ("wanda", "votes"), ("wanda", "stats"), ("ria", "stats"), ("sparsegpt", "stats"),
+        ("sparsegpt", "fedspallm")}
+    assert {c["sparsity"] for c in fed} == {0.5, 0.7}

@@ -115,3 +115,23 @@ def test_a_tiny_federation_reaches_the_target_exactly(tiny_model):
     assert site.nbytes() == bits + VALUE_BYTES * kept == run.bytes_up_per_site[0]
     # the layers a site was not given are not in its release
     assert set(site.masks) == set(run.assignment[0])
+
+
+def test_onloaded_sites_release_what_loaded_ones_do(tiny_dir):
+    """``onload``: a site walks one decoder layer in memory at a time (a skeleton read from the
+    safetensors folder) and releases what the fully loaded model gives."""
+    from fedcompress.models import load_model
+
+    full = load_model(tiny_dir, device="cpu").model
+    skeleton = load_model(tiny_dir, device="cpu", onload=True).model
+    gen = torch.Generator().manual_seed(2)
+    windows = [torch.randint(5, 100, (2, 16), generator=gen) for _ in range(2)]
+    a = fedspallm_prune(full, windows, 0.5, budgets=[2, 2], seed=1)
+    b = fedspallm_prune(skeleton, windows, 0.5, budgets=[2, 2], seed=1)
+    c = fedspallm_prune(full, windows, 0.5, budgets=[2, 2], seed=1, onload=True)
+    for other in (b, c):
+        assert other.assignment == a.assignment
+        for layer in range(len(a.masks)):
+            for name, mask in a.masks[layer].items():
+                assert torch.equal(other.masks[layer][name], mask), (layer, name)
+                assert torch.equal(other.weights[layer][name], a.weights[layer][name])

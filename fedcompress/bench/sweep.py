@@ -720,7 +720,8 @@ class BenchRunner:
                                                  "sites)"), assignment):
                 start = time.perf_counter()
                 releases.append(site_release(exp.model, windows, layers, config.sparsity,
-                                             config.local_group, config.batch_size))
+                                             config.local_group, config.batch_size,
+                                             config.onload))
                 seconds.append(time.perf_counter() - start)
         except Exception as err:
             for cell in variants:

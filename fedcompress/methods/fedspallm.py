@@ -104,18 +104,21 @@ class SiteRelease:
 
 
 def site_release(model: nn.Module, windows: torch.Tensor, layers: Sequence[int],
-                 sparsity: float, group: str = "row", batch_size: int = 8) -> SiteRelease:
+                 sparsity: float, group: str = "row", batch_size: int = 8,
+                 onload: bool = False) -> SiteRelease:
     """A site's release: SparseGPT at ``sparsity`` (local comparison ``group``) on its
     ``windows`` over its assigned ``layers``, every other layer dense (ratio 0: its weights
     unchanged), in one sequential pass (the assigned layers' inputs come through the layers
-    before them as the site holds them)."""
+    before them as the site holds them); ``onload``: one decoder layer in memory at a time
+    (:func:`~fedcompress.pruning.local.local_masks`)."""
     n_layers = len(ModelAdapter(model))
     assigned = sorted(set(int(i) for i in layers))
     if not assigned or assigned[0] < 0 or assigned[-1] >= n_layers:
         raise ValueError(f"assigned layers {list(layers)}: expected some of 0..{n_layers - 1}")
     ratios = [sparsity if i in assigned else 0.0 for i in range(n_layers)]
     plan = SparsityPlan(sparsity, tuple(ratios))
-    config = PruneConfig("sparsegpt", sparsity, group, layer_sparsity=plan.to_text())
+    config = PruneConfig("sparsegpt", sparsity, group, layer_sparsity=plan.to_text(),
+                         onload=onload)
     result = local_masks(model, windows, config, batch_size=batch_size, keep_weights=True)
     release = SiteRelease(assigned)
     for i in assigned:
@@ -260,8 +263,8 @@ class FedSpaLLMRun:
 
 def fedspallm_prune(model: nn.Module, windows: Sequence[torch.Tensor], sparsity: float,
                     budgets: Sequence[int] | None = None, local_group: str = "row",
-                    group: str = "layer", seed: int = 0, batch_size: int = 8
-                    ) -> FedSpaLLMRun:
+                    group: str = "layer", seed: int = 0, batch_size: int = 8,
+                    onload: bool = False) -> FedSpaLLMRun:
     """FedSpaLLM in one process (benchmarks): every site's release on its ``windows`` over
     its assigned layers (``budgets``: layers per site; default all), then the server's l0
     average and mask expansion per linear layer (comparison ``group``). The model is not
@@ -271,7 +274,7 @@ def fedspallm_prune(model: nn.Module, windows: Sequence[torch.Tensor], sparsity:
     if len(budgets) != len(windows):
         raise ValueError(f"{len(budgets)} layer budgets for {len(windows)} sites")
     assignment = assign_layers(n_layers, budgets, seed)
-    releases = [site_release(model, w, layers, sparsity, local_group, batch_size)
+    releases = [site_release(model, w, layers, sparsity, local_group, batch_size, onload)
                 for w, layers in zip(windows, assignment)]
     masks, weights = aggregate_releases(model, releases, sparsity, group)
     return FedSpaLLMRun(masks, weights, assignment, [r.nbytes() for r in releases])
