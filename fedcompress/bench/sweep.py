@@ -706,23 +706,17 @@ class BenchRunner:
         """FedSpaLLM cells sharing their sites' releases (the same client settings: only the
         server's comparison ``group`` differs): the releases once, then each cell's l0 average
         and mask expansion (:mod:`fedcompress.methods.fedspallm`)."""
-        from fedcompress.methods.fedspallm import assign_layers, site_release
-        from fedcompress.models import ModelAdapter
+        from fedcompress.methods.fedspallm import site_releases
 
         config = variants[0].config()
+        budgets = ([config.fedspallm_layers] * config.clients if config.fedspallm_layers
+                   else None)
         try:
-            n_layers = len(ModelAdapter(exp.model))
-            assignment = assign_layers(n_layers, [config.fedspallm_layers or n_layers]
-                                       * config.clients, config.seed)
-            seconds, releases = [], []
-            for windows, layers in zip(_progress(exp.windows, self.progress,
-                                                 f"FedSpaLLM releases ({config.clients} "
-                                                 "sites)"), assignment):
-                start = time.perf_counter()
-                releases.append(site_release(exp.model, windows, layers, config.sparsity,
-                                             config.local_group, config.batch_size,
-                                             config.onload))
-                seconds.append(time.perf_counter() - start)
+            _, releases, seconds = site_releases(
+                exp.model, exp.windows, config.sparsity, budgets, config.local_group,
+                config.seed, config.batch_size, config.onload,
+                wrap=lambda w: _progress(w, self.progress,
+                                         f"FedSpaLLM releases ({config.clients} sites)"))
         except Exception as err:
             for cell in variants:
                 self.run_cell(cell, lambda err=err: _raise(err))

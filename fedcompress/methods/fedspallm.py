@@ -29,7 +29,8 @@ was written, so every choice below that the abstract leaves open is named as suc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -261,20 +262,37 @@ class FedSpaLLMRun:
     bytes_up_per_site: list[int]
 
 
-def fedspallm_prune(model: nn.Module, windows: Sequence[torch.Tensor], sparsity: float,
-                    budgets: Sequence[int] | None = None, local_group: str = "row",
-                    group: str = "layer", seed: int = 0, batch_size: int = 8,
-                    onload: bool = False) -> FedSpaLLMRun:
-    """FedSpaLLM in one process (benchmarks): every site's release on its ``windows`` over
-    its assigned layers (``budgets``: layers per site; default all), then the server's l0
-    average and mask expansion per linear layer (comparison ``group``). The model is not
-    changed: apply the result with :func:`~fedcompress.pruning.local.apply_masks`."""
+def site_releases(model: nn.Module, windows: Sequence[torch.Tensor], sparsity: float,
+                  budgets: Sequence[int] | None = None, local_group: str = "row",
+                  seed: int = 0, batch_size: int = 8, onload: bool = False,
+                  wrap: Callable[[Iterable], Iterable] | None = None
+                  ) -> tuple[list[list[int]], list[SiteRelease], list[float]]:
+    """Every site's release in one process: the layer assignment (``budgets``: layers per
+    site; default all), each site's :func:`site_release` on its ``windows``, and the seconds
+    of each (``wrap``: e.g. a progress bar around the sites' windows)."""
     n_layers = len(ModelAdapter(model))
     budgets = [n_layers] * len(windows) if budgets is None else list(budgets)
     if len(budgets) != len(windows):
         raise ValueError(f"{len(budgets)} layer budgets for {len(windows)} sites")
     assignment = assign_layers(n_layers, budgets, seed)
-    releases = [site_release(model, w, layers, sparsity, local_group, batch_size, onload)
-                for w, layers in zip(windows, assignment)]
+    releases, seconds = [], []
+    for w, layers in zip(wrap(windows) if wrap else windows, assignment):
+        start = time.perf_counter()
+        releases.append(site_release(model, w, layers, sparsity, local_group, batch_size,
+                                     onload))
+        seconds.append(time.perf_counter() - start)
+    return assignment, releases, seconds
+
+
+def fedspallm_prune(model: nn.Module, windows: Sequence[torch.Tensor], sparsity: float,
+                    budgets: Sequence[int] | None = None, local_group: str = "row",
+                    group: str = "layer", seed: int = 0, batch_size: int = 8,
+                    onload: bool = False) -> FedSpaLLMRun:
+    """FedSpaLLM in one process (benchmarks): every site's release on its ``windows`` over
+    its assigned layers (:func:`site_releases`), then the server's l0 average and mask
+    expansion per linear layer (comparison ``group``). The model is not changed: apply the
+    result with :func:`~fedcompress.pruning.local.apply_masks`."""
+    assignment, releases, _ = site_releases(model, windows, sparsity, budgets, local_group,
+                                            seed, batch_size, onload)
     masks, weights = aggregate_releases(model, releases, sparsity, group)
     return FedSpaLLMRun(masks, weights, assignment, [r.nbytes() for r in releases])

@@ -13,7 +13,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
-from fedcompress.methods.fedprllm.federated import expected_shapes
 from fedcompress.methods.fedspallm import (
     SiteRelease,
     aggregate_releases,
@@ -42,8 +41,7 @@ class FedSpaLLMStrategy(FedPrLLM):
 
     action = "train.fedspallm"
 
-    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
-                 reference_wire: dict | None = None):
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0):
         super().__init__(config, model, node_wait, reference_wire=None, streaming=False)
         self.n_layers = len(ModelAdapter(model))
         budget = config.fedspallm_layers or self.n_layers
@@ -54,7 +52,6 @@ class FedSpaLLMStrategy(FedPrLLM):
         self.assignment = assign_layers(self.n_layers, [budget] * config.clients, config.seed)
         self.node_layers: dict[int, list[int]] = {}
         self.releases: dict[int, SiteRelease] = {}
-        self.all_shapes = expected_shapes(model)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -76,7 +73,7 @@ class FedSpaLLMStrategy(FedPrLLM):
             if layers is None:
                 raise ValueError("a release from a node that was not asked")
             payload = {k: a.numpy() for k, a in reply.content["masks"].items()}
-            return decode_release(payload, layers, self.all_shapes)
+            return decode_release(payload, layers, self.shapes)  # every layer's shapes
 
         valid, rejected = collect_valid_replies(
             replies, validate, stage="release", server_round=server_round, what="release",
