@@ -218,3 +218,27 @@ def test_a_failing_cell_is_recorded_and_retried(tiny_dir, corpus, tmp_path, monk
     monkeypatch.setattr(dp_study, "prune_cell", real)
     report = run_bench(write_bench_config(tmp_path, config), out, progress=False)
     assert report.exit_status == "ok" and report.extra["plan"]["pending"] == 1
+
+
+def test_the_dp_plot_keeps_the_baselines_on_scale(bench, tmp_path, monkeypatch):
+    """A wrecked cell (perplexity 1e5) is drawn on the top edge with its value, and the axis
+    still spans every baseline instead of flattening them under a log scale."""
+    import matplotlib.figure
+
+    _, _, out, _ = bench
+    results = {k: dict(v) for k, v in load_results(out / "results.jsonl").items()}
+    (study,) = plan(json.loads((out / "report.json").read_text())["config"])
+    wrecked = next(r for r in results.values() if r["kind"] == "dp-stats" and not r["secagg"]
+                   and float(r["dp_epsilon"]) == 4.0)
+    wrecked["perplexity"] = 1e5
+    figures: list = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *a, **k: figures.append(self))
+    dp_study.study_plots(study, results, tmp_path)
+    (ax,) = figures[0].axes
+    lo, hi = ax.get_ylim()
+    baselines = [r["perplexity"] for r in results.values()
+                 if r["kind"] in ("centralized", "local-only", "votes", "dp-public")]
+    assert baselines and all(lo <= y <= hi for y in baselines)
+    assert hi < 1e5 and ax.get_yscale() == "linear"
+    assert any(t.get_text() == "100,000" for t in ax.texts)

@@ -576,10 +576,21 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+#: How far above the worst baseline a DP point may lie and still be drawn to scale: points
+#: above it are drawn at the panel's top edge as an up-triangle labelled with their value, so that
+#: a wrecked low-epsilon cell does not flatten every baseline onto one line.
+PLOT_HEADROOM = 1.25
+
+
 def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Path]:
     """``dp-NAME.png``: perplexity against epsilon (log x), one panel per method, one line
     per budget (and placement, other swept settings), horizontal lines for its centralized,
-    local-only and votes cells (the line's colour) and the dense model (grey)."""
+    no-DP, public-text, local-only and votes cells (the line's colour) and the dense model
+    (grey). The y axis is linear and spans the baselines and the DP points up to
+    :data:`PLOT_HEADROOM` times the worst baseline; a point above that is drawn on the top edge
+    (an up-triangle with its value). The title wraps."""
+    import textwrap
+
     from fedcompress.bench.plots import _pyplot
 
     options = study.options
@@ -600,13 +611,15 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
     if not panels:
         return []
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6.8), squeeze=False)
     styles = {"centralized": "--", "no DP": (0, (1, 1)), "local-only": ":", "votes": "-.",
               "dense": "-", "public": (0, (5, 1, 1, 1))}
     eps = [e for e in options["epsilons"] if e > 0]
-    values_all: list[float] = []
     for ax, (method, lines) in zip(axes[0], sorted(panels.items())):
         dense = None
+        refs_all = [y for _, line in lines for k, y in line["refs"].items() if k != "dense"]
+        points_all = [y for _, line in lines for _, y in line["points"]]
+        top = (max(refs_all) if refs_all else min(points_all, default=1.0)) * PLOT_HEADROOM
         for i, (row, line) in enumerate(lines):
             colour = f"C{i % 10}"
             label = ", ".join([row["budget"], *(f"{k}={row[k]}" for k in options["rows"]
@@ -615,8 +628,13 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
                                  else [])])
             if line["points"]:
                 xs, ys = zip(*line["points"])
-                ax.plot(xs, ys, marker="o", color=colour, label=f"DP statistics, {label}")
-                values_all += ys
+                shown = [min(y, top) for y in ys]
+                ax.plot(xs, shown, marker="o", color=colour, label=f"DP statistics, {label}")
+                for x, y in zip(xs, ys):
+                    if y > top:
+                        ax.plot([x], [top], marker="^", markersize=10, color=colour)
+                        ax.annotate(f"{y:,.0f}", (x, top), textcoords="offset points",
+                                    xytext=(6, -12), fontsize=7, color=colour)
             for ref, y in line["refs"].items():
                 if ref == "dense":
                     dense = y
@@ -625,22 +643,25 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
                     continue  # the same windows pooled: on the centralized line (table)
                 ax.axhline(y, color=colour, linestyle=styles[ref], linewidth=1, alpha=0.8,
                            label=f"{_BASELINE_LABEL.get(ref, ref)}, {label}")
-                values_all.append(y)
+        shown_all = [min(y, top) for y in points_all] + refs_all
+        if shown_all:
+            lo, hi = min(shown_all), max(shown_all)
+            pad = 0.04 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
+            ax.set_ylim(lo - pad, hi + 3 * pad)
         if dense is not None:
-            ax.axhline(dense, color="grey", linestyle="-", linewidth=1, label="dense")
-            values_all.append(dense)
+            below = bool(shown_all) and dense < min(shown_all) - pad
+            ax.axhline(dense, color="grey", linestyle="-", linewidth=1,
+                       label=(f"dense ({dense:.4g}, below the axis)" if below else "dense"))
         ax.set_xscale("log", base=2)
         if eps:
             ax.set_xticks(eps, [f"{e:g}" for e in eps])
         ax.set_xlabel("epsilon per site (log scale)")
         ax.set_ylabel("perplexity")
-        ax.set_title(f"{method}", fontsize=10)
-        ax.legend(fontsize=6)
-    if values_all and max(values_all) > 3 * min(values_all):
-        for ax in axes[0]:
-            ax.set_yscale("log")
-            ax.set_ylabel("perplexity (log scale)")
-    fig.suptitle(study.title, fontsize=10)
+        ax.set_title(f"{method} (a triangle: off the scale, labelled with its value)",
+                     fontsize=9)
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    width = 75 * len(panels)
+    fig.suptitle("\n".join(textwrap.wrap(study.title, width)), fontsize=10)
     fig.tight_layout()
     path = out / f"dp-{study.name}.png"
     fig.savefig(path, dpi=120)
