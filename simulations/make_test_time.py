@@ -9,6 +9,10 @@ through ``.ci/run``), and records each command's wall time, its exit status and 
 it on an idle machine, alone. pip's cache is the user's (a warm cache makes ``make install``
 fast; the time says which). Writes ``report.json``, ``report.md`` and ``config.toml`` to
 ``--out``; the clone is removed at the end unless ``--keep``.
+
+``--targets install,test,deploy-test`` times ``make deploy-test`` too, after the two (the
+deployment in real containers: the image of the clone, built with Docker's layer cache of this
+machine, then tests/test_containers.py; root and a running Docker engine needed).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def timed(report: RunReport, name: str, argv: list[str], cwd: Path, log: Path) -
     seconds = time.perf_counter() - start
     record = {"name": name, "command": " ".join(argv), "exit_status": code, "seconds": seconds,
               "load_average_after": list(os.getloadavg())}
-    if name == "make test":
+    if name in ("make test", "make deploy-test"):
         record.update(pytest_summary(log.read_text(errors="replace")))
     report.add_result(record)
     return record
@@ -57,7 +61,14 @@ def main() -> None:
     parser.add_argument("--source", default=str(ROOT), help="repository to clone (its HEAD)")
     parser.add_argument("--out", default="simulations/results/make-test")
     parser.add_argument("--keep", action="store_true", help="keep the clone (path in the report)")
+    parser.add_argument("--targets", default="install,test",
+                        help="make targets, in order (default install,test; deploy-test: the "
+                             "containers too)")
     opts = parser.parse_args()
+    targets = [t.strip() for t in opts.targets.split(",") if t.strip()]
+    known = ("install", "test", "deploy-test")
+    if not targets or any(t not in known for t in targets):
+        parser.error(f"--targets {opts.targets!r}: expected a comma-separated list of {known}")
     work = Path(tempfile.mkdtemp(prefix="fedcompress-clone-"))
     clone = work / "fedcompress"
     with RunReport.for_script(__file__, opts) as report:
@@ -67,7 +78,7 @@ def main() -> None:
                                   capture_output=True, text=True, check=True).stdout.strip()
             report.extra["clone_commit"] = head
             records = []
-            for name in ("make install", "make test"):
+            for name in (f"make {t}" for t in targets):
                 records.append(timed(report, name, name.split(), clone, work / f"{name[5:]}.log"))
                 if records[-1]["exit_status"] != 0:
                     tail = (work / f"{name[5:]}.log").read_text(errors="replace")[-3000:]
@@ -75,11 +86,12 @@ def main() -> None:
                     raise SystemExit(f"{name} failed (exit {records[-1]['exit_status']}):\n{tail}")
             rows = [[r["name"], f"{r['seconds'] / 60:.1f}", str(r["exit_status"]),
                      f"{r['load_average_after'][0]:.2f}"] for r in records]
-            test = records[-1]
-            report.sections.append(("A new user's two commands", markdown_table(
+            said = [f"`{r['name']}`: pytest reported {r.get('passed', 0)} passed, "
+                    f"{r.get('failed', 0)} failed, {r.get('skipped', 0)} skipped"
+                    for r in records if "passed" in r or "failed" in r]
+            report.sections.append(("A new user's commands", markdown_table(
                 ["command", "minutes", "exit", "load (1 min) after"], rows) + (
-                f"\n\nIn a fresh clone of {head}: pytest reported {test.get('passed', 0)} passed, "
-                f"{test.get('failed', 0)} failed, {test.get('skipped', 0)} skipped.")))
+                f"\n\nIn a fresh clone of {head}: " + "; ".join(said) + ".")))
         finally:
             if opts.keep:
                 report.extra["clone"] = str(clone)
