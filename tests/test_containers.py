@@ -81,13 +81,18 @@ class Stack:
     """One Compose project of docker/compose.yml in ``root`` (certificates, data, public
     material, the override), with helpers to run ``docker compose`` on it."""
 
-    def __init__(self, root: Path, public: Path, task: str):
-        from test_deploy import _make_certs
+    def __init__(self, root: Path, public: Path | None = None, policy: dict | None = None,
+                 workers: tuple[int, ...] = WORKER_SITES, documents: list[str] | None = None):
+        """``public``: a folder of public material every container mounts read only at the
+        same path (or none); ``policy``: node-config keys added to every site's (the models and
+        corpora it accepts, ...); ``workers``: the sites with a warm site worker;
+        ``documents``: JSONL lines of each site's train split (default: the first 20 wiki
+        documents), to which a canary line of the site's own is added."""
+        from test_deploy import WIKI, _make_certs
 
         self.root = root
         self.project = f"fedcompress-test-{secrets.token_hex(4)}"
-        self.public = public
-        self.task = task
+        self.public, self.policy, self.workers = public, dict(policy or {}), tuple(workers)
         shutil.copy(REPO / "docker" / "compose.yml", root / "compose.yml")
         shutil.copy(REPO / "docker" / "flwr-config.toml", root / "flwr-config.toml")
         made = _make_certs().create(root / "certs", SITES, [])
@@ -95,12 +100,10 @@ class Stack:
         for i, (private, _) in enumerate(made["node_keys"]):
             os.chown(private, SITE_UID + i, SITE_UID + i)
         self.made = made
-        # each site's private text: the first wiki documents and a canary line of its own
-        from test_deploy import WIKI
-
-        # (a folder per site with its train and test splits: personalized pruning evaluates
-        # each site on its own held-out text)
-        documents = WIKI.read_text().splitlines(keepends=True)[:30]
+        # each site's private text (a folder with its train and test splits: personalized
+        # pruning evaluates each site on its own held-out text) and a canary line of its own
+        wiki = WIKI.read_text().splitlines(keepends=True)
+        train = documents if documents is not None else wiki[:20]
         self.canaries = {}
         for i in range(SITES):
             folder = root / "data" / f"site-{i}"
@@ -108,9 +111,8 @@ class Stack:
             canary = f"site-{i}-canary-{secrets.token_hex(8)}"
             self.canaries[i] = canary
             (folder / "train.jsonl").write_text(
-                "".join(documents[:20]) + json.dumps({"text": f"{canary} is private text."})
-                + "\n")
-            (folder / "test.jsonl").write_text("".join(documents[20:]))
+                "".join(train) + json.dumps({"text": f"{canary} is private text."}) + "\n")
+            (folder / "test.jsonl").write_text("".join(wiki[20:30]))
             for path in (folder, folder / "train.jsonl", folder / "test.jsonl"):
                 os.chown(path, SITE_UID + i, SITE_UID + i)
                 path.chmod(0o700 if path.is_dir() else 0o600)
@@ -119,14 +121,12 @@ class Stack:
 
     # -- the override ------------------------------------------------------------------------
     def node_config(self, i: int, data_path: str = "/data") -> dict:
-        """Site ``i``'s node config: compose.yml's, plus its policy (the public test model and
-        corpora; research-reproducible secrets, for the comparison with the in-process run)."""
+        """Site ``i``'s node config: compose.yml's, plus the stack's ``policy`` and, for a site
+        with a worker, its socket."""
         config = {"partition-id": i, "num-partitions": SITES, "data-path": data_path,
                   "state-dir": "/home/app/state", "secagg-key": "/keys/supernode",
-                  "secagg-peers": "/peers", "models": str(self.public / "tiny-llama"),
-                  "corpora": f"wiki,strategyqa,{self.task}",
-                  "research-reproducible-secrets": True}
-        if i in WORKER_SITES:
+                  "secagg-peers": "/peers", **self.policy}
+        if i in self.workers:
             config["site-worker"] = "/home/app/worker/site.sock"
         return config
 
@@ -134,12 +134,14 @@ class Stack:
         import yaml
 
         base = yaml.safe_load((self.root / "compose.yml").read_text())["services"]
-        public = f"{self.public}:{self.public}:ro"
         lines = ["services:"]
         for name, service in base.items():
             if name.endswith("-init"):
                 continue
-            lines += [f"  {name}:", "    volumes:", f"      - {_yaml_string(public)}"]
+            lines.append(f"  {name}:")
+            if self.public is not None:
+                public = f"{self.public}:{self.public}:ro"
+                lines += ["    volumes:", f"      - {_yaml_string(public)}"]
             if name == "superlink":
                 lines.append("    ports: !reset []")
             match = re.fullmatch(r"supernode-(\d)", name)
@@ -190,8 +192,9 @@ class Stack:
             reply = json.loads(proc.stdout[proc.stdout.index("{"):])
             assert reply.get("success"), reply
             self.node_ids.append(int(reply["node-id"]))
-        self.compose("--profile", "site-worker", "up", "-d", "--pull", "never",
-                     *(f"site-worker-{i}" for i in WORKER_SITES), timeout=STARTUP_TIMEOUT)
+        if self.workers:
+            self.compose("--profile", "site-worker", "up", "-d", "--pull", "never",
+                         *(f"site-worker-{i}" for i in self.workers), timeout=STARTUP_TIMEOUT)
         self.compose("up", "-d", "--pull", "never",
                      *(f"supernode-{i}" for i in range(SITES)), timeout=STARTUP_TIMEOUT)
         deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -256,7 +259,12 @@ def stack(tmp_path_factory):
     for path in [public, *public.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     (root / "project").mkdir()
-    stack = Stack(root / "project", public, task)
+    # the sites' policy accepts the public tiny model and task, and (research flag: the tests
+    # compare a deployed run with the in-process one) draws its secrets from the server's seeds
+    stack = Stack(root / "project", public,
+                  policy={"models": str(public / "tiny-llama"),
+                          "corpora": f"wiki,strategyqa,{task}",
+                          "research-reproducible-secrets": True})
     try:
         stack.start()
         yield stack
@@ -309,7 +317,7 @@ def test_containerized_oneshot_equals_in_process(stack, oneshot):
     split = {(r["node"], r["stage"]): r for r in report["client_startup"]}
     for i, node in enumerate(stack.node_ids):
         r = split[(node, "masks")]
-        if i in WORKER_SITES:
+        if i in stack.workers:
             assert r["startup_worker_seconds"] >= 0, r
         else:
             assert r["startup_import_seconds"] > 0 and r["startup_load_seconds"] > 0, r
@@ -396,7 +404,7 @@ def test_no_container_reads_another_sites_data(stack, oneshot):
     own = {"/data", "/keys/supernode", "/home/app/.flwr", "/home/app/.cache/fedcompress",
            "/home/app/state", "/home/app/worker"}
     services = [f"supernode-{i}" for i in range(SITES)] + [f"site-worker-{i}"
-                                                           for i in WORKER_SITES]
+                                                           for i in stack.workers]
     for service in services:
         i = int(service[-1])
         seen = _inside(stack, service, canaries, ["/data/train.jsonl"])

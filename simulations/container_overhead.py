@@ -1,0 +1,232 @@
+"""A one-shot FedPrLLM run in real containers against the same run on loopback, side by side.
+
+    python simulations/container_overhead.py --out simulations/results/container-overhead
+
+Two deployments of the same three sites, up at the same time, each with TLS and SuperNode
+authentication, site 0 starting a ``flwr-clientapp`` process per message and sites 1 and 2
+handing theirs to a warm site worker of their own:
+
+* ``loopback``: processes on this machine, as ``tests/test_deploy.py`` starts them (its
+  ``Deployment``), the workers as ``simulations/site_startup.py`` starts them;
+* ``containers``: ``docker/compose.yml`` as ``tests/test_containers.py`` starts it (its
+  ``Stack``: own uids, volumes, data and keys per site, the ``site-worker`` profile), from the
+  image ``--image`` (build it from the measured checkout first: ``make images``).
+
+The same settings (``--model``, each site's first ``--site-docs`` wiki documents,
+``--samples-per-client`` windows of ``--seqlen`` tokens, Wanda 50%, no saved model) run
+``--runs`` times on each, alternating (loopback, containers, loopback, ...) so that a change of
+the machine's load hits both alike. Per run: the wall time of ``flwr run --stream`` (submit to
+end; in containers it includes starting the operator's ``cli`` container) and, per site and
+message (the warm-up, the masks), the start-up its reply reports (Flower's runtime in the
+per-message process, imports, model and windows loaded, the exchange with the worker) and its
+compute. Run 1 is cold (a new app install, empty window caches) and is reported apart. A timing
+measurement: run it alone on an idle machine; the load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fedcompress.report import RunReport, markdown_table
+
+logger = logging.getLogger("container_overhead")
+REPO = Path(__file__).resolve().parents[1]
+DEPLOYMENTS = ("loopback", "containers")
+STARTUP_KEYS = ("startup_runtime_seconds", "startup_import_seconds", "startup_load_seconds",
+                "startup_worker_seconds")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _messages(report: dict, node_ids: list[int], workers: tuple[int, ...]) -> list[dict]:
+    """One record per site and message of a run's report.json (its ``client_startup``)."""
+    site_of = {node: i for i, node in enumerate(node_ids)}
+    out = []
+    for r in report.get("client_startup", []):
+        site = site_of[r["node"]]
+        startup = sum(float(r.get(k, 0.0)) for k in STARTUP_KEYS)
+        out.append({"site": site, "message": r["stage"],
+                    "path": "worker" if site in workers else "process per message",
+                    "startup_seconds": startup,
+                    "compute_seconds": float(r.get("compute_seconds", 0.0)),
+                    **{k: float(r[k]) for k in STARTUP_KEYS if k in r}})
+    return out
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="simulations/results/container-overhead")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--image", default="fedcompress:cpu",
+                        help="The image the containers run (make images builds it).")
+    parser.add_argument("--runs", type=int, default=4,
+                        help="Runs per deployment, alternating (the first one cold).")
+    parser.add_argument("--site-docs", type=int, default=200,
+                        help="Documents of the bundled wiki train split in each site's data.")
+    parser.add_argument("--samples-per-client", type=int, default=4)
+    parser.add_argument("--seqlen", type=int, default=128)
+    opts = parser.parse_args(argv)
+    if opts.runs < 2:
+        parser.error(f"--runs {opts.runs}: expected 2 or more (run 1 is cold)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    os.environ["FEDCOMPRESS_IMAGE"] = opts.image
+    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "simulations"))
+    import test_containers
+    from site_startup import _deploy_module, _prepare_cache, start_worker, wait_for
+
+    deploy = _deploy_module()
+    test_containers.IMAGE = opts.image
+    workers = test_containers.WORKER_SITES
+    report = RunReport.for_script(Path(__file__).resolve().relative_to(REPO), opts)
+    report.extra["measured_code"] = {
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+    image = json.loads(subprocess.run(["docker", "image", "inspect", opts.image],
+                                      capture_output=True, text=True, check=True).stdout)[0]
+    report.extra["image"] = {"name": opts.image, "id": image["Id"], "created": image["Created"],
+                             "size_bytes": image["Size"]}
+    report.extra["load_average_before"] = [round(x, 2) for x in os.getloadavg()]
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"container-overhead-{os.getpid()}"
+    work.mkdir(parents=True)
+    docs = deploy.WIKI.read_text().splitlines(keepends=True)[:opts.site_docs]
+    settings = {"model": opts.model, "clients": deploy.CLIENTS,
+                "samples-per-client": opts.samples_per_client, "seqlen": opts.seqlen,
+                "batch-size": 4, "eval-seqlen": opts.seqlen, "eval-windows": 2,
+                "device": "cpu", "baselines": "", "save-model": False}
+    report.extra["run_settings"] = settings
+    procs = deploy.Processes(work)
+    dep = deploy.Deployment("loopback", work, procs)
+    dep.policy = {"models": opts.model}
+    dep.workers = {}  # (the class's default is shared)
+    (work / "containers").mkdir()
+    stack = test_containers.Stack(work / "containers", policy={"models": opts.model},
+                                  workers=workers, documents=docs)
+    with report:
+        try:
+            # loopback: the same data as the containers' sites (their canary line included)
+            _prepare_cache(work / "loopback" / "cache", opts.model)
+            for i, site in enumerate(dep.sites):
+                site.parent.mkdir(parents=True)
+                shutil.copy(stack.root / "data" / f"site-{i}" / "train.jsonl", site)
+            dep.start_superlink()
+            dep.wait_superlink()
+            dep.node_ids = [deploy._make_certs().register([public], deploy.CONNECTION,
+                                                           dep.cli_env)[0]
+                            for _, public in dep.made["node_keys"][:deploy.CLIENTS]]
+            for i in workers:
+                socket = dep.root / f"site-{i}" / "worker" / "worker.sock"
+                start_worker(procs, dep.proc_name(f"worker-{i}"), socket,
+                             dep.env(f"supernode-{i}"))
+                dep.workers[i] = socket
+            for i in range(deploy.CLIENTS):
+                config = {**dep.node_config(i),
+                          **({"site-worker": str(dep.workers[i])} if i in workers else {})}
+                dep.start_supernode(i, " ".join(f"{k}={json.dumps(v)}"
+                                                for k, v in config.items()))
+            for i in range(deploy.CLIENTS):
+                wait_for(procs, dep.proc_name(f"supernode-{i}"), "SuperNode ID:")
+            procs.track()
+            with report.phase("containers up"):
+                stack.start()
+            for run in range(1, opts.runs + 1):
+                for kind in DEPLOYMENTS:
+                    name = f"run-{run}-{kind}"
+                    with report.phase(f"run {run} {kind}"):
+                        if kind == "loopback":
+                            started = time.perf_counter()
+                            record, log = dep.run({**settings, "out": str(work / name)})
+                            seconds = time.perf_counter() - started
+                            out, nodes = work / name, dep.node_ids
+                        else:
+                            record, log, seconds = stack.run(name, "fedprllm", settings)
+                            out, nodes = stack.root / "out" / name, stack.node_ids
+                    if record["status"] != "finished:completed":
+                        raise RuntimeError(f"{name}: {record}\n{log[-3000:]}")
+                    run_report = json.loads((out / "report.json").read_text())
+                    messages = _messages(run_report, nodes, workers)
+                    report.add_result({"name": f"run {run} {kind}", "deployment": kind,
+                                       "run": run, "seconds": seconds,
+                                       "perplexity": run_report["results"][0].get("perplexity"),
+                                       "messages": messages,
+                                       "load_average_after": [round(x, 2)
+                                                              for x in os.getloadavg()]})
+                    logger.info("run %d %s: %.1f s", run, kind, seconds)
+        finally:
+            left_containers = stack.stop()
+            left = procs.stop_all()
+            report.extra["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+            if left or left_containers:
+                logger.error("left running: processes %s, containers %s",
+                             [p.pid for p in left], left_containers)
+            shutil.rmtree(work, ignore_errors=True)
+        warm = [r for r in report.results if r["run"] > 1]
+        rows = []
+        summary: dict = {}
+        for kind in DEPLOYMENTS:
+            mine = [r for r in warm if r["deployment"] == kind]
+            cold = [r["seconds"] for r in report.results
+                    if r["deployment"] == kind and r["run"] == 1]
+            entry = {"warm_runs": len(mine), "run_seconds": _median([r["seconds"] for r in mine]),
+                     "cold_run_seconds": cold[0] if cold else None}
+            for path in ("process per message", "worker"):
+                for message in ("warmup", "masks"):
+                    values = [m for r in mine for m in r["messages"]
+                              if m["path"] == path and m["message"] == message]
+                    entry[f"{path}/{message}"] = {
+                        "startup_seconds": _median([m["startup_seconds"] for m in values]),
+                        "compute_seconds": _median([m["compute_seconds"] for m in values]),
+                        "messages": len(values)}
+            summary[kind] = entry
+        summary["ratio_run_seconds"] = (summary["containers"]["run_seconds"]
+                                        / summary["loopback"]["run_seconds"])
+        report.extra["summary"] = summary
+        rows.append(["run, submit to end (median of warm runs)",
+                     *(f"{summary[k]['run_seconds']:.1f}" for k in DEPLOYMENTS),
+                     f"{summary['ratio_run_seconds']:.2f}"])
+        rows.append(["cold run 1", *(f"{summary[k]['cold_run_seconds']:.1f}"
+                                     for k in DEPLOYMENTS),
+                     f"{summary['containers']['cold_run_seconds'] / summary['loopback']['cold_run_seconds']:.2f}"])  # noqa: E501
+        for path in ("process per message", "worker"):
+            for message in ("warmup", "masks"):
+                key = f"{path}/{message}"
+                lb, ct = (summary[k][key]["startup_seconds"] for k in DEPLOYMENTS)
+                rows.append([f"start-up per message, {path}, {message}", f"{lb:.2f}",
+                             f"{ct:.2f}", f"{ct / lb:.2f}" if lb > 0 else "-"])
+        report.sections.append(("Containers against loopback (seconds, medians)", markdown_table(
+            ["", "loopback", "containers", "containers / loopback"], rows) + (
+            f"\n\n{deploy.CLIENTS} sites, TLS and SuperNode authentication, one-shot FedPrLLM "
+            f"on {opts.model} (Wanda 50%, {opts.samples_per_client} x {opts.seqlen} tokens per "
+            f"site, {len(docs)} wiki documents of data per site); site 0 starts a process per "
+            f"message, sites {', '.join(map(str, workers))} use their warm site worker. "
+            f"{opts.runs} runs per deployment, alternating; run 1 cold. Start-up per message: "
+            "what its reply reports (Flower's runtime in the per-message process, imports, "
+            "model and windows, the exchange with the worker), median over the warm runs' "
+            "sites and messages of that path. The containers: image "
+            f"{report.extra['image']['id'][7:19]} ({report.extra['image']['size_bytes'] / 1e9:.2f}"
+            f" GB). Load average (1, 5, 15 min) before {report.extra['load_average_before']}, "
+            f"after {report.extra['load_average_after']}, after each run: "
+            f"{[r['load_average_after'][0] for r in report.results]}.")))
+    print(report.markdown())
+    print(f"reproduce: {report.reproduce}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
