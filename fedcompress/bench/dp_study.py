@@ -577,9 +577,10 @@ def _bytes(n: float) -> str:
 
 
 #: How far above the worst baseline a DP point may lie and still be drawn to scale: points
-#: above it are drawn at the panel's top edge as an up-triangle labelled with their value, so that
-#: a wrecked low-epsilon cell does not flatten every baseline onto one line.
-PLOT_HEADROOM = 1.25
+#: above it are drawn just above the panel's highest point to scale, as an up-triangle labelled
+#: with their value, so that a wrecked low-epsilon cell does not flatten every baseline onto one
+#: line.
+PLOT_HEADROOM = 3.0
 
 
 def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Path]:
@@ -588,7 +589,8 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
     no-DP, public-text, local-only and votes cells (the line's colour) and the dense model
     (grey). The y axis is linear and spans the baselines and the DP points up to
     :data:`PLOT_HEADROOM` times the worst baseline; a point above that is drawn on the top edge
-    (an up-triangle with its value). The title wraps."""
+    (an up-triangle with its value). The dense model's line is not in the span (the legend says
+    when it is below the axis). The title wraps."""
     import textwrap
 
     from fedcompress.bench.plots import _pyplot
@@ -619,7 +621,11 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
         dense = None
         refs_all = [y for _, line in lines for k, y in line["refs"].items() if k != "dense"]
         points_all = [y for _, line in lines for _, y in line["points"]]
-        top = (max(refs_all) if refs_all else min(points_all, default=1.0)) * PLOT_HEADROOM
+        limit = (max(refs_all) if refs_all else min(points_all, default=1.0)) * PLOT_HEADROOM
+        scaled = refs_all + [y for y in points_all if y <= limit]
+        lo, hi = (min(scaled), max(scaled)) if scaled else (0.0, 1.0)
+        pad = 0.04 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
+        edge = hi + 2 * pad  # where a point off the scale is drawn
         for i, (row, line) in enumerate(lines):
             colour = f"C{i % 10}"
             label = ", ".join([row["budget"], *(f"{k}={row[k]}" for k in options["rows"]
@@ -628,12 +634,13 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
                                  else [])])
             if line["points"]:
                 xs, ys = zip(*line["points"])
-                shown = [min(y, top) for y in ys]
+                shown = [y if y <= limit else edge for y in ys]
                 ax.plot(xs, shown, marker="o", color=colour, label=f"DP statistics, {label}")
                 for x, y in zip(xs, ys):
-                    if y > top:
-                        ax.plot([x], [top], marker="^", markersize=10, color=colour)
-                        ax.annotate(f"{y:,.0f}", (x, top), textcoords="offset points",
+                    if y > limit:
+                        ax.plot([x], [edge], marker="^", markersize=10, color=colour)
+                        ax.annotate(f"{y:,.0f}" if y >= 1000 else f"{y:.3g}", (x, edge),
+                                    textcoords="offset points",
                                     xytext=(6, -12), fontsize=7, color=colour)
             for ref, y in line["refs"].items():
                 if ref == "dense":
@@ -643,13 +650,10 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
                     continue  # the same windows pooled: on the centralized line (table)
                 ax.axhline(y, color=colour, linestyle=styles[ref], linewidth=1, alpha=0.8,
                            label=f"{_BASELINE_LABEL.get(ref, ref)}, {label}")
-        shown_all = [min(y, top) for y in points_all] + refs_all
-        if shown_all:
-            lo, hi = min(shown_all), max(shown_all)
-            pad = 0.04 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
-            ax.set_ylim(lo - pad, hi + 3 * pad)
+        off_scale = any(y > limit for y in points_all)
+        ax.set_ylim(lo - pad, (edge if off_scale else hi) + pad)
         if dense is not None:
-            below = bool(shown_all) and dense < min(shown_all) - pad
+            below = dense < lo - pad
             ax.axhline(dense, color="grey", linestyle="-", linewidth=1,
                        label=(f"dense ({dense:.4g}, below the axis)" if below else "dense"))
         ax.set_xscale("log", base=2)
