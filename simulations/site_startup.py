@@ -381,7 +381,7 @@ class Sites:
                     "--root-certificates", str(self.dep.made["ca"]),
                     "--auth-supernode-private-key", str(private),
                     "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items()),
-                    "--port", str(self.deploy._free_port())], self.dep.env(f"supernode-{i}"))
+                    "--port", str(self.deploy.free_port())], self.dep.env(f"supernode-{i}"))
             for name in self.names:
                 wait_for(self.procs, self.dep.proc_name(name), "SuperNode ID:")
             self.procs.track()

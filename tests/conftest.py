@@ -48,6 +48,31 @@ SLOW_FILES_FIRST = (  # seconds of a file's tests, a loaded run of 2026-11-26 (j
 )
 
 
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a server a test starts, chosen OUTSIDE the kernel's
+    ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``). A port the kernel hands out
+    for ``bind(0)`` is an ephemeral one, which any process's outgoing connection may take between
+    this check and the server's own bind ("address already in use"); below the range only
+    another listener can."""
+    import random
+    import socket
+
+    try:
+        low, _high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low = 32768
+    pick = random.SystemRandom()
+    for _ in range(500):
+        port = pick.randrange(10000, max(10001, low))
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} in 10000-{low - 1} after 500 tries")
+
 def pytest_collection_modifyitems(config, items):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 # A deployment test: real SuperLink and SuperNodes on loopback.
 pytestmark = pytest.mark.deploy
@@ -71,12 +72,6 @@ STARTUP_TIMEOUT = 90.0
 WORKER_SITES = {"full": (1, 2), "missing": (0,)}
 # A safety net only: a run takes about a minute on 2 cores (more when the machine is busy).
 RUN_TIMEOUT = 300.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _make_certs():
@@ -203,7 +198,7 @@ class Deployment:
         self.root = root / name
         self.root.mkdir()
         self.procs = procs
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         # Key pairs 0-2 for the SuperNodes, 3 never registered.
         self.made = _make_certs().create(self.root / "certs", CLIENTS + 1, [])
@@ -285,7 +280,7 @@ class Deployment:
             "--root-certificates", str(self.made["ca"]),
             "--auth-supernode-private-key", str(private),
             "--node-config", node_config,
-            "--port", str(_free_port()),  # its Runtime API (for its SuperExec), on loopback
+            "--port", str(free_port()),  # its Runtime API (for its SuperExec), on loopback
         ], self.env(name or f"supernode-{i}"))
 
     #: the sites' policy keys in their node config (models, corpora, ...; none: the defaults)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CLIENTS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _started_by(flwr_home: Path, before: set[int]) -> list:
@@ -138,8 +132,8 @@ def flwr_env(tmp_path):
     env.update({
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         "FLWR_HOME": str(home),
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_TELEMETRY_ENABLED": "0",

@@ -16,18 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 psutil = pytest.importorskip("psutil")
 
 RAY = Path(sys.executable).with_name("ray")
 pytestmark = [pytest.mark.simulation,
               pytest.mark.skipif(not RAY.exists(), reason="no `ray` command beside python")]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _free_range(size: int = 40) -> tuple[int, int]:
@@ -54,7 +49,7 @@ class TwoNodeCluster:
     def __init__(self) -> None:
         # Ray's socket paths (under the temp dir) must stay short.
         self.temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.starters: dict[str, subprocess.Popen] = {}
         self.seen: dict[str, dict[int, float]] = {}  # node -> {pid: create time}
@@ -67,13 +62,13 @@ class TwoNodeCluster:
                   "--object-store-memory", str(100 * 2**20)]
         for name, role in (("head", ["--head", "--port", str(self.port),
                                      "--include-dashboard=false",
-                                     "--ray-client-server-port", str(_free_port())]),
+                                     "--ray-client-server-port", str(free_port())]),
                            ("node2", ["--address", self.address])):
             low, high = _free_range()
             args = [str(RAY), "start", *role, *common,
-                    "--node-manager-port", str(_free_port()),
-                    "--object-manager-port", str(_free_port()),
-                    "--dashboard-agent-listen-port", str(_free_port()),
+                    "--node-manager-port", str(free_port()),
+                    "--object-manager-port", str(free_port()),
+                    "--dashboard-agent-listen-port", str(free_port()),
                     "--min-worker-port", str(low), "--max-worker-port", str(high)]
             log = (self.temp / f"{name}.log").open("w")
             self.starters[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
@@ -255,7 +250,7 @@ def test_unreachable_ray_address_fails_at_once_by_name(tiny_dir, tmp_path, monke
         raise AssertionError("Ray work started for an address that answers nothing")
 
     monkeypatch.setattr("flwr.simulation.run_simulation", run_simulation)
-    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
     result = CliRunner().invoke(cli.app, [
         "prune", "--model", tiny_dir, "--clients", "2", "--samples-per-client", "1",
         "--seqlen", "16", "--out", str(tmp_path / "x"), "--ray-address", address])
