@@ -45,11 +45,6 @@ STARTUP_KEYS = ("startup_runtime_seconds", "startup_import_seconds", "startup_lo
                 "startup_worker_seconds")
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True,
-                          text=True).stdout.strip()
-
-
 def _messages(report: dict, node_ids: list[int], workers: tuple[int, ...]) -> list[dict]:
     """One record per site and message of a run's report.json (its ``client_startup``)."""
     site_of = {node: i for i, node in enumerate(node_ids)}
@@ -89,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO / "tests"))
     sys.path.insert(0, str(REPO / "simulations"))
     import test_containers
-    from site_startup import _deploy_module, _prepare_cache, start_worker, wait_for
+    from site_startup import _deploy_module, _git, _prepare_cache, start_worker, wait_for
 
     deploy = _deploy_module()
     test_containers.IMAGE = opts.image

@@ -170,16 +170,11 @@ class Stack:
         return self.compose("run", "--rm", "-T", "-v", f"{self.root / 'runs'}:/run-config:ro",
                             "cli", *args, timeout=timeout, check=check)
 
-    def container(self, service: str) -> str:
+    def mounts(self, service: str) -> list[dict]:
+        """What Docker mounted in the service's one container (``docker inspect``)."""
         out = self.compose("ps", "-q", service).stdout.split()
         assert len(out) == 1, f"{service}: containers {out}"
-        return out[0]
-
-    def exec_python(self, service: str, code: str) -> dict:
-        """``code`` run by the service's own user inside its container; its last stdout line
-        is JSON."""
-        proc = self.compose("exec", "-T", service, "python", "-c", code, timeout=300)
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return json.loads(_docker("inspect", out[0]).stdout)[0]["Mounts"]
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -405,6 +400,7 @@ def test_no_container_reads_another_sites_data(stack, oneshot):
            "/home/app/state", "/home/app/worker"}
     services = [f"supernode-{i}" for i in range(SITES)] + [f"site-worker-{i}"
                                                            for i in stack.workers]
+    mounts = {service: stack.mounts(service) for service in ["superlink", *services]}
     for service in services:
         i = int(service[-1])
         seen = _inside(stack, service, canaries, ["/data/train.jsonl"])
@@ -414,17 +410,15 @@ def test_no_container_reads_another_sites_data(stack, oneshot):
         extra = {m for m in seen["mounts"] if not m.startswith(("/proc", "/sys", "/dev"))}
         assert extra <= own | public_mounts, (service, extra - own - public_mounts)
         # the named volumes it mounts are its own (by name) and nobody else's
-        mounts = json.loads(_docker("inspect", stack.container(service)).stdout)[0]["Mounts"]
-        volumes = {m["Name"] for m in mounts if m["Type"] == "volume"}
+        volumes = {m["Name"] for m in mounts[service] if m["Type"] == "volume"}
         assert volumes and all(v.startswith(f"{stack.project}_site-{i}-") for v in volumes), \
             volumes
     link = _inside(stack, "superlink", canaries, [])
     assert link["uid"] == SUPERLINK_UID and link["found"] == {}, link["found"]
     assert "/data" not in link["mounts"], link["mounts"]
     # and the other way round: a site's own volumes are mounted by its containers only
-    for service in ["superlink", *services]:
-        mounts = json.loads(_docker("inspect", stack.container(service)).stdout)[0]["Mounts"]
-        for m in mounts:
+    for service, mounted in mounts.items():
+        for m in mounted:
             if m["Type"] == "volume" and "_site-" in m["Name"]:
                 owner = re.search(r"_site-(\d)-", m["Name"]).group(1)
                 assert service.endswith(owner) and service != "superlink", (service, m["Name"])
