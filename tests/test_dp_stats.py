@@ -450,3 +450,94 @@ def test_the_server_shrinks_only_a_normalized_release(tiny_dir):
     with pytest.raises(ValueError, match="prior='maybe'"):
         dpm.server_finish({"a": LayerStats(d)}, {}, plan, 0, False, 2,
                           np.random.default_rng(3), prior="maybe")
+
+
+def _stats_with(values: torch.Tensor, hessian: bool, tokens: int = 100) -> LayerStats:
+    st = LayerStats(values.shape[0], hessian=hessian)
+    if hessian:
+        st.hessian_sum = values.clone()
+        st.sq_sum = torch.diagonal(values).clone() / 2
+    else:
+        st.sq_sum = values.clone()
+    st.tokens = tokens
+    return st
+
+
+@pytest.mark.parametrize("hessian", [False, True])
+def test_shrink_toward_public_statistics_keeps_their_shape_when_drowned(hessian):
+    """prior="public": a release the noise drowns becomes the public statistics at the
+    release's own level (a Hessian: one multiple of the whole public matrix, its correlations
+    kept); a clear release is kept; the noise left is the largest weight times the noise."""
+    gen = torch.Generator().manual_seed(0)
+    d = 60
+    x = torch.randn(400, d, dtype=torch.float64, generator=gen) * torch.linspace(0.5, 2, d)
+    public = 2 * x.T @ x / 400 if hessian else x.pow(2).mean(0)
+    shape = 1 + 0.2 * torch.randn(public.shape, dtype=torch.float64, generator=gen)
+    if hessian:
+        shape = (shape + shape.T) / 2
+    signal = 300.0 * public * shape  # the private sum: 300 tokens, near the public shape
+
+    def noised(std):
+        noise = std * torch.randn(public.shape, dtype=torch.float64, generator=gen)
+        return signal + ((noise + noise.T) / 2 if hessian else noise)
+
+    drowned = _stats_with(noised(1e5), hessian)
+    left = dps.shrink({"a": drowned}, {"a": 1e5}, hessian, {"a": public})
+    out = drowned.hessian_sum if hessian else drowned.sq_sum
+    level = float((out * public).sum() / public.pow(2).sum())
+    assert level > 0 and torch.allclose(out, level * public, rtol=1e-10)
+    assert left == {"a": 0.0}
+    if hessian:
+        assert torch.allclose(drowned.sq_sum, torch.diagonal(out) / 2)
+    clear = _stats_with(noised(1e-6), hessian)
+    before = (clear.hessian_sum if hessian else clear.sq_sum).clone()
+    left = dps.shrink({"a": clear}, {"a": 1e-6}, hessian, {"a": public})
+    assert torch.allclose(clear.hessian_sum if hessian else clear.sq_sum, before, rtol=1e-9)
+    assert left["a"] == pytest.approx(1e-6, rel=1e-3)
+    with pytest.raises(ValueError, match="no prior for a"):
+        dps.shrink({"a": clear}, {"a": 1.0}, hessian, {"b": public})
+    with pytest.raises(ValueError, match="expected"):
+        dps.shrink({"a": clear}, {"a": 1.0}, hessian, {"a": public[:-1]})
+
+
+def test_a_flat_public_prior_is_the_flat_shrinkage():
+    """Toward a constant prior, the public shrinkage is the flat one (the mean is the
+    least-squares level of a constant)."""
+    gen = torch.Generator().manual_seed(2)
+    values = 50 + 5 * torch.randn(300, dtype=torch.float64, generator=gen)
+    flat, public = _stats_with(values, False), _stats_with(values, False)
+    w_flat = dps.shrink({"a": flat}, {"a": 4.0}, False)
+    w_public = dps.shrink({"a": public}, {"a": 4.0}, False,
+                          {"a": torch.ones(300, dtype=torch.float64)})
+    assert 0 < w_flat["a"] < 4.0 and w_public["a"] == pytest.approx(w_flat["a"], rel=1e-9)
+    assert torch.allclose(flat.sq_sum, public.sq_sum, rtol=1e-12)
+
+
+def test_normalized_prior_is_per_token_in_the_releases_units():
+    h = torch.tensor([[4.0, 2.0], [2.0, 9.0]], dtype=torch.float64)
+    st = _stats_with(h, True, tokens=2)
+    c = torch.tensor([4.0, 9.0], dtype=torch.float64)
+    (prior,) = dps.normalized_prior({"a": st}, {"a": c}, True).values()
+    # R^-1 H R^-1 / tokens, R = diag(sqrt(c)) = diag(2, 3)
+    assert torch.allclose(prior, torch.tensor([[0.5, 1 / 6], [1 / 6, 0.5]],
+                                              dtype=torch.float64))
+    (vec,) = dps.normalized_prior({"a": _stats_with(torch.tensor([8.0, 18.0]), False, 2)},
+                                  {"a": c}, False).values()
+    assert vec.tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="over 0 tokens"):
+        dps.normalized_prior({"a": _stats_with(h, True, tokens=0)}, {"a": c}, True)
+
+
+def test_a_negative_level_falls_back_to_the_token_count(caplog):
+    prior = torch.linspace(1, 2, 50, dtype=torch.float64)
+    st = _stats_with(-3 * prior, False, tokens=7)
+    dps.shrink({"a": st}, {"a": 1e6}, False, {"a": prior})
+    assert torch.allclose(st.sq_sum, 7 * prior)
+    assert "token count 7" in caplog.text
+
+
+def test_spread_z_is_bonferroni():
+    assert dps.spread_z(1, 0.05) == pytest.approx(1.6449, abs=1e-4)
+    assert dps.spread_z(240) == pytest.approx(3.9346, abs=1e-3)  # 1% over 240 tests
+    with pytest.raises(ValueError, match="tests=0"):
+        dps.spread_z(0)

@@ -225,3 +225,81 @@ def test_server_app_report_states_epsilon_delta_and_placement(tiny_dir, tmp_path
     sentences = " ".join(privacy(report)[0])  # the report page's "privacy spent"
     assert "DP noise: statistics of each site clipped per calibration window" in sentences
     assert "no differential-privacy guarantee" not in sentences
+
+
+def _public_windows_run(tiny, tiny_dir, **kw):
+    """Statistics mode without DP on the public windows alone (one site): pruning on public
+    text through the same walker."""
+    from fedcompress.privacy.dp_stats import public_windows
+
+    public = public_windows(build_tiny_tokenizer(), SEQ, 8)
+    return stats_prune(tiny, [public], config_for(tiny_dir, dp_epsilon=0.0, clients=1, **kw))
+
+
+def test_a_drowned_release_with_the_public_prior_prunes_as_public_text(tiny, tiny_dir):
+    """dp_prior="public": where the noise drowns the release (a tiny epsilon), the server's
+    SparseGPT prunes each layer as on public text's own Hessian through its pruned prefix:
+    the same masks, and the same updated weights up to the level's rounding."""
+    reference = _public_windows_run(tiny, tiny_dir, method="sparsegpt")
+    drowned = stats_prune(tiny, site_windows(), config_for(
+        tiny_dir, method="sparsegpt", dp_epsilon=0.05, dp_placement="central",
+        dp_prior="public"), tokenizer=build_tiny_tokenizer(), dp_seed=3)
+    flat = stats_prune(tiny, site_windows(), config_for(
+        tiny_dir, method="sparsegpt", dp_epsilon=0.05, dp_placement="central",
+        dp_prior="shrink"), tokenizer=build_tiny_tokenizer(), dp_seed=3)
+    for layer, masks in enumerate(reference.masks):
+        for name, mask in masks.items():
+            assert torch.equal(drowned.masks[layer][name], mask), (layer, name)
+            assert torch.allclose(drowned.weights[layer][name], reference.weights[layer][name],
+                                  rtol=1e-4, atol=1e-6), (layer, name)
+    # the flat prior has no correlations: not public text's pruning
+    assert any(not torch.equal(flat.masks[i][n], m) or
+               not torch.allclose(flat.weights[i][n], reference.weights[i][n], atol=1e-6)
+               for i, masks in enumerate(reference.masks) for n, m in masks.items())
+
+
+def test_flower_server_shrinks_toward_public_text_through_its_pruned_model(tiny, tiny_dir,
+                                                                           monkeypatch):
+    """The strategy's public prior: a drowned central release prunes as public text (its
+    noise seeded here, for the comparison: a run draws it from the OS)."""
+    import numpy as np
+    from conftest import InProcessFederation
+    from flwr.app import ArrayRecord
+
+    from fedcompress.privacy import dp_stats
+    from strategies.fedprllm import make_strategy
+
+    class Simulated(InProcessFederation):
+        app = "clients.app"
+
+    monkeypatch.setattr(dp_stats, "secret_rng", lambda seed=None: np.random.default_rng(3))
+    reference = _public_windows_run(tiny, tiny_dir, method="sparsegpt")
+    config = config_for(tiny_dir, method="sparsegpt", dp_epsilon=0.05,
+                        dp_placement="central", dp_prior="public")
+    loaded = load_model(tiny_dir, device="cpu")
+    strategy = make_strategy(config, loaded.model, tokenizer=loaded.tokenizer)
+    assert strategy.public_prior is not None
+    strategy.start(Simulated(SITES), ArrayRecord())
+    assert not strategy.outcome.rejected
+    for layer, masks in enumerate(reference.masks):
+        for name, mask in masks.items():
+            assert torch.equal(strategy.global_masks[layer][name], mask), (layer, name)
+
+
+def test_the_public_prior_resyncs_a_layer_asked_out_of_order(tiny, tiny_dir):
+    """PublicPrior: layer 2 asked first (a resumed server) gives the statistics it gives after
+    layers 0 and 1 in order."""
+    from fedcompress.methods.fedprllm.dp import PublicPrior
+
+    run = _public_windows_run(tiny, tiny_dir, method="sparsegpt")
+    masks, weights = dict(enumerate(run.masks)), dict(enumerate(run.weights))
+    in_order = PublicPrior(tiny, build_tiny_tokenizer(), SEQ, 8, batch_size=2)
+    for layer in range(3):
+        ordered = in_order.layer_stats(layer, masks, weights, hessian=True)
+    resumed = PublicPrior(tiny, build_tiny_tokenizer(), SEQ, 8, batch_size=2)
+    direct = resumed.layer_stats(2, masks, weights, hessian=True)
+    assert sorted(direct) == sorted(ordered)
+    for name, st in ordered.items():
+        assert torch.equal(direct[name].hessian_sum, st.hessian_sum), name
+    with pytest.raises(ValueError, match="tokenizer"):
+        PublicPrior(tiny, None, SEQ, 8)

@@ -46,6 +46,13 @@ class StatsFedPrLLM(IterativeFedPrLLM):
         super().__init__(config, model, node_wait, reference_wire, checkpoint)
         #: the run's DP mechanism (the server's copy; every site computes and enforces its own)
         self.dp_plan = server_plan(config, model, tokenizer)
+        #: public text's own statistics at each layer (``dp_prior="public"``)
+        self.public_prior = None
+        if self.dp_plan is not None and config.dp_prior == "public":
+            from fedcompress.methods.fedprllm.dp import PublicPrior
+
+            self.public_prior = PublicPrior(model, tokenizer, config.seqlen,
+                                            config.dp_public_windows, config.batch_size)
         # Float sums depend on their order: a layer's statistics are summed in node order,
         # after the round (one round holds one decoder layer's statistics per site).
         self.streaming = False
@@ -117,9 +124,12 @@ class StatsFedPrLLM(IterativeFedPrLLM):
             from fedcompress.methods.fedprllm.dp import server_finish
             from fedcompress.methods.fedprllm.stats import layer_sharing
 
+            hessian = self.config.prune.needs_hessian
+            prior_stats = (None if self.public_prior is None else self.public_prior.layer_stats(
+                layer, self.global_masks, self.global_weights, hessian))
             stats = server_finish(dict(stats), layer_sharing(self.model, layer), self.dp_plan,
-                                  layer, self.config.prune.needs_hessian, aggregator.sites,
-                                  prior=self.config.dp_prior)
+                                  layer, hessian, aggregator.sites, prior=self.config.dp_prior,
+                                  prior_stats=prior_stats)
         masks, weights, quantized = quantize_layer(self.model, layer, stats, self.config.prune)
         self.layer_cost[layer] = {"server_seconds": time.monotonic() - start,
                                   "sites": aggregator.sites}

@@ -222,8 +222,11 @@ class FedPrLLMConfig(Settings):
         "shrink", "DP statistics with --dp-normalize public: shrink (the server shrinks each "
         "input's noisy normalized sums toward their mean, the public prior, by the James-Stein "
         "weight of the noise: post-processing, free; where the noise drowns the signal the "
-        "pruning falls back to the public scales instead of a random mask) or none.",
-        choices=("shrink", "none"))
+        "pruning falls back to the public scales instead of a random mask), public (toward "
+        "public text's own statistics of each layer through the server's model as pruned so "
+        "far: a drowned release falls back to pruning on public text, SparseGPT's correlations "
+        "included; the server computes them, --dp-public-windows windows) or none.",
+        choices=("shrink", "public", "none"))
     dp_clip_quantile: float = setting(0.95, "DP statistics: quantile of the public per-window "
                                       "norms used as the default clip bound.", gt=0.0, le=1.0)
     dp_public_windows: int = setting(32, "DP statistics: public windows the default clip "
@@ -329,7 +332,7 @@ class FedPrLLMConfig(Settings):
         if self.dp_epsilon and self.aggregate != "stats":
             raise self.invalid("dp_epsilon", "0 with aggregate votes (a mask cannot be made "
                                "private cheaply: DP applies to statistics mode)")
-        if self.dp_epsilon and self.dp_prior == "shrink" and self.dp_normalize != "public":
+        if self.dp_epsilon and self.dp_prior != "none" and self.dp_normalize != "public":
             raise self.invalid("dp_prior", "none with dp_normalize none (the prior is the "
                                "public scales' shape: raw statistics have none)")
         if self.dp_epsilon and self.dp_placement == "distributed" and not self.secagg:

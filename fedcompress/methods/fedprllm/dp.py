@@ -253,12 +253,15 @@ def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: Dp
                   layer: int, hessian: bool, sites: int,
                   rng: np.random.Generator | None = None,
                   released: dict[str, Any] | None = None,
-                  prior: str = "none") -> dict[str, Any]:
+                  prior: str = "none",
+                  prior_stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The server's step on the sites' summed statistics of layer ``layer``: sharers get their
     owner's object (one noise draw per block), the central placement's Gaussian noise is added
     (``rng``: a secret one by default), then post-processing: with normalization and
     ``prior="shrink"`` the shrinkage toward the public prior
-    (:func:`~fedcompress.privacy.dp_stats.shrink`), the floor and positive-definite Hessian,
+    (:func:`~fedcompress.privacy.dp_stats.shrink`; ``prior="public"``: toward public text's own
+    statistics of the layer, ``prior_stats``, from :class:`PublicPrior`), the floor and
+    positive-definite Hessian,
     and the map back to the inputs' units (:func:`~fedcompress.privacy.dp_stats.denormalize`).
     Returns ``stats``.
     ``released``: filled with a copy of each block's statistics (by its owner's name) as the
@@ -277,12 +280,68 @@ def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: Dp
     if prior not in dps.PRIORS:
         raise ValueError(f"prior={prior!r}: expected one of {dps.PRIORS}")
     scales = the_plan.layer_scales(layer)
+    if prior == "public" and (scales is None or prior_stats is None):
+        raise ValueError("prior='public' needs normalized statistics and public text's own "
+                         "(prior_stats, from PublicPrior)")
     if prior == "shrink" and scales is not None:
-        dps.shrink(stats, std, hessian)
+        std = dps.shrink(stats, std, hessian)
+    elif prior == "public":
+        assert scales is not None and prior_stats is not None
+        z = dps.spread_z(2 * len(std) * the_plan.releases)  # every block of the run, twice
+        std = dps.shrink(stats, std, hessian, dps.normalized_prior(prior_stats, scales, hessian),
+                         z)
     dps.postprocess(stats, std, hessian)
     if scales is not None:
         dps.denormalize(stats, scales, hessian)
     return stats
+
+
+class PublicPrior:
+    """The server's public prior of each layer (``dp_prior="public"``): public text's own
+    statistics of the layer's inputs (:data:`~fedcompress.privacy.dp_stats.PUBLIC_CORPUS`'s
+    windows, as for the clip bounds), through the model as the server has pruned it so far:
+    the sites' walker (:func:`~fedcompress.methods.fedprllm.federated.advance_to_layer`) with
+    the global masks (and SparseGPT's weights) of the layers before. Public text and the
+    server's own model only: the shrinkage toward it is post-processing, free.
+
+    Layers are asked for in order; any other order (a resumed run) recomputes the public
+    inputs from the global masks (:func:`~fedcompress.methods.fedprllm.federated.resync_inputs`).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, seqlen: int, windows: int,
+                 batch_size: int = 8):
+        if tokenizer is None:
+            raise ValueError("dp_prior 'public' needs the model's tokenizer (for the public "
+                             "windows): expected a tokenizer")
+        self.model = model
+        self.windows = dps.public_windows(tokenizer, seqlen, windows)
+        self.batch_size = batch_size
+        self._layer = -1
+        self._hidden = None
+        self._kwargs: list[dict] | None = None
+
+    def layer_stats(self, layer: int, global_masks: Mapping[int, Mapping[str, Any]],
+                    global_weights: Mapping[int, Mapping[str, Any]], hessian: bool
+                    ) -> dict[str, Any]:
+        """Public text's statistics of decoder layer ``layer``'s inputs (by linear name, as a
+        site's :func:`~fedcompress.methods.fedprllm.federated.site_layer_stats`)."""
+        from fedcompress.methods.fedprllm.federated import (
+            advance_to_layer,
+            resync_inputs,
+            site_layer_stats,
+        )
+
+        hidden, kwargs = self._hidden, self._kwargs
+        if layer > 0 and layer != self._layer + 1:
+            hidden, kwargs = resync_inputs(self.model, self.windows, layer, global_masks,
+                                           self.batch_size, global_weights)
+        prev = layer - 1
+        inputs = advance_to_layer(self.model, self.windows, layer, hidden,
+                                  dict(global_masks.get(prev, {})) if layer else None, kwargs,
+                                  self.batch_size,
+                                  dict(global_weights.get(prev, {})) or None if layer else None)
+        self._hidden, self._kwargs, self._layer = inputs.hidden, inputs.layer_kwargs, layer
+        return site_layer_stats(self.model, inputs, hessian, self.batch_size)
 
 
 def copy_stats(st: Any) -> Any:

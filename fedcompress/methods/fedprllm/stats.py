@@ -627,6 +627,9 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
                       for site in sites]
         if plan.placement == "distributed":
             frac_bits = plan.frac_bits
+    public_prior = (dpm.PublicPrior(model, tokenizer, config.seqlen, config.dp_public_windows,
+                                    batch)
+                    if config.dp and config.dp_prior == "public" else None)
 
     def rng(*salt: int):  # a fresh generator per release, seeded from the OS (or dp_seed)
         return secret_rng(None if dp_seed is None else
@@ -683,10 +686,12 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
         layer_stats = aggregator.layer_stats()
         released: dict[str, LayerStats] | None = {} if keep_release else None
         if plan is not None:
+            prior_stats = (None if public_prior is None else public_prior.layer_stats(
+                layer, dict(enumerate(run.masks)), dict(enumerate(run.weights)), hessian))
             layer_stats = dpm.server_finish(dict(layer_stats), layer_sharing(model, layer),
                                             plan, layer, hessian, len(windows),
                                             rng(layer, len(windows)), released,
-                                            config.dp_prior)
+                                            config.dp_prior, prior_stats)
         elif released is not None:
             shared_names = layer_sharing(model, layer)
             released.update({name: dpm.copy_stats(st) for name, st in layer_stats.items()
