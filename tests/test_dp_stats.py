@@ -541,3 +541,32 @@ def test_spread_z_is_bonferroni():
     assert dps.spread_z(240) == pytest.approx(3.9346, abs=1e-3)  # 1% over 240 tests
     with pytest.raises(ValueError, match="tests=0"):
         dps.spread_z(0)
+
+
+def test_the_floor_is_the_whole_noise_for_the_flat_prior_and_what_is_left_for_public():
+    """server_finish on a drowned Hessian release: the flat prior's matrix is floored at the
+    noise's spectral scale (its correlations are no estimate); shrunk to public text's Hessian,
+    the floor is what the shrinkage left (nothing here), so that Hessian's spectrum stays."""
+    from fedcompress.methods.fedprllm import dp as dpm
+
+    d = 16
+    plan = dps.plan_dp_stats(0.01, 1e-5, "central", [{"a": 1.0}], normalize="public",
+                             scales=[{"a": torch.ones(d, dtype=torch.float64)}])
+    (std,) = plan.noise_std(0).values()
+    assert std > 100  # against a release of norm 4: drowned
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, d, dtype=torch.float64, generator=gen)
+    public = _stats_with(2 * x.T @ x, True, tokens=40)
+    floor = 2 * math.sqrt(d) * std
+    flat = dpm.server_finish({"a": _stats_with(torch.eye(d, dtype=torch.float64), True)}, {},
+                             plan, 0, True, 2, np.random.default_rng(1), prior="shrink")
+    assert float(torch.linalg.eigvalsh(flat["a"].hessian_sum)[0]) >= floor * (1 - 1e-9)
+    shrunk = dpm.server_finish({"a": _stats_with(torch.eye(d, dtype=torch.float64), True)}, {},
+                               plan, 0, True, 2, np.random.default_rng(1), prior="public",
+                               prior_stats={"a": public})
+    h = shrunk["a"].hessian_sum
+    level = float((h * public.hessian_sum).sum() / public.hessian_sum.pow(2).sum())
+    assert torch.allclose(h, level * public.hessian_sum, rtol=1e-6)
+    with pytest.raises(ValueError, match="prior_stats"):
+        dpm.server_finish({"a": _stats_with(torch.eye(d, dtype=torch.float64), True)}, {},
+                          plan, 0, True, 2, np.random.default_rng(1), prior="public")

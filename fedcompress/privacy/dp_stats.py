@@ -980,7 +980,7 @@ def shrink(stats: Mapping[str, Any], std: Mapping[str, float], hessian: bool,
     pass to be credited to the signal with a prior (default :data:`SPREAD_Z`; a run's
     :func:`spread_z`: a false pass lets noise through and lifts the positive-definite floor).
     Returns each block's noise std left after the shrinkage (the largest weight times
-    ``std``), for :func:`postprocess`."""
+    ``std``), the floor of :func:`postprocess` after a shrinkage toward public statistics."""
     z = SPREAD_Z if z is None else float(z)
     left = {}
     for name, st in _distinct(stats):

@@ -284,8 +284,11 @@ def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: Dp
         raise ValueError("prior='public' needs normalized statistics and public text's own "
                          "(prior_stats, from PublicPrior)")
     if prior == "shrink" and scales is not None:
-        std = dps.shrink(stats, std, hessian)
-    elif prior == "public":
+        # the floor stays at the whole noise: the flat prior's one off-diagonal value is no
+        # estimate of the inputs' correlations, and the floor's pull toward a diagonal
+        # Hessian is what keeps SparseGPT's updates sane on it
+        dps.shrink(stats, std, hessian)
+    elif prior == "public":  # the floor at the noise the shrinkage left: the prior is a Hessian
         assert scales is not None and prior_stats is not None
         z = dps.spread_z(2 * len(std) * the_plan.releases)  # every block of the run, twice
         std = dps.shrink(stats, std, hessian, dps.normalized_prior(prior_stats, scales, hessian),
