@@ -242,3 +242,26 @@ def test_the_dp_plot_keeps_the_baselines_on_scale(bench, tmp_path, monkeypatch):
     assert baselines and all(lo <= y <= hi for y in baselines)
     assert hi < 1e5 and ax.get_yscale() == "linear"
     assert any(t.get_text() == "100,000" for t in ax.texts)
+
+
+def test_the_dp_plot_draws_a_baseline_shared_by_rows_once(tiny_dir, corpus, tmp_path,
+                                                          monkeypatch):
+    """Rows that differ only in a DP setting (here the server's prior) share their baselines:
+    each is drawn once, and its label names no DP setting."""
+    import matplotlib.figure
+
+    (study,) = plan(_config(tiny_dir, corpus, dp_prior=["shrink", "public"], epsilon=[8],
+                            baselines=["local-only", "public"]))
+    results = {c.id: {"status": "ok", "kind": c.kind, "perplexity": 40.0 + i}
+               for i, c in enumerate(study.cells)}
+    figures: list = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *a, **k: figures.append(self))
+    dp_study.study_plots(study, results, tmp_path)
+    (ax,) = figures[0].axes
+    labels = ax.get_legend_handles_labels()[1]
+    baselines = [t for t in labels if not t.startswith("DP statistics")]
+    assert len(baselines) == len(set(baselines))
+    assert sum(t.startswith("local-only") for t in labels) == 1
+    assert not any("dp_prior" in t for t in baselines)
+    assert sum("dp_prior=public" in t for t in labels) == 1  # its DP line

@@ -626,12 +626,16 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
         lo, hi = (min(scaled), max(scaled)) if scaled else (0.0, 1.0)
         pad = 0.04 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
         edge = hi + 2 * pad  # where a point off the scale is drawn
+        drawn: set[tuple[str, str, float]] = set()  # a baseline shared by rows: drawn once
         for i, (row, line) in enumerate(lines):
             colour = f"C{i % 10}"
             label = ", ".join([row["budget"], *(f"{k}={row[k]}" for k in options["rows"]
                                                 if k != "method"),
                                *([row["placement"]] if len(options["placements"]) > 1
                                  else [])])
+            # a baseline has no DP setting: its label names the rest of the row
+            base_label = ", ".join([row["budget"], *(f"{k}={row[k]}" for k in options["rows"]
+                                                     if k != "method" and not k.startswith("dp_"))])
             if line["points"]:
                 xs, ys = zip(*line["points"])
                 shown = [y if y <= limit else edge for y in ys]
@@ -648,8 +652,11 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
                     continue
                 if ref == "no DP" and "centralized" in line["refs"]:
                     continue  # the same windows pooled: on the centralized line (table)
+                if (ref, base_label, y) in drawn:
+                    continue
+                drawn.add((ref, base_label, y))
                 ax.axhline(y, color=colour, linestyle=styles[ref], linewidth=1, alpha=0.8,
-                           label=f"{_BASELINE_LABEL.get(ref, ref)}, {label}")
+                           label=f"{_BASELINE_LABEL.get(ref, ref)}, {base_label}")
         off_scale = any(y > limit for y in points_all)
         ax.set_ylim(lo - pad, (edge if off_scale else hi) + pad)
         if dense is not None:
