@@ -435,6 +435,9 @@ def test_the_server_shrinks_only_a_normalized_release(tiny_dir):
     with pytest.raises(SettingsError, match="dp_prior"):
         FedPrLLMConfig(model=tiny_dir, aggregate="stats", dp_epsilon=8.0,
                        dp_placement="central", dp_normalize="none", dp_prior="shrink")
+    with pytest.raises(SettingsError, match="dp_prior"):
+        FedPrLLMConfig(model=tiny_dir, aggregate="stats", dp_epsilon=8.0,
+                       dp_placement="central", dp_normalize="none", dp_prior="public")
     from fedcompress.methods.fedprllm import dp as dpm
 
     d = 16
