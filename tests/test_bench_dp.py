@@ -99,6 +99,34 @@ def test_the_plan_of_a_dp_study(tiny_dir, corpus):
     assert [c.kind for c in only.cells] == ["dp-stats"]
 
 
+def test_public_text_of_the_sites_kind_in_a_study(tiny_dir, corpus, tmp_path):
+    """``dp_public_text`` swept: each row's DP cells and its public baseline take their bounds,
+    scales and windows from that text; the wiki row keeps the ids of a study without it."""
+    (study,) = plan(_config(tiny_dir, corpus, dp_public_text=["wiki", "code"], epsilon=[8],
+                            baselines=["public"]))
+    assert study.options["rows"] == ["dp_public_text"]
+    by_text = {(c.kind, c.settings()["dp_public_text"]) for c in study.cells}
+    assert by_text == {(k, t) for k in ("dp-stats", "dp-public") for t in ("wiki", "code")}
+    (plain,) = plan(_config(tiny_dir, corpus, epsilon=[8], baselines=["public"]))
+    wiki = {c.id for c in study.cells if c.settings()["dp_public_text"] == "wiki"}
+    assert {c.id for c in plain.cells} == wiki
+    (code,) = plan(_config(tiny_dir, corpus, dp_public_text="code", epsilon=[8],
+                           baselines=["public"]))
+    out = tmp_path / "out"
+    run_bench(write_bench_config(tmp_path, {"bench": _config(tiny_dir, corpus)["bench"],
+                                            "study": {"dp": _config(
+                                                tiny_dir, corpus, dp_public_text="code",
+                                                epsilon=[8], baselines=["public"])["study"][
+                                                "dp"]}}), out, progress=False)
+    records = load_results(out / "results.jsonl")
+    assert {r["status"] for r in records.values()} == {"ok"}
+    (public,) = [r for r in records.values() if r["kind"] == "dp-public"]
+    assert public["public_text"] == "code validation"
+    (dp,) = [r for r in records.values() if r["kind"] == "dp-stats"]
+    assert dp["dp_public_text"] == "code"
+    assert set(records) == {c.id for c in code.cells}
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(budgets=["2by2"]), "budgets entry '2by2'"),
     (dict(budgets=["0x4"]), "budgets entry '0x4'"),

@@ -273,6 +273,26 @@ def test_default_bounds_come_from_public_text(tiny):
     assert all(c > 0 and math.isfinite(c) for b in bounds for c in b.values())
 
 
+def test_public_text_of_the_sites_kind():
+    """``corpus`` picks another bundled corpus' validation split (code for code sites): other
+    windows, the same at every party; anything but a bundled corpus is refused."""
+    from conftest import build_tiny_tokenizer
+
+    from fedcompress.data.calibration import calibration_windows
+    from fedcompress.data.corpora import load_corpus
+
+    tok = build_tiny_tokenizer()
+    code = dps.public_windows(tok, seqlen=SEQ, n=4, corpus="code")
+    assert torch.equal(code, calibration_windows(tok, load_corpus("code", dps.PUBLIC_SPLIT), 4,
+                                                 SEQ, 0))
+    assert not torch.equal(code, dps.public_windows(tok, seqlen=SEQ, n=4))
+    assert torch.equal(dps.public_windows(tok, seqlen=SEQ, n=4),
+                       dps.public_windows(tok, seqlen=SEQ, n=4, corpus=dps.PUBLIC_CORPUS))
+    for bad in ("wikitext2", "code.jsonl", ""):
+        with pytest.raises(ValueError, match="bundled corpus"):
+            dps.public_windows(tok, seqlen=SEQ, n=4, corpus=bad)
+
+
 # -- accounting ---------------------------------------------------------------------------------
 
 

@@ -227,26 +227,32 @@ def test_server_app_report_states_epsilon_delta_and_placement(tiny_dir, tmp_path
     assert "no differential-privacy guarantee" not in sentences
 
 
-def _public_windows_run(tiny, tiny_dir, **kw):
+def _public_windows_run(tiny, tiny_dir, corpus="wiki", **kw):
     """Statistics mode without DP on the public windows alone (one site): pruning on public
-    text through the same walker."""
+    text (``corpus``'s validation split) through the same walker."""
     from fedcompress.privacy.dp_stats import public_windows
 
-    public = public_windows(build_tiny_tokenizer(), SEQ, 8)
+    public = public_windows(build_tiny_tokenizer(), SEQ, 8, corpus=corpus)
     return stats_prune(tiny, [public], config_for(tiny_dir, dp_epsilon=0.0, clients=1, **kw))
 
 
-def test_a_drowned_release_with_the_public_prior_prunes_as_public_text(tiny, tiny_dir):
+@pytest.mark.parametrize("text", ["wiki", "code"])
+def test_a_drowned_release_with_the_public_prior_prunes_as_public_text(tiny, tiny_dir, text):
     """dp_prior="public": where the noise drowns the release (a tiny epsilon), the server's
     SparseGPT prunes each layer as on public text's own Hessian through its pruned prefix:
-    the same masks, and the same updated weights up to the level's rounding."""
-    reference = _public_windows_run(tiny, tiny_dir, method="sparsegpt")
+    the same masks, and the same updated weights up to the level's rounding; with
+    ``dp_public_text="code"``, as on the code corpus' public windows (not wiki's)."""
+    reference = _public_windows_run(tiny, tiny_dir, text, method="sparsegpt")
+    if text != "wiki":
+        wiki = _public_windows_run(tiny, tiny_dir, method="sparsegpt")
+        assert any(not torch.equal(wiki.masks[i][n], m)
+                   for i, masks in enumerate(reference.masks) for n, m in masks.items())
     drowned = stats_prune(tiny, site_windows(), config_for(
         tiny_dir, method="sparsegpt", dp_epsilon=0.05, dp_placement="central",
-        dp_prior="public"), tokenizer=build_tiny_tokenizer(), dp_seed=3)
+        dp_prior="public", dp_public_text=text), tokenizer=build_tiny_tokenizer(), dp_seed=3)
     flat = stats_prune(tiny, site_windows(), config_for(
         tiny_dir, method="sparsegpt", dp_epsilon=0.05, dp_placement="central",
-        dp_prior="shrink"), tokenizer=build_tiny_tokenizer(), dp_seed=3)
+        dp_prior="shrink", dp_public_text=text), tokenizer=build_tiny_tokenizer(), dp_seed=3)
     for layer, masks in enumerate(reference.masks):
         for name, mask in masks.items():
             assert torch.equal(drowned.masks[layer][name], mask), (layer, name)

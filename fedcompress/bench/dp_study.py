@@ -225,6 +225,8 @@ def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
     """A dp study: per point of its swept FedPrLLM settings and per budget, one DP cell per
     placement and epsilon (epsilon 0: one plain statistics-mode cell) and the baselines'
     ordinary bench cells."""
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+
     for key in sorted(set(table) & set(RESERVED)):
         raise BenchConfigError(f"study {name!r} (kind dp): {key} is not a setting of a dp "
                                f"study: {RESERVED[key]}")
@@ -254,7 +256,9 @@ def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
                     cells.setdefault(cell.id, cell)
             if "public" in options["baselines"]:  # the budget's settings without DP
                 plain = dp_cell(name, budget, evals, 0.0, options["placements"][0])
-                public = Cell(PUBLIC_CELL, plain.client, (), plain.evals)
+                text = budget.get("dp_public_text", FedPrLLMConfig.dp_public_text)
+                public = Cell(PUBLIC_CELL, tuple((k, text if k == "dp_public_text" else v)
+                                                 for k, v in plain.client), (), plain.evals)
                 cells.setdefault(public.id, public)
             # the baselines: ordinary bench cells (no DP settings: shared with other studies)
             votes = {k: v for k, v in budget.items() if not k.startswith("dp_")}
@@ -359,12 +363,13 @@ def compute(exp: Experiment, cell: Cell) -> dict:
 
 def compute_public(exp: Experiment, cell: Cell) -> dict:
     """A ``public`` cell's record: centralized pruning (the cell's method and local group) on
-    ``clients x samples_per_client`` windows of the public corpus (seed: the cell's), evaluated
+    ``clients x samples_per_client`` windows of the public corpus (its ``dp_public_text``'s
+    validation split, as the DP cells' bounds, scales and prior; seed: the cell's), evaluated
     as every cell; the record says which text and how many of its tokens the windows came
     from."""
     from fedcompress.data.calibration import tokenize_corpus
     from fedcompress.data.corpora import load_corpus
-    from fedcompress.privacy.dp_stats import PUBLIC_CORPUS, PUBLIC_SPLIT, public_windows
+    from fedcompress.privacy.dp_stats import PUBLIC_SPLIT, public_windows
     from fedcompress.pruning.local import apply_masks, local_masks
 
     config = cell.config()
@@ -372,15 +377,15 @@ def compute_public(exp: Experiment, cell: Cell) -> dict:
     view.config = config
     n = config.clients * config.samples_per_client
     start = time.perf_counter()
-    windows = public_windows(exp.tokenizer, config.seqlen, n, seed=config.seed)
+    text = config.dp_public_text
+    windows = public_windows(exp.tokenizer, config.seqlen, n, seed=config.seed, corpus=text)
     result = local_masks(exp.model, windows, config.prune, batch_size=config.batch_size)
     seconds = time.perf_counter() - start
     model = apply_masks(exp.fresh_copy(), result.masks, result.weights)
-    tokens = int(tokenize_corpus(exp.tokenizer, load_corpus(PUBLIC_CORPUS,
-                                                           PUBLIC_SPLIT)).numel())
+    tokens = int(tokenize_corpus(exp.tokenizer, load_corpus(text, PUBLIC_SPLIT)).numel())
     name = (f"public-calibration {config.method} {budget_label(config.to_dict())}")
     record = view.evaluate(name, model, prune_seconds=seconds, public_windows=n,
-                           public_text=f"{PUBLIC_CORPUS} {PUBLIC_SPLIT}",
+                           public_text=f"{text} {PUBLIC_SPLIT}",
                            public_tokens=tokens)
     del model
     return record

@@ -144,6 +144,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CLIP_QUANTILE",
     "PLACEMENTS",
+    "PUBLIC_CORPORA",
     "PUBLIC_CORPUS",
     "PUBLIC_SPLIT",
     "PUBLIC_WINDOWS",
@@ -154,6 +155,7 @@ __all__ = [
     "PublicCalibration",
     "add_gaussian",
     "block_noise_std",
+    "check_public_text",
     "check_public_tokens",
     "clip_factors",
     "clipped_layer_stats",
@@ -202,6 +204,10 @@ CLIP_QUANTILE = 0.95
 #: (not the calibration split ``train`` nor the evaluation split ``test``).
 PUBLIC_CORPUS = "wiki"
 PUBLIC_SPLIT = "validation"
+#: The public texts a run may name instead (``dp_public_text``: the bundled corpora, their
+#: :data:`PUBLIC_SPLIT` split). Nothing else: a file the server named could be a site's own
+#: data, and bounds or scales from it would make the mechanism depend on private text.
+PUBLIC_CORPORA = ("code", "shakespeare", "wiki")
 #: Public windows the default bounds are measured on.
 PUBLIC_WINDOWS = 32
 #: Integer Renyi orders of the Skellam bound (it holds for integer alpha > 1): the integers of
@@ -668,16 +674,25 @@ def clipped_layer_stats(layer: nn.Module, inputs: Any, hessian: bool,
     return ClippedStats({name: sums[owner] for name, owner in owners.items()}, owners, clipped)
 
 
-def public_windows(tokenizer: Any, seqlen: int, n: int = PUBLIC_WINDOWS, seed: int = 0
-                   ) -> torch.Tensor:
-    """``n`` windows of ``seqlen`` tokens of PUBLIC text: the bundled :data:`PUBLIC_CORPUS`'s
-    :data:`PUBLIC_SPLIT` split (shipped with the package, the same at every party; ``seed`` is
-    public: nothing private depends on it)."""
+def check_public_text(corpus: str) -> str:
+    """``corpus`` if it is one of :data:`PUBLIC_CORPORA`, else a ValueError naming it."""
+    if corpus not in PUBLIC_CORPORA:
+        raise ValueError(f"public text {corpus!r}: expected a bundled corpus, one of "
+                         f"{PUBLIC_CORPORA} (its {PUBLIC_SPLIT!r} split, shipped with the "
+                         "package: the same at every party, and no site's data)")
+    return corpus
+
+
+def public_windows(tokenizer: Any, seqlen: int, n: int = PUBLIC_WINDOWS, seed: int = 0,
+                   corpus: str = PUBLIC_CORPUS) -> torch.Tensor:
+    """``n`` windows of ``seqlen`` tokens of PUBLIC text: the bundled ``corpus``'s
+    :data:`PUBLIC_SPLIT` split (one of :data:`PUBLIC_CORPORA`, shipped with the package, the
+    same at every party; ``seed`` is public: nothing private depends on it)."""
     from fedcompress.data.calibration import calibration_windows
     from fedcompress.data.corpora import load_corpus
 
-    return calibration_windows(tokenizer, load_corpus(PUBLIC_CORPUS, PUBLIC_SPLIT), n, seqlen,
-                               seed)
+    return calibration_windows(tokenizer, load_corpus(check_public_text(corpus), PUBLIC_SPLIT),
+                               n, seqlen, seed)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ class StatsFedPrLLM(IterativeFedPrLLM):
             from fedcompress.methods.fedprllm.dp import PublicPrior
 
             self.public_prior = PublicPrior(model, tokenizer, config.seqlen,
-                                            config.dp_public_windows, config.batch_size)
+                                            config.dp_public_windows, config.batch_size,
+                                            config.dp_public_text)
         # Float sums depend on their order: a layer's statistics are summed in node order,
         # after the round (one round holds one decoder layer's statistics per site).
         self.streaming = False

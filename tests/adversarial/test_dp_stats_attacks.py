@@ -22,7 +22,8 @@ def model():
 
 def request(**kw):
     base = dict(epsilon=8.0, delta=1e-5, placement="distributed", unit="window", clip=5.0,
-                normalize="none", clip_quantile=0.95, public_windows=8, releases=LAYERS,
+                normalize="none", clip_quantile=0.95, public_windows=8, public_text="wiki",
+                releases=LAYERS,
                 sites=5, threshold=3, windows=4, seqlen=16)
     base.update(kw)
     return dpm.DpRequest(**base)
@@ -65,10 +66,34 @@ def test_an_honest_request_is_planned(model, tmp_path):
     (dict(threshold=2), "floor"),
     (dict(releases=LAYERS - 1), "releases"),
     (dict(unit="token"), "window"),
+    # bounds or scales from a file the server names could come from the site's own data
+    (dict(public_text="/srv/site/private/calibration.jsonl"), "bundled public corpus"),
+    (dict(public_text="wikitext2"), "bundled public corpus"),
 ])
 def test_a_request_beyond_the_sites_policy_is_refused(model, tmp_path, asked, match):
     with pytest.raises(PolicyError, match=match):
         plan_for(model, policy(tmp_path), request(**asked))
+
+
+def test_a_private_file_as_public_text_is_refused_before_it_is_read(tiny_dir, tmp_path,
+                                                                   monkeypatch):
+    """The server names the site's own calibration file as the run's public text: the site's
+    settings refuse it (a bundled corpus only), and the bounds' code never opens it."""
+    from fedcompress.config import SettingsError
+    from fedcompress.data import corpora
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+    from fedcompress.privacy import dp_stats as dps
+
+    private = tmp_path / "private.jsonl"
+    private.write_text('{"text": "the site\'s own text"}\n')
+    opened = []
+    monkeypatch.setattr(corpora, "load_corpus", lambda *a, **k: opened.append(a) or [])
+    with pytest.raises(SettingsError, match="dp_public_text"):
+        FedPrLLMConfig.from_dict({"model": tiny_dir, "aggregate": "stats", "dp_epsilon": 8.0,
+                                  "dp_public_text": str(private)})
+    with pytest.raises(ValueError, match="bundled corpus"):
+        dps.public_windows(None, 16, 2, corpus=str(private))
+    assert not opened
 
 
 def test_no_dp_only_where_the_policy_allows_it(model, tmp_path):

@@ -14,6 +14,7 @@ from fedcompress.config import ServerSettings, Settings, setting
 from fedcompress.masks.aggregate import TIE_BREAKS
 from fedcompress.masks.robust import DEFAULT_Z, DEFENCES, check_defence
 from fedcompress.methods.evaluation import TaskEvalSettings
+from fedcompress.privacy.dp_stats import PUBLIC_CORPORA
 from fedcompress.pruning.allocation import PROFILES
 from fedcompress.pruning.local import METHODS, NO_PRUNING, STATS_METHODS
 from fedcompress.pruning.select import GROUPS, check_group
@@ -209,7 +210,7 @@ class FedPrLLMConfig(Settings):
                            choices=("window",))
     dp_clip: float = setting(0.0, "DP statistics: clip bound of every input's per-window "
                              "statistic (0: from public text, --dp-clip-quantile of the "
-                             "per-window norms of the bundled wiki corpus' validation windows "
+                             "per-window norms of --dp-public-text's validation windows "
                              "through the dense model, per layer and input).", ge=0.0)
     dp_normalize: str = setting(
         "public", "DP statistics: public (each input coordinate divided by its public "
@@ -231,6 +232,12 @@ class FedPrLLMConfig(Settings):
                                       "norms used as the default clip bound.", gt=0.0, le=1.0)
     dp_public_windows: int = setting(32, "DP statistics: public windows the default clip "
                                      "bounds are measured on.", ge=1)
+    dp_public_text: str = setting(
+        "wiki", "DP statistics: the public text the default clip bounds, the scales and the "
+        "public prior come from: a corpus bundled with the package (its validation split, the "
+        "same at every party), best the one most like the sites' text (code for sites holding "
+        "source code). A site refuses anything else: a file the server named could be the "
+        "site's own data.", choices=PUBLIC_CORPORA)
     quant: str = setting(
         "none", "Statistics mode: quantize every linear layer of the decoder layers too, from "
         "the summed Hessians (GPTQ) or without data (rtn), layer by layer, the sites' next "

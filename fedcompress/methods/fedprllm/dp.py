@@ -56,6 +56,8 @@ class DpRequest:
             ``none``.
         clip_quantile: Quantile of the public per-window norms (the default bounds).
         public_windows: Public windows the default bounds are measured on.
+        public_text: The bundled corpus the public windows come from (checked by each site:
+            one of :data:`~fedcompress.privacy.dp_stats.PUBLIC_CORPORA`).
         releases: Layer releases of the run (the model's decoder layers).
         sites: Sites of the federation.
         threshold: SecAgg+ threshold (distributed placement), else 0.
@@ -71,6 +73,7 @@ class DpRequest:
     normalize: str
     clip_quantile: float
     public_windows: int
+    public_text: str
     releases: int
     sites: int
     threshold: int
@@ -83,7 +86,8 @@ class DpRequest:
         return cls(float(config.dp_epsilon), float(config.dp_delta), config.dp_placement,
                    config.dp_unit, float(config.dp_clip), config.dp_normalize,
                    float(config.dp_clip_quantile),
-                   int(config.dp_public_windows), int(releases), int(sites), int(threshold),
+                   int(config.dp_public_windows), str(config.dp_public_text), int(releases),
+                   int(sites), int(threshold),
                    int(config.samples_per_client), int(config.seqlen))
 
     def to_record(self) -> dict[str, Any]:
@@ -96,7 +100,8 @@ class DpRequest:
         missing = sorted(f"dp_{k}" for k in names if f"dp_{k}" not in record)
         if missing:
             raise ValueError(f"DP request without {missing}")
-        kinds = {"placement": str, "unit": str, "normalize": str, "epsilon": float,
+        kinds = {"placement": str, "unit": str, "normalize": str, "public_text": str,
+                 "epsilon": float,
                  "delta": float,
                  "clip": float, "clip_quantile": float}
         return cls(**{k: kinds.get(k, int)(record[f"dp_{k}"]) for k in names})
@@ -108,7 +113,7 @@ def public_calibration(model: nn.Module, tokenizer: Any, request: DpRequest, hes
     and, with ``request.normalize == "public"``, each block's public scales:
     :func:`~fedcompress.privacy.dp_stats.public_calibration` on
     :func:`~fedcompress.privacy.dp_stats.public_windows` (public text only: every party
-    computes the same values)."""
+    computes the same values; ``request.public_text`` is checked to be a bundled corpus)."""
     from fedcompress.methods.fedprllm.stats import layer_in_features, layer_sharing
     from fedcompress.models import ModelAdapter
 
@@ -121,7 +126,8 @@ def public_calibration(model: nn.Module, tokenizer: Any, request: DpRequest, hes
             raise ValueError("public clip bounds or scales need the model's tokenizer (for "
                              "the public windows): expected a tokenizer, or dp_clip > 0 with "
                              "dp_normalize 'none'")
-        windows = dps.public_windows(tokenizer, request.seqlen, request.public_windows)
+        windows = dps.public_windows(tokenizer, request.seqlen, request.public_windows,
+                                     corpus=request.public_text)
         calib = dps.public_calibration(model, windows, hessian, request.clip_quantile,
                                        batch_size, request.normalize)
     if request.clip <= 0:
@@ -152,7 +158,8 @@ def plan(request: DpRequest, calib: dps.PublicCalibration,
          dims: Sequence[Mapping[str, int]]) -> DpStatsPlan:
     """The run's mechanism for ``request`` (the server's and every site's own computation:
     deterministic, from public values)."""
-    clip = "fixed" if request.clip > 0 else f"public-q{request.clip_quantile:g}"
+    text = "" if request.public_text == dps.PUBLIC_CORPUS else f"{request.public_text}-"
+    clip = "fixed" if request.clip > 0 else f"public-{text}q{request.clip_quantile:g}"
     if calib.normalize != request.normalize:
         raise ValueError(f"public calibration normalized {calib.normalize!r}: the request "
                          f"asks {request.normalize!r}")
@@ -178,6 +185,10 @@ def site_plan(policy: SitePolicy, request: DpRequest, n_layers: int,
         return None
     policy.check_delta(request.delta)
     policy.check_dp_placement(request.placement)
+    if request.public_text not in dps.PUBLIC_CORPORA:
+        raise PolicyError(f"dp_public_text={request.public_text!r}: this site takes its clip "
+                          f"bounds and scales from a bundled public corpus only "
+                          f"({dps.PUBLIC_CORPORA}); anything else could be private text")
     if request.unit != dps.UNIT:
         raise PolicyError(f"dp_unit={request.unit!r}: this site protects one calibration "
                           f"window ({dps.UNIT!r})")
@@ -301,8 +312,8 @@ def server_finish(stats: dict[str, Any], shared: Mapping[str, str], the_plan: Dp
 
 class PublicPrior:
     """The server's public prior of each layer (``dp_prior="public"``): public text's own
-    statistics of the layer's inputs (:data:`~fedcompress.privacy.dp_stats.PUBLIC_CORPUS`'s
-    windows, as for the clip bounds), through the model as the server has pruned it so far:
+    statistics of the layer's inputs (the windows of the run's public text, ``corpus``, as for
+    the clip bounds), through the model as the server has pruned it so far:
     the sites' walker (:func:`~fedcompress.methods.fedprllm.federated.advance_to_layer`) with
     the global masks (and SparseGPT's weights) of the layers before. Public text and the
     server's own model only: the shrinkage toward it is post-processing, free.
@@ -312,12 +323,12 @@ class PublicPrior:
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, seqlen: int, windows: int,
-                 batch_size: int = 8):
+                 batch_size: int = 8, corpus: str = dps.PUBLIC_CORPUS):
         if tokenizer is None:
             raise ValueError("dp_prior 'public' needs the model's tokenizer (for the public "
                              "windows): expected a tokenizer")
         self.model = model
-        self.windows = dps.public_windows(tokenizer, seqlen, windows)
+        self.windows = dps.public_windows(tokenizer, seqlen, windows, corpus=corpus)
         self.batch_size = batch_size
         self._layer = -1
         self._hidden = None
@@ -383,7 +394,7 @@ def cached_calibration(model: nn.Module, tokenizer: Any, request: DpRequest, hes
                        batch_size: int = 8) -> dps.PublicCalibration:
     """:func:`public_calibration`, computed once per process for a model and request."""
     key = (id(model), request.clip, request.normalize, request.clip_quantile,
-           request.public_windows, request.seqlen, hessian)
+           request.public_windows, request.public_text, request.seqlen, hessian)
     if key not in _BOUNDS:
         _BOUNDS[key] = public_calibration(model, tokenizer, request, hessian, batch_size)
     return _BOUNDS[key]

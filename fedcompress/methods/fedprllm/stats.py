@@ -628,7 +628,7 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
         if plan.placement == "distributed":
             frac_bits = plan.frac_bits
     public_prior = (dpm.PublicPrior(model, tokenizer, config.seqlen, config.dp_public_windows,
-                                    batch)
+                                    batch, config.dp_public_text)
                     if config.dp and config.dp_prior == "public" else None)
 
     def rng(*salt: int):  # a fresh generator per release, seeded from the OS (or dp_seed)
