@@ -107,6 +107,15 @@ def test_public_text_of_the_sites_kind_in_a_study(tiny_dir, corpus, tmp_path):
     assert study.options["rows"] == ["dp_public_text"]
     by_text = {(c.kind, c.settings()["dp_public_text"]) for c in study.cells}
     assert by_text == {(k, t) for k in ("dp-stats", "dp-public") for t in ("wiki", "code")}
+    rows = dp_study._rows(study)
+    assert [r["dp_public_text"] for r in rows] == ["wiki", "code"]
+    for row in rows:  # each row's public baseline is its own text's
+        (public,) = [c for c in study.cells if c.kind == "dp-public"
+                     and c.settings()["dp_public_text"] == row["dp_public_text"]]
+        found = {c.id for c in study.cells
+                 if dp_study._matches(row, {"kind": c.kind, **c.settings()}, ["dp_public_text"])
+                 and c.kind == "dp-public"}
+        assert found == {public.id}
     (plain,) = plan(_config(tiny_dir, corpus, epsilon=[8], baselines=["public"]))
     wiki = {c.id for c in study.cells if c.settings()["dp_public_text"] == "wiki"}
     assert {c.id for c in plain.cells} == wiki

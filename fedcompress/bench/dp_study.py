@@ -459,12 +459,15 @@ def _rows(study: Study) -> list[dict[str, Any]]:
 
 def _matches(row: Mapping[str, Any], settings: Mapping[str, Any], rows: list[str]) -> bool:
     """Whether a cell belongs to a row: its budget and swept settings (the DP settings only
-    for a cell with DP: the others take their defaults)."""
+    for a cell with DP: the others take their defaults; but a public cell's text is its
+    row's ``dp_public_text``)."""
     if "clients" in settings and budget_label(settings) != row["budget"]:
         return False
     dp = settings.get("kind") == DP_CELL and bool(settings.get("dp_epsilon"))
+    public = settings.get("kind") == PUBLIC_CELL
     return all(settings[k] == row[k] for k in rows
-               if k in settings and (dp or not k.startswith("dp_")))
+               if k in settings and (dp or not k.startswith("dp_")
+                                     or (public and k == "dp_public_text")))
 
 
 def _value(record: Mapping[str, Any] | None) -> str:
