@@ -136,6 +136,39 @@ def test_public_text_of_the_sites_kind_in_a_study(tiny_dir, corpus, tmp_path):
     assert set(records) == {c.id for c in code.cells}
 
 
+def test_several_noise_draws_per_dp_cell(tiny_dir, corpus, tmp_path):
+    """``draws = 3``: each DP cell three times with its own noise seed (draw 0 is the cell of
+    a one-draw study); the table shows the median and range, the cells' table every draw, the
+    plot draws the range; a stored draw's record resolves to its cell."""
+    config = _config(tiny_dir, corpus, epsilon=[4, "none"], baselines=[], draws=3)
+    (study,) = plan(config)
+    dp = [c for c in study.cells if c.kind == "dp-stats"]
+    assert sorted(dp_study.draw_of(c) for c in dp) == [0, 0, 1, 2]  # no draws without DP
+    (single,) = plan(_config(tiny_dir, corpus, epsilon=[4, "none"], baselines=[]))
+    assert {c.id for c in single.cells} == {c.id for c in dp if not dp_study.draw_of(c)}
+    noisy = [c for c in dp if c.settings()["dp_epsilon"]]
+    assert len({dp_study.dp_seed(c) for c in noisy}) == 3
+    assert {c.id for c in noisy} == {dp_study.with_draw(noisy[0], d).id for d in range(3)}
+    out = tmp_path / "out"
+    report = run_bench(write_bench_config(tmp_path, config), out, progress=False)
+    assert report.exit_status == "ok"
+    results = load_results(out / "results.jsonl")
+    assert set(results) == {c.id for c in study.cells}  # every draw stored under its id
+    ppl = sorted(results[c.id]["perplexity"] for c in noisy)
+    assert [results[c.id]["draw"] for c in noisy if dp_study.draw_of(c)] == [1, 2]
+    main, detail = dp_study.study_tables(study, results)
+    assert main.body[0][main.header.index("ε=4")] == (
+        f"{ppl[1]:.2f} ({ppl[0]:.2f}-{ppl[2]:.2f})")
+    assert "3 draws of the noise" in main.note
+    assert detail.header.index("draw") == detail.header.index("epsilon") + 1
+    assert [r[detail.header.index("draw")] for r in detail.body] == ["0", "1", "2", "0"]
+    assert (out / "dp-dp.png").exists()
+    # a pending draw: the epsilon is pending, not the median of the others
+    partial = {k: v for k, v in results.items() if k != noisy[2].id}
+    assert dp_study.study_tables(study, partial)[0].body[0][main.header.index("ε=4")] == (
+        "pending (2 of 3)")
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(budgets=["2by2"]), "budgets entry '2by2'"),
     (dict(budgets=["0x4"]), "budgets entry '0x4'"),
@@ -154,6 +187,9 @@ def test_public_text_of_the_sites_kind_in_a_study(tiny_dir, corpus, tmp_path):
     (dict(group="row"), "unknown setting\\(s\\) \\['group'\\]"),
     (dict(sparsity_profile="owl"), "sparsity_profile 'owl'"),
     (dict(sparsity=1.5), "sparsity"),
+    (dict(draws=0), "draws 0"),
+    (dict(draws="3"), "draws '3'"),
+    (dict(draws=True), "draws True"),
 ])
 def test_bad_dp_study_settings_are_refused(tiny_dir, corpus, change, match):
     with pytest.raises(BenchConfigError, match=match):

@@ -40,6 +40,9 @@ Settings of the study table (``[bench]`` settings of the same name apply too):
 * ``baselines``: some of :data:`BASELINES` (default all: ``centralized``, ``local-only``,
   ``votes``, ``dense``, ``public``);
 * ``vote_group``: the votes' server comparison group (default ``layer``);
+* ``draws``: noise draws per DP cell (default 1): the table shows their median and range, the
+  plot the median with the range as an error bar, the cells' table every draw (a draw beyond
+  the first is the same cell with its own noise seed);
 * the evaluation settings (``eval_text``, ``eval_windows``, ...), as every study.
 
 **The noise is seeded** per cell (``dp_seed``, from the cell's settings, its ``seed``
@@ -89,6 +92,7 @@ if TYPE_CHECKING:
 
     from fedcompress.bench.sweep import BenchRunner
     from fedcompress.bench.tables import StudyTable
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
     from fedcompress.methods.fedprllm.experiment import Experiment
     from fedcompress.methods.fedprllm.stats import StatsRun
 
@@ -105,7 +109,10 @@ PUBLIC_CELL = "dp-public"
 EPSILONS = (1, 2, 4, 8, 16, "none")
 PLACEMENTS = ("central", "distributed")
 #: The study's own settings (not FedPrLLM's).
-STUDY_SETTINGS = ("budgets", "epsilon", "placement", "baselines", "vote_group")
+STUDY_SETTINGS = ("budgets", "epsilon", "placement", "baselines", "vote_group", "draws")
+#: A DP cell's noise draw (a server-side tag of the cell, not a FedPrLLM setting: draw 0 is
+#: the cell without it, so a study of one draw keeps its cells' ids).
+DRAW = "draw"
 #: FedPrLLM settings a dp study sets itself (or that do not apply to statistics mode), with
 #: what to use instead.
 RESERVED = {
@@ -215,9 +222,14 @@ def _options(name: str, table: Mapping[str, Any], settings: dict[str, Any]) -> d
                                f"{settings['sparsity_profile']!r}: a dp study compares "
                                "statistics mode with the baselines at uniform (or fixed "
                                "layer_sparsity) plans")
+    draws = table.get("draws", 1)
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise BenchConfigError(f"study {name!r}: draws {draws!r}: expected an integer >= 1 "
+                               "(noise draws per DP cell)")
     return {"budgets": [list(b) for b in budgets], "epsilons": epsilons,
             "placements": [str(p) for p in placements],
-            "baselines": [b for b in BASELINES if b in baselines], "vote_group": vote_group}
+            "baselines": [b for b in BASELINES if b in baselines], "vote_group": vote_group,
+            "draws": draws}
 
 
 def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
@@ -254,6 +266,9 @@ def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
                 for epsilon in options["epsilons"]:
                     cell = dp_cell(name, budget, evals, epsilon, placement)
                     cells.setdefault(cell.id, cell)
+                    for draw in range(1, options["draws"] if epsilon else 1):
+                        other = with_draw(cell, draw)
+                        cells.setdefault(other.id, other)
             if "public" in options["baselines"]:  # the budget's settings without DP
                 plain = dp_cell(name, budget, evals, 0.0, options["placements"][0])
                 text = budget.get("dp_public_text", FedPrLLMConfig.dp_public_text)
@@ -297,6 +312,22 @@ def dp_cell(name: str, point: Mapping[str, Any], evals: Mapping[str, Any], epsil
     return Cell(DP_CELL, tuple((k, full[k]) for k in CLIENT_KEYS), (), eval_items)
 
 
+def with_draw(cell: Cell, draw: int) -> Cell:
+    """``cell`` with its noise's draw ``draw`` (0: the cell itself)."""
+    return Cell(cell.kind, cell.client, ((DRAW, int(draw)),) if draw else (), cell.evals)
+
+
+def draw_of(cell: Cell) -> int:
+    return int(dict(cell.server).get(DRAW, 0))
+
+
+def fed_config(cell: Cell) -> FedPrLLMConfig:
+    """A DP or public cell's FedPrLLM settings (its draw is not one)."""
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+
+    return FedPrLLMConfig.from_dict(dict(cell.client))
+
+
 def record_cell(record: Mapping[str, Any]) -> Cell:
     """The cell a stored DP record belongs to (settings it lacks, added later, take their
     default, but ``dp_normalize`` and ``dp_prior``: a DP record from before they existed
@@ -306,15 +337,17 @@ def record_cell(record: Mapping[str, Any]) -> Cell:
     kind = PUBLIC_CELL if record.get("kind") == PUBLIC_CELL else DP_CELL
     legacy = {"dp_normalize": "none", "dp_prior": "none"} if record.get("dp_epsilon") else None
     cell = stored_cell(kind, record, FedPrLLMConfig, drop=SERVER_KEYS, legacy=legacy)
-    return Cell(kind, cell.client, (), tuple(sorted(record.get("eval", {}).items())))
+    return with_draw(Cell(kind, cell.client, (), tuple(sorted(record.get("eval", {}).items()))),
+                     int(record.get(DRAW, 0)))
 
 
 def dp_seed(cell: Cell) -> int:
-    """The seed of a cell's noise: from its settings (its ``seed`` among them), so that a
-    rerun draws the same noise. Research only (module docstring)."""
+    """The seed of a cell's noise: from its settings (its ``seed`` among them) and its draw,
+    so that a rerun draws the same noise. Research only (module docstring)."""
     client = {k: v for k, v in cell.client if k not in ATTACK_KEYS}
-    return int(np.random.SeedSequence([int(client.get("seed", 0)),
-                                       int(_digest(client), 16)]).generate_state(1)[0])
+    draw = draw_of(cell)
+    return int(np.random.SeedSequence([int(client.get("seed", 0)), int(_digest(client), 16),
+                                       *([draw] if draw else [])]).generate_state(1)[0])
 
 
 # ------------------------------------------------------------------------------------------
@@ -328,7 +361,7 @@ def prune_cell(exp: Experiment, cell: Cell) -> tuple[nn.Module, StatsRun, float,
     from fedcompress.methods.fedprllm.stats import stats_prune
     from fedcompress.pruning.local import apply_masks
 
-    config = cell.config()
+    config = fed_config(cell)
     seed = dp_seed(cell) if config.dp else None
     start = time.perf_counter()
     run = stats_prune(exp.model, exp.windows, config, tokenizer=exp.tokenizer, dp_seed=seed)
@@ -339,7 +372,7 @@ def prune_cell(exp: Experiment, cell: Cell) -> tuple[nn.Module, StatsRun, float,
 def compute(exp: Experiment, cell: Cell) -> dict:
     """One DP cell's record: the bench's evaluation of its pruned model, and what the run
     cost and spent."""
-    config = cell.config()
+    config = fed_config(cell)
     view = copy.copy(exp)
     view.config = config
     model, run, seconds, seed = prune_cell(view, cell)
@@ -372,7 +405,7 @@ def compute_public(exp: Experiment, cell: Cell) -> dict:
     from fedcompress.privacy.dp_stats import PUBLIC_SPLIT, public_windows
     from fedcompress.pruning.local import apply_masks, local_masks
 
-    config = cell.config()
+    config = fed_config(cell)
     view = copy.copy(exp)
     view.config = config
     n = config.clients * config.samples_per_client
@@ -414,7 +447,7 @@ def run_cells(runner: BenchRunner, cells: list[Cell]) -> None:
             by_data.setdefault(_data_key(cell), []).append(cell)
         for same in by_data.values():
             try:
-                exp = prepare_experiment(same[0].config(), same[0].eval_config(),
+                exp = prepare_experiment(fed_config(same[0]), same[0].eval_config(),
                                          loaded=loaded)
             except Exception as err:
                 for cell in same:
@@ -494,12 +527,51 @@ def row_values(study: Study, results: Mapping[str, dict], row: Mapping[str, Any]
             eps = float(s["dp_epsilon"])
             if eps and s["dp_placement"] != row["placement"]:
                 continue
-            out[f"eps:{eps:g}"] = results.get(cell.id)
+            if not draw_of(cell):
+                out[f"eps:{eps:g}"] = results.get(cell.id)
         elif cell.kind == PUBLIC_CELL:
             out["public"] = results.get(cell.id)
         elif cell.kind in _REFERENCE:
             out[_REFERENCE[cell.kind]] = results.get(cell.id)
     return out
+
+
+def row_draws(study: Study, results: Mapping[str, dict], row: Mapping[str, Any]
+              ) -> dict[str, list[Mapping[str, Any] | None]]:
+    """Every draw's record of a row's DP cells, ``eps:<value>`` -> [draw 0, draw 1, ...]
+    (``None``: pending)."""
+    out: dict[str, list[tuple[int, Mapping[str, Any] | None]]] = {}
+    for cell in study.cells:
+        s = cell.settings()
+        if cell.kind != DP_CELL or not _matches(row, s, study.options["rows"]):
+            continue
+        eps = float(s["dp_epsilon"])
+        if eps and s["dp_placement"] != row["placement"]:
+            continue
+        out.setdefault(f"eps:{eps:g}", []).append((draw_of(cell), results.get(cell.id)))
+    return {k: [r for _, r in sorted(v, key=lambda d: d[0])] for k, v in out.items()}
+
+
+def draw_summary(records: list[Mapping[str, Any] | None]) -> tuple[float, float, float] | None:
+    """The median, lowest and highest perplexity of a DP cell's draws (None unless every
+    draw finished)."""
+    if not records or any(r is None or r.get("status") != "ok" for r in records):
+        return None
+    values = [float(r["perplexity"]) for r in records if r is not None]
+    return float(np.median(values)), min(values), max(values)
+
+
+def _draws_value(records: list[Mapping[str, Any] | None]) -> str:
+    if len(records) == 1:
+        return _value(records[0])
+    summary = draw_summary(records)
+    if summary is None:
+        done = sum(1 for r in records if r is not None)
+        failed = sum(1 for r in records if r is not None and r.get("status") != "ok")
+        return f"failed ({failed} of {len(records)})" if failed else \
+            f"pending ({done} of {len(records)})"
+    median, lo, hi = summary
+    return f"{median:.2f} ({lo:.2f}-{hi:.2f})"
 
 
 def _same_as_centralized(values: Mapping[str, Mapping[str, Any] | None]) -> str:
@@ -526,10 +598,13 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
               *(["no DP = centralized"] if 0.0 in epsilons and "centralized" in columns
                 else [])]
     body = []
+    draws = int(options.get("draws", 1))
     for row in _rows(study):
         values = row_values(study, results, row)
+        drawn = row_draws(study, results, row) if draws > 1 else {}
         line = [*(_fmt(row[k]) for k in keys),
-                *(_value(values.get(c)) if c in values else "-" for c in columns)]
+                *(_draws_value(drawn[c]) if c in drawn else
+                  _value(values.get(c)) if c in values else "-" for c in columns)]
         if header[-1] == "no DP = centralized":
             line.append(_same_as_centralized(values))
         body.append(line)
@@ -544,10 +619,13 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
             "the baseline a DP run must beat). "
             "`no DP` is plain statistics mode, which is centralized pruning on the same "
             "windows (the last column compares the two perplexities). The noise is "
-            f"{SEEDED_NOTE}. Fixed: {fixed}.")
+            f"{SEEDED_NOTE}"
+            + (f"; each epsilon is {draws} draws of the noise: their median (lowest-highest)"
+               if draws > 1 else "") + f". Fixed: {fixed}.")
     main = StudyTable("", note, header, body, first_value=len(keys), best="min")
-    detail_header = [*keys[:-1], "placement", "epsilon", "perplexity", "sigma",
-                     "epsilon spent", "delta", "prune s", "up / site", "status"]
+    detail_header = [*keys[:-1], "placement", "epsilon", *(["draw"] if draws > 1 else []),
+                     "perplexity", "sigma", "epsilon spent", "delta", "prune s", "up / site",
+                     "status"]
     detail = []
     for cell in study.cells:
         if cell.kind != DP_CELL:
@@ -556,7 +634,8 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
         eps = float(s["dp_epsilon"])
         record = results.get(cell.id)
         line = [*(_fmt(s.get(k)) for k in options["rows"]), budget_label(s),
-                s["dp_placement"] if eps else "-", epsilon_label(eps)]
+                s["dp_placement"] if eps else "-", epsilon_label(eps),
+                *([str(draw_of(cell))] if draws > 1 else [])]
         if record is None or record.get("status") != "ok":
             status = "pending" if record is None else f"failed: {record.get('error', '?')}"
             detail.append(line + [""] * 6 + [status[:160]])
@@ -574,7 +653,7 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
                    "statistics-mode run (all sites, one after another, in one process) and "
                    "the bytes one site sends over the run.")
     return [main, StudyTable("DP cells", detail_note, detail_header, detail,
-                             first_value=len(options["rows"]) + 4, best=None)]
+                             first_value=len(options["rows"]) + 4 + (draws > 1), best=None)]
 
 
 def _bytes(n: float) -> str:
@@ -605,11 +684,18 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
 
     options = study.options
     panels: dict[str, list[tuple[dict, dict]]] = {}
+    draws = int(options.get("draws", 1))
     for row in _rows(study):
         values = row_values(study, results, row)
-        points = sorted((float(k[4:]), r["perplexity"]) for k, r in values.items()
-                        if k.startswith("eps:") and float(k[4:]) > 0 and r
-                        and r.get("status") == "ok")
+        if draws > 1:  # the median of every finished draw set, its range as an error bar
+            summaries = {k: draw_summary(v) for k, v in row_draws(study, results, row).items()
+                         if float(k[4:]) > 0}
+            points = sorted((float(k[4:]), *v) for k, v in summaries.items() if v is not None)
+        else:
+            points = sorted((float(k[4:]), r["perplexity"], r["perplexity"], r["perplexity"])
+                            for k, r in values.items()
+                            if k.startswith("eps:") and float(k[4:]) > 0 and r
+                            and r.get("status") == "ok")
         refs = {k: r["perplexity"] for k, r in values.items()
                 if not k.startswith("eps:") and r and r.get("status") == "ok"}
         if "eps:0" in values and values["eps:0"] and values["eps:0"].get("status") == "ok":
@@ -628,7 +714,7 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
     for ax, (method, lines) in zip(axes[0], sorted(panels.items())):
         dense = None
         refs_all = [y for _, line in lines for k, y in line["refs"].items() if k != "dense"]
-        points_all = [y for _, line in lines for _, y in line["points"]]
+        points_all = [y for _, line in lines for _, y, _, _ in line["points"]]
         limit = (max(refs_all) if refs_all else min(points_all, default=1.0)) * PLOT_HEADROOM
         scaled = refs_all + [y for y in points_all if y <= limit]
         lo, hi = (min(scaled), max(scaled)) if scaled else (0.0, 1.0)
@@ -645,9 +731,17 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
             base_label = ", ".join([row["budget"], *(f"{k}={row[k]}" for k in options["rows"]
                                                      if k != "method" and not k.startswith("dp_"))])
             if line["points"]:
-                xs, ys = zip(*line["points"])
+                xs, ys, los, his = zip(*line["points"])
                 shown = [y if y <= limit else edge for y in ys]
-                ax.plot(xs, shown, marker="o", color=colour, label=f"DP statistics, {label}")
+                ax.plot(xs, shown, marker="o", color=colour,
+                        label=f"DP statistics, {label}"
+                        + (f" (median of {draws} draws, bars: their range)" if draws > 1
+                           else ""))
+                if draws > 1:
+                    for x, y, lo_, hi_ in zip(xs, ys, los, his):
+                        if y <= limit:
+                            ax.plot([x, x], [lo_, min(hi_, edge)], color=colour,
+                                    linewidth=1.5, alpha=0.7)
                 for x, y in zip(xs, ys):
                     if y > limit:
                         ax.plot([x], [edge], marker="^", markersize=10, color=colour)
