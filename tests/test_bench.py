@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fedcompress.bench.run import run_bench
-from fedcompress.bench.sweep import BenchConfigError, plan
+from fedcompress.bench.sweep import BenchConfigError, load_results, plan
 from fedcompress.bench.tables import study_table
 
 
@@ -278,10 +278,37 @@ def test_bench_runs_statistics_mode_and_fedspallm_cells(tiny_dir, tmp_path, monk
         assert abs(r["sparsity_measured"] - 0.5) < 0.02
     assert layer["bytes_up_per_client"] == row["bytes_up_per_client"] > 0
     assert layer["perplexity"] != row["perplexity"]
+    # the cost table: bytes up and seconds per cell, beside the perplexities
+    from fedcompress.bench.tables import human_bytes, study_tables
+
+    results = load_results(out / "results.jsonl")
+    for study in plan(config):
+        main, cost = study_tables(study, results)
+        assert cost.caption == "Cost" and cost.header == main.header
+        labels = [r[0] for r in cost.body]
+        assert labels == [r[0] for r in main.body]
+    peer = next(s for s in plan(config) if s.name == "peer")
+    values = [v for r in study_tables(peer, results)[1].body for v in r[1:]]
+    assert values and all(v.startswith(human_bytes(layer["bytes_up_per_client"]) + " up, ")
+                          for v in values)
     dp = _config(tiny_dir, aggregate="stats", dp_epsilon=8.0, dp_placement="central",
                  method="wanda", group="layer")
     with pytest.raises(BenchConfigError, match="kind dp"):
         plan(dp)
+
+
+def test_cell_cost_names_bytes_and_seconds():
+    from fedcompress.bench.tables import cell_cost, human_bytes
+
+    assert human_bytes(163774464) == "164 MB" and human_bytes(999) == "999 B"
+    assert human_bytes(3039456) == "3.04 MB" and human_bytes(2.6e9) == "2.6 GB"
+    vote = {"bytes_up_per_client": 163774464, "client_seconds_mean": 41.07,
+            "count_seconds": 1.06, "aggregate_seconds": 1.17}
+    assert cell_cost(vote) == "164 MB up, 43 s (one site + server)"
+    assert cell_cost({"bytes_up_per_client": 3039456, "prune_seconds": 247.1}) == (
+        "3.04 MB up, 247 s")
+    assert cell_cost({"prune_seconds": 208.2}) == "208 s"
+    assert cell_cost({"eval_seconds": 191.2}) == "-"  # the dense model
 
 
 def test_strategy_labels_name_the_aggregation():

@@ -586,7 +586,7 @@ def _same_as_centralized(values: Mapping[str, Mapping[str, Any] | None]) -> str:
 def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
     """Perplexity per epsilon beside the baselines (one row per setting, budget and
     placement), then each DP cell's noise, spent epsilon, seconds and bytes."""
-    from fedcompress.bench.tables import StudyTable, _fmt
+    from fedcompress.bench.tables import StudyTable, _fmt, human_bytes
 
     options = study.options
     keys = [*options["rows"], "budget", "placement"]
@@ -646,7 +646,7 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
             f"{record['sigma']:.4g}" if "sigma" in record else "-",
             f"{spent:.4g}" if spent is not None else "-",
             f"{record['delta']:g}" if "delta" in record else "-",
-            f"{record['prune_seconds']:.1f}", _bytes(record["bytes_up_per_site"]), "ok"])
+            f"{record['prune_seconds']:.1f}", human_bytes(record["bytes_up_per_site"]), "ok"])
     detail_note = ("Each DP cell: the noise multiplier sigma of its plan (a block's noise "
                    "std is sigma sqrt(2k) C_j for its clip bound C_j), the epsilon the "
                    "accountant gives for all the run's layer releases, seconds of the "
@@ -654,13 +654,6 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
                    "the bytes one site sends over the run.")
     return [main, StudyTable("DP cells", detail_note, detail_header, detail,
                              first_value=len(options["rows"]) + 4 + (draws > 1), best=None)]
-
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 #: How far above the worst baseline a DP point may lie and still be drawn to scale: points

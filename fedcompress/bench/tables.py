@@ -53,9 +53,35 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def study_table(study: Study, results: dict[str, dict], metric: str = "perplexity"
-                ) -> tuple[list[str], list[list[str]]]:
-    """Columns and rows of one study's table (values: ``metric``, or ``failed``/``pending``)."""
+def human_bytes(n: float) -> str:
+    """``163774464`` -> ``164 MB`` (decimal units, three significant digits)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def cell_cost(record: dict) -> str:
+    """What a cell cost: the bytes one site sent, and the seconds of its compression (``prune
+    s``: the whole run in this process for statistics mode, centralized and local-only pruning;
+    one site's mask pass plus the server's count and selection for a vote, whose sites run in
+    parallel in a deployment; FedSpaLLM: its run)."""
+    parts = []
+    if record.get("bytes_up_per_client") is not None:
+        parts.append(f"{human_bytes(float(record['bytes_up_per_client']))} up")
+    if record.get("prune_seconds") is not None:
+        parts.append(f"{float(record['prune_seconds']):.0f} s")
+    elif record.get("client_seconds_mean") is not None:
+        seconds = float(record["client_seconds_mean"]) + float(
+            record.get("count_seconds") or 0) + float(record.get("aggregate_seconds") or 0)
+        parts.append(f"{seconds:.0f} s (one site + server)")
+    return ", ".join(parts) or "-"
+
+
+def study_table(study: Study, results: dict[str, dict], metric: str = "perplexity",
+                fmt=None) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows of one study's table (values: ``metric``, or ``fmt(record)``, or
+    ``failed``/``pending``)."""
     col_key = study.columns
     col_values = list(dict.fromkeys(
         _fmt(dict(c.settings()).get(col_key)) for c in study.cells
@@ -73,6 +99,8 @@ def study_table(study: Study, results: dict[str, dict], metric: str = "perplexit
             value = "pending"
         elif record.get("status") != "ok":
             value = "failed"
+        elif fmt is not None:
+            value = fmt(record)
         else:
             value = f"{record[metric]:.2f}" if isinstance(record.get(metric), float) else _fmt(
                 record.get(metric, ""))
@@ -111,7 +139,17 @@ def study_tables(study: Study, results: dict[str, dict]) -> list[StudyTable]:
     fixed = {k: v for k, v in study.settings.items() if k not in study.swept}
     note = "Perplexity (lower is better). Fixed: " + ", ".join(
         f"{k}={_fmt(v)}" for k, v in sorted(fixed.items())) + "."
-    return [StudyTable("", note, header, body, header.index("strategy") + 1)]
+    cost_header, cost_body = study_table(study, results, fmt=cell_cost)
+    cost_note = ("What each cell cost: the bytes one site sent over the run (`up`; none for "
+                 "the dense model, centralized and local-only pruning), and the seconds of "
+                 "its compression on this machine: the whole run in one process for "
+                 "statistics mode, FedSpaLLM, centralized and local-only pruning (the sites "
+                 "one after another); for a vote, one site's mask pass (the mean over the "
+                 "sites; they run in parallel in a deployment) plus the server's count and "
+                 "selection. The evaluation is not included.")
+    return [StudyTable("", note, header, body, header.index("strategy") + 1),
+            StudyTable("Cost", cost_note, cost_header, cost_body,
+                       cost_header.index("strategy") + 1, best=None)]
 
 
 def study_markdown(study: Study, results: dict[str, dict]) -> str:
