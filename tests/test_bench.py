@@ -325,24 +325,25 @@ def test_strategy_labels_name_the_aggregation():
 
 
 def test_the_peers_config_plans_every_strategy():
-    """simulations/bench_peers.toml (issue 34) plans votes, the iterative vote, statistics
-    mode, RIA and FedSpaLLM at every sparsity and both budgets, without running anything."""
+    """simulations/bench_peers.toml (16 x 4) and bench_peers_64x1.toml (issue 34) plan votes,
+    the iterative vote, statistics mode, RIA and FedSpaLLM at every sparsity, each config at
+    its budget, without running anything."""
     import tomllib
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "simulations" / "bench_peers.toml"
-    studies = plan(tomllib.loads(path.read_text()))
-    cells = [c.settings() for s in studies for c in s.cells]
-    fed = [c for c in cells if c["kind"] == "fedprllm"]
-    for budget in ((64, 1), (16, 4)):
-        mine = [c for c in fed if (c["clients"], c["samples_per_client"]) == budget]
+    for name, budget in (("bench_peers.toml", (16, 4)), ("bench_peers_64x1.toml", (64, 1))):
+        studies = plan(tomllib.loads((path.parent / name).read_text()))
+        cells = [c.settings() for s in studies for c in s.cells]
+        mine = [c for c in cells if c["kind"] == "fedprllm"]
+        assert {(c["clients"], c["samples_per_client"]) for c in mine} == {budget}
         kinds = {(c["method"], c["aggregate"], c["mode"]) for c in mine}
         assert kinds == {("wanda", "votes", "oneshot"), ("wanda", "votes", "iterative"),
                          ("wanda", "stats", "oneshot"), ("ria", "stats", "oneshot"),
                          ("sparsegpt", "stats", "oneshot"), ("ria", "votes", "oneshot"),
                          ("sparsegpt", "fedspallm", "oneshot")}
         assert {c["sparsity"] for c in mine} == {0.5, 0.6, 0.7}
-    assert all(c["model"] == "qwen2.5-0.5b" for c in cells if "model" in c)
+        assert all(c["model"] == "qwen2.5-0.5b" for c in cells if "model" in c)
     big = plan(tomllib.loads((path.parent / "bench_peers_1p5b.toml").read_text()))
     fed = [c.settings() for s in big for c in s.cells if c.kind == "fedprllm"]
     assert all(c["onload"] and c["model"] == "qwen2.5-1.5b" for c in fed)
