@@ -12,7 +12,7 @@ from conftest import write_bench_config
 
 from fedcompress.bench import dp_study
 from fedcompress.bench.run import run_bench
-from fedcompress.bench.sweep import BenchConfigError, load_results, plan
+from fedcompress.bench.sweep import BenchConfigError, Cell, load_results, plan
 
 
 def _config(model: str, corpus: str, **study) -> dict:
@@ -167,6 +167,34 @@ def test_several_noise_draws_per_dp_cell(tiny_dir, corpus, tmp_path):
     partial = {k: v for k, v in results.items() if k != noisy[2].id}
     assert dp_study.study_tables(study, partial)[0].body[0][main.header.index("ε=4")] == (
         "pending (2 of 3)")
+
+
+def test_a_setting_added_later_leaves_the_noise_seeds_of_stored_results(tiny_dir, corpus):
+    """``dp_public_text`` at its default (the text every earlier run used) is left out of a
+    cell's noise seed; another text changes it. And every committed DP result's cells draw,
+    under today's code, the noise seeds their records say they drew."""
+    import tomllib
+    from pathlib import Path
+
+    (wiki,) = plan(_config(tiny_dir, corpus, epsilon=[8], baselines=[]))
+    (code,) = plan(_config(tiny_dir, corpus, epsilon=[8], baselines=[], dp_public_text="code"))
+    old = Cell(wiki.cells[0].kind, tuple((k, v) for k, v in wiki.cells[0].client
+                                         if k != "dp_public_text"))
+    assert dp_study.dp_seed(wiki.cells[0]) == dp_study.dp_seed(old)
+    assert dp_study.dp_seed(code.cells[0]) != dp_study.dp_seed(wiki.cells[0])
+    checked = 0
+    for folder in sorted((Path(__file__).resolve().parents[1] / "simulations" / "results")
+                         .glob("bench-dp-*")):
+        if not (folder / "config.toml").exists():
+            continue
+        cells = {c.id: c for s in plan(tomllib.loads((folder / "config.toml").read_text()))
+                 for c in s.cells}
+        for cell_id, record in load_results(folder / "results.jsonl").items():
+            if record.get("kind") == "dp-stats" and record.get("dp_epsilon"):
+                assert dp_study.dp_seed(cells[cell_id]) == record["noise_seed"], (folder.name,
+                                                                             cell_id)
+                checked += 1
+    assert checked >= 40
 
 
 @pytest.mark.parametrize("change,match", [

@@ -129,6 +129,10 @@ FED_SETTINGS = tuple(k for k in CLIENT_KEYS if k not in RESERVED)
 #: The budget's settings (``budgets`` sets them).
 BUDGET_KEYS = ("clients", "samples_per_client")
 _BUDGET = re.compile(r"\s*(\d+)\s*x\s*(\d+)\s*")
+#: Settings added after DP results were stored, with the value those results had: left out of
+#: a cell's noise seed at that value, so that a stored cell draws the noise it drew.
+SEED_ADDED_LATER = {"dp_public_text": "wiki"}
+_NOT_SET = object()
 #: What the record says of its noise.
 SEEDED_NOTE = ("seeded per cell for reproducible research: no privacy guarantee holds for a "
                "seeded draw")
@@ -344,7 +348,8 @@ def record_cell(record: Mapping[str, Any]) -> Cell:
 def dp_seed(cell: Cell) -> int:
     """The seed of a cell's noise: from its settings (its ``seed`` among them) and its draw,
     so that a rerun draws the same noise. Research only (module docstring)."""
-    client = {k: v for k, v in cell.client if k not in ATTACK_KEYS}
+    client = {k: v for k, v in cell.client if k not in ATTACK_KEYS
+              and SEED_ADDED_LATER.get(k, _NOT_SET) != v}
     draw = draw_of(cell)
     return int(np.random.SeedSequence([int(client.get("seed", 0)), int(_digest(client), 16),
                                        *([draw] if draw else [])]).generate_state(1)[0])
