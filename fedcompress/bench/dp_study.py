@@ -132,7 +132,6 @@ _BUDGET = re.compile(r"\s*(\d+)\s*x\s*(\d+)\s*")
 #: Settings added after DP results were stored, with the value those results had: left out of
 #: a cell's noise seed at that value, so that a stored cell draws the noise it drew.
 SEED_ADDED_LATER = {"dp_public_text": "wiki"}
-_NOT_SET = object()
 #: What the record says of its noise.
 SEEDED_NOTE = ("seeded per cell for reproducible research: no privacy guarantee holds for a "
                "seeded draw")
@@ -349,7 +348,7 @@ def dp_seed(cell: Cell) -> int:
     """The seed of a cell's noise: from its settings (its ``seed`` among them) and its draw,
     so that a rerun draws the same noise. Research only (module docstring)."""
     client = {k: v for k, v in cell.client if k not in ATTACK_KEYS
-              and SEED_ADDED_LATER.get(k, _NOT_SET) != v}
+              and (k, v) not in SEED_ADDED_LATER.items()}
     draw = draw_of(cell)
     return int(np.random.SeedSequence([int(client.get("seed", 0)), int(_digest(client), 16),
                                        *([draw] if draw else [])]).generate_state(1)[0])
@@ -518,23 +517,18 @@ def _value(record: Mapping[str, Any] | None) -> str:
 
 def row_values(study: Study, results: Mapping[str, dict], row: Mapping[str, Any]
                ) -> dict[str, Mapping[str, Any] | None]:
-    """The records of a row: ``eps:<value>`` per epsilon, and each baseline's (``None``:
-    pending; a key missing: not planned)."""
-    out: dict[str, Mapping[str, Any] | None] = {}
+    """The records of a row: ``eps:<value>`` per epsilon (its first draw), and each baseline's
+    (``None``: pending; a key missing: not planned)."""
+    out: dict[str, Mapping[str, Any] | None] = {
+        k: draws[0] for k, draws in row_draws(study, results, row).items()}
     for cell in study.cells:
         s = cell.settings()
         if cell.kind == "dense":
             out["dense"] = results.get(cell.id)
             continue
-        if not _matches(row, s, study.options["rows"]):
+        if cell.kind == DP_CELL or not _matches(row, s, study.options["rows"]):
             continue
-        if cell.kind == DP_CELL:
-            eps = float(s["dp_epsilon"])
-            if eps and s["dp_placement"] != row["placement"]:
-                continue
-            if not draw_of(cell):
-                out[f"eps:{eps:g}"] = results.get(cell.id)
-        elif cell.kind == PUBLIC_CELL:
+        if cell.kind == PUBLIC_CELL:
             out["public"] = results.get(cell.id)
         elif cell.kind in _REFERENCE:
             out[_REFERENCE[cell.kind]] = results.get(cell.id)
@@ -606,7 +600,7 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
     draws = int(options.get("draws", 1))
     for row in _rows(study):
         values = row_values(study, results, row)
-        drawn = row_draws(study, results, row) if draws > 1 else {}
+        drawn = row_draws(study, results, row)
         line = [*(_fmt(row[k]) for k in keys),
                 *(_draws_value(drawn[c]) if c in drawn else
                   _value(values.get(c)) if c in values else "-" for c in columns)]
@@ -685,15 +679,10 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
     draws = int(options.get("draws", 1))
     for row in _rows(study):
         values = row_values(study, results, row)
-        if draws > 1:  # the median of every finished draw set, its range as an error bar
-            summaries = {k: draw_summary(v) for k, v in row_draws(study, results, row).items()
-                         if float(k[4:]) > 0}
-            points = sorted((float(k[4:]), *v) for k, v in summaries.items() if v is not None)
-        else:
-            points = sorted((float(k[4:]), r["perplexity"], r["perplexity"], r["perplexity"])
-                            for k, r in values.items()
-                            if k.startswith("eps:") and float(k[4:]) > 0 and r
-                            and r.get("status") == "ok")
+        # the median of every finished set of draws, its range as an error bar
+        summaries = {k: draw_summary(v) for k, v in row_draws(study, results, row).items()
+                     if float(k[4:]) > 0}
+        points = sorted((float(k[4:]), *v) for k, v in summaries.items() if v is not None)
         refs = {k: r["perplexity"] for k, r in values.items()
                 if not k.startswith("eps:") and r and r.get("status") == "ok"}
         if "eps:0" in values and values["eps:0"] and values["eps:0"].get("status") == "ok":

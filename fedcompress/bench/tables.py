@@ -5,6 +5,7 @@ study of another kind has its own tables (:mod:`fedcompress.bench.studies`);
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,7 @@ def cell_cost(record: dict) -> str:
 
 
 def study_table(study: Study, results: dict[str, dict], metric: str = "perplexity",
-                fmt=None) -> tuple[list[str], list[list[str]]]:
+                fmt: Callable[[dict], str] | None = None) -> tuple[list[str], list[list[str]]]:
     """Columns and rows of one study's table (values: ``metric``, or ``fmt(record)``, or
     ``failed``/``pending``)."""
     col_key = study.columns

@@ -131,6 +131,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedcompress.data.corpora import BUNDLED_CORPORA
 from fedcompress.privacy.accounting import (
     RDP_ALPHAS,
     BudgetError,
@@ -207,7 +208,7 @@ PUBLIC_SPLIT = "validation"
 #: The public texts a run may name instead (``dp_public_text``: the bundled corpora, their
 #: :data:`PUBLIC_SPLIT` split). Nothing else: a file the server named could be a site's own
 #: data, and bounds or scales from it would make the mechanism depend on private text.
-PUBLIC_CORPORA = ("code", "shakespeare", "wiki")
+PUBLIC_CORPORA = BUNDLED_CORPORA
 #: Public windows the default bounds are measured on.
 PUBLIC_WINDOWS = 32
 #: Integer Renyi orders of the Skellam bound (it holds for integer alpha > 1): the integers of

@@ -185,10 +185,12 @@ def site_plan(policy: SitePolicy, request: DpRequest, n_layers: int,
         return None
     policy.check_delta(request.delta)
     policy.check_dp_placement(request.placement)
-    if request.public_text not in dps.PUBLIC_CORPORA:
-        raise PolicyError(f"dp_public_text={request.public_text!r}: this site takes its clip "
-                          f"bounds and scales from a bundled public corpus only "
-                          f"({dps.PUBLIC_CORPORA}); anything else could be private text")
+    try:
+        dps.check_public_text(request.public_text)
+    except ValueError as err:
+        raise PolicyError(f"dp_public_text: this site takes its clip bounds and scales from a "
+                          f"bundled public corpus only, anything else could be private text: "
+                          f"{err}") from err
     if request.unit != dps.UNIT:
         raise PolicyError(f"dp_unit={request.unit!r}: this site protects one calibration "
                           f"window ({dps.UNIT!r})")
