@@ -182,6 +182,11 @@ def test_a_setting_added_later_leaves_the_noise_seeds_of_stored_results(tiny_dir
                                          if k != "dp_public_text"))
     assert dp_study.dp_seed(wiki.cells[0]) == dp_study.dp_seed(old)
     assert dp_study.dp_seed(code.cells[0]) != dp_study.dp_seed(wiki.cells[0])
+    # where a machine keeps its copy of a pinned public file is not in the seed
+    moved = Cell(wiki.cells[0].kind, tuple((k, "/elsewhere/public.txt" if k == "dp_public_file"
+                                            else v) for k, v in wiki.cells[0].client))
+    assert moved.client != wiki.cells[0].client
+    assert dp_study.dp_seed(moved) == dp_study.dp_seed(wiki.cells[0])
     checked = 0
     for folder in sorted((Path(__file__).resolve().parents[1] / "simulations" / "results")
                          .glob("bench-dp-*")):

@@ -593,3 +593,29 @@ def test_the_floor_is_the_whole_noise_for_the_flat_prior_and_what_is_left_for_pu
     with pytest.raises(ValueError, match="prior_stats"):
         dpm.server_finish({"a": _stats_with(torch.eye(d, dtype=torch.float64), True)}, {},
                           plan, 0, True, 2, np.random.default_rng(1), prior="public")
+
+
+def test_a_pinned_public_text_is_found_by_its_digest_only(tmp_path):
+    """``dp_public_text = "sha256:..."``: the file among those given whose SHA-256 it is (a copy
+    anywhere, byte for byte), never a path by its name; a malformed digest or none matching is
+    an error naming what was found."""
+    import hashlib
+
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("one public text\n")
+    second.write_text("another public text\n")
+    digest = "sha256:" + hashlib.sha256(second.read_bytes()).hexdigest()
+    assert dps.file_digest(second) == digest and dps.is_digest(digest)
+    assert dps.public_text_source(digest, [str(first), "", str(second)]) == str(second)
+    assert dps.public_text_source("code", [str(first)]) == "code"
+    with pytest.raises(ValueError, match=f"{digest}: no file.*a.txt: sha256:"):
+        dps.public_text_source(digest, [str(first)])
+    with pytest.raises(ValueError, match="no public file given"):
+        dps.public_text_source(digest)
+    for bad in (str(second), "sha256:" + "A" * 64, "sha256:abc", "md5:" + "0" * 32):
+        assert not dps.is_digest(bad)
+        with pytest.raises(ValueError, match="expected a bundled corpus"):
+            dps.public_text_source(bad, [str(second)])
+    second.write_text("another public text, edited\n")  # a changed copy no longer matches
+    with pytest.raises(ValueError, match="no file here has that SHA-256"):
+        dps.public_text_source(digest, [str(second)])

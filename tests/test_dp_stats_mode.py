@@ -125,6 +125,62 @@ def test_site_step_records_before_it_releases_and_agrees_with_the_server(tiny, t
     assert other.read()["releases"] == []
 
 
+def _public_file(folder, name="glossary.txt"):
+    """A public text of the federation's domain, as a file one party keeps where it likes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("\n\n".join(f"Clause {i}: the lessee pays {i * 7} units of rent by day "
+                                f"{i % 28 + 1}, and the lessor repairs the roof."
+                                for i in range(80)))
+    return path
+
+
+def test_a_pinned_public_file_gives_the_site_and_the_server_one_calibration(tiny, tiny_dir,
+                                                                          tmp_path):
+    """``dp_public_text = "sha256:..."``: the site reads its own copy (its ``dp-public-files``),
+    the server its ``dp_public_file``; byte for byte the same text, so the same bounds, scales
+    and mechanism, which are not wiki's; a run of statistics mode completes with it."""
+    from fedcompress.methods.fedprllm import dp as dpm
+    from fedcompress.privacy.dp_stats import file_digest
+    from fedcompress.pruning.walker import capture_layer_inputs
+
+    site_copy = _public_file(tmp_path / "site")
+    server_copy = _public_file(tmp_path / "server", "copy.txt")
+    digest = file_digest(site_copy)
+    config = config_for(tiny_dir, dp_placement="central", dp_public_text=digest,
+                        dp_public_file=str(server_copy))
+    pol = SitePolicy(state_dir=str(tmp_path / "state"), dp_placements=("central",),
+                     dp_public_files=(str(site_copy),))
+    ledger = Ledger(tmp_path / "state", pol.lifetime_epsilon)
+    inputs = capture_layer_inputs(tiny, site_windows()[0], 2)
+    tok = build_tiny_tokenizer()
+    step = dpm.site_step(pol, ledger, 3, config, tiny, tok, inputs, 0)
+    server = dpm.server_plan(config, tiny, tok)
+    assert step.plan.ledger_mechanism() == server.ledger_mechanism()
+    assert step.plan.bounds == server.bounds and server.clip.startswith("public-sha256:")
+    request = dpm.DpRequest.from_config(config, len(ModelAdapter(tiny)), SITES)
+    wiki = dpm.public_calibration(tiny, tok, dpm.DpRequest(**{**request.__dict__,
+                                                              "public_text": "wiki"}), False, 2)
+    assert wiki.bounds != list(server.bounds)
+    # in simulation (the server runs the sites) a site may use the server's copy
+    simulated = SitePolicy(state_dir=str(tmp_path / "sim"), simulation=True)
+    assert str(server_copy) in dpm.public_files(simulated, request, config)
+    run = stats_prune(tiny, site_windows(), config, tokenizer=tok, dp_seed=1)
+    assert run.dp["clip"] == server.clip
+
+
+@pytest.mark.parametrize("settings,match", [
+    (dict(dp_public_text="sha256:" + "A" * 64), "64 lowercase hex digits"),
+    (dict(dp_public_text="/srv/public.txt"), "bundled corpus"),
+    (dict(dp_public_file="/srv/public.txt"), "unless dp_public_text is a file's digest"),
+])
+def test_public_text_settings_are_checked(tiny_dir, settings, match):
+    from fedcompress.config import SettingsError
+
+    with pytest.raises(SettingsError, match=match):
+        config_for(tiny_dir, **settings)
+
+
 # -- through the Flower strategy and ClientApp, in process (no Ray) --------------------------
 
 

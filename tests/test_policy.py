@@ -102,3 +102,20 @@ def test_simulation_is_the_sites_own(tmp_path):
 
 def test_reproducible_secrets_note():
     assert "does NOT hold" in SitePolicy(reproducible_secrets=True).guarantee_note
+
+
+def test_public_files_are_the_sites_own(tmp_path):
+    """``dp-public-files``: the files this site's operator holds as public, from its node
+    config; a digest none of them has is refused, naming each listed file's digest."""
+    import hashlib
+
+    public = tmp_path / "glossary.txt"
+    public.write_text("a public glossary of the domain\n")
+    policy = site_policy({"dp-public-files": f"{public}, {tmp_path / 'gone.txt'}",
+                          "state-dir": str(tmp_path)})
+    assert policy.dp_public_files == (str(public), str(tmp_path / "gone.txt"))
+    digest = "sha256:" + hashlib.sha256(public.read_bytes()).hexdigest()
+    assert policy.public_file(digest) == str(public)
+    with pytest.raises(PolicyError, match=f"dp-public-files.*{digest}.*gone.txt: unreadable"):
+        policy.public_file("sha256:" + "0" * 64)
+    assert site_policy({"state-dir": str(tmp_path)}).dp_public_files == ()

@@ -132,6 +132,9 @@ _BUDGET = re.compile(r"\s*(\d+)\s*x\s*(\d+)\s*")
 #: Settings added after DP results were stored, with the value those results had: left out of
 #: a cell's noise seed at that value, so that a stored cell draws the noise it drew.
 SEED_ADDED_LATER = {"dp_public_text": "wiki"}
+#: Settings never in a noise seed: a path (the digest in ``dp_public_text`` pins the file's
+#: text, wherever a machine keeps its copy).
+SEED_EXCLUDED = ("dp_public_file",)
 #: What the record says of its noise.
 SEEDED_NOTE = ("seeded per cell for reproducible research: no privacy guarantee holds for a "
                "seeded draw")
@@ -347,7 +350,7 @@ def record_cell(record: Mapping[str, Any]) -> Cell:
 def dp_seed(cell: Cell) -> int:
     """The seed of a cell's noise: from its settings (its ``seed`` among them) and its draw,
     so that a rerun draws the same noise. Research only (module docstring)."""
-    client = {k: v for k, v in cell.client if k not in ATTACK_KEYS
+    client = {k: v for k, v in cell.client if k not in ATTACK_KEYS and k not in SEED_EXCLUDED
               and (k, v) not in SEED_ADDED_LATER.items()}
     draw = draw_of(cell)
     return int(np.random.SeedSequence([int(client.get("seed", 0)), int(_digest(client), 16),
@@ -406,7 +409,12 @@ def compute_public(exp: Experiment, cell: Cell) -> dict:
     from."""
     from fedcompress.data.calibration import tokenize_corpus
     from fedcompress.data.corpora import load_corpus
-    from fedcompress.privacy.dp_stats import PUBLIC_SPLIT, public_windows
+    from fedcompress.privacy.dp_stats import (
+        PUBLIC_SPLIT,
+        is_digest,
+        public_text_source,
+        public_windows,
+    )
     from fedcompress.pruning.local import apply_masks, local_masks
 
     config = fed_config(cell)
@@ -415,14 +423,18 @@ def compute_public(exp: Experiment, cell: Cell) -> dict:
     n = config.clients * config.samples_per_client
     start = time.perf_counter()
     text = config.dp_public_text
-    windows = public_windows(exp.tokenizer, config.seqlen, n, seed=config.seed, corpus=text)
+    files = (config.dp_public_file,)
+    windows = public_windows(exp.tokenizer, config.seqlen, n, seed=config.seed, corpus=text,
+                             files=files)
     result = local_masks(exp.model, windows, config.prune, batch_size=config.batch_size)
     seconds = time.perf_counter() - start
     model = apply_masks(exp.fresh_copy(), result.masks, result.weights)
-    tokens = int(tokenize_corpus(exp.tokenizer, load_corpus(text, PUBLIC_SPLIT)).numel())
+    source = public_text_source(text, files)
+    tokens = int(tokenize_corpus(exp.tokenizer, load_corpus(source, PUBLIC_SPLIT)).numel())
     name = (f"public-calibration {config.method} {budget_label(config.to_dict())}")
     record = view.evaluate(name, model, prune_seconds=seconds, public_windows=n,
-                           public_text=f"{text} {PUBLIC_SPLIT}",
+                           public_text=(f"{text} (the whole file)" if is_digest(text)
+                                        else f"{text} {PUBLIC_SPLIT}"),
                            public_tokens=tokens)
     del model
     return record

@@ -64,9 +64,11 @@ entropy per draw). A seed is for tests and research only; the guarantee does not
 whoever knows it.
 
 **Defaults for the bounds** (:func:`public_calibration`): a high quantile (:data:`CLIP_QUANTILE`)
-of the per-window norms of PUBLIC text (the bundled ``wiki`` corpus) through the DENSE model, per
-layer and block, computed from public data only (no privacy cost; every site and the server
-compute the same values). A private window above its bound is scaled down (biased, not leaked).
+of the per-window norms of PUBLIC text (the bundled ``wiki`` corpus; another bundled corpus, or
+a file the federation publishes and pins by its SHA-256 digest, :func:`check_public_text`)
+through the DENSE model, per layer and block, computed from public data only (no privacy cost;
+every site and the server compute the same values). A private window above its bound is scaled
+down (biased, not leaked).
 
 **Normalization by public scales** (``normalize="public"``, the default; :func:`public_scales`).
 Before a window's statistics are computed, each input coordinate ``x_j`` is divided by
@@ -120,11 +122,15 @@ sum is unmasked with fewer than ``t`` honest sites' noise.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
+import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -145,6 +151,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CLIP_QUANTILE",
     "PLACEMENTS",
+    "DIGEST_PREFIX",
     "PUBLIC_CORPORA",
     "PUBLIC_CORPUS",
     "PUBLIC_SPLIT",
@@ -158,6 +165,9 @@ __all__ = [
     "block_noise_std",
     "check_public_text",
     "check_public_tokens",
+    "file_digest",
+    "is_digest",
+    "public_text_source",
     "clip_factors",
     "clipped_layer_stats",
     "denormalize",
@@ -206,9 +216,17 @@ CLIP_QUANTILE = 0.95
 PUBLIC_CORPUS = "wiki"
 PUBLIC_SPLIT = "validation"
 #: The public texts a run may name instead (``dp_public_text``: the bundled corpora, their
-#: :data:`PUBLIC_SPLIT` split). Nothing else: a file the server named could be a site's own
-#: data, and bounds or scales from it would make the mechanism depend on private text.
+#: :data:`PUBLIC_SPLIT` split), or a pinned file (:data:`DIGEST_PREFIX`). Never a path: a file
+#: the server named could be a site's own data, and bounds or scales from it would make the
+#: mechanism depend on private text.
 PUBLIC_CORPORA = BUNDLED_CORPORA
+#: A pinned public text: ``sha256:`` and the 64 hex digits of the SHA-256 of a file (``.txt`` or
+#: ``.jsonl``, read as :func:`~fedcompress.data.corpora.load_corpus` reads a local file, the
+#: whole file) that the federation publishes and every party holds a copy of: each site finds
+#: it among the files its own operator listed as public (node config ``dp-public-files``),
+#: the server at its ``dp_public_file``; the digest makes every party's copy the same text.
+DIGEST_PREFIX = "sha256:"
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 #: Public windows the default bounds are measured on.
 PUBLIC_WINDOWS = 32
 #: Integer Renyi orders of the Skellam bound (it holds for integer alpha > 1): the integers of
@@ -675,24 +693,83 @@ def clipped_layer_stats(layer: nn.Module, inputs: Any, hessian: bool,
     return ClippedStats({name: sums[owner] for name, owner in owners.items()}, owners, clipped)
 
 
-def check_public_text(corpus: str) -> str:
-    """``corpus`` if it is one of :data:`PUBLIC_CORPORA`, else a ValueError naming it."""
-    if corpus not in PUBLIC_CORPORA:
-        raise ValueError(f"public text {corpus!r}: expected a bundled corpus, one of "
+def is_digest(spec: str) -> bool:
+    """Whether ``spec`` names a pinned public file (``sha256:`` and 64 lowercase hex digits)."""
+    return bool(_DIGEST.fullmatch(str(spec)))
+
+
+def check_public_text(spec: str) -> str:
+    """``spec`` if it is one of :data:`PUBLIC_CORPORA` or a pinned file's digest
+    (:data:`DIGEST_PREFIX`), else a ValueError naming it."""
+    if spec not in PUBLIC_CORPORA and not is_digest(spec):
+        hint = (" (the digest is 64 lowercase hex digits: sha256sum FILE)"
+                if str(spec).startswith(DIGEST_PREFIX) else "")
+        raise ValueError(f"public text {spec!r}: expected a bundled corpus, one of "
                          f"{PUBLIC_CORPORA} (its {PUBLIC_SPLIT!r} split, shipped with the "
-                         "package: the same at every party, and no site's data)")
-    return corpus
+                         "package: the same at every party, and no site's data), or "
+                         f"'{DIGEST_PREFIX}<hex digest>' of a public file every party holds"
+                         f"{hint}")
+    return spec
+
+
+#: ``{(resolved path, size, mtime_ns): digest}`` of the files hashed in this process.
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """``sha256:<hex>`` of the file at ``path`` (cached per path, size and modification time);
+    an OSError names the path."""
+    resolved = Path(path).expanduser().resolve()
+    stat = resolved.stat()
+    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(resolved, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        _DIGESTS[key] = DIGEST_PREFIX + h.hexdigest()
+    return _DIGESTS[key]
+
+
+def public_text_source(spec: str, files: Sequence[str] = ()) -> str:
+    """What :func:`~fedcompress.data.corpora.load_corpus` loads for the public text ``spec``:
+    the bundled corpus itself, or, for a digest, the one of ``files`` whose SHA-256 it is.
+
+    Raises:
+        ValueError: ``spec`` is neither (:func:`check_public_text`); no file of ``files`` has
+            the digest (each file's digest, or why it cannot be read, is named).
+    """
+    check_public_text(spec)
+    if not is_digest(spec):
+        return spec
+    seen = []
+    for path in files:
+        if not path:
+            continue
+        try:
+            digest = file_digest(path)
+        except OSError as err:
+            seen.append(f"{path}: unreadable ({err.strerror or err})")
+            continue
+        if digest == spec:
+            return str(path)
+        seen.append(f"{path}: {digest}")
+    raise ValueError(f"public text {spec}: no file here has that SHA-256 digest "
+                     f"({'; '.join(seen) or 'no public file given'}): expected a copy of the "
+                     "published file, byte for byte")
 
 
 def public_windows(tokenizer: Any, seqlen: int, n: int = PUBLIC_WINDOWS, seed: int = 0,
-                   corpus: str = PUBLIC_CORPUS) -> torch.Tensor:
+                   corpus: str = PUBLIC_CORPUS, files: Sequence[str] = ()) -> torch.Tensor:
     """``n`` windows of ``seqlen`` tokens of PUBLIC text: the bundled ``corpus``'s
     :data:`PUBLIC_SPLIT` split (one of :data:`PUBLIC_CORPORA`, shipped with the package, the
-    same at every party; ``seed`` is public: nothing private depends on it)."""
+    same at every party), or the pinned file of ``files`` whose digest ``corpus`` is (the whole
+    file; :func:`public_text_source`); ``seed`` is public: nothing private depends on it."""
     from fedcompress.data.calibration import calibration_windows
     from fedcompress.data.corpora import load_corpus
 
-    return calibration_windows(tokenizer, load_corpus(check_public_text(corpus), PUBLIC_SPLIT),
+    return calibration_windows(tokenizer,
+                               load_corpus(public_text_source(corpus, files), PUBLIC_SPLIT),
                                n, seqlen, seed)
 
 

@@ -21,6 +21,12 @@ key                                 default   meaning
                                               statistics (``distributed``: by the sites under
                                               SecAgg+; ``central``: by the server, which is then
                                               trusted with the un-noised sum), comma-separated
+``dp-public-files``                 ""        files this site's operator holds as PUBLIC text
+                                              (comma-separated paths): a run may pin one by its
+                                              SHA-256
+                                              (``dp_public_text = "sha256:..."``) for its DP clip
+                                              bounds and scales; the site reads no other file for
+                                              them, whatever the server names
 ``secagg-min-fraction``             0.5       a SecAgg threshold must exceed this fraction of sites
 ``secagg-max-colluders``            0         sites that may collude with a malicious server: the
                                               threshold must exceed (sites + colluders) / 2, so
@@ -136,6 +142,7 @@ class SitePolicy:
     max_delta: float = 1e-5
     allow_no_dp: bool = False
     dp_placements: tuple[str, ...] = ("distributed",)
+    dp_public_files: tuple[str, ...] = ()
     secagg_min_fraction: float = 0.5
     secagg_max_colluders: int = 0
     secagg_key: str = ""
@@ -232,6 +239,17 @@ class SitePolicy:
                           "config dp-placements; 'central' trusts the server with the "
                           "un-noised sum)")
 
+    def public_file(self, digest: str) -> str:
+        """The file of this site's ``dp-public-files`` whose SHA-256 is ``digest`` (a run's
+        pinned public text); PolicyError naming each listed file's digest if none is."""
+        from fedcompress.privacy.dp_stats import public_text_source
+
+        try:
+            return public_text_source(digest, self.dp_public_files)
+        except ValueError as err:
+            raise PolicyError(f"dp_public_text {digest}: not a file this site holds as public "
+                              f"(node config dp-public-files): {err}") from err
+
     def check_model(self, spec: str) -> str:
         """``spec`` if this site accepts that model (node config ``models``): an embedded name
         or hub id listed as it is, a path whose resolved location is listed (in simulation:
@@ -316,6 +334,7 @@ def _listed(value: str, allowed: Iterable[str]) -> bool:
 POLICY_KEYS: dict[str, str] = {
     "max-epsilon": "max_epsilon", "lifetime-epsilon": "lifetime_epsilon",
     "max-delta": "max_delta", "allow-no-dp": "allow_no_dp", "dp-placements": "dp_placements",
+    "dp-public-files": "dp_public_files",
     "secagg-min-fraction": "secagg_min_fraction",
     "secagg-max-colluders": "secagg_max_colluders", "secagg-key": "secagg_key",
     "secagg-peers": "secagg_peers", "models": "models", "corpora": "corpora",

@@ -53,7 +53,8 @@ class StatsFedPrLLM(IterativeFedPrLLM):
 
             self.public_prior = PublicPrior(model, tokenizer, config.seqlen,
                                             config.dp_public_windows, config.batch_size,
-                                            config.dp_public_text)
+                                            config.dp_public_text,
+                                            (config.dp_public_file,))
         # Float sums depend on their order: a layer's statistics are summed in node order,
         # after the round (one round holds one decoder layer's statistics per site).
         self.streaming = False

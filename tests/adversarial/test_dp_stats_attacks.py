@@ -96,6 +96,94 @@ def test_a_private_file_as_public_text_is_refused_before_it_is_read(tiny_dir, tm
     assert not opened
 
 
+def _files(tmp_path):
+    public = tmp_path / "public" / "glossary.txt"
+    private = tmp_path / "private" / "calibration.jsonl"
+    for path, text in ((public, "a glossary the federation published\n"),
+                       (private, '{"text": "the site\'s own contracts"}\n')):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return public, private
+
+
+def _watch_reads(monkeypatch):
+    """Every path the site hashes or loads as text."""
+    from fedcompress.data import corpora
+    from fedcompress.privacy import dp_stats as dps
+
+    seen: list[str] = []
+    digest, load = dps.file_digest, corpora.load_corpus
+    monkeypatch.setattr(dps, "file_digest", lambda p: seen.append(str(p)) or digest(p))
+    monkeypatch.setattr(corpora, "load_corpus", lambda n, *a: seen.append(str(n)) or load(n, *a))
+    return seen
+
+
+def test_a_pinned_digest_of_a_file_the_site_does_not_hold_as_public_is_refused(model, tmp_path,
+                                                                             monkeypatch):
+    """The server pins the digest of the site's own calibration file (it knows or guesses its
+    content, and would learn through the bounds whether it is there): the site looks for the
+    digest among the files its operator listed as public only, and refuses; its private file is
+    never opened."""
+    from fedcompress.privacy.dp_stats import file_digest
+
+    public, private = _files(tmp_path)
+    digest = file_digest(private)
+    seen = _watch_reads(monkeypatch)
+    pol = policy(tmp_path, dp_public_files=(str(public),))
+    with pytest.raises(PolicyError, match="dp-public-files"):
+        plan_for(model, pol, request(public_text=digest))
+    assert str(private) not in seen and seen == [str(public)]
+    # the listed file itself is planned with
+    assert plan_for(model, pol, request(public_text=file_digest(public))) is not None
+
+
+def test_a_path_the_server_sends_is_never_read_by_a_deployed_site(tiny_dir, tmp_path,
+                                                                  monkeypatch):
+    """The server's message names the site's private file as its ``dp_public_file`` (and pins
+    its digest): a deployed site reads public text only from its own ``dp-public-files``, so it
+    refuses before any release, and neither hashes nor loads the file."""
+    from conftest import build_tiny_tokenizer
+
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+    from fedcompress.models import load_model
+    from fedcompress.privacy.dp_stats import file_digest
+    from fedcompress.pruning.walker import capture_layer_inputs
+
+    public, private = _files(tmp_path)
+    digest = file_digest(private)
+    tiny = load_model(tiny_dir, device="cpu").model
+    config = FedPrLLMConfig(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16,
+                            aggregate="stats", dp_epsilon=8.0, dp_placement="central",
+                            dp_public_windows=4, dp_public_text=digest,
+                            dp_public_file=str(private))
+    seen = _watch_reads(monkeypatch)
+    import torch
+
+    inputs = capture_layer_inputs(tiny, torch.randint(3, 120, (2, 16)), 2)
+    for listed in ((), (str(public),)):
+        pol = policy(tmp_path / f"site{len(listed)}", dp_placements=("central",),
+                     dp_public_files=listed)
+        ledger = Ledger(tmp_path / f"site{len(listed)}", pol.lifetime_epsilon)
+        with pytest.raises(PolicyError, match="dp-public-files"):
+            dpm.site_step(pol, ledger, 1, config, tiny, build_tiny_tokenizer(), inputs, 0)
+        assert ledger.read()["releases"] == []
+    assert str(private) not in seen
+
+
+def test_a_site_copy_that_differs_from_the_pinned_text_is_refused(model, tmp_path):
+    """The server pins one version of the public file, the site holds another (edited, or
+    swapped for the server's benefit): not the same text, so not the same mechanism; refused,
+    naming the digest of the site's copy."""
+    from fedcompress.privacy.dp_stats import file_digest
+
+    public, _ = _files(tmp_path)
+    pinned = file_digest(public)
+    public.write_text("a glossary the federation published, then edited at this site\n")
+    with pytest.raises(PolicyError, match=f"{pinned}.*glossary.txt: {file_digest(public)}"):
+        plan_for(model, policy(tmp_path, dp_public_files=(str(public),)),
+                 request(public_text=pinned))
+
+
 def test_no_dp_only_where_the_policy_allows_it(model, tmp_path):
     assert plan_for(model, policy(tmp_path, allow_no_dp=True), request(epsilon=0.0)) is None
     with pytest.raises(PolicyError, match="allow-no-dp"):

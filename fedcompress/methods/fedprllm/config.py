@@ -14,7 +14,7 @@ from fedcompress.config import ServerSettings, Settings, setting
 from fedcompress.masks.aggregate import TIE_BREAKS
 from fedcompress.masks.robust import DEFAULT_Z, DEFENCES, check_defence
 from fedcompress.methods.evaluation import TaskEvalSettings
-from fedcompress.privacy.dp_stats import PUBLIC_CORPORA
+from fedcompress.privacy.dp_stats import check_public_text, is_digest
 from fedcompress.pruning.allocation import PROFILES
 from fedcompress.pruning.local import METHODS, NO_PRUNING, STATS_METHODS
 from fedcompress.pruning.select import GROUPS, check_group
@@ -234,10 +234,17 @@ class FedPrLLMConfig(Settings):
                                      "bounds are measured on.", ge=1)
     dp_public_text: str = setting(
         "wiki", "DP statistics: the public text the default clip bounds, the scales and the "
-        "public prior come from: a corpus bundled with the package (its validation split, the "
-        "same at every party), best the one most like the sites' text (code for sites holding "
-        "source code). A site refuses anything else: a file the server named could be the "
-        "site's own data.", choices=PUBLIC_CORPORA)
+        "public prior come from: a corpus bundled with the package (wiki, shakespeare or code: "
+        "its validation split, the same at every party), best the one most like the sites' "
+        "text (code for sites holding source code); or 'sha256:<hex>', a file the federation "
+        "publishes for a domain no bundled corpus covers, pinned by its SHA-256 (sha256sum "
+        "FILE): each site reads it only from the files its node config dp-public-files lists "
+        "as public, the server from --dp-public-file. A site refuses anything else: a file the "
+        "server named could be the site's own data.")
+    dp_public_file: str = setting(
+        "", "DP statistics with --dp-public-text sha256:...: the server's copy of the pinned "
+        "public file (and the simulated sites'; a deployed site never reads a path the server "
+        "sends). Its SHA-256 must be the digest.")
     quant: str = setting(
         "none", "Statistics mode: quantize every linear layer of the decoder layers too, from "
         "the summed Hessians (GPTQ) or without data (rtn), layer by layer, the sites' next "
@@ -342,6 +349,14 @@ class FedPrLLMConfig(Settings):
         if self.dp_epsilon and self.dp_prior != "none" and self.dp_normalize != "public":
             raise self.invalid("dp_prior", "none with dp_normalize none (the prior is the "
                                "public scales' shape: raw statistics have none)")
+        try:
+            check_public_text(self.dp_public_text)
+        except ValueError as err:
+            raise self.invalid("dp_public_text", f"a valid public text ({err})") from None
+        if self.dp_public_file and not is_digest(self.dp_public_text):
+            raise self.invalid("dp_public_file", "'' unless dp_public_text is a file's digest "
+                               "('sha256:' and sha256sum FILE's 64 hex digits; a bundled "
+                               "corpus needs no file)")
         if self.dp_epsilon and self.dp_placement == "distributed" and not self.secagg:
             raise self.invalid("dp_placement", "central without secagg (distributed noise "
                                "protects a site only inside the SecAgg+ sum)")

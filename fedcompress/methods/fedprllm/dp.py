@@ -56,8 +56,10 @@ class DpRequest:
             ``none``.
         clip_quantile: Quantile of the public per-window norms (the default bounds).
         public_windows: Public windows the default bounds are measured on.
-        public_text: The bundled corpus the public windows come from (checked by each site:
-            one of :data:`~fedcompress.privacy.dp_stats.PUBLIC_CORPORA`).
+        public_text: The public text the public windows come from (checked by each site: one
+            of :data:`~fedcompress.privacy.dp_stats.PUBLIC_CORPORA`, or a pinned file's
+            digest, which a site reads only from the files its own policy lists:
+            :func:`public_files`).
         releases: Layer releases of the run (the model's decoder layers).
         sites: Sites of the federation.
         threshold: SecAgg+ threshold (distributed placement), else 0.
@@ -107,13 +109,29 @@ class DpRequest:
         return cls(**{k: kinds.get(k, int)(record[f"dp_{k}"]) for k in names})
 
 
+def public_files(policy: SitePolicy, request: DpRequest, config: FedPrLLMConfig
+                 ) -> tuple[str, ...]:
+    """The files a site may read ``request.public_text`` from: none for a bundled corpus; for a
+    pinned file's digest, the one of ITS node config ``dp-public-files`` with that SHA-256
+    (:class:`~fedcompress.privacy.policy.PolicyError` if it lists none: the site reads no
+    path the server names). In simulation (the server runs the sites) the server's own
+    ``dp_public_file`` too."""
+    if not dps.is_digest(request.public_text):
+        return ()
+    if policy.simulation:
+        return (*policy.dp_public_files, config.dp_public_file)
+    return (policy.public_file(request.public_text),)
+
+
 def public_calibration(model: nn.Module, tokenizer: Any, request: DpRequest, hessian: bool,
-                       batch_size: int = 8) -> dps.PublicCalibration:
+                       batch_size: int = 8, files: Sequence[str] = ()
+                       ) -> dps.PublicCalibration:
     """Each decoder layer's clip bound per block (``request.clip`` for every block when set)
     and, with ``request.normalize == "public"``, each block's public scales:
     :func:`~fedcompress.privacy.dp_stats.public_calibration` on
     :func:`~fedcompress.privacy.dp_stats.public_windows` (public text only: every party
-    computes the same values; ``request.public_text`` is checked to be a bundled corpus)."""
+    computes the same values; ``request.public_text`` is checked to be a bundled corpus, or a
+    digest one of ``files`` matches byte for byte)."""
     from fedcompress.methods.fedprllm.stats import layer_in_features, layer_sharing
     from fedcompress.models import ModelAdapter
 
@@ -127,7 +145,7 @@ def public_calibration(model: nn.Module, tokenizer: Any, request: DpRequest, hes
                              "the public windows): expected a tokenizer, or dp_clip > 0 with "
                              "dp_normalize 'none'")
         windows = dps.public_windows(tokenizer, request.seqlen, request.public_windows,
-                                     corpus=request.public_text)
+                                     corpus=request.public_text, files=files)
         calib = dps.public_calibration(model, windows, hessian, request.clip_quantile,
                                        batch_size, request.normalize)
     if request.clip <= 0:
@@ -158,7 +176,8 @@ def plan(request: DpRequest, calib: dps.PublicCalibration,
          dims: Sequence[Mapping[str, int]]) -> DpStatsPlan:
     """The run's mechanism for ``request`` (the server's and every site's own computation:
     deterministic, from public values)."""
-    text = "" if request.public_text == dps.PUBLIC_CORPUS else f"{request.public_text}-"
+    text = ("" if request.public_text == dps.PUBLIC_CORPUS
+            else f"{request.public_text[:len(dps.DIGEST_PREFIX) + 12]}-")
     clip = "fixed" if request.clip > 0 else f"public-{text}q{request.clip_quantile:g}"
     if calib.normalize != request.normalize:
         raise ValueError(f"public calibration normalized {calib.normalize!r}: the request "
@@ -189,8 +208,10 @@ def site_plan(policy: SitePolicy, request: DpRequest, n_layers: int,
         dps.check_public_text(request.public_text)
     except ValueError as err:
         raise PolicyError(f"dp_public_text: this site takes its clip bounds and scales from a "
-                          f"bundled public corpus only, anything else could be private text: "
-                          f"{err}") from err
+                          f"bundled public corpus or a public file it holds, anything else "
+                          f"could be private text: {err}") from err
+    if dps.is_digest(request.public_text) and not policy.simulation:
+        policy.public_file(request.public_text)  # a file its own operator listed as public
     if request.unit != dps.UNIT:
         raise PolicyError(f"dp_unit={request.unit!r}: this site protects one calibration "
                           f"window ({dps.UNIT!r})")
@@ -325,12 +346,13 @@ class PublicPrior:
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, seqlen: int, windows: int,
-                 batch_size: int = 8, corpus: str = dps.PUBLIC_CORPUS):
+                 batch_size: int = 8, corpus: str = dps.PUBLIC_CORPUS,
+                 files: Sequence[str] = ()):
         if tokenizer is None:
             raise ValueError("dp_prior 'public' needs the model's tokenizer (for the public "
                              "windows): expected a tokenizer")
         self.model = model
-        self.windows = dps.public_windows(tokenizer, seqlen, windows, corpus=corpus)
+        self.windows = dps.public_windows(tokenizer, seqlen, windows, corpus=corpus, files=files)
         self.batch_size = batch_size
         self._layer = -1
         self._hidden = None
@@ -393,12 +415,15 @@ _BOUNDS: dict[tuple, dps.PublicCalibration] = {}
 
 
 def cached_calibration(model: nn.Module, tokenizer: Any, request: DpRequest, hessian: bool,
-                       batch_size: int = 8) -> dps.PublicCalibration:
-    """:func:`public_calibration`, computed once per process for a model and request."""
+                       batch_size: int = 8, files: Sequence[str] = ()
+                       ) -> dps.PublicCalibration:
+    """:func:`public_calibration`, computed once per process for a model and request (a pinned
+    text's digest fixes its content, whichever of ``files`` holds it)."""
     key = (id(model), request.clip, request.normalize, request.clip_quantile,
            request.public_windows, request.public_text, request.seqlen, hessian)
     if key not in _BOUNDS:
-        _BOUNDS[key] = public_calibration(model, tokenizer, request, hessian, batch_size)
+        _BOUNDS[key] = public_calibration(model, tokenizer, request, hessian, batch_size,
+                                          files)
     return _BOUNDS[key]
 
 
@@ -427,7 +452,8 @@ def site_step(policy: SitePolicy, ledger: Any, run_id: int | str, config: FedPrL
     request = DpRequest.from_config(config, n_layers, config.clients)
     policy.check_epsilon(request.epsilon or None, "dp_epsilon")  # refuse before any work
     hessian = config.prune.needs_hessian
-    calib = cached_calibration(model, tokenizer, request, hessian, config.batch_size)
+    files = public_files(policy, request, config)  # refuses a digest it holds no file of
+    calib = cached_calibration(model, tokenizer, request, hessian, config.batch_size, files)
     the_plan = site_plan(policy, request, n_layers, calib,
                          block_dims(model, calib.bounds, hessian))
     if the_plan is None:
@@ -456,7 +482,8 @@ def server_plan(config: FedPrLLMConfig, model: nn.Module, tokenizer: Any
         return None
     request = DpRequest.from_config(config, len(ModelAdapter(model)), config.clients)
     hessian = config.prune.needs_hessian
-    calib = cached_calibration(model, tokenizer, request, hessian, config.batch_size)
+    calib = cached_calibration(model, tokenizer, request, hessian, config.batch_size,
+                               (config.dp_public_file,))
     return plan(request, calib, block_dims(model, calib.bounds, hessian))
 
 

@@ -617,7 +617,8 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
     if config.dp:
         request = dpm.DpRequest.from_config(config, n_layers, len(windows))
         calib = (dp_calibration if dp_calibration is not None
-                 else dpm.public_calibration(model, tokenizer, request, hessian, batch))
+                 else dpm.public_calibration(model, tokenizer, request, hessian, batch,
+                                             (config.dp_public_file,)))
         dims = dpm.block_dims(model, calib.bounds, hessian)
         plan = dpm.plan(request, calib, dims)
         sites = dp_sites or [DpSite(SitePolicy(simulation=True)) for _ in windows]
@@ -628,7 +629,7 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
         if plan.placement == "distributed":
             frac_bits = plan.frac_bits
     public_prior = (dpm.PublicPrior(model, tokenizer, config.seqlen, config.dp_public_windows,
-                                    batch, config.dp_public_text)
+                                    batch, config.dp_public_text, (config.dp_public_file,))
                     if config.dp and config.dp_prior == "public" else None)
 
     def rng(*salt: int):  # a fresh generator per release, seeded from the OS (or dp_seed)
