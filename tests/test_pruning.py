@@ -224,6 +224,36 @@ def test_sparsegpt_reduces_reconstruction_error_vs_plain_masking():
     assert err_obs < 0.75 * err_plain  # measured: 0.53
 
 
+@pytest.mark.parametrize("sparsity", [0.5, 0.6, 0.7, 0.33])
+@pytest.mark.parametrize("group", ["row", "layer", "column"])
+def test_sparsegpt_prunes_exactly_the_target_though_it_chooses_block_by_block(sparsity, group):
+    """SparseGPT chooses its mask per block of columns; the blocks of a row (of the matrix,
+    for ``layer``) together prune exactly ``floor(sparsity * group size)``, what Wanda's
+    choice over the whole group prunes (flooring each block alone gave 76 of 128 at 60%:
+    59.4%). At 50% with blocks of even width each block's count is its own floor, as before."""
+    from fedcompress.pruning.select import block_prune_count
+
+    gen = torch.Generator().manual_seed(1)
+    rows, cols, block = 6, 200, 16  # 12 full blocks and one of 8 columns
+    w = torch.randn(rows, cols, generator=gen)
+    x = torch.randn(256, cols, generator=gen)
+    mask, new_w = sparsegpt_prune(w, 2 * x.T @ x / 256, sparsity, group, blocksize=block)
+    assert (new_w[mask] == 0).all()
+    if group == "row":
+        assert (mask.sum(1) == int(sparsity * cols)).all()
+    elif group == "column":
+        assert (mask.sum(0) == int(sparsity * rows)).all()
+    else:
+        assert int(mask.sum()) == int(sparsity * (rows * cols))
+    counts = [block_prune_count(sparsity, group, rows, i, min(i + block, cols))
+              for i in range(0, cols, block)]
+    if group == "column":
+        assert counts == [None] * len(counts)
+    elif sparsity == 0.5:
+        per = rows if group == "layer" else 1
+        assert counts == [int(0.5 * per * min(block, cols - i)) for i in range(0, cols, block)]
+
+
 def test_sparsegpt_raises_dampening_then_fails_clearly(caplog):
     w = torch.randn(4, 4)
     bad = -torch.eye(4)  # negative definite: no dampening of 1%..1e4% fixes it

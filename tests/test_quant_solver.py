@@ -250,8 +250,12 @@ def test_gptq_with_a_fixed_mask_keeps_it():
 @torch.no_grad()
 def _sparsegpt_reference(weight, hessian, sparsity, group="layer", nm=None, blocksize=128,
                          percdamp=0.01):
-    """sparsegpt_prune as it was before the sweep was shared (commit b2d901c), verbatim."""
+    """sparsegpt_prune as it was before the sweep was shared (commit b2d901c), verbatim but
+    for each block's prune count, which is now the running total's share of the group
+    (:func:`~fedcompress.pruning.select.block_prune_count`: exactly the target over the
+    blocks, where each block's own floor fell short)."""
     from fedcompress.pruning.scores import _inverse_hessian_cholesky
+    from fedcompress.pruning.select import block_prune_count
 
     W = weight.detach().float().clone()
     H = hessian.double().clone()
@@ -270,7 +274,8 @@ def _sparsegpt_reference(weight, hessian, sparsity, group="layer", nm=None, bloc
         Hinv1 = hinv[i1:i2, i1:i2]
         diag = torch.diag(Hinv1).unsqueeze(0)
         if nm is None:
-            mask1 = select_prune_mask(W1.pow(2) / diag.pow(2), sparsity, group)
+            mask1 = select_prune_mask(W1.pow(2) / diag.pow(2), sparsity, group,
+                                      count=block_prune_count(sparsity, group, rows, i1, i2))
         else:
             mask1 = torch.zeros_like(W1, dtype=torch.bool)
         for i in range(count):

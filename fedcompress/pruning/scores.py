@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from fedcompress.models import CALC_DTYPE, HESSIAN_DTYPE
-from fedcompress.pruning.select import select_prune_mask
+from fedcompress.pruning.select import block_prune_count, select_prune_mask
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,9 @@ def obs_sweep(W: torch.Tensor, hinv: torch.Tensor, blocksize: int, *,
 
     Pruning (at most one rule): ``sparsity`` selects the mask of each block from the OBS
     saliency ``w^2 / [H^-1]_jj^2`` *within the block* (``group``: ``layer`` the whole block,
-    SparseGPT's adaptive mask selection; ``row`` each row; ``column`` each column); ``nm`` the N
+    SparseGPT's adaptive mask selection; ``row`` each row; ``column`` each column; each block
+    prunes its share of the running total, :func:`~fedcompress.pruning.select.block_prune_count`,
+    so that a row or the matrix ends at exactly ``floor(sparsity * size)``); ``nm`` the N
     lowest of every M consecutive columns when the sweep reaches them; ``mask`` a fixed prune
     mask (True = pruned). ``quantize``: the quantizer of the kept weights (the SparseGPT paper's
     joint pruning and quantization: a pruned weight is set to 0 and stays 0, a kept one is
@@ -155,7 +157,8 @@ def obs_sweep(W: torch.Tensor, hinv: torch.Tensor, blocksize: int, *,
         Hinv1 = hinv[i1:i2, i1:i2]
         diag = torch.diag(Hinv1).unsqueeze(0)
         if sparsity is not None:
-            mask1 = select_prune_mask(W1.pow(2) / diag.pow(2), sparsity, group)
+            mask1 = select_prune_mask(W1.pow(2) / diag.pow(2), sparsity, group,
+                                      count=block_prune_count(sparsity, group, rows, i1, i2))
         elif mask is not None:
             mask1 = out_mask[:, i1:i2]
         else:

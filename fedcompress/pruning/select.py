@@ -97,8 +97,11 @@ def _lowest_k_numpy(scores: np.ndarray, k: int, dim: int) -> np.ndarray:
 
 
 def select_prune_mask(scores: torch.Tensor, sparsity: float, group: str = "row",
-                      nm: tuple[int, int] | None = None) -> torch.Tensor:
-    """Prune mask of the lowest ``scores`` within each comparison group (or N:M runs)."""
+                      nm: tuple[int, int] | None = None, count: int | None = None
+                      ) -> torch.Tensor:
+    """Prune mask of the lowest ``scores`` within each comparison group (or N:M runs):
+    ``floor(sparsity * group size)`` of each group, or ``count`` of each when given (a part of
+    a larger group, :func:`block_prune_count`)."""
     if scores.dim() != 2:
         raise ValueError(f"scores must be a matrix [out, in], got shape {tuple(scores.shape)}")
     scores = scores.to(CALC_DTYPE)
@@ -111,9 +114,30 @@ def select_prune_mask(scores: torch.Tensor, sparsity: float, group: str = "row",
         return _lowest_k_along(runs, n, dim=2).reshape(rows, cols)
     check_sparsity(sparsity)
     check_group(group)
+    size = {"layer": rows * cols, "row": cols, "column": rows}[group]
+    k = int(sparsity * size) if count is None else count
+    if not 0 <= k <= size:
+        raise ValueError(f"count={count}: expected 0..{size} weights of a {group} group of "
+                         f"{size}")
     if group == "layer":
-        flat = scores.reshape(1, -1)
-        return _lowest_k_along(flat, int(sparsity * flat.shape[1]), dim=1).reshape(rows, cols)
+        return _lowest_k_along(scores.reshape(1, -1), k, dim=1).reshape(rows, cols)
     if group == "row":
-        return _lowest_k_along(scores, int(sparsity * cols), dim=1)
-    return _lowest_k_along(scores, int(sparsity * rows), dim=0)
+        return _lowest_k_along(scores, k, dim=1)
+    return _lowest_k_along(scores, k, dim=0)
+
+
+def block_prune_count(sparsity: float, group: str, rows: int, start: int, stop: int
+                      ) -> int | None:
+    """Weights to prune per comparison group in columns ``[start, stop)`` of a matrix whose
+    mask is chosen block by block (SparseGPT's sweep): the running total ``floor(sparsity *
+    size so far)`` minus the blocks' before, so that the blocks of a row (``row``) or of the
+    matrix (``layer``) together prune exactly what one choice over the whole group would,
+    ``floor(sparsity * group size)``, where flooring each block alone would fall short (at
+    60% and 128 columns a block, 76 of 128 each: 59.4%). ``column``: None (a column lies in
+    one block, :func:`select_prune_mask`'s own count is exact)."""
+    check_sparsity(sparsity)
+    check_group(group)
+    if group == "column":
+        return None
+    per = rows if group == "layer" else 1
+    return int(sparsity * (per * stop)) - int(sparsity * (per * start))
