@@ -325,15 +325,22 @@ def test_strategy_labels_name_the_aggregation():
 
 
 def test_the_peers_config_plans_every_strategy():
-    """simulations/bench_peers.toml (16 x 4) and bench_peers_64x1.toml (issue 34) plan votes,
-    the iterative vote, statistics mode, RIA and FedSpaLLM at every sparsity, each config at
-    its budget, without running anything."""
+    """simulations/bench_peers.toml (16 x 4) and bench_peers_64x1.toml (issue 34), with their
+    SparseGPT halves (split so that each run fits a session), plan votes, the iterative vote,
+    statistics mode, RIA and FedSpaLLM at every sparsity, each pair at its budget, without
+    running anything; a pair has no study name twice (their reports are read side by side)."""
     import tomllib
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "simulations" / "bench_peers.toml"
-    for name, budget in (("bench_peers.toml", (16, 4)), ("bench_peers_64x1.toml", (64, 1))):
-        studies = plan(tomllib.loads((path.parent / name).read_text()))
+    for names, budget in ((("bench_peers.toml", "bench_peers_sparsegpt.toml"), (16, 4)),
+                          (("bench_peers_64x1.toml", "bench_peers_64x1_sparsegpt.toml"),
+                           (64, 1))):
+        halves = [plan(tomllib.loads((path.parent / name).read_text())) for name in names]
+        assert not {s.name for s in halves[0]} & {s.name for s in halves[1]}
+        assert {c.settings()["method"] for s in halves[0] for c in s.cells
+                if c.kind == "fedprllm"} == {"wanda", "ria"}
+        studies = [s for half in halves for s in half]
         cells = [c.settings() for s in studies for c in s.cells]
         mine = [c for c in cells if c["kind"] == "fedprllm"]
         assert {(c["clients"], c["samples_per_client"]) for c in mine} == {budget}
