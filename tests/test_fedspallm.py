@@ -9,10 +9,14 @@ import torch
 
 from fedcompress.methods.fedspallm import (
     VALUE_BYTES,
+    L0Sum,
+    SiteRelease,
     aggregate_layer,
+    aggregate_releases,
     assign_layers,
     fedspallm_prune,
     l0_average,
+    run_sites,
     site_release,
 )
 from fedcompress.models import ModelAdapter, weight_matrix
@@ -62,6 +66,62 @@ def test_l0_average_refuses_what_does_not_fit():
     full = torch.ones(2, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="no site kept"):
         aggregate_layer([full], [torch.ones(0)], 0.5)
+
+
+def test_the_running_sum_is_the_lists_aggregation_bit_for_bit(tiny_model):
+    """L0Sum (one release in memory at a time: what the bench and fedspallm_prune use) gives
+    aggregate_layer's masks and weights exactly, for both comparison groups from one sum, with
+    layer sampling (layers held by different numbers of sites)."""
+    model = tiny_model("llama", n_layers=3)
+    gen = torch.Generator().manual_seed(4)
+    windows = [torch.randint(5, 100, (2, 16), generator=gen) for _ in range(3)]
+    assignment = assign_layers(3, [2, 2, 1], seed=2)
+    releases = [site_release(model, w, layers, 0.5) for w, layers in zip(windows, assignment)]
+    runs = run_sites(model, windows, 0.5, budgets=[2, 2, 1], seed=2)
+    assert runs.assignment == assignment
+    assert runs.bytes_up == [r.nbytes() for r in releases]
+    assert runs.total.releases == 3
+    for group in ("layer", "row"):
+        masks, weights = runs.total.aggregate(0.5, group)
+        listed = aggregate_releases(model, releases, 0.5, group)
+        assert all(torch.equal(listed[1][i][n], w) for i in range(3)
+                   for n, w in weights[i].items())
+        for i, layer in enumerate(ModelAdapter(model).layers):
+            held = [r for r in releases if i in r.masks]
+            assert runs.total.holders[i] == len(held)
+            for name in ModelAdapter.linear_layers(layer):
+                mask, weight = aggregate_layer([r.masks[i][name] for r in held],
+                                               [r.values[i][name] for r in held], 0.5, group)
+                assert torch.equal(masks[i][name], mask), (group, i, name)
+                assert torch.equal(weights[i][name], weight), (group, i, name)
+
+
+def test_the_running_sum_refuses_a_bad_release_whole(tiny_model):
+    model = tiny_model("llama", n_layers=2)
+    windows = torch.randint(5, 100, (2, 16), generator=torch.Generator().manual_seed(5))
+    good = site_release(model, windows, [0, 1], 0.5)
+    total = L0Sum(model)
+    total.add(good)
+    before = {n: t.clone() for n, t in total.totals[1].items()}
+    name = sorted(good.masks[1])[-1]
+    short = SiteRelease([0, 1], {i: dict(m) for i, m in good.masks.items()},
+                        {i: dict(v) for i, v in good.values.items()})
+    short.values[1][name] = short.values[1][name][:-1]
+    with pytest.raises(ValueError, match=f"release 1, layer 1 {name}: .* values for"):
+        total.add(short)
+    missing = SiteRelease([0], {0: dict(list(good.masks[0].items())[:1])},
+                          {0: dict(list(good.values[0].items())[:1])})
+    with pytest.raises(ValueError, match="expected the linear layers"):
+        total.add(missing)
+    with pytest.raises(ValueError, match=r"layers \[7\]"):
+        total.add(SiteRelease([7], {7: {}}, {7: {}}))
+    # nothing of the refused releases was added
+    assert total.releases == 1 and total.holders == [1, 1]
+    assert all(torch.equal(before[n], t) for n, t in total.totals[1].items())
+    with pytest.raises(ValueError, match=r"decoder layers \[1\] are in no valid"):
+        one = L0Sum(model)
+        one.add(SiteRelease([0], {0: good.masks[0]}, {0: good.values[0]}))
+        one.aggregate(0.5)
 
 
 def test_assign_layers_covers_every_layer_within_each_budget():

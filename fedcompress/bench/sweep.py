@@ -704,43 +704,42 @@ class BenchRunner:
 
     def _run_fedspallm(self, exp: Experiment, variants: list[Cell]) -> None:
         """FedSpaLLM cells sharing their sites' releases (the same client settings: only the
-        server's comparison ``group`` differs): the releases once, then each cell's l0 average
-        and mask expansion (:mod:`fedcompress.methods.fedspallm`)."""
-        from fedcompress.methods.fedspallm import site_releases
+        server's comparison ``group`` differs): the releases once, summed as they come (one in
+        memory at a time), then each cell's l0 average and mask expansion
+        (:mod:`fedcompress.methods.fedspallm`)."""
+        from fedcompress.methods.fedspallm import run_sites
 
         config = variants[0].config()
         budgets = ([config.fedspallm_layers] * config.clients if config.fedspallm_layers
                    else None)
         try:
-            _, releases, seconds = site_releases(
-                exp.model, exp.windows, config.sparsity, budgets, config.local_group,
-                config.seed, config.batch_size, config.onload,
-                wrap=lambda w: _progress(w, self.progress,
-                                         f"FedSpaLLM releases ({config.clients} sites)"))
+            runs = run_sites(exp.model, exp.windows, config.sparsity, budgets,
+                             config.local_group, config.seed, config.batch_size, config.onload,
+                             wrap=lambda w: _progress(w, self.progress,
+                                                      f"FedSpaLLM releases ({config.clients} "
+                                                      "sites)"))
         except Exception as err:
             for cell in variants:
                 self.run_cell(cell, lambda err=err: _raise(err))
             return
         for cell in variants:
-            self.run_cell(cell, lambda cell=cell: self._fedspallm(exp, cell, releases,
-                                                                  seconds))
+            self.run_cell(cell, lambda cell=cell: self._fedspallm(exp, cell, runs))
 
-    def _fedspallm(self, exp: Experiment, cell: Cell, releases: list, seconds: list[float]
-                   ) -> dict:
-        from fedcompress.methods.fedspallm import aggregate_releases
+    def _fedspallm(self, exp: Experiment, cell: Cell, runs: Any) -> dict:
         from fedcompress.pruning.local import apply_masks
 
         config = cell.config()
         start = time.perf_counter()
-        masks, weights = aggregate_releases(exp.model, releases, config.sparsity, config.group)
+        masks, weights = runs.total.aggregate(config.sparsity, config.group)
         aggregate = time.perf_counter() - start
         model = apply_masks(exp.fresh_copy(), masks, weights)
-        up = [r.nbytes() for r in releases]
+        del masks, weights
         return exp.evaluate(f"fedspallm-{config.group}", model, rounds=1,
                             aggregate_seconds=aggregate,
-                            client_seconds_mean=float(np.mean(seconds)),
-                            bytes_up_per_client=int(np.mean(up)), bytes_up_total=int(sum(up)),
-                            layers_per_site=[len(r.layers) for r in releases])
+                            client_seconds_mean=float(np.mean(runs.seconds)),
+                            bytes_up_per_client=int(np.mean(runs.bytes_up)),
+                            bytes_up_total=int(sum(runs.bytes_up)),
+                            layers_per_site=[len(layers) for layers in runs.assignment])
 
     def _iterative(self, exp: Experiment, cell: Cell) -> dict:
         config = cell.config()

@@ -181,30 +181,51 @@ def decode_release(payload: dict[str, np.ndarray], layers: Sequence[int],
     return release
 
 
-def aggregate_releases(model: nn.Module, releases: Sequence[SiteRelease], sparsity: float,
+def aggregate_releases(model: nn.Module, releases: Iterable[SiteRelease], sparsity: float,
                        group: str = "layer"
                        ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
-    """The server's step over the sites' releases: per decoder layer and linear layer, the l0
-    average and mask expansion of the sites that hold it (:func:`aggregate_layer`); ValueError
-    naming the layers no release holds (they would stay dense)."""
-    adapter = ModelAdapter(model)
-    unheld = [i for i in range(len(adapter)) if not any(i in r.masks for r in releases)]
-    if unheld:
-        raise ValueError(f"decoder layers {unheld} are in no valid site's release: expected "
-                         "every layer pruned by at least one site")
-    masks: list[dict[str, torch.Tensor]] = []
-    weights: list[dict[str, torch.Tensor]] = []
-    for i, layer in enumerate(adapter.layers):
-        held = [r for r in releases if i in r.masks]
-        layer_masks, layer_weights = {}, {}
-        for name, module in ModelAdapter.linear_layers(layer).items():
-            mask, weight = aggregate_layer([r.masks[i][name] for r in held],
-                                           [r.values[i][name] for r in held], sparsity, group)
-            layer_masks[name] = mask
-            layer_weights[name] = weight.to(weight_matrix(module).dtype)
-        masks.append(layer_masks)
-        weights.append(layer_weights)
-    return masks, weights
+    """The server's step over the sites' releases, in their order: their :class:`L0Sum`, then
+    per decoder layer and linear layer the mask expansion (:meth:`L0Sum.aggregate`)."""
+    total = L0Sum(model)
+    for release in releases:
+        total.add(release)
+    return total.aggregate(sparsity, group)
+
+
+def _check_site(mask: torch.Tensor, values: torch.Tensor, shape: tuple[int, ...],
+                site: object) -> None:
+    if tuple(mask.shape) != tuple(shape) or mask.dtype != torch.bool:
+        raise ValueError(f"site {site}: mask {tuple(mask.shape)} {mask.dtype}, expected bool "
+                         f"{tuple(shape)}")
+    kept = int((~mask).sum())
+    if values.dim() != 1 or values.numel() != kept:
+        raise ValueError(f"site {site}: {values.numel()} values for {kept} kept weights")
+    if not torch.isfinite(values).all():
+        raise ValueError(f"site {site}: values that are not finite")
+
+
+def _add_site(total: torch.Tensor, keepers: torch.Tensor, mask: torch.Tensor,
+              values: torch.Tensor) -> None:
+    """One site's kept values into a matrix's float64 ``total`` and its ``keepers`` count."""
+    kept = ~mask
+    total[kept] += values.to(torch.float64)
+    keepers += kept
+
+
+def _average(total: torch.Tensor, keepers: torch.Tensor) -> torch.Tensor:
+    return torch.where(keepers > 0, total / keepers.clamp(min=1), 0.0).to(torch.float32)
+
+
+def _expand(average: torch.Tensor, keepers: torch.Tensor, sites: int, sparsity: float,
+            group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mask expansion of one matrix held by ``sites`` sites (see :func:`aggregate_layer`)."""
+    pruners = (sites - keepers.to(torch.int64)).to(count_dtype(sites))
+    mask = global_mask(pruners, sparsity, group, "magnitude", average)
+    kept_unheld = int(((keepers == 0) & ~mask).sum())
+    if kept_unheld:
+        raise ValueError(f"{kept_unheld} weights kept that no site kept: the sites pruned more "
+                         f"than the target {sparsity} in a {group} group")
+    return mask, average.masked_fill(mask, 0.0)
 
 
 def l0_average(masks: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
@@ -216,23 +237,13 @@ def l0_average(masks: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
     if not masks or len(masks) != len(values):
         raise ValueError(f"{len(masks)} masks and {len(values)} value vectors: expected one of "
                          "each per site, at least one site")
-    shape = masks[0].shape
+    shape = tuple(masks[0].shape)
     total = torch.zeros(shape, dtype=torch.float64)
     keepers = torch.zeros(shape, dtype=torch.int64)
     for i, (mask, vals) in enumerate(zip(masks, values)):
-        if mask.shape != shape or mask.dtype != torch.bool:
-            raise ValueError(f"site {i}: mask {tuple(mask.shape)} {mask.dtype}, expected bool "
-                             f"{tuple(shape)}")
-        kept = ~mask
-        if vals.dim() != 1 or vals.numel() != int(kept.sum()):
-            raise ValueError(f"site {i}: {vals.numel()} values for {int(kept.sum())} kept "
-                             "weights")
-        if not torch.isfinite(vals).all():
-            raise ValueError(f"site {i}: values that are not finite")
-        total[kept] += vals.to(torch.float64)
-        keepers += kept
-    average = torch.where(keepers > 0, total / keepers.clamp(min=1), 0.0)
-    return average.to(torch.float32), keepers
+        _check_site(mask, vals, shape, i)
+        _add_site(total, keepers, mask, vals)
+    return _average(total, keepers), keepers
 
 
 def aggregate_layer(masks: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
@@ -242,13 +253,92 @@ def aggregate_layer(masks: Sequence[torch.Tensor], values: Sequence[torch.Tensor
     the most sites that pruned them (ties: the smallest averaged ``|W|``, then the index), the
     kept ones at their average."""
     average, keepers = l0_average(masks, values)
-    pruners = (len(masks) - keepers).to(count_dtype(len(masks)))
-    mask = global_mask(pruners, sparsity, group, "magnitude", average)
-    kept_unheld = int(((keepers == 0) & ~mask).sum())
-    if kept_unheld:
-        raise ValueError(f"{kept_unheld} weights kept that no site kept: the sites pruned more "
-                         f"than the target {sparsity} in a {group} group")
-    return mask, average.masked_fill(mask, 0.0)
+    return _expand(average, keepers, len(masks), sparsity, group)
+
+
+#: The count dtype of :class:`L0Sum` (sites that kept a weight): at most this many releases.
+KEEPER_DTYPE = torch.int16
+
+
+class L0Sum:
+    """The server's l0-norm aggregation, one release at a time: per decoder layer and linear
+    layer, the float64 sum of the values the sites kept and how many kept each weight
+    (:data:`KEEPER_DTYPE`), and how many releases hold the layer. A release need not stay in
+    memory once added: for Qwen2.5-0.5B one is about 1.1 GB (a byte per mask entry, float32
+    kept values) and the sum about 3.6 GB, whatever the number of sites. Adding the releases
+    in one order gives :func:`l0_average`'s sums bit for bit; :meth:`aggregate` can be called
+    for several comparison groups."""
+
+    def __init__(self, model: nn.Module) -> None:
+        adapter = ModelAdapter(model)
+        self.shapes = [{name: tuple(weight_matrix(m).shape)
+                        for name, m in ModelAdapter.linear_layers(layer).items()}
+                       for layer in adapter.layers]
+        self.dtypes = [{name: weight_matrix(m).dtype
+                        for name, m in ModelAdapter.linear_layers(layer).items()}
+                       for layer in adapter.layers]
+        self.holders = [0] * len(self.shapes)
+        self.releases = 0  # added so far
+        self.totals: dict[int, dict[str, torch.Tensor]] = {}
+        self.keepers: dict[int, dict[str, torch.Tensor]] = {}
+
+    def add(self, release: SiteRelease) -> None:
+        """Add one site's release, checked whole first (its layers and linear layers exactly
+        the model's, each mask bool of the matrix's shape, one finite value per kept weight):
+        a ValueError naming the problem leaves the sum unchanged."""
+        site = f"release {self.releases}"
+        bad = [i for i in release.masks if not 0 <= i < len(self.shapes)]
+        if bad or set(release.masks) != set(release.values):
+            raise ValueError(f"{site}: layers {sorted(release.masks)} (values for "
+                             f"{sorted(release.values)}): expected the same layers, each in "
+                             f"0..{len(self.shapes) - 1}")
+        for i in release.masks:
+            if set(release.masks[i]) != set(self.shapes[i]) \
+                    or set(release.values[i]) != set(self.shapes[i]):
+                raise ValueError(f"{site}: layer {i} holds {sorted(release.masks[i])}: "
+                                 f"expected the linear layers {sorted(self.shapes[i])}")
+            for name, shape in self.shapes[i].items():
+                _check_site(release.masks[i][name], release.values[i][name], shape,
+                            f"{site}, layer {i} {name}")
+        full = [i for i in release.masks if self.holders[i] == torch.iinfo(KEEPER_DTYPE).max]
+        if full:
+            raise ValueError(f"layers {full} already hold {torch.iinfo(KEEPER_DTYPE).max} "
+                             "releases: the most an L0Sum counts")
+        for i in sorted(release.masks):
+            if i not in self.totals:
+                self.totals[i] = {n: torch.zeros(s, dtype=torch.float64)
+                                  for n, s in self.shapes[i].items()}
+                self.keepers[i] = {n: torch.zeros(s, dtype=KEEPER_DTYPE)
+                                   for n, s in self.shapes[i].items()}
+            for name in self.shapes[i]:
+                _add_site(self.totals[i][name], self.keepers[i][name],
+                          release.masks[i][name], release.values[i][name])
+            self.holders[i] += 1
+        self.releases += 1
+
+    def aggregate(self, sparsity: float, group: str = "layer"
+                  ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+        """Per decoder layer and linear layer, the global ``(mask, weight)`` (weights in the
+        model's dtype): the l0 average of the releases that hold it and its mask expansion
+        (:func:`aggregate_layer`); ValueError naming the layers no release holds (they would
+        stay dense)."""
+        unheld = [i for i, n in enumerate(self.holders) if n == 0]
+        if unheld:
+            raise ValueError(f"decoder layers {unheld} are in no valid site's release: "
+                             "expected every layer pruned by at least one site")
+        masks: list[dict[str, torch.Tensor]] = []
+        weights: list[dict[str, torch.Tensor]] = []
+        for i, shapes in enumerate(self.shapes):
+            layer_masks, layer_weights = {}, {}
+            for name in shapes:
+                keepers = self.keepers[i][name]
+                mask, weight = _expand(_average(self.totals[i][name], keepers), keepers,
+                                       self.holders[i], sparsity, group)
+                layer_masks[name] = mask
+                layer_weights[name] = weight.to(self.dtypes[i][name])
+            masks.append(layer_masks)
+            weights.append(layer_weights)
+        return masks, weights
 
 
 @dataclass
@@ -262,26 +352,39 @@ class FedSpaLLMRun:
     bytes_up_per_site: list[int]
 
 
-def site_releases(model: nn.Module, windows: Sequence[torch.Tensor], sparsity: float,
-                  budgets: Sequence[int] | None = None, local_group: str = "row",
-                  seed: int = 0, batch_size: int = 8, onload: bool = False,
-                  wrap: Callable[[Iterable], Iterable] | None = None
-                  ) -> tuple[list[list[int]], list[SiteRelease], list[float]]:
+@dataclass
+class SiteRuns:
+    """Every site's release in one process, summed as it came (:class:`L0Sum`, in site order):
+    each site's layers, bytes sent and seconds."""
+
+    assignment: list[list[int]]
+    total: L0Sum
+    bytes_up: list[int]
+    seconds: list[float]
+
+
+def run_sites(model: nn.Module, windows: Sequence[torch.Tensor], sparsity: float,
+              budgets: Sequence[int] | None = None, local_group: str = "row", seed: int = 0,
+              batch_size: int = 8, onload: bool = False,
+              wrap: Callable[[Iterable], Iterable] | None = None) -> SiteRuns:
     """Every site's release in one process: the layer assignment (``budgets``: layers per
-    site; default all), each site's :func:`site_release` on its ``windows``, and the seconds
-    of each (``wrap``: e.g. a progress bar around the sites' windows)."""
+    site; default all), each site's :func:`site_release` on its ``windows`` added to one
+    :class:`L0Sum` and dropped (one release in memory at a time), its bytes and seconds
+    (``wrap``: e.g. a progress bar around the sites' windows)."""
     n_layers = len(ModelAdapter(model))
     budgets = [n_layers] * len(windows) if budgets is None else list(budgets)
     if len(budgets) != len(windows):
         raise ValueError(f"{len(budgets)} layer budgets for {len(windows)} sites")
     assignment = assign_layers(n_layers, budgets, seed)
-    releases, seconds = [], []
+    runs = SiteRuns(assignment, L0Sum(model), [], [])
     for w, layers in zip(wrap(windows) if wrap else windows, assignment):
         start = time.perf_counter()
-        releases.append(site_release(model, w, layers, sparsity, local_group, batch_size,
-                                     onload))
-        seconds.append(time.perf_counter() - start)
-    return assignment, releases, seconds
+        release = site_release(model, w, layers, sparsity, local_group, batch_size, onload)
+        runs.seconds.append(time.perf_counter() - start)
+        runs.bytes_up.append(release.nbytes())
+        runs.total.add(release)
+        del release
+    return runs
 
 
 def fedspallm_prune(model: nn.Module, windows: Sequence[torch.Tensor], sparsity: float,
@@ -289,10 +392,9 @@ def fedspallm_prune(model: nn.Module, windows: Sequence[torch.Tensor], sparsity:
                     group: str = "layer", seed: int = 0, batch_size: int = 8,
                     onload: bool = False) -> FedSpaLLMRun:
     """FedSpaLLM in one process (benchmarks): every site's release on its ``windows`` over
-    its assigned layers (:func:`site_releases`), then the server's l0 average and mask
+    its assigned layers (:func:`run_sites`), then the server's l0 average and mask
     expansion per linear layer (comparison ``group``). The model is not changed: apply the
     result with :func:`~fedcompress.pruning.local.apply_masks`."""
-    assignment, releases, _ = site_releases(model, windows, sparsity, budgets, local_group,
-                                            seed, batch_size, onload)
-    masks, weights = aggregate_releases(model, releases, sparsity, group)
-    return FedSpaLLMRun(masks, weights, assignment, [r.nbytes() for r in releases])
+    runs = run_sites(model, windows, sparsity, budgets, local_group, seed, batch_size, onload)
+    masks, weights = runs.total.aggregate(sparsity, group)
+    return FedSpaLLMRun(masks, weights, runs.assignment, runs.bytes_up)
