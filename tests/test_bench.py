@@ -334,9 +334,9 @@ def test_the_peers_config_plans_every_strategy():
 
     path = Path(__file__).resolve().parents[1] / "simulations" / "bench_peers.toml"
     sparsegpt_16x4 = tuple(f"bench_peers_sparsegpt_{pct}.toml" for pct in (50, 60, 70))
+    sparsegpt_64x1 = tuple(f"bench_peers_64x1_sparsegpt_{pct}.toml" for pct in (50, 60, 70))
     for names, budget in ((("bench_peers.toml", *sparsegpt_16x4), (16, 4)),
-                          (("bench_peers_64x1.toml", "bench_peers_64x1_sparsegpt.toml"),
-                           (64, 1))):
+                          (("bench_peers_64x1.toml", *sparsegpt_64x1), (64, 1))):
         halves = [plan(tomllib.loads((path.parent / name).read_text())) for name in names]
         names_seen = [s.name for half in halves for s in half]
         assert len(names_seen) == len(set(names_seen))
