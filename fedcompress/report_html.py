@@ -717,6 +717,7 @@ def compare_rows(folders: list[Path], reports: list[dict]) -> list[dict[str, Any
             rows.append({
                 "run": str(folder), "name": record.get("name", ""), "kind": record.get("kind"),
                 "result": result + (f" ({', '.join(extra)})" if extra else ""),
+                "strategy": result, "settings": cell, "eval": record.get("eval"),
                 "method": "-" if dense or method is None else method,
                 "model": record.get("model") or config.get("model") or flat.get("bench.model"),
                 "sparsity": record.get("sparsity", record.get("sparsity_measured")),
@@ -728,6 +729,79 @@ def compare_rows(folders: list[Path], reports: list[dict]) -> list[dict[str, Any
                 "valid_clients": record.get("valid_clients"),
                 "per_round": "bytes_up_per_site_round" in record})
     return rows
+
+
+#: Cell settings a curve's strategy label already names (besides :data:`_SHOWN`).
+_LABELLED = ("aggregate", "fedspallm_layers")
+
+
+def compare_curves(rows: list[dict[str, Any]], labels: dict[str, str] | None = None
+                   ) -> list[dict[str, Any]]:
+    """Perplexity against sparsity across the rows of :func:`compare_rows` (e.g. one bench run
+    per sparsity): one curve set per model, evaluation and method, one line per strategy (with
+    the cell settings that differ between its rows, such as the number of sites), the dense
+    model as a reference. A point met twice with different
+    perplexities (the same strategy in two runs) gets the run's label on its own line rather
+    than being dropped. Sets where no line has two sparsities are left out: the table says it.
+    Each item: ``title``, ``lines`` ({label: [(sparsity, perplexity), ...]}) and ``dense``."""
+    plotted = [r for r in rows if isinstance(r["perplexity"], (int, float)) and (
+        _is_dense(r) or isinstance(r["sparsity"], (int, float)))]
+    sets: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    dense_of: dict[tuple[str, str], list[float]] = {}
+    for row in plotted:
+        where = (str(row["model"]), json.dumps(row.get("eval"), sort_keys=True))
+        if _is_dense(row):
+            dense_of.setdefault(where, []).append(float(row["perplexity"]))
+        else:
+            sets.setdefault((*where, str(row["method"])), []).append(row)
+    curves = []
+    for (model, eval_key, method), pruned in sets.items():
+        cells = [r.get("settings") or {} for r in pruned]
+        varying = [k for k in dict.fromkeys(k for c in cells for k in c)
+                   if k not in (*_SHOWN, *_LABELLED)
+                   and len({json.dumps(c[k]) for c in cells if k in c}) > 1]
+        lines: dict[str, dict[float, float]] = {}
+        for row in pruned:
+            cell = row.get("settings") or {}
+            label = row.get("strategy") or row["result"]
+            extra = [f"{k}={_fmt(cell[k])}" for k in varying if k in cell]
+            label += f" ({', '.join(extra)})" if extra else ""
+            x, y = float(row["sparsity"]), float(row["perplexity"])
+            if x in lines.get(label, {}) and lines[label][x] != y:
+                label += f" [{(labels or {}).get(row['run'], row['run'])}]"
+            lines.setdefault(label, {})[x] = y
+        if not any(len(points) > 1 for points in lines.values()):
+            continue
+        dense = dense_of.get((model, eval_key), [])
+        if len(set(dense)) > 1:
+            logger.warning("dense perplexities differ between the runs for %s: %s; the plot "
+                           "draws the first", model, sorted(set(dense)))
+        evaluation = json.loads(eval_key) or {}
+        on = (f"{evaluation.get('eval_windows')} windows of {evaluation.get('eval_seqlen')} "
+              f"tokens of {evaluation.get('eval_text')} {evaluation.get('eval_split')}"
+              if evaluation else "")
+        title = (f"Perplexity against sparsity, {model}, {method}"
+                 + (f" ({on})" if on else ""))
+        curves.append({"title": title, "dense": dense[0] if dense else None,
+                       "lines": {k: sorted(v.items()) for k, v in lines.items()}})
+    return curves
+
+
+def curves_html(curves: list[dict[str, Any]]) -> str:
+    """The curves of :func:`compare_curves` as inline PNG figures (matplotlib)."""
+    import tempfile
+
+    from fedcompress.bench.plots import perplexity_lines
+
+    figures = []
+    with tempfile.TemporaryDirectory(prefix="fedcompress-compare-") as tmp:
+        for i, curve in enumerate(curves):
+            path = perplexity_lines(curve["lines"], curve["dense"], Path(tmp) / f"curve-{i}.png",
+                                    curve["title"], "sparsity")
+            if path is not None:
+                figures.append(f'<figure><img alt="{_e(curve["title"])}" src="{_data_uri(path)}">'
+                               f"<figcaption>{_e(curve['title'])}</figcaption></figure>")
+    return "".join(figures)
 
 
 _TIME_NOTE = ("Time: the federated round time of a Flower run, the pruning time of a baseline, "
@@ -802,6 +876,8 @@ def render_compare(folders: list[str | Path]) -> str:
     summary = (f'<p>Lowest perplexity among compressed results (dense models aside): <b>'
                f'{rows[best]["perplexity"]:.2f}</b>, {_e(rows[best]["result"])} in '
                f'<code>{_e(rows[best]["run"])}</code>.</p>' if best is not None else "")
+    figures = curves_html(compare_curves(rows, labels))
+    curves = ("<h2>Perplexity against sparsity</h2>" + figures) if figures else ""
     runs = []
     for path, report in zip(paths, reports):
         runs.append(f"<h3>{_e(labels[str(path)])}: fedcompress {_e(report.get('command', ''))} "
@@ -814,7 +890,7 @@ def render_compare(folders: list[str | Path]) -> str:
     page = ("<h1>fedcompress: runs compared</h1>"
             f'<p class="meta">{len(paths)} run folders, {len(rows)} finished results. '
             f"{_TIME_NOTE}</p>" + summary + "<h2>Results side by side</h2>"
-            + summary_table(rows, labels) + "<h2>Runs</h2>" + "\n".join(runs))
+            + summary_table(rows, labels) + curves + "<h2>Runs</h2>" + "\n".join(runs))
     return _page("fedcompress: runs compared", page)
 
 

@@ -87,20 +87,21 @@ def make_run(folder: Path, ppl: float = 47.92, name: str = "fedprllm-oneshot-lay
     return folder
 
 
-def make_bench(folder: Path):
+def make_bench(folder: Path, sparsity=(0.5, 0.6), values=(41.5, 22.75, 52.0, 39.75, 60.5,
+                                                            70.5, 58.0), clients: int = 4):
     """A bench folder written by the bench's own code (plan, BenchRunner records, the
     report update): 2 sparsities x 2 server groups, dense and centralized baselines."""
     from fedcompress.bench.run import _update
     from fedcompress.bench.sweep import BenchRunner, plan
 
-    raw = {"bench": {"model": "smollm2-135m", "clients": 4, "samples_per_client": 2,
+    raw = {"bench": {"model": "smollm2-135m", "clients": clients, "samples_per_client": 2,
                      "eval_windows": 8},
-           "study": {"groups": {"title": "Server groups " + EVIL, "sparsity": [0.5, 0.6],
+           "study": {"groups": {"title": "Server groups " + EVIL, "sparsity": list(sparsity),
                                 "group": ["layer", "row"],
                                 "baselines": ["dense", "centralized"]}}}
     studies = plan(raw)
     runner = BenchRunner(studies, folder)
-    values = iter([41.5, 22.75, 52.0, 39.75, 60.5, 70.5, 58.0])
+    values = iter(values)
     for cell in studies[0].cells:
         result = {"perplexity": next(values), "eval_seconds": 1.5, "sparsity": 0.5}
         if cell.kind == "fedprllm":
@@ -302,6 +303,55 @@ def test_compare_puts_runs_side_by_side(tmp_path):
     assert "fedcompress bench b.toml" in page
     with pytest.raises(ReportError, match="no report.json"):
         render_compare([one, tmp_path])
+
+
+def _one_sparsity_benches(tmp_path, clients=(4, 4)):
+    """Two bench runs split by sparsity (0.5, then 0.6), as the peers' SparseGPT configs are:
+    cells in plan order (layer, dense, centralized, row)."""
+    half = make_bench(tmp_path / "b50", sparsity=[0.5], values=[41.5, 22.75, 40.0, 39.75],
+                      clients=clients[0])[0]
+    more = make_bench(tmp_path / "b60", sparsity=[0.6], values=[60.5, 22.75, 55.0, 58.0],
+                      clients=clients[1])[0]
+    return half, more
+
+
+def test_compare_draws_one_curve_across_runs_split_by_sparsity(tmp_path):
+    from fedcompress.report_html import compare_curves, compare_rows
+
+    folders = list(_one_sparsity_benches(tmp_path))
+    rows = compare_rows(folders, [load_report(f) for f in folders])
+    (curve,) = compare_curves(rows)
+    assert curve["dense"] == 22.75
+    assert curve["lines"] == {"FedPrLLM one-shot, server layer": [(0.5, 41.5), (0.6, 60.5)],
+                              "FedPrLLM one-shot, server row": [(0.5, 39.75), (0.6, 58.0)],
+                              "Centralized": [(0.5, 40.0), (0.6, 55.0)]}
+    assert curve["title"].startswith("Perplexity against sparsity, smollm2-135m, wanda")
+    page = render_compare(folders)
+    assert "<h2>Perplexity against sparsity</h2>" in page
+    assert page.count('<img alt="Perplexity against sparsity') == 1
+    # one run alone: no line has two points, no plot (the table says it all)
+    single = render_compare(folders[:1])
+    assert compare_curves(compare_rows(folders[:1], [load_report(folders[0])])) == []
+    assert "Perplexity against sparsity" not in single
+
+
+def test_compare_curves_keep_apart_what_differs_between_runs(tmp_path):
+    from fedcompress.report_html import compare_curves, compare_rows
+
+    # the same strategies with 4 and 8 sites: separate lines, named by the setting
+    folders = list(_one_sparsity_benches(tmp_path / "a", clients=(4, 8)))
+    rows = compare_rows(folders, [load_report(f) for f in folders])
+    assert compare_curves(rows) == []  # every line has one point: nothing to draw
+    # two runs with the same strategy at the same sparsity and different perplexities:
+    # both points kept, the second under its run's label (nothing silently dropped)
+    again = make_bench(tmp_path / "again", sparsity=[0.5], values=[43.0, 22.75, 40.0, 39.75])[0]
+    folders = [*_one_sparsity_benches(tmp_path / "b"), again]
+    rows = compare_rows(folders, [load_report(f) for f in folders])
+    labels = {str(p): f"#{i + 1} {p.name}" for i, p in enumerate(folders)}
+    (curve,) = compare_curves(rows, labels)
+    assert curve["lines"]["FedPrLLM one-shot, server layer"] == [(0.5, 41.5), (0.6, 60.5)]
+    assert curve["lines"]["FedPrLLM one-shot, server layer [#3 again]"] == [(0.5, 43.0)]
+    assert curve["lines"]["FedPrLLM one-shot, server row"] == [(0.5, 39.75), (0.6, 58.0)]
 
 
 def test_cli_report_prints_the_path(tmp_path):

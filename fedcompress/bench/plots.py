@@ -25,12 +25,12 @@ def _pyplot():
 
 
 def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str,
-          legend_below: bool = False) -> Path:
+          legend_below: bool = False, ncol: int = 2) -> Path:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(textwrap.fill(title, 72), fontsize=10)
     if legend_below:  # many lines across the whole plot: the legend under it
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=ncol)
     else:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -73,24 +73,34 @@ def perplexity_curve(study: Study, results: dict[str, dict], path: Path) -> Path
                   and k in settings]
         label = ", ".join([strategy_label(settings), *others])
         lines.setdefault(label, []).append((settings[axis], record["perplexity"]))
+    dense = [r["perplexity"] for c in study.cells if c.kind == "dense"
+             and (r := results.get(c.id)) and r.get("status") == "ok"]
+    return perplexity_lines(lines, dense[0] if dense else None, path, study.title, axis)
+
+
+def perplexity_lines(lines: dict[str, list[tuple[float, float]]], dense: float | None,
+                     path: Path, title: str, xlabel: str) -> Path | None:
+    """Draw perplexity against ``xlabel``, one line per label of ``lines`` (its points sorted
+    by x), the dense model as a dotted horizontal line; a log scale when the perplexities span
+    more than a factor of 3. ``None`` when there is no line."""
     if not lines:
         return None
+    many = len(lines) > 8  # the legend under the plot, the figure taller for it
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8 + (0.15 * (len(lines) + 1) if many else 0)))
     styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
     for i, (label, points) in enumerate(sorted(lines.items())):
         xs, ys = zip(*sorted(points))
         marker, line = styles[i % len(styles)]  # lines that coincide stay visible
         ax.plot(xs, ys, marker=marker, linestyle=line, label=label, alpha=0.85)
-    dense = [r["perplexity"] for c in study.cells if c.kind == "dense"
-             and (r := results.get(c.id)) and r.get("status") == "ok"]
-    if dense:
-        ax.axhline(dense[0], color="grey", linestyle=":", label="Dense")
-    values = [y for points in lines.values() for _, y in points] + dense
+    if dense is not None:
+        ax.axhline(dense, color="grey", linestyle=":", label="Dense")
+    values = [y for points in lines.values() for _, y in points]
+    values += [] if dense is None else [dense]
     if max(values) > 3 * min(values):  # log scale only when perplexities span a wide range
         ax.set_yscale("log")
-        return _save(fig, ax, path, study.title, axis, "perplexity (log scale)")
-    return _save(fig, ax, path, study.title, axis, "perplexity")
+        return _save(fig, ax, path, title, xlabel, "perplexity (log scale)", many, ncol=1)
+    return _save(fig, ax, path, title, xlabel, "perplexity", many, ncol=1)
 
 
 def vote_histograms(stats: dict[str, dict], labels: dict[str, str], path: Path) -> Path | None:
