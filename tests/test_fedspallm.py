@@ -195,3 +195,29 @@ def test_onloaded_sites_release_what_loaded_ones_do(tiny_dir):
             for name, mask in a.masks[layer].items():
                 assert torch.equal(other.masks[layer][name], mask), (layer, name)
                 assert torch.equal(other.weights[layer][name], a.weights[layer][name])
+
+
+def test_a_site_prunes_only_its_layers_and_releases_what_the_full_pass_gives(tiny_model):
+    """A site's pass skips the layers it was not assigned (no statistics, no SparseGPT, no
+    forward past its last layer) and releases, bit for bit, what the pass pruning every other
+    layer at ratio 0 gives."""
+    from fedcompress.pruning.local import layer_prune_fn
+    from fedcompress.pruning.walker import walk
+
+    model = tiny_model("llama", n_layers=4)
+    windows = torch.randint(5, 100, (2, 16), generator=torch.Generator().manual_seed(6))
+    release = site_release(model, windows, [1, 2], 0.5, "row")
+    config = PruneConfig("sparsegpt", 0.5, "row", layer_sparsity="0,0.5,0.5,0")
+    called = []
+    fn = layer_prune_fn(config)
+
+    def counting(index, layer, stats):
+        called.append(index)
+        return fn(index, layer, stats)
+
+    full = walk(model, windows, counting, hessian=True, keep_weights=True)
+    assert called == [0, 1, 2, 3]
+    for layer in (1, 2):
+        for name, mask in full.masks[layer].items():
+            assert torch.equal(release.masks[layer][name], mask), (layer, name)
+            assert torch.equal(release.values[layer][name], full.weights[layer][name][~mask])

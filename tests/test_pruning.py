@@ -275,3 +275,76 @@ def test_apply_masks_and_sparsity_report(tiny_model):
     bad[0][name] = bad[0][name].T
     with pytest.raises(ValueError, match="shape"):
         apply_masks(model, bad)
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_layers_the_plan_leaves_dense_are_only_forwarded(tiny_model, method):
+    """A layer at ratio 0 is skipped (no statistics, no pruning, no forward after the last
+    pruned layer), and the pruned layers come out bit for bit as from the pass that prunes the
+    dense layers at ratio 0 too."""
+    from fedcompress.pruning.local import layer_prune_fn
+
+    model = tiny_model("llama", n_layers=4)
+    windows = torch.randint(5, 100, (4, 16), generator=torch.Generator().manual_seed(3))
+    config = PruneConfig(method, 0.5, "row", layer_sparsity="0,0.5,0,0.6")
+    assert config.plan.dense_layers(4) == (0, 2)
+    called = []
+    fn = layer_prune_fn(config)
+
+    def counting(index, layer, stats):
+        called.append(index)
+        return fn(index, layer, stats)
+
+    full = walk(model, windows, counting, hessian=config.needs_hessian, keep_weights=True)
+    assert called == [0, 1, 2, 3]
+    called.clear()
+    skipped = walk(model, windows, counting, hessian=config.needs_hessian, keep_weights=True,
+                   dense=(0, 2))
+    assert called == [1, 3]
+    via_local = local_masks(model, windows, config, keep_weights=True)
+    for result in (skipped, via_local):
+        for layer in (1, 3):
+            for name, mask in full.masks[layer].items():
+                assert torch.equal(result.masks[layer][name], mask), (layer, name)
+                if method == "sparsegpt":
+                    assert torch.equal(result.weights[layer][name], full.weights[layer][name])
+        for layer in (0, 2):
+            assert result.weights[layer] is None
+            assert not any(m.any() for m in result.masks[layer].values())
+            assert result.masks[layer].keys() == full.masks[layer].keys()
+
+
+def test_trailing_dense_layers_are_not_forwarded(tiny_model):
+    model = tiny_model("llama", n_layers=3)
+    windows = torch.randint(5, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    seen = []
+    hooks = [layer.register_forward_hook(lambda _m, _a, _o, i=i: seen.append(i))
+             for i, layer in enumerate(ModelAdapter(model).layers)]
+    config = PruneConfig("wanda", 0.5, "row", layer_sparsity="0,0.5,0")
+    try:
+        result = local_masks(model, windows, config)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # layer 0's forward feeds layer 1's statistics; layer 2, dense after the last pruned
+    # layer, is not forwarded
+    assert sorted(set(seen)) == [0, 1]
+    assert len(result.masks) == 3 and not any(m.any() for m in result.masks[2].values())
+
+
+def test_dense_layers_of_a_plan():
+    from fedcompress.pruning.allocation import SparsityPlan
+
+    plan = SparsityPlan(0.5, (0.0, 0.5, 0.0), {"0.mlp.up_proj": 0.3, "2.mlp.up_proj": 0.0})
+    assert plan.dense_layers(3) == (2,)  # layer 0 prunes its up_proj
+    assert SparsityPlan(0.5).dense_layers(2) == ()
+    assert SparsityPlan(0.0).dense_layers(2) == (0, 1)
+    with pytest.raises(ValueError, match="3 per-layer ratios"):
+        plan.dense_layers(4)
+
+
+def test_walk_refuses_dense_layers_the_model_lacks(tiny_model):
+    model = tiny_model("llama", n_layers=2)
+    windows = torch.randint(5, 100, (2, 16), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match=r"dense layers \[2\]"):
+        walk(model, windows, lambda i, layer, stats: ({}, None), dense=(2,))

@@ -114,6 +114,15 @@ class SparsityPlan:
             return self.layers[layer]
         return self.default
 
+    def dense_layers(self, n_layers: int) -> tuple[int, ...]:
+        """The decoder layers of a model of ``n_layers`` that the plan leaves dense: ratio 0 for
+        the layer and for every per-linear entry of it (a layer whose linears are all set to 0
+        one by one over a nonzero layer ratio is not listed: the plan does not name them all)."""
+        self.check_layers(n_layers)
+        return tuple(i for i in range(n_layers)
+                     if self.at(i) == 0 and all(r == 0 for k, r in self.linears.items()
+                                                if int(k.split(".", 1)[0]) == i))
+
     def at_key(self, key: str) -> float:
         """The ratio of a wire key ``"<prefix>.<layer>.<linear name>"`` (FedPrLLM's masks)."""
         _, layer, name = key.split(".", 2)

@@ -260,6 +260,9 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
     bit, the dequantized weight the pass forwarded through (and, with ``keep_weights``, the one
     in :attr:`~fedcompress.pruning.walker.WalkResult.weights`). Every quantized layer's width is
     checked against the group size before any work.
+
+    A decoder layer the plan leaves dense (:meth:`~fedcompress.pruning.allocation.SparsityPlan.
+    dense_layers`, without quantization) is only forwarded: all-False masks, no weights.
     """
     from fedcompress.models import onload_skeleton, onloader_of
 
@@ -287,8 +290,14 @@ def local_masks(model: nn.Module, windows: torch.Tensor, config: PruneConfig,
                 result.quant.append({k: v.to("cpu")
                                      for k, v in fn.quantized.pop(index).items()})
         return result
+    # A layer the plan leaves dense costs only its forward (none past the last pruned layer):
+    # its masks are all False and its weights its own, as pruning it at ratio 0 would give but
+    # for SparseGPT's zeroing of input columns the windows never reach. Quantization has work
+    # to do on every layer, so nothing is skipped with it.
+    dense = config.plan.dense_layers(len(ModelAdapter(model))) if config.quant is None else ()
     return walk(model, windows, layer_prune_fn(config), hessian=config.needs_hessian,
-                batch_size=batch_size, keep_weights=keep_weights, progress=progress)
+                batch_size=batch_size, keep_weights=keep_weights, progress=progress,
+                dense=dense)
 
 
 def token_nll(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Collection, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -359,31 +359,57 @@ class WalkResult:
     quant: list[dict[str, QuantResult] | None] = field(default_factory=list)
 
 
+def unpruned_masks(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """All-False prune masks (nothing pruned) of every linear layer of ``layer``."""
+    return {name: torch.zeros(weight_matrix(m).shape, dtype=torch.bool)
+            for name, m in ModelAdapter.linear_layers(layer).items()}
+
+
 def walk(model: nn.Module, windows: torch.Tensor, prune_fn: LayerPruneFn,
          hessian: bool = False, batch_size: int = 8, keep_weights: bool = False,
-         progress: bool = False) -> WalkResult:
+         progress: bool = False, dense: Collection[int] = ()) -> WalkResult:
     """One sequential pass: per layer, statistics -> ``prune_fn`` -> forward through the pruned
-    layer. Returns every layer's masks (and SparseGPT's updated weights if ``keep_weights``)."""
+    layer. Returns every layer's masks (and SparseGPT's updated weights if ``keep_weights``).
+
+    ``dense``: layers left as they are (e.g. ratio 0 in a per-layer plan, or the layers a
+    FedSpaLLM site was not assigned): no statistics and no ``prune_fn`` call, all-False masks
+    and no weights; the windows are forwarded through those before the last pruned layer, and
+    not through those after it (nothing reads them). Without ``dense`` the pass is the same,
+    operation for operation, as one that names none."""
     from tqdm.auto import tqdm
 
     adapter = ModelAdapter(model)
-    inputs = capture_layer_inputs(model, windows, batch_size)
+    n_layers = len(adapter)
+    dense = frozenset(int(i) for i in dense)
+    outside = sorted(i for i in dense if not 0 <= i < n_layers)
+    if outside:
+        raise ValueError(f"dense layers {outside}: the model has layers 0..{n_layers - 1}")
+    last = max((i for i in range(n_layers) if i not in dense), default=-1)
+    inputs = capture_layer_inputs(model, windows, batch_size) if last >= 0 else None
     result = WalkResult()
     onloading = adapter.onloader is not None
-    for index in tqdm(range(len(adapter)), desc="pruning layers", disable=not progress,
+    quantized = getattr(prune_fn, "quantized", None)
+    for index in tqdm(range(n_layers), desc="pruning layers", disable=not progress,
                       leave=False):
         # An onloaded layer is read here and freed at the end of the block.
         with adapter.onloaded(index) as layer:
-            stats = collect_stats(layer, inputs, hessian=hessian, batch_size=batch_size)
-            masks, weights = prune_fn(index, layer, stats)
-            inputs = forward_layer(layer, inputs, batch_size, masks, weights, in_place=onloading)
+            if index in dense:
+                masks, weights = unpruned_masks(layer), None
+                if index < last:
+                    assert inputs is not None
+                    inputs = forward_layer(layer, inputs, batch_size)
+            else:
+                assert inputs is not None
+                stats = collect_stats(layer, inputs, hessian=hessian, batch_size=batch_size)
+                masks, weights = prune_fn(index, layer, stats)
+                inputs = forward_layer(layer, inputs, batch_size, masks, weights,
+                                       in_place=onloading)
+                del stats
         result.masks.append({k: v.cpu() for k, v in masks.items()})
         result.weights.append({k: v.cpu() for k, v in weights.items()}
                               if keep_weights and weights else None)
-        quantized = getattr(prune_fn, "quantized", None)
         if quantized is not None:
             layer_quant = quantized.pop(index, None)
             result.quant.append({k: v.to("cpu") for k, v in layer_quant.items()}
                                 if layer_quant is not None else None)
-        del stats
     return result
