@@ -197,26 +197,32 @@ def test_onloaded_sites_release_what_loaded_ones_do(tiny_dir):
                 assert torch.equal(other.weights[layer][name], a.weights[layer][name])
 
 
-def test_a_site_prunes_only_its_layers_and_releases_what_the_full_pass_gives(tiny_model):
-    """A site's pass skips the layers it was not assigned (no statistics, no SparseGPT, no
-    forward past its last layer) and releases, bit for bit, what the pass pruning every other
-    layer at ratio 0 gives."""
+def test_a_site_prunes_only_its_layers_and_releases_what_the_full_pass_gives(tiny_model,
+                                                                             monkeypatch):
+    """A site's pass runs SparseGPT only on the layers it was assigned (none on the others,
+    which it only forwards) and releases, bit for bit, what the pass pruning every other layer
+    at ratio 0 gives."""
+    import fedcompress.pruning.local as local
     from fedcompress.pruning.local import layer_prune_fn
     from fedcompress.pruning.walker import walk
 
     model = tiny_model("llama", n_layers=4)
     windows = torch.randint(5, 100, (2, 16), generator=torch.Generator().manual_seed(6))
+    calls = []
+    real = local.sparsegpt_prune
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["name"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(local, "sparsegpt_prune", counting)
     release = site_release(model, windows, [1, 2], 0.5, "row")
+    per_layer = len(ModelAdapter.linear_layers(ModelAdapter(model).layers[0]))
+    assert len(calls) == 2 * per_layer
+    calls.clear()
     config = PruneConfig("sparsegpt", 0.5, "row", layer_sparsity="0,0.5,0.5,0")
-    called = []
-    fn = layer_prune_fn(config)
-
-    def counting(index, layer, stats):
-        called.append(index)
-        return fn(index, layer, stats)
-
-    full = walk(model, windows, counting, hessian=True, keep_weights=True)
-    assert called == [0, 1, 2, 3]
+    full = walk(model, windows, layer_prune_fn(config), hessian=True, keep_weights=True)
+    assert len(calls) == 4 * per_layer
     for layer in (1, 2):
         for name, mask in full.masks[layer].items():
             assert torch.equal(release.masks[layer][name], mask), (layer, name)

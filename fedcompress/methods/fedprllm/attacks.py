@@ -28,7 +28,7 @@ from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.local import PruneConfig, local_masks
 from fedcompress.pruning.scores import magnitude_scores, wanda_scores
 from fedcompress.pruning.select import select_prune_mask
-from fedcompress.pruning.walker import walk
+from fedcompress.pruning.walker import unpruned_masks, walk
 
 #: How far above the requested sparsity a lying site prunes (``sparsity`` attack).
 LIE = 0.25
@@ -71,9 +71,7 @@ def inverted_masks(model: nn.Module, windows: torch.Tensor, prune: PruneConfig,
 
 def keep_masks(model: nn.Module) -> list[dict[str, torch.Tensor]]:
     """Masks that prune nothing."""
-    return [{name: torch.zeros(weight_matrix(module).shape, dtype=torch.bool)
-             for name, module in ModelAdapter.linear_layers(layer).items()}
-            for layer in ModelAdapter(model).layers]
+    return [unpruned_masks(layer) for layer in ModelAdapter(model).layers]
 
 
 def attack_masks(attack: str, model: nn.Module, windows: torch.Tensor, prune: PruneConfig,
