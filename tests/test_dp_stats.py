@@ -172,6 +172,52 @@ def test_unclipped_windows_sum_to_the_plain_statistics(tiny):
         dps.clipped_layer_stats(layer, inputs, False, {})
 
 
+@pytest.mark.parametrize("tokens,dim", [(4, 9), (9, 4), (6, 6)])
+def test_window_norms_are_the_materialized_hessians_norms(tokens, dim):
+    """The Gram-matrix norm (fewer tokens than inputs) and the direct one are the Frobenius
+    norm of each window's ``2 X^T X``."""
+    gen = torch.Generator().manual_seed(tokens * 10 + dim)
+    x = torch.randn(3, tokens, dim, generator=gen, dtype=torch.float64)
+    want = torch.linalg.matrix_norm(2 * torch.einsum("bti,btj->bij", x, x), "fro")
+    got = dps.window_norms({"a": x}, True)["a"]
+    assert torch.allclose(got, want, rtol=1e-13, atol=0)
+    sq = x.pow(2).sum(1)
+    assert torch.equal(dps.window_norms({"a": x}, False)["a"],
+                       torch.linalg.vector_norm(sq, dim=1))
+
+
+@pytest.mark.parametrize("hessian", [False, True])
+@pytest.mark.parametrize("normalized", [False, True])
+def test_clipped_release_is_the_sum_of_each_clipped_window(tiny, hessian, normalized):
+    """A site's release never forms a window's d x d Hessian (its norm from the Gram matrix,
+    the clipped sum as one product over the tokens), and is what clipping each window's
+    materialized statistics (:func:`window_sums`) and summing them gives, to float64
+    rounding, with some windows clipped and some not."""
+    inputs = layer0_inputs(tiny, windows(7, seed=3))
+    layer = ModelAdapter(tiny).layers[0]
+    scales = _random_scales(tiny) if normalized else None
+    parts: dict[str, list] = {}
+    for _s, sq, hs in dps.window_sums(layer, inputs, hessian, 3, scales):
+        for k, n in dps._block_norms(sq, hs, hessian).items():
+            parts.setdefault(k, []).append(n)
+    bounds = {k: float(torch.cat(v).median()) for k, v in parts.items()}  # about half clipped
+    want: dict[str, torch.Tensor] = {}
+    for _s, sq, hs in dps.window_sums(layer, inputs, hessian, 3, scales):
+        factors = dps.clip_factors(dps._block_norms(sq, hs, hessian), bounds)
+        for k, f in factors.items():
+            part = (torch.einsum("b,bij->ij", f, hs[k]) if hessian
+                    else torch.einsum("b,bj->j", f, sq[k]))
+            want[k] = part if k not in want else want[k] + part
+    release = dps.clipped_layer_stats(layer, inputs, hessian, bounds, 3, scales)
+    for k, ref in want.items():
+        assert 0 < release.clipped[k] < 7
+        st = release.stats[k]
+        got = st.hessian_sum if hessian else st.sq_sum
+        assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12 * float(ref.abs().max()))
+        if hessian:
+            assert torch.allclose(st.sq_sum, torch.diagonal(ref) / 2, rtol=1e-12)
+
+
 @pytest.mark.parametrize("hessian", [False, True])
 def test_normalized_sums_map_back_to_the_plain_statistics(tiny, hessian):
     """Unclipped and noise-free, normalizing then :func:`denormalize` is the identity: the

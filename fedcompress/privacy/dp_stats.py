@@ -190,6 +190,8 @@ __all__ = [
     "skellam_noise",
     "skellam_rdp",
     "skellam_sigma",
+    "window_inputs",
+    "window_norms",
     "window_sums",
 ]
 
@@ -580,21 +582,21 @@ def layer_blocks(layer: nn.Module, inputs: Any) -> dict[str, str]:
 
 
 @torch.no_grad()
-def window_sums(layer: nn.Module, inputs: Any, hessian: bool, batch_size: int = 8,
-                scales: Mapping[str, torch.Tensor] | None = None
-                ) -> Iterator[tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
-    """Per batch of windows: ``(first window index, {owner: square sums [b, d]},
-    {owner: 2 X_w^T X_w [b, d, d]})`` (float64; the Hessians only with ``hessian``), each
-    window's own statistics of every distinct input of ``layer``; with ``scales`` (``{owner:
-    c}``, :func:`public_scales`), of the normalized inputs ``x_j / sqrt(c_j)``."""
+def window_inputs(layer: nn.Module, inputs: Any, batch_size: int = 8,
+                  scales: Mapping[str, torch.Tensor] | None = None
+                  ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Per batch of windows: ``(first window index, {owner: X [b, t, d]})``, the float64
+    inputs of every distinct input of ``layer`` (one per owner, :func:`layer_blocks`); with
+    ``scales`` (``{owner: c}``, :func:`public_scales`), the normalized inputs
+    ``x_j / sqrt(c_j)``. The windows' statistics (:func:`window_sums`, :func:`window_norms`)
+    are computed from these."""
     from fedcompress.models import ModelAdapter
     from fedcompress.pruning.walker import _batches, _call_layer
 
     owners = layer_blocks(layer, inputs)
     linears = ModelAdapter.linear_layers(layer)
     kwargs = inputs.layer_kwargs[inputs.layer]
-    sq: dict[str, torch.Tensor] = {}
-    hs: dict[str, torch.Tensor] = {}
+    xs: dict[str, torch.Tensor] = {}
     inv = None
     if scales is not None:
         missing = sorted(set(owners.values()) - set(scales))
@@ -613,13 +615,10 @@ def window_sums(layer: nn.Module, inputs: Any, hessian: bool, batch_size: int = 
                 raise ValueError(f"public scales of {name}: {inv[name].shape[0]} coordinates, "
                                  f"its input has {x.shape[-1]}")
             x = x * inv[name].to(x.device)
-        sq[name] = x.pow(2).sum(1)
-        if hessian:
-            hs[name] = torch.einsum("bti,btj->bij", x, x).mul_(2.0)
+        xs[name] = x
 
     for rows in _batches(len(inputs.hidden), batch_size):
-        sq.clear()
-        hs.clear()
+        xs.clear()
         handles = [m.register_forward_pre_hook(lambda _m, a, name=name: hook(_m, a, name))
                    for name, m in linears.items()]
         try:
@@ -627,11 +626,48 @@ def window_sums(layer: nn.Module, inputs: Any, hessian: bool, batch_size: int = 
         finally:
             for handle in handles:
                 handle.remove()
-        yield rows.start, dict(sq), dict(hs)
+        yield rows.start, dict(xs)
+
+
+def window_sums(layer: nn.Module, inputs: Any, hessian: bool, batch_size: int = 8,
+                scales: Mapping[str, torch.Tensor] | None = None
+                ) -> Iterator[tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """Per batch of windows: ``(first window index, {owner: square sums [b, d]},
+    {owner: 2 X_w^T X_w [b, d, d]})`` (float64; the Hessians only with ``hessian``), each
+    window's own statistics of every distinct input of ``layer``; with ``scales`` (``{owner:
+    c}``, :func:`public_scales`), of the normalized inputs ``x_j / sqrt(c_j)``. Each window's
+    Hessian is materialized: a site's release does not need them (:func:`clipped_layer_stats`
+    clips from :func:`window_norms`), an attacker scoring single windows does."""
+    for start, xs in window_inputs(layer, inputs, batch_size, scales):
+        sq = {k: x.pow(2).sum(1) for k, x in xs.items()}
+        hs = ({k: torch.einsum("bti,btj->bij", x, x).mul_(2.0) for k, x in xs.items()}
+              if hessian else {})
+        yield start, sq, hs
+
+
+def window_norms(xs: Mapping[str, torch.Tensor], hessian: bool,
+                 sq: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Each window's norm per block, what its contribution is clipped by: the L2 norm of its
+    square sums ``sq`` (``[b, d]``, computed from ``xs`` if not given), or with ``hessian`` the
+    Frobenius norm of ``H_w = 2 X_w^T X_w`` without forming it when the window has fewer
+    tokens ``t`` than inputs ``d``: ``||X^T X||_F^2 = tr((X^T X)^2) = tr((X X^T)^2)``, so
+    ``2 ||X_w X_w^T||_F`` from the ``t x t`` Gram matrix (``t^2 d`` instead of ``t d^2``
+    multiplications; the same number up to float64 rounding)."""
+    if not hessian:
+        if sq is None:
+            sq = {k: x.pow(2).sum(1) for k, x in xs.items()}
+        return {k: torch.linalg.vector_norm(v, dim=1) for k, v in sq.items()}
+    out = {}
+    for k, x in xs.items():
+        gram = (torch.einsum("bti,bsi->bts", x, x) if x.shape[1] < x.shape[2]
+                else torch.einsum("bti,btj->bij", x, x))
+        out[k] = torch.linalg.matrix_norm(gram, "fro").mul_(2.0)
+    return out
 
 
 def _block_norms(sq: Mapping[str, torch.Tensor], hs: Mapping[str, torch.Tensor],
                  hessian: bool) -> dict[str, torch.Tensor]:
+    """Each window's norm per block from :func:`window_sums`' materialized statistics."""
     if hessian:
         return {k: torch.linalg.matrix_norm(h, "fro") for k, h in hs.items()}
     return {k: torch.linalg.vector_norm(v, dim=1) for k, v in sq.items()}
@@ -676,8 +712,9 @@ def clipped_layer_stats(layer: nn.Module, inputs: Any, hessian: bool,
                          f"{blocks}")
     sums: dict[str, LayerStats] = {}
     clipped = {k: 0 for k in blocks}
-    for _start, sq, hs in window_sums(layer, inputs, hessian, batch_size, scales):
-        factors = clip_factors(_block_norms(sq, hs, hessian), bounds)
+    for _start, xs in window_inputs(layer, inputs, batch_size, scales):
+        sq = {k: x.pow(2).sum(1) for k, x in xs.items()}
+        factors = clip_factors(window_norms(xs, hessian, sq), bounds)
         for k in blocks:
             f = factors[k]
             clipped[k] += int((f < 1).sum())
@@ -686,7 +723,10 @@ def clipped_layer_stats(layer: nn.Module, inputs: Any, hessian: bool,
                 d = sq[k].shape[1]
                 sums[k] = LayerStats(d, hessian=hessian)
             if hessian:
-                h = torch.einsum("b,bij->ij", f, hs[k])
+                # sum_w f_w 2 X_w^T X_w as one product over the batch's tokens (no per-window
+                # d x d matrices): each window's rows of one factor scaled by its f_w
+                x = xs[k]
+                h = torch.einsum("bti,btj->ij", x * f[:, None, None], x).mul_(2.0)
                 sums[k].add_sums(tokens, torch.diagonal(h).clone() / 2, h)
             else:
                 sums[k].add_sums(tokens, torch.einsum("b,bj->j", f, sq[k]), None)
@@ -834,8 +874,8 @@ def public_calibration(model: nn.Module, windows: torch.Tensor, hessian: bool,
                 layer_scales = _layer_scales(sq_parts, tokens, i)
                 scales.append(layer_scales)
             norms: dict[str, list[torch.Tensor]] = {}
-            for _s, sq, hs in window_sums(layer, inputs, hessian, batch_size, layer_scales):
-                for k, n in _block_norms(sq, hs, hessian).items():
+            for _s, xs in window_inputs(layer, inputs, batch_size, layer_scales):
+                for k, n in window_norms(xs, hessian).items():
                     norms.setdefault(k, []).append(n)
             bounds = {}
             for k, parts in norms.items():
