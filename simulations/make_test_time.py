@@ -41,6 +41,25 @@ def pytest_summary(output: str) -> dict[str, int]:
     return counts
 
 
+#: At most this many characters of pytest's failure sections are kept in the report.
+FAILURES_LIMIT = 20000
+_SECTION = re.compile(r"^=+ (FAILURES|ERRORS) =+$", re.M)
+_SECTION_END = re.compile(r"^=+ (warnings summary|short test summary info)|^=+ \d+ (passed|failed)",
+                          re.M)
+
+
+def failure_sections(output: str, limit: int = FAILURES_LIMIT) -> str:
+    """pytest's FAILURES and ERRORS sections (each failed test's traceback and message), which
+    the log's tail, behind the warnings summary, does not reach; at most ``limit`` characters,
+    the first ones (empty when pytest printed none)."""
+    start = _SECTION.search(output)
+    if start is None:
+        return ""
+    end = _SECTION_END.search(output, start.end())
+    text = output[start.start():end.start() if end else len(output)]
+    return text if len(text) <= limit else text[:limit] + "\n[... cut]"
+
+
 def timed(report: RunReport, name: str, argv: list[str], cwd: Path, log: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     start = time.perf_counter()
@@ -83,6 +102,8 @@ def main() -> None:
                 if records[-1]["exit_status"] != 0:
                     tail = (work / f"{name[5:]}.log").read_text(errors="replace")[-3000:]
                     report.extra["failure_tail"] = tail
+                    report.extra["failures"] = failure_sections(
+                        (work / f"{name[5:]}.log").read_text(errors="replace"))
                     raise SystemExit(f"{name} failed (exit {records[-1]['exit_status']}):\n{tail}")
             rows = [[r["name"], f"{r['seconds'] / 60:.1f}", str(r["exit_status"]),
                      f"{r['load_average_after'][0]:.2f}"] for r in records]

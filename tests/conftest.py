@@ -400,14 +400,15 @@ def same_privytune_result(report: dict, reference: dict) -> None:
             assert got["auc"] == pytest.approx(want["auc"], abs=1e-6)
 
 
-def load_tool(name: str):
-    """A maintainer script of ``tools/`` (not part of the package) imported as module ``name``."""
+def load_tool(name: str, folder: str = "tools"):
+    """A maintainer script of ``tools/`` (or another ``folder`` of the repository, e.g.
+    ``simulations``; not part of the package) imported as module ``name``."""
     import importlib.util
     import sys
     from pathlib import Path
 
     if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+        path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
