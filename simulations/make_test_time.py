@@ -100,10 +100,10 @@ def main() -> None:
             for name in (f"make {t}" for t in targets):
                 records.append(timed(report, name, name.split(), clone, work / f"{name[5:]}.log"))
                 if records[-1]["exit_status"] != 0:
-                    tail = (work / f"{name[5:]}.log").read_text(errors="replace")[-3000:]
+                    output = (work / f"{name[5:]}.log").read_text(errors="replace")
+                    tail = output[-3000:]
                     report.extra["failure_tail"] = tail
-                    report.extra["failures"] = failure_sections(
-                        (work / f"{name[5:]}.log").read_text(errors="replace"))
+                    report.extra["failures"] = failure_sections(output)
                     raise SystemExit(f"{name} failed (exit {records[-1]['exit_status']}):\n{tail}")
             rows = [[r["name"], f"{r['seconds'] / 60:.1f}", str(r["exit_status"]),
                      f"{r['load_average_after'][0]:.2f}"] for r in records]

@@ -713,16 +713,16 @@ def clipped_layer_stats(layer: nn.Module, inputs: Any, hessian: bool,
     sums: dict[str, LayerStats] = {}
     clipped = {k: 0 for k in blocks}
     for _start, xs in window_inputs(layer, inputs, batch_size, scales):
-        sq = {k: x.pow(2).sum(1) for k, x in xs.items()}
+        # with a Hessian the square sums are its diagonal: no separate square sums
+        sq = None if hessian else {k: x.pow(2).sum(1) for k, x in xs.items()}
         factors = clip_factors(window_norms(xs, hessian, sq), bounds)
         for k in blocks:
             f = factors[k]
             clipped[k] += int((f < 1).sum())
             tokens = int(inputs.hidden.shape[1]) * int(f.shape[0])
             if k not in sums:
-                d = sq[k].shape[1]
-                sums[k] = LayerStats(d, hessian=hessian)
-            if hessian:
+                sums[k] = LayerStats(xs[k].shape[-1], hessian=hessian)
+            if sq is None:
                 # sum_w f_w 2 X_w^T X_w as one product over the batch's tokens (no per-window
                 # d x d matrices): each window's rows of one factor scaled by its f_w
                 x = xs[k]
