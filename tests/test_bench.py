@@ -91,6 +91,16 @@ def test_bench_runs_resumes_and_records_failures(tiny_dir, tmp_path, monkeypatch
     assert "Failed cells" in md and (out / "ppl-main.png").exists()
     assert (out / "vote-histogram.png").exists() and (out / "layer-agreement.png").exists()
     assert data["mask_stats"] and all(s["clients"] == 2 for s in data["mask_stats"].values())
+    # every cell says where it was made: this source's commit and this CPU
+    from fedcompress.report import machine, versions
+
+    where = {"commit": versions().get("git_commit", "unknown"),
+             "cpu_model": machine()["cpu_model"]}
+    assert all(r["made_at"]["commit"] == where["commit"] for r in data["results"])
+    assert all(r["made_at"]["cpu_model"] == where["cpu_model"] for r in data["results"])
+    (group,) = data["provenance"]
+    assert len(group["cells"]) == 10 and group["commit"] == where["commit"]
+    assert "## Where the cells were made" in md and "more than one commit" not in md
 
     # Resume: finished cells and cached client masks are reused, the failed cell is retried.
     import fedcompress.pruning.local as local
@@ -100,11 +110,31 @@ def test_bench_runs_resumes_and_records_failures(tiny_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(local, "local_masks", boom)
     monkeypatch.setattr("fedcompress.methods.fedprllm.experiment.local_masks", boom)
+    # ... resumed at another commit on another CPU: the report keeps both apart
+    elsewhere = {"commit": "0123abc", "cpu_model": "Other CPU", "cpu_capability": "AVX2",
+                 "torch_threads": 1}
+    monkeypatch.setattr("fedcompress.bench.sweep.made_at", lambda: elsewhere)
     before = (out / "results.jsonl").read_text().splitlines()
     again = run_bench(_write(tmp_path, config), out, progress=False)
     after = (out / "results.jsonl").read_text().splitlines()
     assert len(after) == len(before) + 1  # only the failed cell ran again
     assert again.status == "incomplete"
+    data = json.loads((out / "report.json").read_text())
+    first, second = data["provenance"]
+    assert len(first["cells"]) == 9 and first["commit"] == where["commit"]
+    assert second == {**elsewhere, "cells": [failed[0]["id"]]}
+    md = (out / "report.md").read_text()
+    assert "| 0123abc | Other CPU | AVX2 | 1 | 1 |" in md and "more than one commit" in md
+
+
+def test_provenance_groups_records_and_names_the_unrecorded():
+    from fedcompress.bench.sweep import MADE_AT_KEYS, provenance
+
+    a = {"commit": "aaa", "cpu_model": "X", "cpu_capability": "AVX512", "torch_threads": 2}
+    records = [{"id": "c1", "made_at": a}, {"id": "c2"}, {"id": "c3", "made_at": a}]
+    assert provenance(records) == [{**a, "cells": ["c1", "c3"]},
+                                   {**dict.fromkeys(MADE_AT_KEYS), "cells": ["c2"]}]
+    assert provenance([]) == []
 
 
 def test_table_from_stored_results(tiny_dir):

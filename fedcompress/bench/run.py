@@ -17,6 +17,7 @@ from fedcompress.bench.sweep import (
     kind_overrides,
     load_bench,
     plan,
+    provenance,
 )
 from fedcompress.bench.tables import study_markdown
 from fedcompress.report import RunReport, markdown_table
@@ -97,6 +98,7 @@ def _update(report: RunReport, runner: BenchRunner, studies: list[Study],
                                         "columns": s.columns, "options": s.options,
                                         "cells": [c.id for c in s.cells]} for s in studies}
     report.extra["mask_stats"] = runner.stats
+    report.extra["provenance"] = provenance(records)
     report.sections = [(f"Study `{s.name}`", study_markdown(s, runner.results))
                        for s in studies]
     report.sections += extra
@@ -106,6 +108,8 @@ def _update(report: RunReport, runner: BenchRunner, studies: list[Study],
     cost = server_cost(records)
     if cost:
         report.sections.append(("Server aggregation cost vs client mask computation", cost))
+    if records:
+        report.sections.append(("Where the cells were made", provenance_table(records)))
     failed = [r for r in records if r.get("status") != "ok"]
     if failed:
         report.sections.append(("Failed cells", markdown_table(
@@ -174,6 +178,22 @@ def server_cost(records: list[dict]) -> str:
             "load is timed apart, not in these).\n\n" + markdown_table(
                 ["model", "clients", "windows/client", "method", "sparsity", "server variant",
                  "client s", "count s", "select+apply s", "server / client"], rows))
+
+
+def provenance_table(records: list[dict]) -> str:
+    """Each distinct commit and CPU the cells were made at, with how many (a run resumed at
+    another commit or on another machine keeps its finished cells)."""
+    groups = provenance(records)
+    rows = [[g["commit"] or "not recorded", g["cpu_model"] or "not recorded",
+             g["cpu_capability"] or "-", "-" if g["torch_threads"] is None
+             else str(g["torch_threads"]), str(len(g["cells"]))] for g in groups]
+    text = markdown_table(["commit", "CPU", "kernels", "torch threads", "cells"], rows)
+    if len(groups) > 1:
+        text += ("\n\nThe cells were made at more than one commit or CPU: timings compare "
+                 "only within a group, and float results (SparseGPT's and GPTQ's solves "
+                 "above all) can differ across CPUs by their float floor. "
+                 "`provenance` in report.json lists each group's cells.")
+    return text
 
 
 def make_plots(out: Path, runner: BenchRunner, studies: list[Study]) -> list[Path]:

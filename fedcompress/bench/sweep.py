@@ -148,6 +148,34 @@ def bench_record(cell: Cell, fields: dict) -> dict:
             "eval": dict(cell.evals), **fields}
 
 
+#: What a record's ``made_at`` holds: the source and the float kernels it ran on. A run resumed
+#: at another commit or on another CPU keeps its finished cells, so each cell says where it
+#: was made (the report groups them: :func:`provenance`).
+MADE_AT_KEYS = ("commit", "cpu_model", "cpu_capability", "torch_threads")
+
+
+def made_at() -> dict[str, Any]:
+    """This process's ``made_at`` (:data:`MADE_AT_KEYS`): the git commit of the source
+    (``+dirty`` when it has uncommitted changes), the CPU model, the kernel level torch
+    dispatches to and torch's threads."""
+    from fedcompress.report import machine, versions
+
+    found = {"commit": versions().get("git_commit", "unknown"), **machine()}
+    return {key: found.get(key, "unknown") for key in MADE_AT_KEYS}
+
+
+def provenance(records: list[dict]) -> list[dict[str, Any]]:
+    """The distinct ``made_at`` of ``records`` with their cell ids, in the order first seen;
+    records stored before cells carried it form one group whose values are ``None``."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for record in records:
+        where = record.get("made_at") or {}
+        key = tuple(where.get(k) for k in MADE_AT_KEYS)
+        group = groups.setdefault(key, {**dict(zip(MADE_AT_KEYS, key)), "cells": []})
+        group["cells"].append(record["id"])
+    return list(groups.values())
+
+
 def _digest(value: Any) -> str:
     return hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -372,6 +400,7 @@ class BenchRunner:
         if stats_file.exists():
             self.stats = json.loads(stats_file.read_text())
         self.on_result = None  # callback(record) after each finished cell
+        self.made_at = made_at()
 
     # -- bookkeeping -----------------------------------------------------------------------
     def cells(self) -> list[Cell]:
@@ -387,7 +416,7 @@ class BenchRunner:
     def _record(self, cell: Cell, record: dict) -> dict:
         if "sparsity" in record:  # the measured fraction; "sparsity" stays the requested one
             record["sparsity_measured"] = record.pop("sparsity")
-        record = bench_record(cell, record)
+        record = bench_record(cell, {**record, "made_at": self.made_at})
         self.results[cell.id] = record
         with self.results_file.open("a") as fh:
             fh.write(json.dumps(record, default=float) + "\n")
