@@ -39,6 +39,21 @@ def _free_range(size: int = 40) -> tuple[int, int]:
     raise RuntimeError("no free port range for Ray workers")
 
 
+#: Ray's worker entry points: a worker runs one of them until it sets its title to ``ray::...``
+#: (a worker caught before that is still a worker, which Ray may stop when it is idle).
+WORKER_SCRIPTS = ("default_worker.py", "setup_worker.py")
+
+
+def _is_worker(argv: list[str]) -> bool:
+    """A Ray worker (``ray::IDLE``, ``ray::ClientAppActor...``, or one not yet titled), not a
+    node process (GCS, raylet, the agents, whose titles may also start with ``ray::``). The
+    raylet's own arguments name the worker script inside one long option, never as argv 1-2."""
+    title = " ".join(argv)
+    if title.startswith("ray::"):
+        return "Agent" not in title
+    return any(arg.endswith(WORKER_SCRIPTS) for arg in argv[1:3])
+
+
 class TwoNodeCluster:
     """``ray start --head`` and ``ray start --address`` on this machine, in a private temp dir
     (its ``ray_current_cluster`` stays there: no other run's ``ray.init`` finds this cluster).
@@ -53,6 +68,7 @@ class TwoNodeCluster:
         self.address = f"127.0.0.1:{self.port}"
         self.starters: dict[str, subprocess.Popen] = {}
         self.seen: dict[str, dict[int, float]] = {}  # node -> {pid: create time}
+        self.argv: dict[int, list[str]] = {}  # core pid -> its command line when first seen
         self._done = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True)
 
@@ -113,12 +129,17 @@ class TwoNodeCluster:
         for pids in self.seen.values():
             for pid, created in pids.items():
                 try:
-                    title = " ".join(psutil.Process(pid).cmdline())
+                    argv = psutil.Process(pid).cmdline()
                 except psutil.NoSuchProcess:
                     continue
-                if not title.startswith("ray::") or "Agent" in title:  # not a worker
+                if not _is_worker(argv):
                     core[pid] = created
+                    self.argv[pid] = argv
         return core
+
+    def describe(self, pids) -> str:
+        """What the given processes were started as (for a failure's message)."""
+        return "; ".join(f"{pid}: {' '.join(self.argv.get(pid, ['?']))[:160]}" for pid in pids)
 
     def alive_nodes(self) -> int:
         """Alive nodes, asked from a separate driver (this process stays free of Ray)."""
@@ -219,7 +240,8 @@ def test_simulation_attached_to_a_two_node_cluster(ray_cluster, tiny_dir, tmp_pa
 
     # The cluster outlives the run untouched: both nodes alive, no node process stopped.
     assert ray_cluster.alive_nodes() == 2
-    assert TwoNodeCluster._alive(core) == sorted(core)
+    gone = sorted(set(core) - set(TwoNodeCluster._alive(core)))
+    assert not gone, f"node processes stopped: {ray_cluster.describe(gone)}"
 
     # Same pruned model as the same federation run in-process.
     class Federation(InProcessFederation):
