@@ -575,17 +575,35 @@ def _listen(path: str, backlog: int = MAX_CONNECTIONS) -> socket.socket:
                 raise SiteWorkerError(f"another site worker listens on {path}")
             finally:
                 probe.close()
+        # Bound and listening under a temporary name, then linked to ``name``: the socket file
+        # appears only once it accepts connections (whoever waits for it never meets a refusal),
+        # and link(2) never replaces a file created meanwhile.
+        staging = f".binding-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):  # left by a killed worker of this pid
+            os.unlink(staging, dir_fd=fd)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         umask = os.umask(0o177)
         try:
-            sock.bind(address)
+            sock.bind(_fd_path(fd, staging, os.path.join(os.path.dirname(path), staging)))
         except OSError as err:
             sock.close()
             raise SiteWorkerError(f"cannot create the socket {path}: {err}") from err
         finally:
             os.umask(umask)
-        os.chmod(name, 0o600, dir_fd=fd)  # bound just now, in our 0700 folder
-        sock.listen(backlog)
+        try:
+            os.chmod(staging, 0o600, dir_fd=fd)  # bound just now, in our 0700 folder
+            sock.listen(backlog)
+            try:
+                os.link(staging, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+            except FileExistsError:
+                raise SiteWorkerError(f"{path} was created while this worker started: another "
+                                      "site worker listens there, or something else made it"
+                                      ) from None
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            os.unlink(staging, dir_fd=fd)
         return sock
     finally:
         os.close(fd)

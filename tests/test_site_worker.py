@@ -168,6 +168,47 @@ def test_socket_file_rules(tmp_path):
         sw._listen(str(tmp_path / "file"))
 
 
+def test_socket_file_appears_only_once_it_listens(tmp_path, monkeypatch):
+    """Whoever waits for the socket file to appear (a test, a start-up script) can connect at
+    once: when the socket starts listening its final name does not exist yet, and afterwards
+    the folder holds that one file (no staging name left)."""
+    path = tmp_path / "s.sock"
+    seen = []
+    listen = socket.socket.listen
+
+    def spy(sock, *args):
+        seen.append(path.exists())
+        return listen(sock, *args)
+
+    monkeypatch.setattr(socket.socket, "listen", spy)
+    listener = sw._listen(str(path))
+    try:
+        assert seen == [False]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(path))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["s.sock"]
+    finally:
+        listener.close()
+        path.unlink()
+
+
+def test_a_file_made_while_the_worker_starts_is_never_replaced(tmp_path, monkeypatch):
+    """A file appearing at the socket's path between the stale-socket check and the worker's
+    publishing its socket is kept, and the worker refuses to start (no staging file left)."""
+    path = tmp_path / "s.sock"
+    listen = socket.socket.listen
+
+    def race(sock, *args):
+        path.write_text("made meanwhile")
+        return listen(sock, *args)
+
+    monkeypatch.setattr(socket.socket, "listen", race)
+    with pytest.raises(sw.SiteWorkerError, match="was created while this worker started"):
+        sw._listen(str(path))
+    assert path.read_text() == "made meanwhile"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.sock"]
+
+
 # -- refusals -------------------------------------------------------------------------------------
 def test_missing_socket_or_not_a_socket_is_a_clear_error(tmp_path):
     message, context = _message(_masks_config("tiny"), "query.warmup"), _context()
