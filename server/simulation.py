@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +53,92 @@ def simulate(server_app, client_app, num_supernodes: int, num_cpus_per_client: f
         logger.info("attaching to the Ray cluster at %s", address)
     before = set() if attached else _ray_pids()
     try:
+        if not attached:  # Flower's RayBackend finds Ray initialized and uses this instance
+            start_private_ray(backend_config["init_args"])
         run_simulation(server_app=server_app, client_app=client_app,
                        num_supernodes=num_supernodes, backend_config=backend_config,
                        verbose_logging=verbose)
     finally:
         if not attached:  # an attached run starts no Ray process: all belong to the cluster
+            import ray
+
+            ray.shutdown()  # Flower shuts its backend's Ray down; not if it failed before
             reap_ray_orphans(before)
+
+
+#: What Ray raises when its local node did not register with its GCS within Ray's fixed 30 s
+#: (``raylet_start_wait_time_s`` in ``ray/_private/node.py``, not configurable): seen on a
+#: 2-core machine that other work loads.
+RAY_NODE_STARTUP_TIMEOUT = "The current node timed out during startup"
+#: Starts of a private Ray instance when its node times out at startup (see above).
+RAY_START_ATTEMPTS = 2
+
+
+def start_private_ray(init_args: dict, attempts: int = RAY_START_ATTEMPTS) -> None:
+    """Start this run's private Ray instance as Flower's ``RayBackend.init_ray`` would (flwr
+    1.41: the same ``init_args``, the driver's ``sys.path`` as the workers' PYTHONPATH, in the
+    environment and in the runtime env), so that Flower finds Ray initialized and uses it, and
+    shuts it down at the end as it would its own. When Ray's local node does not register in
+    time (:data:`RAY_NODE_STARTUP_TIMEOUT`), the processes that start left are stopped and Ray
+    is started again, ``attempts`` starts in all; any other failure is raised at once. Nothing
+    of the run has started by then: no ServerApp, no ClientApp."""
+    import ray
+
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise ValueError(f"attempts={attempts!r}: expected an integer >= 1")
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath  # Ray's processes inherit it, as under Flower
+    for attempt in range(1, attempts + 1):
+        before = _ray_pids()
+        try:
+            ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **init_args)
+            return
+        except Exception as err:
+            if not _is_node_startup_timeout(err):
+                raise
+            started = _stop_started_ray(before)
+            if attempt == attempts:
+                raise RuntimeError(
+                    f"Ray's local node did not start: it timed out {attempts} time(s) "
+                    f"(Ray waits a fixed 30 s for it to register); is the machine loaded? "
+                    f"(Ray said: {err})") from err
+            logger.warning("Ray's local node timed out during startup (start %d of %d; Ray "
+                           "waits a fixed 30 s, which a loaded machine can miss): stopped "
+                           "the %d process(es) it left and starting Ray again", attempt,
+                           attempts, len(started))
+
+
+def _is_node_startup_timeout(err: BaseException | None) -> bool:
+    """Whether ``err`` or an exception it was raised from or during is Ray's node timeout."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if RAY_NODE_STARTUP_TIMEOUT in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _stop_started_ray(before: set[int]) -> list[int]:
+    """Stop the Ray processes a failed ``ray.init`` of this process left (not in ``before``,
+    this process's descendants: another Ray instance's processes are not touched)."""
+    import psutil
+    import ray
+
+    ray.shutdown()  # disconnects whatever part of the driver got connected
+    ours = {child.pid for child in psutil.Process().children(recursive=True)}
+    stopped: list[int] = []
+    for pid in sorted((_ray_pids() - before) & ours):
+        try:
+            proc = psutil.Process(pid)
+            proc.kill()
+            proc.wait(10)
+            stopped.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return stopped
 
 
 def ray_init_address(ray_address: str, timeout: float = 5.0) -> str:
