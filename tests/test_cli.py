@@ -138,12 +138,17 @@ def test_failed_run_keeps_finished_results(tiny_model_dir, tmp_path):
 def test_prune_bad_input_fails_before_any_work(monkeypatch, capsys, tmp_path, args, message):
     import server.simulation
     from fedcompress import models
+    from fedcompress.methods.fedprllm import experiment
 
     def work(*args, **kwargs):  # no Ray start, no model load: the error comes first
         raise AssertionError("work started before the bad input was refused")
 
+    # experiment binds load_model at its import: imported first, it binds the real one (an
+    # import under the patch would keep `work` for every later test of this worker), and the
+    # name it calls is patched too
     monkeypatch.setattr(server.simulation, "simulate", work)
     monkeypatch.setattr(models, "load_model", work)
+    monkeypatch.setattr(experiment, "load_model", work)
     code, err = run_main(monkeypatch, capsys, "prune", "--out", str(tmp_path / "o"), *args)
     assert code == 2
     assert message in err
