@@ -383,10 +383,21 @@ def test_the_peers_config_plans_every_strategy():
                          ("sparsegpt", "fedspallm", "oneshot")}
         assert {c["sparsity"] for c in mine} == {0.5, 0.6, 0.7}
         assert all(c["model"] == "qwen2.5-0.5b" for c in cells if "model" in c)
-    big = plan(tomllib.loads((path.parent / "bench_peers_1p5b.toml").read_text()))
+    # Qwen2.5-1.5B: the target and the four session-sized parts plan every (method, aggregate)
+    # at 50% and 70%, with no cell twice and no study name twice (their pages are read together).
+    parts = ["bench_peers_1p5b_target.toml", "bench_peers_1p5b_votes.toml",
+             "bench_peers_1p5b_stats.toml",
+             *(f"bench_peers_1p5b_{kind}_{pct}.toml"
+               for kind in ("sparsegpt", "fedspallm") for pct in (50, 70))]
+    big = [s for name in parts for s in plan(tomllib.loads((path.parent / name).read_text()))]
+    assert len({s.name for s in big}) == len(big)
+    assert len({c.id for s in big for c in s.cells}) == sum(len(s.cells) for s in big)
     fed = [c.settings() for s in big for c in s.cells if c.kind == "fedprllm"]
     assert all(c["onload"] and c["model"] == "qwen2.5-1.5b" for c in fed)
-    assert {(c["method"], c["aggregate"]) for c in fed} == {
-        ("wanda", "votes"), ("wanda", "stats"), ("ria", "stats"), ("sparsegpt", "stats"),
-        ("sparsegpt", "fedspallm")}
-    assert {c["sparsity"] for c in fed} == {0.5, 0.7}
+    assert all((c["clients"], c["samples_per_client"]) == (16, 4) for c in fed)
+    for pair in (("wanda", "votes"), ("wanda", "stats"), ("ria", "stats"),
+                 ("sparsegpt", "stats"), ("sparsegpt", "fedspallm")):
+        assert {c["sparsity"] for c in fed if (c["method"], c["aggregate"]) == pair} == {
+            0.5, 0.7}, pair
+    assert {c["group"] for c in fed if c["aggregate"] == "votes"} == {"layer", "row", "column"}
+    assert {c["fedspallm_layers"] for c in fed if c["aggregate"] == "fedspallm"} == {7}
