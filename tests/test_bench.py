@@ -294,9 +294,14 @@ def test_bench_runs_statistics_mode_and_fedspallm_cells(tiny_dir, tmp_path, monk
     calls = []
     real = fs.site_release
     monkeypatch.setattr(fs, "site_release", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spills, real_sum = [], fs.L0Sum
+    monkeypatch.setattr(fs, "L0Sum", lambda m, spill=None: spills.append(spill)
+                        or real_sum(m, spill))
     out = tmp_path / "out"
     report = run_bench(_write(tmp_path, config), out, progress=False)
     assert report.status == "ok"
+    # the server's sum was held on disk in the output folder, and nothing of it is left there
+    assert spills == [out] and not [p for p in out.iterdir() if p.name.startswith("l0sum-")]
     data = json.loads((out / "report.json").read_text())
     by_name = {r["name"]: r for r in data["results"]}
     stats, central = by_name["fedprllm-stats-row"], by_name["centralized"]

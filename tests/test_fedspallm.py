@@ -20,7 +20,13 @@ from fedcompress.methods.fedspallm import (
     site_release,
 )
 from fedcompress.models import ModelAdapter, weight_matrix
-from fedcompress.pruning.local import PruneConfig, apply_masks, local_masks, sparsity_report
+from fedcompress.pruning.local import (
+    PruneConfig,
+    apply_layer_masks,
+    apply_masks,
+    local_masks,
+    sparsity_report,
+)
 
 
 def _release(weight: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +100,39 @@ def test_the_running_sum_is_the_lists_aggregation_bit_for_bit(tiny_model):
                                                [r.values[i][name] for r in held], 0.5, group)
                 assert torch.equal(masks[i][name], mask), (group, i, name)
                 assert torch.equal(weights[i][name], weight), (group, i, name)
+
+
+def test_a_sum_spilled_to_disk_is_the_one_in_memory_bit_for_bit(tiny_model, tmp_path):
+    """L0Sum with ``spill`` (what the bench uses, so that Qwen2.5-1.5B's sum need not fit in
+    memory): memory-mapped files, unlinked as soon as they are mapped (the folder stays empty),
+    give the in-memory sums, counts, masks and weights exactly; its per-layer stream applied
+    one layer at a time gives the model the lists give."""
+    model = tiny_model("llama", n_layers=3)
+    gen = torch.Generator().manual_seed(6)
+    windows = [torch.randint(5, 100, (2, 16), generator=gen) for _ in range(3)]
+    memory = run_sites(model, windows, 0.6, budgets=[2, 1, 2], seed=3)
+    spilled = run_sites(model, windows, 0.6, budgets=[2, 1, 2], seed=3, spill=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert spilled.total.holders == memory.total.holders
+    for i in memory.total.totals:
+        for name, total in memory.total.totals[i].items():
+            assert torch.equal(spilled.total.totals[i][name], total)
+            assert torch.equal(spilled.total.keepers[i][name], memory.total.keepers[i][name])
+            assert spilled.total.keepers[i][name].dtype == torch.int16
+    for group in ("layer", "row"):
+        masks, weights = memory.total.aggregate(0.6, group)
+        listed = apply_masks(tiny_model("llama", n_layers=3), masks, weights)
+        streamed = tiny_model("llama", n_layers=3)
+        for index, layer_masks, layer_weights in spilled.total.layers(0.6, group):
+            assert all(torch.equal(layer_masks[n], m) for n, m in masks[index].items())
+            assert all(torch.equal(layer_weights[n], w) for n, w in weights[index].items())
+            apply_layer_masks(streamed, index, layer_masks, layer_weights)
+        for a, b in zip(listed.state_dict().values(), streamed.state_dict().values()):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="expected an existing directory"):
+        L0Sum(model, spill=tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"decoder layer 3: expected 0\.\.2"):
+        apply_layer_masks(model, 3, {})
 
 
 def test_the_running_sum_refuses_a_bad_release_whole(tiny_model):

@@ -734,8 +734,10 @@ class BenchRunner:
     def _run_fedspallm(self, exp: Experiment, variants: list[Cell]) -> None:
         """FedSpaLLM cells sharing their sites' releases (the same client settings: only the
         server's comparison ``group`` differs): the releases once, summed as they come (one in
-        memory at a time), then each cell's l0 average and mask expansion
-        (:mod:`fedcompress.methods.fedspallm`)."""
+        memory at a time) into a sum held on disk under the output folder (memory-mapped,
+        unlinked at once: :class:`~fedcompress.methods.fedspallm.L0Sum`; for Qwen2.5-1.5B it
+        would not fit in 24 GiB beside the model), then each cell's l0 average and mask
+        expansion, one decoder layer at a time (:mod:`fedcompress.methods.fedspallm`)."""
         from fedcompress.methods.fedspallm import run_sites
 
         config = variants[0].config()
@@ -746,7 +748,8 @@ class BenchRunner:
                              config.local_group, config.seed, config.batch_size, config.onload,
                              wrap=lambda w: _progress(w, self.progress,
                                                       f"FedSpaLLM releases ({config.clients} "
-                                                      "sites)"))
+                                                      "sites)"),
+                             spill=self.out)
         except Exception as err:
             for cell in variants:
                 self.run_cell(cell, lambda err=err: _raise(err))
@@ -755,14 +758,20 @@ class BenchRunner:
             self.run_cell(cell, lambda cell=cell: self._fedspallm(exp, cell, runs))
 
     def _fedspallm(self, exp: Experiment, cell: Cell, runs: Any) -> dict:
-        from fedcompress.pruning.local import apply_masks
+        from fedcompress.pruning.local import apply_layer_masks
 
         config = cell.config()
-        start = time.perf_counter()
-        masks, weights = runs.total.aggregate(config.sparsity, config.group)
-        aggregate = time.perf_counter() - start
-        model = apply_masks(exp.fresh_copy(), masks, weights)
-        del masks, weights
+        model = exp.fresh_copy()
+        aggregate = 0.0  # the server's seconds: each layer's average and expansion, not applying
+        layers = runs.total.layers(config.sparsity, config.group)
+        while True:
+            start = time.perf_counter()
+            item = next(layers, None)
+            aggregate += time.perf_counter() - start
+            if item is None:
+                break
+            apply_layer_masks(model, *item)
+            del item
         return exp.evaluate(f"fedspallm-{config.group}", model, rounds=1,
                             aggregate_seconds=aggregate,
                             client_seconds_mean=float(np.mean(runs.seconds)),

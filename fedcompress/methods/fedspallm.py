@@ -29,9 +29,12 @@ was written, so every choice below that the abstract leaves open is named as suc
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -265,11 +268,17 @@ class L0Sum:
     layer, the float64 sum of the values the sites kept and how many kept each weight
     (:data:`KEEPER_DTYPE`), and how many releases hold the layer. A release need not stay in
     memory once added: for Qwen2.5-0.5B one is about 1.1 GB (a byte per mask entry, float32
-    kept values) and the sum about 3.6 GB, whatever the number of sites. Adding the releases
-    in one order gives :func:`l0_average`'s sums bit for bit; :meth:`aggregate` can be called
-    for several comparison groups."""
+    kept values) and the sum about 3.6 GB, whatever the number of sites (ten bytes per linear
+    weight: about 13 GB for Qwen2.5-1.5B).
 
-    def __init__(self, model: nn.Module) -> None:
+    ``spill``: a directory to hold the sums in instead of memory: each layer's arrays are
+    memory-mapped files created there on its first release and unlinked at once, so the page
+    cache holds what fits, the disk the rest, and nothing is left behind however the process
+    ends (POSIX; the space is freed when the sum is). The sums are the same bit for bit either
+    way. Adding the releases in one order gives :func:`l0_average`'s sums bit for bit;
+    :meth:`aggregate` and :meth:`layers` can be called for several comparison groups."""
+
+    def __init__(self, model: nn.Module, spill: str | os.PathLike | None = None) -> None:
         adapter = ModelAdapter(model)
         self.shapes = [{name: tuple(weight_matrix(m).shape)
                         for name, m in ModelAdapter.linear_layers(layer).items()}
@@ -277,10 +286,27 @@ class L0Sum:
         self.dtypes = [{name: weight_matrix(m).dtype
                         for name, m in ModelAdapter.linear_layers(layer).items()}
                        for layer in adapter.layers]
+        if spill is not None and not Path(spill).is_dir():
+            raise ValueError(f"spill directory {str(spill)!r}: expected an existing directory")
+        self.spill = None if spill is None else Path(spill)
         self.holders = [0] * len(self.shapes)
         self.releases = 0  # added so far
         self.totals: dict[int, dict[str, torch.Tensor]] = {}
         self.keepers: dict[int, dict[str, torch.Tensor]] = {}
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero array of the sum: in memory, or a memory-mapped file under :attr:`spill`,
+        unlinked as soon as it is mapped (a fresh sparse file reads as zeros)."""
+        if self.spill is None:
+            return torch.zeros(shape, dtype=dtype)
+        fd, path = tempfile.mkstemp(prefix="l0sum-", dir=self.spill)
+        try:
+            os.close(fd)
+            array = np.memmap(path, dtype=torch.empty(0, dtype=dtype).numpy().dtype,
+                              mode="w+", shape=shape)
+        finally:
+            os.unlink(path)
+        return torch.from_numpy(array)
 
     def add(self, release: SiteRelease) -> None:
         """Add one site's release, checked whole first (its layers and linear layers exactly
@@ -306,9 +332,9 @@ class L0Sum:
                              "releases: the most an L0Sum counts")
         for i in sorted(release.masks):
             if i not in self.totals:
-                self.totals[i] = {n: torch.zeros(s, dtype=torch.float64)
+                self.totals[i] = {n: self._zeros(s, torch.float64)
                                   for n, s in self.shapes[i].items()}
-                self.keepers[i] = {n: torch.zeros(s, dtype=KEEPER_DTYPE)
+                self.keepers[i] = {n: self._zeros(s, KEEPER_DTYPE)
                                    for n, s in self.shapes[i].items()}
             for name in self.shapes[i]:
                 _add_site(self.totals[i][name], self.keepers[i][name],
@@ -316,18 +342,16 @@ class L0Sum:
             self.holders[i] += 1
         self.releases += 1
 
-    def aggregate(self, sparsity: float, group: str = "layer"
-                  ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
-        """Per decoder layer and linear layer, the global ``(mask, weight)`` (weights in the
-        model's dtype): the l0 average of the releases that hold it and its mask expansion
-        (:func:`aggregate_layer`); ValueError naming the layers no release holds (they would
-        stay dense)."""
+    def layers(self, sparsity: float, group: str = "layer"
+               ) -> Iterator[tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+        """Per decoder layer in order, ``(index, masks, weights)``: each linear layer's global
+        mask and weight (in the model's dtype), the l0 average of the releases that hold it and
+        its mask expansion (:func:`aggregate_layer`), one decoder layer in memory at a time;
+        ValueError naming the layers no release holds (they would stay dense), before any."""
         unheld = [i for i, n in enumerate(self.holders) if n == 0]
         if unheld:
             raise ValueError(f"decoder layers {unheld} are in no valid site's release: "
                              "expected every layer pruned by at least one site")
-        masks: list[dict[str, torch.Tensor]] = []
-        weights: list[dict[str, torch.Tensor]] = []
         for i, shapes in enumerate(self.shapes):
             layer_masks, layer_weights = {}, {}
             for name in shapes:
@@ -336,6 +360,15 @@ class L0Sum:
                                        self.holders[i], sparsity, group)
                 layer_masks[name] = mask
                 layer_weights[name] = weight.to(self.dtypes[i][name])
+            yield i, layer_masks, layer_weights
+
+    def aggregate(self, sparsity: float, group: str = "layer"
+                  ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+        """Every decoder layer's :meth:`layers` at once: ``(masks, weights)``, lists by
+        decoder layer."""
+        masks: list[dict[str, torch.Tensor]] = []
+        weights: list[dict[str, torch.Tensor]] = []
+        for _, layer_masks, layer_weights in self.layers(sparsity, group):
             masks.append(layer_masks)
             weights.append(layer_weights)
         return masks, weights
@@ -366,17 +399,19 @@ class SiteRuns:
 def run_sites(model: nn.Module, windows: Sequence[torch.Tensor], sparsity: float,
               budgets: Sequence[int] | None = None, local_group: str = "row", seed: int = 0,
               batch_size: int = 8, onload: bool = False,
-              wrap: Callable[[Iterable], Iterable] | None = None) -> SiteRuns:
+              wrap: Callable[[Iterable], Iterable] | None = None,
+              spill: str | os.PathLike | None = None) -> SiteRuns:
     """Every site's release in one process: the layer assignment (``budgets``: layers per
     site; default all), each site's :func:`site_release` on its ``windows`` added to one
     :class:`L0Sum` and dropped (one release in memory at a time), its bytes and seconds
-    (``wrap``: e.g. a progress bar around the sites' windows)."""
+    (``wrap``: e.g. a progress bar around the sites' windows; ``spill``: a directory to hold
+    the sum in instead of memory, :class:`L0Sum`)."""
     n_layers = len(ModelAdapter(model))
     budgets = [n_layers] * len(windows) if budgets is None else list(budgets)
     if len(budgets) != len(windows):
         raise ValueError(f"{len(budgets)} layer budgets for {len(windows)} sites")
     assignment = assign_layers(n_layers, budgets, seed)
-    runs = SiteRuns(assignment, L0Sum(model), [], [])
+    runs = SiteRuns(assignment, L0Sum(model, spill), [], [])
     for w, layers in zip(wrap(windows) if wrap else windows, assignment):
         start = time.perf_counter()
         release = site_release(model, w, layers, sparsity, local_group, batch_size, onload)
@@ -390,11 +425,13 @@ def run_sites(model: nn.Module, windows: Sequence[torch.Tensor], sparsity: float
 def fedspallm_prune(model: nn.Module, windows: Sequence[torch.Tensor], sparsity: float,
                     budgets: Sequence[int] | None = None, local_group: str = "row",
                     group: str = "layer", seed: int = 0, batch_size: int = 8,
-                    onload: bool = False) -> FedSpaLLMRun:
+                    onload: bool = False, spill: str | os.PathLike | None = None
+                    ) -> FedSpaLLMRun:
     """FedSpaLLM in one process (benchmarks): every site's release on its ``windows`` over
     its assigned layers (:func:`run_sites`), then the server's l0 average and mask
     expansion per linear layer (comparison ``group``). The model is not changed: apply the
     result with :func:`~fedcompress.pruning.local.apply_masks`."""
-    runs = run_sites(model, windows, sparsity, budgets, local_group, seed, batch_size, onload)
+    runs = run_sites(model, windows, sparsity, budgets, local_group, seed, batch_size, onload,
+                     spill=spill)
     masks, weights = runs.total.aggregate(sparsity, group)
     return FedSpaLLMRun(masks, weights, runs.assignment, runs.bytes_up)

@@ -437,18 +437,31 @@ def apply_masks(model: nn.Module, masks: list[dict[str, torch.Tensor]],
     adapter = ModelAdapter(model)
     if len(masks) != len(adapter):
         raise ValueError(f"masks for {len(masks)} layers, the model has {len(adapter)}")
-    for index, layer in enumerate(adapter.layers):
-        linears = ModelAdapter.linear_layers(layer)
-        for name, mask in masks[index].items():
-            if name not in linears:
-                raise KeyError(f"layer {index} has no linear layer {name!r}")
-            w = weight_matrix(linears[name])
-            if mask.shape != w.shape:
-                raise ValueError(f"mask of layer {index} {name} has shape {tuple(mask.shape)}, "
-                                 f"the weight {tuple(w.shape)}")
-            if weights is not None and weights[index] is not None and name in weights[index]:
-                w.copy_(weights[index][name].to(w.dtype))
-            w.masked_fill_(mask.to(w.device), 0)
+    for index in range(len(adapter)):
+        apply_layer_masks(model, index, masks[index],
+                          None if weights is None else weights[index])
+    return model
+
+
+@torch.no_grad()
+def apply_layer_masks(model: nn.Module, index: int, masks: dict[str, torch.Tensor],
+                      weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Prune decoder layer ``index`` of ``model`` in place (:func:`apply_masks` for one layer:
+    a caller can hold one layer's masks and weights at a time)."""
+    adapter = ModelAdapter(model)
+    if not 0 <= index < len(adapter):
+        raise ValueError(f"decoder layer {index}: expected 0..{len(adapter) - 1}")
+    linears = ModelAdapter.linear_layers(adapter.layers[index])
+    for name, mask in masks.items():
+        if name not in linears:
+            raise KeyError(f"layer {index} has no linear layer {name!r}")
+        w = weight_matrix(linears[name])
+        if mask.shape != w.shape:
+            raise ValueError(f"mask of layer {index} {name} has shape {tuple(mask.shape)}, "
+                             f"the weight {tuple(w.shape)}")
+        if weights is not None and name in weights:
+            w.copy_(weights[name].to(w.dtype))
+        w.masked_fill_(mask.to(w.device), 0)
     return model
 
 
