@@ -14,8 +14,8 @@ from flwr.serverapp import Grid
 
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from fedcompress.methods.fedspallm import (
+    L0Sum,
     SiteRelease,
-    aggregate_releases,
     assign_layers,
     decode_release,
 )
@@ -37,7 +37,9 @@ class FedSpaLLMStrategy(FedPrLLM):
     by the run's seed: a public choice, in the order the nodes are asked) and sends them with
     the request; a reply is its release (:func:`~fedcompress.methods.fedspallm.decode_release`:
     exactly its layers, valid masks, one finite value per kept weight), else it is rejected
-    with its reason. :meth:`prune` aggregates the valid releases."""
+    with its reason. The valid releases are added to one :class:`~fedcompress.methods.fedspallm.
+    L0Sum` as they come, in node order, and dropped (the server holds the sum, not the
+    releases); :meth:`prune` expands it."""
 
     action = "train.fedspallm"
 
@@ -51,7 +53,9 @@ class FedSpaLLMStrategy(FedPrLLM):
         #: every node's assigned layers, in the order the nodes were asked
         self.assignment = assign_layers(self.n_layers, [budget] * config.clients, config.seed)
         self.node_layers: dict[int, list[int]] = {}
-        self.releases: dict[int, SiteRelease] = {}
+        #: the server's l0 sum of the valid releases, and their nodes in the order added
+        self.total = L0Sum(model)
+        self.released: list[int] = []
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -72,6 +76,8 @@ class FedSpaLLMStrategy(FedPrLLM):
             layers = self.node_layers.get(reply.metadata.src_node_id)
             if layers is None:
                 raise ValueError("a release from a node that was not asked")
+            if reply.metadata.src_node_id in self.released:
+                raise ValueError("a second release from a node already in the sum")
             payload = {k: a.numpy() for k, a in reply.content["masks"].items()}
             return decode_release(payload, layers, self.shapes)  # every layer's shapes
 
@@ -81,7 +87,8 @@ class FedSpaLLMStrategy(FedPrLLM):
         self.outcome.add_rejected(rejected)
         for reply, release in sorted(valid, key=lambda v: v[0].metadata.src_node_id):
             node = reply.metadata.src_node_id
-            self.releases[node] = release
+            self.total.add(release)
+            self.released.append(node)
             self.site_nodes.setdefault(server_round, []).append(node)
             self.outcome.client_metrics.append({"stage": "release", "round": server_round,
                                                 "node": node, "layers": len(release.layers),
@@ -92,13 +99,14 @@ class FedSpaLLMStrategy(FedPrLLM):
 
     def prune(self, model: torch.nn.Module, server: Any = None) -> dict[str, float]:
         """Prune (and set the weights of) ``model`` with the l0 average and mask expansion of
-        the valid releases, in node order; returns each linear layer's pruned fraction."""
+        the valid releases' sum, one decoder layer at a time; returns each linear layer's
+        pruned fraction."""
         from fedcompress.masks.codec import mask_key
-        from fedcompress.pruning.local import apply_masks
+        from fedcompress.pruning.local import apply_layer_masks
 
-        releases = [self.releases[n] for n in sorted(self.releases)]
-        masks, weights = aggregate_releases(self.model, releases, self.config.sparsity,
-                                            self.config.group)
-        apply_masks(model, masks, weights)
-        return {mask_key(i, name): float(m.float().mean()) for i, layer in enumerate(masks)
-                for name, m in layer.items()}
+        fractions: dict[str, float] = {}
+        for index, masks, weights in self.total.layers(self.config.sparsity, self.config.group):
+            apply_layer_masks(model, index, masks, weights)
+            fractions.update({mask_key(index, name): float(m.float().mean())
+                              for name, m in masks.items()})
+        return fractions
