@@ -420,6 +420,10 @@ def report_command(
     out: Annotated[Optional[Path], typer.Option(
         "--out", help="The HTML file to write. \\[default: DIR/report.html; with --compare "
                       "runs/compare-TIME.html]", show_default=False)] = None,
+    figures: Annotated[Optional[Path], typer.Option(
+        "--figures", help="With --compare: also write each perplexity against sparsity plot "
+                          "as a PNG file in this folder (perplexity-MODEL-METHOD.png), for a "
+                          "paper or a doc.", show_default=False)] = None,
     log_level: LogOpt = "WARNING",
 ) -> None:
     """Render the run or bench folder DIR (the --out of any command) as one self-contained
@@ -429,8 +433,11 @@ def report_command(
     _setup_logging(log_level)
     from fedcompress.report_html import write_compare, write_report
 
+    if figures is not None and not compare:
+        raise ConfigError(f"--figures {figures}: the plots it writes are those of --compare; "
+                          "give --compare, or drop --figures")
     if compare:
-        path = write_compare(list(folders), out)
+        path = write_compare(list(folders), out, figures)
     elif len(folders) != 1:
         raise ConfigError(f"{len(folders)} folders given: one folder makes its page; give "
                           "--compare to put several runs side by side")

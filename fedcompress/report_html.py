@@ -743,7 +743,8 @@ def compare_curves(rows: list[dict[str, Any]], labels: dict[str, str] | None = N
     model as a reference. A point met twice with different
     perplexities (the same strategy in two runs) gets the run's label on its own line rather
     than being dropped. Sets where no line has two sparsities are left out: the table says it.
-    Each item: ``title``, ``lines`` ({label: [(sparsity, perplexity), ...]}) and ``dense``."""
+    Each item: ``title``, ``model``, ``method``, ``lines`` ({label: [(sparsity, perplexity),
+    ...]}) and ``dense``."""
     plotted = [r for r in rows if isinstance(r["perplexity"], (int, float)) and (
         _is_dense(r) or isinstance(r["sparsity"], (int, float)))]
     sets: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
@@ -782,26 +783,53 @@ def compare_curves(rows: list[dict[str, Any]], labels: dict[str, str] | None = N
               if evaluation else "")
         title = (f"Perplexity against sparsity, {model}, {method}"
                  + (f" ({on})" if on else ""))
-        curves.append({"title": title, "dense": dense[0] if dense else None,
+        curves.append({"title": title, "model": model, "method": method,
+                       "dense": dense[0] if dense else None,
                        "lines": {k: sorted(v.items()) for k, v in lines.items()}})
     return curves
 
 
-def curves_html(curves: list[dict[str, Any]]) -> str:
-    """The curves of :func:`compare_curves` as inline PNG figures (matplotlib)."""
-    import tempfile
+def curve_name(curve: dict[str, Any]) -> str:
+    """A file name for one curve of :func:`compare_curves`: ``perplexity-MODEL-METHOD.png``
+    (lower case, anything but letters, digits, dots and dashes made a dash)."""
+    import re
 
+    stem = f"perplexity-{curve['model']}-{curve['method']}".lower()
+    return re.sub(r"[^a-z0-9.]+", "-", stem).strip("-") + ".png"
+
+
+def draw_curves(curves: list[dict[str, Any]], folder: Path) -> list[tuple[dict[str, Any], Path]]:
+    """Draw each curve of :func:`compare_curves` as a PNG in ``folder``, named by
+    :func:`curve_name` (a second curve of the same model and method, on another evaluation,
+    gets ``-2`` and so on); return each curve with its file."""
     from fedcompress.bench.plots import perplexity_lines
 
-    figures = []
+    folder.mkdir(parents=True, exist_ok=True)
+    drawn, taken = [], set()
+    for curve in curves:
+        name, n = curve_name(curve), 1
+        while name in taken:
+            n += 1
+            name = f"{curve_name(curve)[:-len('.png')]}-{n}.png"
+        taken.add(name)
+        path = perplexity_lines(curve["lines"], curve["dense"], folder / name, curve["title"],
+                                "sparsity")
+        if path is not None:
+            logger.debug("plot written to %s", path)
+            drawn.append((curve, path))
+    return drawn
+
+
+def curves_html(curves: list[dict[str, Any]], folder: Path | None = None) -> str:
+    """The curves of :func:`compare_curves` as inline PNG figures (matplotlib); their files
+    are kept in ``folder`` when one is given (:func:`draw_curves`)."""
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="fedcompress-compare-") as tmp:
-        for i, curve in enumerate(curves):
-            path = perplexity_lines(curve["lines"], curve["dense"], Path(tmp) / f"curve-{i}.png",
-                                    curve["title"], "sparsity")
-            if path is not None:
-                figures.append(f'<figure><img alt="{_e(curve["title"])}" src="{_data_uri(path)}">'
-                               f"<figcaption>{_e(curve['title'])}</figcaption></figure>")
-    return "".join(figures)
+        drawn = draw_curves(curves, Path(tmp) if folder is None else folder)
+        return "".join(f'<figure><img alt="{_e(curve["title"])}" src="{_data_uri(path)}">'
+                       f"<figcaption>{_e(curve['title'])}</figcaption></figure>"
+                       for curve, path in drawn)
 
 
 _TIME_NOTE = ("Time: the federated round time of a Flower run, the pruning time of a baseline, "
@@ -863,9 +891,10 @@ def summary_table(rows: list[dict[str, Any]], labels: dict[str, str] | None = No
                          wrap={columns.index("result")})
 
 
-def render_compare(folders: list[str | Path]) -> str:
-    """One page with several runs side by side (:func:`summary_table`) and each run's
-    command line."""
+def render_compare(folders: list[str | Path], figures: str | Path | None = None) -> str:
+    """One page with several runs side by side (:func:`summary_table`), the perplexity
+    against sparsity plots (their PNG files also written to ``figures`` when given) and each
+    run's command line."""
     if not folders:
         raise ReportError("--compare needs at least one run folder")
     paths = [Path(f) for f in folders]
@@ -876,8 +905,8 @@ def render_compare(folders: list[str | Path]) -> str:
     summary = (f'<p>Lowest perplexity among compressed results (dense models aside): <b>'
                f'{rows[best]["perplexity"]:.2f}</b>, {_e(rows[best]["result"])} in '
                f'<code>{_e(rows[best]["run"])}</code>.</p>' if best is not None else "")
-    figures = curves_html(compare_curves(rows, labels))
-    curves = ("<h2>Perplexity against sparsity</h2>" + figures) if figures else ""
+    drawn = curves_html(compare_curves(rows, labels), None if figures is None else Path(figures))
+    curves = ("<h2>Perplexity against sparsity</h2>" + drawn) if drawn else ""
     runs = []
     for path, report in zip(paths, reports):
         runs.append(f"<h3>{_e(labels[str(path)])}: fedcompress {_e(report.get('command', ''))} "
@@ -904,9 +933,11 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
     return path
 
 
-def write_compare(folders: list[str | Path], out: str | Path | None = None) -> Path:
-    """Write the page comparing ``folders`` (default ``runs/compare-TIME.html``)."""
-    text = render_compare(folders)
+def write_compare(folders: list[str | Path], out: str | Path | None = None,
+                  figures: str | Path | None = None) -> Path:
+    """Write the page comparing ``folders`` (default ``runs/compare-TIME.html``); with
+    ``figures``, also each of its perplexity against sparsity plots as a PNG file there."""
+    text = render_compare(folders, figures)
     path = Path(out) if out is not None else Path(f"{default_out('compare')}.html")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

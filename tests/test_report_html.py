@@ -9,6 +9,7 @@ when the environment says there is no browser: FEDCOMPRESS_NO_BROWSER=1.
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import os
@@ -329,10 +330,29 @@ def test_compare_draws_one_curve_across_runs_split_by_sparsity(tmp_path):
     page = render_compare(folders)
     assert "<h2>Perplexity against sparsity</h2>" in page
     assert page.count('<img alt="Perplexity against sparsity') == 1
+    assert (curve["model"], curve["method"]) == ("smollm2-135m", "wanda")
+    # the same plot as a file, for a paper or a doc
+    out = write_compare(folders, tmp_path / "cmp.html", figures=tmp_path / "fig")
+    assert sorted(p.name for p in (tmp_path / "fig").iterdir()) == [
+        "perplexity-smollm2-135m-wanda.png"]
+    png = (tmp_path / "fig" / "perplexity-smollm2-135m-wanda.png").read_bytes()
+    assert base64.b64encode(png).decode() in out.read_text()  # the page's very figure
     # one run alone: no line has two points, no plot (the table says it all)
     single = render_compare(folders[:1])
     assert compare_curves(compare_rows(folders[:1], [load_report(folders[0])])) == []
     assert "Perplexity against sparsity" not in single
+
+
+def test_figures_of_one_model_and_method_on_two_evaluations_keep_both_files(tmp_path):
+    from fedcompress.report_html import curve_name, draw_curves
+
+    curve = {"title": "t", "model": "Qwen/Qwen2.5-1.5B", "method": "sparsegpt",
+             "dense": 16.0, "lines": {"Centralized": [(0.5, 21.3), (0.7, 54.2)]}}
+    assert curve_name(curve) == "perplexity-qwen-qwen2.5-1.5b-sparsegpt.png"
+    drawn = draw_curves([curve, {**curve, "title": "another evaluation"}], tmp_path)
+    assert [p.name for _, p in drawn] == ["perplexity-qwen-qwen2.5-1.5b-sparsegpt.png",
+                                          "perplexity-qwen-qwen2.5-1.5b-sparsegpt-2.png"]
+    assert all(p.stat().st_size > 0 for _, p in drawn)
 
 
 def test_compare_curves_keep_apart_what_differs_between_runs(tmp_path):
@@ -366,10 +386,13 @@ def test_cli_report_prints_the_path(tmp_path):
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert result.output.strip() == str(out) and "runs compared" in out.read_text()
+    result = CliRunner().invoke(app, ["report", str(folder), "--figures", str(tmp_path / "f")])
+    assert result.exit_code != 0 and "give --compare" in str(result.exception)
+    assert not (tmp_path / "f").exists()
     result = CliRunner().invoke(app, ["report", str(folder), str(other)])
     assert result.exit_code != 0 and "give --compare" in str(result.exception)
     help_text = CliRunner().invoke(app, ["report", "--help"], env={"COLUMNS": "200"}).output
-    assert "--compare" in help_text and "--out" in help_text
+    assert "--compare" in help_text and "--out" in help_text and "--figures" in help_text
 
 
 # ------------------------------------------------------------------------------------------
