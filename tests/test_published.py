@@ -154,3 +154,47 @@ def test_a_result_older_than_its_code_is_stale():
 ])
 def test_measured_looking_numbers_are_found_outside_spans_and_code(text, found):
     assert pub.typed_numbers(text) == found
+
+
+def test_a_figure_set_is_what_its_results_draw_byte_for_byte(tmp_path, monkeypatch):
+    """``[figure.NAME]``: ``--write`` draws ``fedcompress report --compare``'s plots of its runs
+    into docs/img/NAME; the check fails when a file differs, is missing or is left over, and
+    when a run may not be cited."""
+    monkeypatch.setattr(pub, "stale_since", lambda *a, **k: "")
+
+    def bench(sparsity, central):
+        return _report(command="bench", results=[
+            {"name": "dense", "kind": "dense", "model": "m", "perplexity": 20.0},
+            {"name": "centralized", "method": "wanda", "model": "m", "sparsity": sparsity,
+             "perplexity": central}])
+
+    table = TABLE + """
+[result.y]
+depends = ["tools/published.py"]
+
+[figure.peers]
+runs = ["x", "y"]
+"""
+    numbers = _numbers(tmp_path, table, {"x": bench(0.5, 40.0), "y": bench(0.7, 90.0)})
+    img = tmp_path / "img"
+    (img / "peers").mkdir(parents=True)
+    (img / "peers" / "old.png").write_bytes(b"left over")
+    assert pub.check_figures(numbers, write=True, figures=img) == []
+    assert sorted(p.name for p in (img / "peers").iterdir()) == ["perplexity-m-wanda.png"]
+    assert pub.check_figures(numbers, write=False, figures=img) == []
+    # the same bytes as the command line's --figures
+    from fedcompress.report_html import render_compare
+
+    render_compare([numbers.results_dir / "x", numbers.results_dir / "y"], tmp_path / "cli")
+    assert ((tmp_path / "cli" / "perplexity-m-wanda.png").read_bytes()
+            == (img / "peers" / "perplexity-m-wanda.png").read_bytes())
+    (img / "peers" / "perplexity-m-wanda.png").write_bytes(b"edited by hand")
+    (img / "peers" / "extra.png").write_bytes(b"?")
+    problems = pub.check_figures(numbers, write=False, figures=img)
+    assert any("perplexity-m-wanda.png: differs from what its runs draw" in p for p in problems)
+    assert any("extra.png: not drawn from its runs any more" in p for p in problems)
+    # a dirty run may not be drawn either
+    dirty = _numbers(tmp_path / "d", table, {"x": bench(0.5, 40.0),
+                                             "y": _report(commit="abc1234+dirty", command="bench")})
+    assert any("figure set 'peers': result 'y' was made from a dirty tree" in p
+               for p in pub.check_figures(dirty, write=True, figures=tmp_path / "img2"))

@@ -19,7 +19,10 @@ when
   result's touched one of the paths the result ``depends`` on);
 * a result page is missing or differs from what the results give;
 * a page holds a measured-looking number (a decimal with a unit, a ratio such as ``1.22x``, a
-  perplexity-like ``48.17``) outside a span, a code block or a result page.
+  perplexity-like ``48.17``) outside a span, a code block or a result page;
+* a **figure set** (``[figure.NAME]`` in ``docs/numbers.toml``: the plots of
+  ``fedcompress report --compare RUNS --figures docs/img/NAME``) differs, byte for byte, from
+  what the committed results draw now, or one of its runs may not be cited.
 
 Results that are dirty or stale stay in the repository, marked as such on their page and in the
 results index; no span may cite them.
@@ -47,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "simulations" / "results"
 TABLE = ROOT / "docs" / "numbers.toml"
 RESULT_PAGES = ROOT / "docs" / "results"
+FIGURES = ROOT / "docs" / "img"
 FIX = "run python tools/published.py --write"
 SPAN = re.compile(r"<!--n:([A-Za-z0-9_.-]+)-->(.*?)<!--/n-->", re.S)
 
@@ -158,6 +162,7 @@ class Numbers:
         self.results_dir = results
         raw = tomllib.loads(table.read_text())
         self.results_meta: dict[str, dict[str, Any]] = raw.pop("result", {})
+        self.figures: dict[str, dict[str, Any]] = raw.pop("figure", {})
         self.keys: dict[str, dict[str, Any]] = raw
         self._results: dict[str, Result] = {}
 
@@ -362,6 +367,54 @@ def generated_pages(numbers: Numbers) -> dict[Path, str]:
     return out
 
 
+def draw_figures(numbers: Numbers, name: str, folder: Path) -> list[str]:
+    """Draw figure set ``name`` into ``folder`` as ``fedcompress report --compare`` does;
+    return the problems of its runs (empty when every one may be cited)."""
+    import tempfile
+
+    from fedcompress.report_html import ReportError, render_compare
+
+    spec = numbers.figures[name]
+    runs = spec.get("runs")
+    if not runs or not isinstance(runs, list):
+        return [f"figure set {name!r}: needs 'runs', a list of result folders"]
+    problems = [f"figure set {name!r}: {p}" for r in runs for p in numbers.result_problems(r)]
+    with tempfile.TemporaryDirectory(prefix="fedcompress-figures-") as tmp:
+        # the folders as the command line names them: the page's run labels are their names
+        try:
+            render_compare([numbers.results_dir / r for r in runs], Path(tmp) / "figures")
+        except ReportError as exc:
+            return [*problems, f"figure set {name!r}: {exc}"]
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("*.png"):
+            old.unlink()
+        for new in sorted((Path(tmp) / "figures").glob("*.png")):
+            (folder / new.name).write_bytes(new.read_bytes())
+    return problems
+
+
+def check_figures(numbers: Numbers, write: bool, figures: Path = FIGURES) -> list[str]:
+    """Each figure set drawn again from its results and compared with ``docs/img/NAME``."""
+    import tempfile
+
+    problems: list[str] = []
+    for name in numbers.figures:
+        target = figures / name
+        if write:
+            problems.extend(draw_figures(numbers, name, target))
+            continue
+        with tempfile.TemporaryDirectory(prefix="fedcompress-figures-") as tmp:
+            problems.extend(draw_figures(numbers, name, Path(tmp)))
+            drawn = {p.name: p.read_bytes() for p in Path(tmp).glob("*.png")}
+        present = {p.name: p.read_bytes() for p in target.glob("*.png")} if target.is_dir() else {}
+        for file in sorted(drawn.keys() | present.keys()):
+            if drawn.get(file) != present.get(file):
+                what = ("missing" if file not in present else "not drawn from its runs any more"
+                        if file not in drawn else "differs from what its runs draw")
+                problems.append(f"docs/img/{name}/{file}: {what} ({FIX})")
+    return problems
+
+
 def run(write: bool) -> list[str]:
     numbers = Numbers()
     problems: list[str] = []
@@ -392,13 +445,15 @@ def run(write: bool) -> list[str]:
             path.unlink()
         else:
             problems.append(f"{path.relative_to(ROOT)}: no such result any more")
+    problems.extend(check_figures(numbers, write))
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="rewrite spans and result pages")
+    mode.add_argument("--write", action="store_true",
+                      help="rewrite spans, result pages and figure sets")
     mode.add_argument("--check", action="store_true", help="fail on any difference (the test)")
     args = parser.parse_args(argv)
     problems = run(write=args.write)
