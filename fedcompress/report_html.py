@@ -802,6 +802,8 @@ def draw_curves(curves: list[dict[str, Any]], folder: Path) -> list[tuple[dict[s
     """Draw each curve of :func:`compare_curves` as a PNG in ``folder``, named by
     :func:`curve_name` (a second curve of the same model and method, on another evaluation,
     gets ``-2`` and so on); return each curve with its file."""
+    import matplotlib.style
+
     from fedcompress.bench.plots import perplexity_lines
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -812,8 +814,9 @@ def draw_curves(curves: list[dict[str, Any]], folder: Path) -> list[tuple[dict[s
             n += 1
             name = f"{curve_name(curve)[:-len('.png')]}-{n}.png"
         taken.add(name)
-        path = perplexity_lines(curve["lines"], curve["dense"], folder / name, curve["title"],
-                                "sparsity")
+        with matplotlib.style.context("default"):  # the same bytes whatever the user's rc
+            path = perplexity_lines(curve["lines"], curve["dense"], folder / name,
+                                    curve["title"], "sparsity")
         if path is not None:
             logger.debug("plot written to %s", path)
             drawn.append((curve, path))
@@ -827,6 +830,10 @@ def curves_html(curves: list[dict[str, Any]], folder: Path | None = None) -> str
 
     with tempfile.TemporaryDirectory(prefix="fedcompress-compare-") as tmp:
         drawn = draw_curves(curves, Path(tmp) if folder is None else folder)
+        if folder is not None and not drawn:
+            logger.warning("--figures %s: no plot to write: no strategy has results at two "
+                           "sparsities or more across these runs (the table has them all)",
+                           folder)
         return "".join(f'<figure><img alt="{_e(curve["title"])}" src="{_data_uri(path)}">'
                        f"<figcaption>{_e(curve['title'])}</figcaption></figure>"
                        for curve, path in drawn)

@@ -193,6 +193,20 @@ runs = ["x", "y"]
     problems = pub.check_figures(numbers, write=False, figures=img)
     assert any("perplexity-m-wanda.png: differs from what its runs draw" in p for p in problems)
     assert any("extra.png: not drawn from its runs any more" in p for p in problems)
+    # a set removed from the table leaves no plots behind
+    (img / "gone").mkdir()
+    (img / "gone" / "perplexity-m-wanda.png").write_bytes(b"?")
+    assert any("docs/img/gone/: no [figure.gone]" in p
+               for p in pub.check_figures(numbers, write=False, figures=img))
+    pub.check_figures(numbers, write=True, figures=img)
+    assert not (img / "gone").exists()
+    # a misspelt run, and a set that draws nothing, are named
+    typo = _numbers(tmp_path / "t", table.replace('"y"]', '"z"]'), {"x": bench(0.5, 40.0),
+                                                                    "y": bench(0.7, 90.0)})
+    assert any("figure set 'peers': run 'z'" in p
+               for p in pub.check_figures(typo, write=False, figures=img))
+    flat = _numbers(tmp_path / "f", table, {"x": bench(0.5, 40.0), "y": bench(0.5, 41.0)})
+    assert any("draw no plot" in p for p in pub.check_figures(flat, write=False, figures=img))
     # a dirty run may not be drawn either
     dirty = _numbers(tmp_path / "d", table, {"x": bench(0.5, 40.0),
                                              "y": _report(commit="abc1234+dirty", command="bench")})

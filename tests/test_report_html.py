@@ -355,6 +355,14 @@ def test_figures_of_one_model_and_method_on_two_evaluations_keep_both_files(tmp_
     assert all(p.stat().st_size > 0 for _, p in drawn)
 
 
+def test_figures_with_nothing_to_draw_say_so(tmp_path, caplog):
+    from fedcompress.report_html import curves_html
+
+    with caplog.at_level("WARNING", logger="fedcompress.report_html"):
+        assert curves_html([], tmp_path / "fig") == ""
+    assert "no plot to write: no strategy has results at two sparsities" in caplog.text
+
+
 def test_compare_curves_keep_apart_what_differs_between_runs(tmp_path):
     from fedcompress.report_html import compare_curves, compare_rows
 

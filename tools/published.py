@@ -377,8 +377,16 @@ def draw_figures(numbers: Numbers, name: str, folder: Path) -> list[str]:
     spec = numbers.figures[name]
     runs = spec.get("runs")
     if not runs or not isinstance(runs, list):
-        return [f"figure set {name!r}: needs 'runs', a list of result folders"]
-    problems = [f"figure set {name!r}: {p}" for r in runs for p in numbers.result_problems(r)]
+        return [f"figure set {name!r}: needs 'runs', a non-empty list of result folders under "
+                f"simulations/results, got {runs!r}"]
+    problems = []
+    for run in runs:
+        try:
+            problems.extend(f"figure set {name!r}: {p}" for p in numbers.result_problems(run))
+        except NumbersError as exc:
+            problems.append(f"figure set {name!r}: run {run!r}: {exc}")
+    if problems:
+        return problems
     with tempfile.TemporaryDirectory(prefix="fedcompress-figures-") as tmp:
         # the folders as the command line names them: the page's run labels are their names
         try:
@@ -388,8 +396,12 @@ def draw_figures(numbers: Numbers, name: str, folder: Path) -> list[str]:
         folder.mkdir(parents=True, exist_ok=True)
         for old in folder.glob("*.png"):
             old.unlink()
-        for new in sorted((Path(tmp) / "figures").glob("*.png")):
+        drawn = sorted((Path(tmp) / "figures").glob("*.png"))
+        for new in drawn:
             (folder / new.name).write_bytes(new.read_bytes())
+    if not drawn:
+        problems.append(f"figure set {name!r}: its runs draw no plot (no strategy has results "
+                        "at two sparsities or more across them)")
     return problems
 
 
@@ -412,6 +424,18 @@ def check_figures(numbers: Numbers, write: bool, figures: Path = FIGURES) -> lis
                 what = ("missing" if file not in present else "not drawn from its runs any more"
                         if file not in drawn else "differs from what its runs draw")
                 problems.append(f"docs/img/{name}/{file}: {what} ({FIX})")
+    # a folder of docs/img whose set is gone: its plots no longer come from any result
+    orphans = [d for d in figures.iterdir() if d.is_dir() and d.name not in numbers.figures
+               and any(d.glob("*.png"))] if figures.is_dir() else []
+    for folder in sorted(orphans):
+        if write:
+            for old in folder.glob("*.png"):
+                old.unlink()
+            if not any(folder.iterdir()):
+                folder.rmdir()
+        else:
+            problems.append(f"docs/img/{folder.name}/: no [figure.{folder.name}] in "
+                            f"docs/numbers.toml any more ({FIX})")
     return problems
 
 
