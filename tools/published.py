@@ -392,7 +392,7 @@ def draw_figures(numbers: Numbers, name: str, folder: Path) -> list[str]:
         try:
             render_compare([numbers.results_dir / r for r in runs], Path(tmp) / "figures")
         except ReportError as exc:
-            return [*problems, f"figure set {name!r}: {exc}"]
+            return [f"figure set {name!r}: {exc}"]
         folder.mkdir(parents=True, exist_ok=True)
         for old in folder.glob("*.png"):
             old.unlink()
