@@ -354,11 +354,67 @@ def test_apply_scaling_is_exact_for_every_count_and_extreme_weights():
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), m
 
 
-def test_load_kernels_runs_for_narrow_and_wide_counts():
-    from fedcompress.masks.aggregate import load_kernels
+#: Run in a fresh interpreter, where no kernel has been loaded yet: prints, as JSON, the count of
+#: compiled signatures of every kernel after each step.
+LOAD_KERNELS_PROBE = """
+import json
+import numpy as np
+import torch
+from numba.core.registry import CPUDispatcher
+from fedcompress.masks import _kernels
+from fedcompress.masks.aggregate import (apply_global_mask, count_packed, global_mask,
+                                         load_kernels)
 
-    load_kernels(16)
-    load_kernels(300)
+def signatures():
+    return {name: len(obj.signatures) for name, obj in sorted(vars(_kernels).items())
+            if isinstance(obj, CPUDispatcher)}
+
+def aggregate(n_sites):
+    rng = np.random.default_rng(n_sites)
+    masks = [np.packbits(rng.random(96 * 64) < 0.9) for _ in range(n_sites)]
+    counts = count_packed(masks, 96 * 64).reshape(96, 64)
+    weight = torch.from_numpy(rng.standard_normal((96, 64)).astype(np.float32))
+    for group in ("layer", "row", "column"):
+        for tie_break in ("magnitude", "index"):
+            mask = global_mask(counts, 0.5, group, tie_break, weight)
+            apply_global_mask(weight.clone(), mask, counts, n_sites, True)
+    return counts
+
+steps = {"fresh": signatures()}
+load_kernels(16)
+steps["load 16"] = signatures()
+counts = aggregate(16)
+steps["aggregate 16"] = signatures()
+load_kernels(300)
+steps["load 300"] = signatures()
+wide = aggregate(300)
+steps["aggregate 300"] = signatures()
+print(json.dumps({"steps": steps, "dtypes": [str(counts.dtype), str(wide.dtype)],
+                  "max": [int(counts.max()), int(wide.max())]}))
+"""
+
+
+def test_load_kernels_compiles_what_the_aggregation_needs_for_narrow_and_wide_counts():
+    """load_kernels(n) loads every kernel the aggregation of n sites' masks runs: after it, a
+    real aggregation (count, every group and tie-break, scaling) of 16 sites (uint8 counts)
+    and then of 300 (int16 counts, the wide count planes) compiles nothing more; the wide
+    counts need kernels of their own, which load_kernels(300) adds."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LOAD_KERNELS_PROBE], capture_output=True,
+                         text=True, timeout=600, check=True)
+    probe = json.loads(out.stdout.strip().splitlines()[-1])
+    steps = probe["steps"]
+    assert probe["dtypes"] == ["torch.uint8", "torch.int16"]
+    assert probe["max"][1] > 255  # the wide counts really exceed one byte
+    assert not any(steps["fresh"].values()), steps["fresh"]  # nothing loaded before
+    assert all(steps["load 16"][name] for name in ("count_words", "select_rows",
+                                                   "select_columns", "apply_mask"))
+    assert steps["aggregate 16"] == steps["load 16"]
+    assert steps["load 300"] != steps["load 16"]  # the wide counts' own signatures
+    assert steps["aggregate 300"] == steps["load 300"]
 
 
 def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -519,7 +520,7 @@ def test_locate_archives_downloads_nothing_and_names_what_is_missing(
 ) -> None:
     """A missing archive is named with its pinned sha256 and where it came from; the one PyPI
     no longer serves says so (and no process is started to fetch it)."""
-    monkeypatch.setattr(build.subprocess, "run", lambda *a, **k: pytest.fail("ran a process"))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("ran a process"))
     pin_archives(monkeypatch, archives)
     folder = archive_folder(archives, tmp_path)
     assert locate_archives(folder) == {k: folder / a.filename for k, a in ARCHIVES.items()}

@@ -123,21 +123,52 @@ def test_quantization_over_secagg_matches_the_plain_run_up_to_fixed_point(tiny_d
     assert same / total > 0.99, same / total
 
 
-def test_quantization_with_dp_spends_the_stated_epsilon(tiny_dir, tiny):
-    """GPTQ from DP Hessians (central placement): the release's epsilon is reported, the
-    model is quantized on the grid of its dense scales."""
+def test_quantization_with_dp_adds_the_accountants_noise_and_spends_its_epsilon(tiny_dir, tiny):
+    """GPTQ from DP Hessians (central placement). The epsilon spent is opacus's RDP account of
+    the run's sigma over its releases, within the target 8; the noise is there at the planned
+    scale: layer 0's inputs are the same in two runs with different noise seeds (the
+    embeddings), so their two releases differ by two noise draws alone, N(0, 2 std^2) on every
+    coordinate of each block's Hessian (upper triangle); the model is quantized on the grid of
+    its dense scales."""
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    from fedcompress.methods.fedprllm import dp as dpm
     from fedcompress.methods.fedprllm.stats import stats_prune
+    from fedcompress.privacy.accounting import RDP_ALPHAS
 
     config = config_for(tiny_dir, **RECIPES["gptq"], dp_epsilon=8.0, dp_placement="central",
                         dp_public_windows=2)
     windows = federation_windows(tiny.tokenizer, config)[0]
-    run = stats_prune(tiny.model, windows, config, tokenizer=tiny.tokenizer)
-    assert run.dp["epsilon"] == pytest.approx(8.0, rel=1e-6) or run.dp["epsilon"] <= 8.0
-    assert len(run.quant) == 3 and all(layer is not None for layer in run.quant)
+    runs = [stats_prune(tiny.model, windows, config, tokenizer=tiny.tokenizer, dp_seed=seed,
+                        keep_release=True) for seed in (1, 2)]
+    dp = runs[0].dp
+    assert dp["dp"] and dp["placement"] == "central" and dp["mechanism"] == "gaussian"
+    assert dp["releases"] == 3 and dp["sigma"] > 0
+    rdp = compute_rdp(q=1.0, noise_multiplier=dp["sigma"], steps=dp["releases"],
+                      orders=RDP_ALPHAS)
+    opacus_eps = get_privacy_spent(orders=RDP_ALPHAS, rdp=rdp, delta=dp["delta"])[0]
+    assert dp["epsilon_spent"] == pytest.approx(opacus_eps, rel=1e-6)
+    assert 8.0 - 0.05 <= dp["epsilon_spent"] <= 8.0
+
+    request = dpm.DpRequest.from_config(config, 3, len(windows))
+    calib = dpm.public_calibration(tiny.model, tiny.tokenizer, request, True, config.batch_size,
+                                   (config.dp_public_file,))
+    plan = dpm.plan(request, calib, dpm.block_dims(tiny.model, calib.bounds, True))
+    assert plan.sigma == dp["sigma"]
+    z = []
+    for name, std in plan.noise_std(0).items():
+        a, b = (run.released[0][name].hessian_sum for run in runs)
+        rows, cols = torch.triu_indices(a.shape[0], a.shape[1])
+        z.append((a - b)[rows, cols].double() / (std * 2 ** 0.5))
+    z = torch.cat(z)
+    assert z.numel() > 1000
+    assert abs(float(z.mean())) < 0.1 and abs(float(z.std()) - 1.0) < 0.1, (z.mean(), z.std())
+
+    assert len(runs[0].quant) == 3 and all(layer is not None for layer in runs[0].quant)
     exact = stats_prune(tiny.model, windows, config_for(tiny_dir, **RECIPES["gptq"]))
     for layer in range(3):
         for name, result in exact.quant[layer].items():
-            assert torch.equal(run.quant[layer][name].scale, result.scale)
+            assert torch.equal(runs[0].quant[layer][name].scale, result.scale)
 
 
 @pytest.mark.parametrize("kw, key", [

@@ -93,6 +93,7 @@ class Listener:
         self.sock.settimeout(0.2)
         self.received = bytearray()
         self.connections = 0
+        self.arrived = threading.Condition()  # notified on every connection and every chunk
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -103,7 +104,9 @@ class Listener:
                 conn, _ = self.sock.accept()
             except TimeoutError:
                 continue
-            self.connections += 1
+            with self.arrived:
+                self.connections += 1
+                self.arrived.notify_all()
             with conn:
                 conn.settimeout(0.5)
                 while not self.stop.is_set():
@@ -117,7 +120,23 @@ class Listener:
                         break
                     if not chunk:
                         break
-                    self.received += chunk
+                    with self.arrived:
+                        self.received += chunk
+                        self.arrived.notify_all()
+
+    def after_everything_before(self, timeout: float = 30) -> tuple[int, bytes]:
+        """What reached this listener before now: ``(connections, bytes)``, observed, not
+        guessed after a sleep. A marker is sent on a connection of our own, queued behind any
+        earlier one (one accept loop serves connections in order, each until it closes); once
+        the marker has arrived, everything queued before it has been read."""
+        marker = f"marker-{os.getpid()}-{time.monotonic_ns()}".encode()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(self.sock.getsockname())
+            probe.sendall(marker)
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: self.received.endswith(marker), timeout), (
+                "the listener did not receive the marker")
+            return self.connections - 1, bytes(self.received[:-len(marker)])
 
     def close(self):
         self.stop.set()
@@ -160,8 +179,7 @@ def test_symlinked_socket_is_refused_and_gets_nothing(private_dir, tmp_path):
         link.symlink_to(evil_dir / "evil.sock")
         with pytest.raises(sw.SiteWorkerError, match=r"site\.sock.* is a symbolic link"):
             _exchange(link)
-        time.sleep(0.3)
-        assert evil.connections == 0 and not evil.received
+        assert evil.after_everything_before() == (0, b"")
     finally:
         evil.close()
 
@@ -355,8 +373,8 @@ def test_thin_process_refuses_a_worker_of_another_uid(private_dir, monkeypatch):
                            match=rf"runs as uid {OTHER_UID} \(pid \d+\), expected uid "
                                  rf"{os.geteuid()}"):
             _exchange(private_dir / "w.sock")
-        time.sleep(0.3)
-        assert not evil.received
+        connections, received = evil.after_everything_before()
+        assert connections == 1 and received == b""  # it connected (to ask), then sent nothing
     finally:
         evil.close()
 
