@@ -51,6 +51,41 @@ def versions() -> dict[str, str]:
     return found
 
 
+#: Folders of the source tree whose untracked files are outputs, not code a run may measure.
+OUTPUT_FOLDERS = ("simulations/results/", "runs/", "docs/_build/", "docs/api/")
+
+
+def untracked_files(source: Path) -> list[str]:
+    """Files of the source tree that git does not track and does not ignore, outside the output
+    folders (:data:`OUTPUT_FOLDERS`): code a run may have imported or read that no commit
+    holds. ``tools/published.py`` counts a result as made from a dirty tree when one of them
+    lies in what the result depends on."""
+    out = subprocess.run(["git", "-C", str(source), "ls-files", "--others", "--exclude-standard"],
+                         capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        return []
+    return sorted(path for path in out.stdout.splitlines()
+                  if path and not path.startswith(OUTPUT_FOLDERS))
+
+
+def imported_source_files(source: Path | None = None) -> list[str]:
+    """The files of the source tree this process has imported (modules in ``sys.modules``, and
+    the script run as ``__main__``), relative to the tree: what a run's numbers depend on, as far
+    as this process knows. ``tools/published.py`` makes a result stale when a later commit
+    touches one of them (besides what ``docs/numbers.toml`` declares)."""
+    root = (source or Path(__file__).resolve().parent.parent).resolve()
+    found: set[str] = set()
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__file__", None)
+        if not name:
+            continue
+        with contextlib.suppress(ValueError, OSError):
+            rel = Path(name).resolve().relative_to(root)
+            if rel.parts and rel.parts[0] not in (".venv", "build") and rel.suffix == ".py":
+                found.add(rel.as_posix())
+    return sorted(found)
+
+
 #: CPU instruction-set extensions whose presence changes which float kernels run.
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni",
              "avx512_fp16", "amx_tile", "amx_bf16", "neon", "asimd", "sve")
@@ -177,6 +212,11 @@ class RunReport:
         self.exit_status = "ok"  # what `with report:` finishes with when its block succeeds
         self.versions = versions()
         self.machine = machine()
+        self.imported: list[str] = []  # the source files this process imported (at finish)
+        try:  # untracked source files at the start (code no commit holds)
+            self.untracked = untracked_files(Path(__file__).resolve().parent.parent)
+        except (OSError, subprocess.SubprocessError):
+            self.untracked = []
         atomic_write(self.out_dir / "config.toml",
                       tomli_w.dumps({k: v for k, v in _jsonable(config).items() if v is not None}))
         self.write()
@@ -260,6 +300,8 @@ class RunReport:
             "machine": self.machine,
             "timings": self.timings,
             "results": self.results,
+            **({"untracked": self.untracked} if self.untracked else {}),
+            **({"imported": self.imported} if self.imported else {}),
             **self.extra,
         })
 
@@ -323,6 +365,7 @@ class RunReport:
         self.status = status
         with contextlib.suppress(OSError, AttributeError):
             self.machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+        self.imported = imported_source_files()
         self.write()
         logger.info("report written to %s", self.out_dir / "report.json")
 

@@ -28,11 +28,39 @@ def _tool():
 
 pub = _tool()
 
+#: A shallow clone has no history to tell a stale result by: its values are still checked, and
+#: the tests that need the history say why they do not run.
+SHALLOW = pub.shallow_clone()
+needs_history = pytest.mark.skipif(SHALLOW, reason=pub.SHALLOW_NOTE)
+
 
 def test_published_numbers_equal_their_results():
-    problems = pub.run(write=False)
+    """Every span equals its result's value and every figure set its results' plots (in any
+    clone); with the history, no cited result is stale and the result pages are current."""
+    problems = pub.run(write=False, history=not SHALLOW)
     more = f"\n... {len(problems)} in all" if len(problems) > 40 else ""
     assert not problems, "\n".join(problems[:40]) + more
+
+
+def test_a_shallow_clone_checks_the_values_and_says_why_not_the_staleness(tmp_path):
+    """`published.py --check` in a clone of depth 1: the values are checked (exit 0 here), and
+    it says that staleness needs the history and how to fetch it; --write is refused."""
+    import subprocess
+
+    clone = tmp_path / "shallow"
+    subprocess.run(["git", "clone", "--quiet", "--depth", "1", f"file://{ROOT}", str(clone)],
+                   check=True, capture_output=True)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip() == head
+    check = subprocess.run([sys.executable, "tools/published.py", "--check"], cwd=clone,
+                           capture_output=True, text=True, timeout=600)
+    assert "shallow clone" in check.stderr and "git fetch --unshallow" in check.stderr
+    assert check.returncode == 0, check.stderr[-3000:]
+    write = subprocess.run([sys.executable, "tools/published.py", "--write"], cwd=clone,
+                           capture_output=True, text=True, timeout=600)
+    assert write.returncode == 2 and "shallow clone" in write.stderr
 
 
 def test_readme_is_short_and_cites_generated_numbers():
@@ -124,6 +152,61 @@ def test_a_dirty_or_commandless_or_undeclared_result_cannot_be_cited(tmp_path, m
     assert numbers.state("y") == "unchecked"
 
 
+def test_untracked_code_in_what_a_result_depends_on_makes_it_dirty(tmp_path, monkeypatch):
+    """An untracked file recorded at the run's start counts when it lies in a declared path or
+    among the files the run imported; elsewhere (a draft page) it does not."""
+    monkeypatch.setattr(pub, "stale_since", lambda *a, **k: "")
+    reports = {"x": _report(untracked=["tools/published_draft.py", "docs/draft.md"],
+                            imported=["fedcompress/new.py"]),
+               "y": _report(untracked=["docs/draft.md"]),
+               "z": _report(untracked=["fedcompress/new.py"], imported=["fedcompress/new.py"])}
+    table = TABLE.replace('depends = ["tools/published.py"]', 'depends = ["tools"]')
+    table += '\n[result.y]\ndepends = ["tools"]\n[result.z]\ndepends = ["tools"]\n'
+    numbers = _numbers(tmp_path, table, reports)
+    assert any("untracked files in what it depends on (tools/published_draft.py)" in p
+               for p in numbers.result_problems("x"))
+    assert numbers.state("x") == "dirty"
+    assert numbers.result_problems("y") == [] and numbers.state("y") == "current"
+    assert numbers.state("z") == "dirty"  # untracked and imported
+    assert numbers.depends("x") == ["tools", "fedcompress/new.py"]
+
+
+def test_a_result_made_from_a_result_that_may_not_be_cited_may_not_be_cited(tmp_path,
+                                                                              monkeypatch):
+    """A current result whose command reads another result (simulations/results/NAME) is only
+    as citable as that one: a page may not quote a stale result through a current one."""
+    monkeypatch.setattr(pub, "stale_since",
+                        lambda res, depends, unaffected=(): "commit abc" if res.name == "old"
+                        else "")
+    reports = {"old": _report(),
+               "new": _report(reproduce="python simulations/q.py --llmc-report "
+                                        "simulations/results/old/report.json"),
+               "self": _report(reproduce="python x.py --out simulations/results/self")}
+    table = TABLE + "".join(f'\n[result.{n}]\ndepends = ["tools"]\n' for n in reports)
+    numbers = _numbers(tmp_path, table, reports)
+    assert any("older than the code" in p for p in numbers.result_problems("old"))
+    assert numbers.result_problems("new") == [
+        "result 'new' was made from result 'old', which may not be cited"]
+    assert numbers.state("new") == "stale"
+    assert numbers.result_problems("self") == []  # its own folder is not another result
+
+
+@needs_history
+def test_imported_files_count_like_declared_ones():
+    """A commit touching a file the run imported makes the result stale, as a declared path
+    would."""
+    path = "tests/test_published.py"
+    last = pub.git("log", "-1", "--format=%H", "--", path)
+    before = pub.git("rev-parse", "--short", f"{last}~1")
+    old = pub.Result("old", {"versions": {"git_commit": before}, "imported": [path]})
+    numbers = pub.Numbers()
+    numbers._results["old"] = old
+    numbers.results_meta["old"] = {"depends": ["docs/nothing-here.md"]}
+    assert numbers.depends("old") == ["docs/nothing-here.md", path]
+    assert any(f"commit {last[:10]}" in p for p in numbers.result_problems("old"))
+
+
+@needs_history
 def test_a_result_older_than_its_code_is_stale():
     """Against this repository's history: a result made just before the last commit that changed
     this file is stale for it, unless every later change is listed as unaffected; one made at
@@ -147,7 +230,7 @@ def test_a_result_older_than_its_code_is_stale():
     ("13.3 MB per site", ["13.3 MB"]),
     ("0.02% of the clean vote", ["0.02%"]),
     ("Wanda 50%, 16 sites x 4 windows of 256 tokens", []),
-    ("Flower 1.41 and python 3.11, flwr==1.41.0", []),
+    ("Flower 1.42 and python 3.11, flwr==1.42.0", []),
     ("in code `48.17` or <!--n:k-->48.17<!--/n-->", []),
     ("```\n48.17 s\n```\n", []),
     ("[link](results/x-1.22x.md)", []),

@@ -67,6 +67,14 @@ MEASURED = re.compile(
 )
 
 
+QUOTED = re.compile(r"simulations/results/([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def under(path: str, paths: list[str]) -> bool:
+    """Whether ``path`` is one of ``paths`` or lies in one of them (folders)."""
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in paths)
+
+
 class NumbersError(Exception):
     """A span, a result or a page that does not agree with the committed results."""
 
@@ -85,6 +93,26 @@ class Result:
     @property
     def dirty(self) -> bool:
         return self.commit.endswith("+dirty")
+
+    @property
+    def imported(self) -> list[str]:
+        """The source files the run's process imported (recorded by newer reports)."""
+        return [str(p) for p in self.report.get("imported", [])]
+
+    @property
+    def untracked(self) -> list[str]:
+        """Untracked source files when the run started (recorded by newer reports)."""
+        return [str(p) for p in self.report.get("untracked", [])]
+
+    def quoted(self) -> list[str]:
+        """Other results this one was made from: the result folders its command or config
+        names (``simulations/results/NAME``), but for its own output folder (``--out``)."""
+        commands = [re.sub(r"--out[= ]\S+", "", str(self.report.get(key) or ""))
+                    for key in ("command_line", "reproduce")]
+        config = {k: v for k, v in (self.report.get("config") or {}).items()
+                  if k not in ("out", "out_dir", "output")}
+        text = json.dumps([*commands, config])
+        return sorted({m for m in QUOTED.findall(text) if m != self.name})
 
     @property
     def reproduce(self) -> str:
@@ -158,7 +186,12 @@ def fmt(value: Any, spec: str, where: str) -> str:
 class Numbers:
     """The table of named numbers (``docs/numbers.toml``) and the results they come from."""
 
-    def __init__(self, table: Path = TABLE, results: Path = RESULTS) -> None:
+    def __init__(self, table: Path = TABLE, results: Path = RESULTS,
+                 history: bool = True) -> None:
+        #: whether a result's staleness is judged (it needs the git history since the result's
+        #: commit, which a shallow clone lacks: see :func:`shallow_clone`)
+        self.history = history
+        self._problems: dict[str, list[str]] = {}  # result_problems, once per result
         self.results_dir = results
         raw = tomllib.loads(table.read_text())
         self.results_meta: dict[str, dict[str, Any]] = raw.pop("result", {})
@@ -196,8 +229,14 @@ class Numbers:
             raise NumbersError(f"{where}: needs 'value' (a path) or 'expr'")
         return fmt(value, spec.get("format", "{}"), where), sorted(set(used))
 
-    def result_problems(self, name: str) -> list[str]:
-        """Why a span may not cite result ``name`` (empty when it may)."""
+    def result_problems(self, name: str, _seen: tuple[str, ...] = ()) -> list[str]:
+        """Why a span may not cite result ``name`` (empty when it may): no command or commit,
+        a dirty tree (tracked changes, or untracked files in what it depends on), nothing
+        declared, a later commit touching what it depends on (the declared paths and every
+        source file its run imported), or another result it was made from that may not be
+        cited either."""
+        if not _seen and name in self._problems:
+            return list(self._problems[name])
         res = self.result(name)
         problems = []
         if not res.reproduce:
@@ -213,10 +252,30 @@ class Numbers:
                 " changed it is unchecked"
             )
             return problems
-        stale = stale_since(res, meta["depends"], meta.get("unaffected", []))
+        depends = self.depends(name)
+        untracked = [p for p in res.untracked if under(p, depends)]
+        if untracked:
+            problems.append(f"result {name!r} was made with untracked files in what it depends "
+                            f"on ({', '.join(untracked[:5])}): a dirty tree")
+        stale = self.history and stale_since(res, depends, meta.get("unaffected", []))
         if stale:
             problems.append(f"result {name!r} is older than the code it describes: {stale}")
+        for other in res.quoted():
+            if other in _seen or not (self.results_dir / other / "report.json").is_file():
+                continue
+            if self.result_problems(other, (*_seen, name)):
+                problems.append(f"result {name!r} was made from result {other!r}, which may "
+                                "not be cited")
+        if not _seen:
+            self._problems[name] = list(problems)
         return problems
+
+    def depends(self, name: str) -> list[str]:
+        """What result ``name`` depends on: the paths ``docs/numbers.toml`` declares and the
+        source files its run recorded as imported."""
+        meta = self.results_meta.get(name) or {}
+        declared = list(meta.get("depends", []))
+        return declared + [p for p in self.result(name).imported if not under(p, declared)]
 
     def state(self, name: str) -> str:
         """``current``, ``dirty``, ``stale``, ``no commit``, ``no command`` or ``unchecked``."""
@@ -230,16 +289,33 @@ class Numbers:
         meta = self.results_meta.get(name)
         if meta is None or not meta.get("depends"):
             return "unchecked"
-        stale = stale_since(res, meta["depends"], meta.get("unaffected", []))
-        return "stale" if stale else "current"
+        problems = self.result_problems(name)
+        if any("untracked files" in p for p in problems):
+            return "dirty"
+        return "stale" if problems else "current"
 
 
 def git(*args: str) -> str:
     out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
-        raise NumbersError(f"git {' '.join(args)} failed: {out.stderr.strip()}"
-                           " (the check needs the repository's history: a clone, not an export)")
+        why = (SHALLOW_NOTE if shallow_clone() else
+               "the check needs the repository's history: a clone, not an export")
+        raise NumbersError(f"git {' '.join(args)} failed: {out.stderr.strip()} ({why})")
     return out.stdout.strip()
+
+
+SHALLOW_NOTE = (
+    "this is a shallow clone (git clone --depth): whether a result is older than the code it "
+    "depends on needs the history since the result's commit, so staleness is not checked here; "
+    "`git fetch --unshallow` fetches it"
+)
+
+
+def shallow_clone() -> bool:
+    """Whether this checkout is a shallow clone (its history cut short)."""
+    out = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT,
+                         capture_output=True, text=True)
+    return out.returncode == 0 and out.stdout.strip() == "true"
 
 
 def stale_since(res: Result, depends: list[str], unaffected: list[str] = ()) -> str:  # type: ignore[assignment]
@@ -439,8 +515,14 @@ def check_figures(numbers: Numbers, write: bool, figures: Path = FIGURES) -> lis
     return problems
 
 
-def run(write: bool) -> list[str]:
-    numbers = Numbers()
+def run(write: bool, history: bool = True) -> list[str]:
+    """Check (or with ``write`` refresh) every span, result page and figure set; the problems
+    found. ``history=False`` (a shallow clone) checks every value but no result's staleness,
+    and so not the result pages, which state it."""
+    if write and not history:
+        raise NumbersError("--write needs the history (the result pages state staleness): "
+                           + SHALLOW_NOTE)
+    numbers = Numbers(history=history)
     problems: list[str] = []
     for page in pages():
         where = str(page.relative_to(ROOT))
@@ -454,6 +536,9 @@ def run(write: bool) -> list[str]:
                 page.write_text(new)
             else:
                 problems.append(f"{where}: spans differ from their results ({FIX})")
+    problems.extend(check_figures(numbers, write))
+    if not history:
+        return problems
     expected = generated_pages(numbers)
     present = set(RESULT_PAGES.glob("*.md")) if RESULT_PAGES.is_dir() else set()
     for path, text in expected.items():
@@ -469,7 +554,6 @@ def run(write: bool) -> list[str]:
             path.unlink()
         else:
             problems.append(f"{path.relative_to(ROOT)}: no such result any more")
-    problems.extend(check_figures(numbers, write))
     return problems
 
 
@@ -480,7 +564,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="rewrite spans, result pages and figure sets")
     mode.add_argument("--check", action="store_true", help="fail on any difference (the test)")
     args = parser.parse_args(argv)
-    problems = run(write=args.write)
+    history = not shallow_clone()
+    if not history:
+        if args.write:
+            parser.error(f"--write: {SHALLOW_NOTE}")
+        print(f"note: {SHALLOW_NOTE}", file=sys.stderr)
+    problems = run(write=args.write, history=history)
     for p in problems:
         print(p, file=sys.stderr)
     if problems:
