@@ -1,7 +1,8 @@
 """PPC-GPT baselines and ablations as a bench study (``[study.NAME] kind = "ppcgpt"`` of
 ``fedcompress bench CONFIG.toml``).
 
-Reproduces the shape of the PPC-GPT paper's Tables 1-7 (../shared/papers/ppc-gpt.txt) on a
+Reproduces the shape of the PPC-GPT paper's Tables 1-7 ("PPC-GPT: Federated Task-Specific
+Compression of Large Language Models via Pruning and Chain-of-Thought Distillation") on a
 bundled multiple-choice task: Table 1 compares the dense model, DenseSFT, Plain-C and PPC-GPT;
 Tables 2-7 vary one setting of PPC-GPT at a time (privacy budget ``eps``, synthetic-data ratio,
 with/without rationales, with/without server-side retraining, Block Influence vs "Seq" layer

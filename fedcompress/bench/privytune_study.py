@@ -1,7 +1,8 @@
 """PrunePrivyTune's tables as a bench study (``[study.NAME] kind = "privytune"`` of
 ``fedcompress bench CONFIG.toml``).
 
-Reproduces the shape of the paper's tables (../shared/papers/prune-privy-tune.txt) with the
+Reproduces the shape of the tables of the PrunePrivyTune paper (Garg and Torra, "PrunePrivyTune:
+Accelerating Language Models with Pruning and Differentially Private Fine-Tuning") with the
 centralized pipeline (:func:`fedcompress.methods.privytune.central_run`, the paper's setting: one
 data holder), one column per task:
 

@@ -1,4 +1,6 @@
-"""PPC-GPT as library steps (paper: ../shared/papers/ppc-gpt.txt): plain torch; no Flower import.
+"""PPC-GPT as library steps: plain torch; no Flower import (paper: "PPC-GPT: Federated
+Task-Specific Compression of Large Language Models via Pruning and Chain-of-Thought
+Distillation", an anonymous ACL submission; see the References of the architecture page).
 
 The Flower apps (``clients/ppcgpt.py``, ``strategies/ppcgpt.py``, ``server/ppcgpt.py``) call these
 functions; each step is usable on its own.

@@ -1,4 +1,6 @@
-"""PrunePrivyTune (``../shared/papers/prune-privy-tune.txt``), centralized and federated.
+"""PrunePrivyTune, centralized and federated (paper: Garg and Torra, "PrunePrivyTune:
+Accelerating Language Models with Pruning and Differentially Private Fine-Tuning", Springer
+Nature, 2026; see the References of the architecture page).
 
 The paper's pipeline: remove redundant layers by the pairwise cosine similarity of hidden states
 (Sec. 4.1, :mod:`fedcompress.layers.redundancy`), fine-tune the smaller model with DP-SGD, LoRA
