@@ -1,10 +1,10 @@
 """A site's privacy policy: the bounds a site holds against the server, from its own node config.
 
-The privacy boundary is the site (``docs/architecture.md``). Every value a guarantee depends on (the epsilon
-a run may spend, the lifetime budget, delta, whether DP may be off, the smallest SecAgg
-threshold, the models and corpora a site loads, simulation-only switches) is bounded here, from
-the SuperNode's own ``--node-config`` (or a TOML policy file it names), never from the server's
-message. The defaults are the private ones.
+The privacy boundary is the site (``docs/architecture.md``). Every value a guarantee depends on
+(the epsilon a run may spend, the lifetime budget, delta, whether DP may be off, the smallest
+SecAgg threshold, the models and corpora a site loads, simulation-only switches) is bounded
+here, from the SuperNode's own ``--node-config`` (or a TOML policy file it names), never from
+the server's message. The defaults are the private ones.
 
 Node-config keys (the SuperNode operator's, ``flower-supernode --node-config '...'``):
 
