@@ -12,7 +12,7 @@ neither torch nor transformers here. Without the key, :data:`app` runs :func:`lo
 
 Every reply with a ``metrics`` record also carries this process's start-up split
 (:mod:`clients.startup`): the seconds of imports and of loading not reported yet, and the
-handler's compute. Flower 1.41 starts a process per message at a SuperNode, so there each reply
+handler's compute. Flower 1.42 starts a process per message at a SuperNode, so there each reply
 carries its own message's start-up.
 
 Every message passes the site's policy first (:mod:`fedcompress.privacy.site`: simulation-only

@@ -14,7 +14,7 @@ declares (``fedcompress.methods.fedprllm.METHOD.actions``):
 The dense model is loaded once per process (cached, memory-mapped from the site's safetensors
 cache) and never mutated across calls. The site's tokenized calibration corpus is kept in its
 cache folder (``$FEDCOMPRESS_CACHE/tokens``), so a message only cuts its windows from it (Flower
-1.41 starts a new process for every message at a SuperNode).
+1.42 starts a new process for every message at a SuperNode).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A warm site worker: one long-lived process at a site that runs its ClientApp messages.
 
-Flower 1.41's SuperNode starts a fresh ``flwr-clientapp`` process per message, and each pays
+Flower 1.42's SuperNode starts a fresh ``flwr-clientapp`` process per message, and each pays
 torch's and transformers' imports and the model load again (about 3.9 s of SmolLM2's 4.5 s
 start-up). A site operator may start, next to its SuperNode, ``fedcompress site-worker --socket
 PATH``: a process that imports Flower, torch and fedcompress once and keeps its per-process

@@ -1,6 +1,6 @@
 """A site's start-up per message: what this ClientApp process spent importing and loading.
 
-Flower 1.41's SuperNode starts a fresh ``flwr-clientapp`` process for every message, so every
+Flower 1.42's SuperNode starts a fresh ``flwr-clientapp`` process for every message, so every
 message pays the imports and the loading again; under the Simulation Engine one process (a Ray
 actor) serves many messages and pays them once. The ClientApp times its phases into this
 process's account (:func:`timed`): ``import`` (its own module, the handler's module,

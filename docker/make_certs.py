@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Credentials for a Flower 1.41 deployment of fedcompress: TLS and SuperNode authentication.
+"""Credentials for a Flower 1.42 deployment of fedcompress: TLS and SuperNode authentication.
 
 ``create`` writes into OUT (default ``docker/certs``)::
 
@@ -16,7 +16,7 @@
 and prints the registration commands. ``register`` runs ``flwr supernode register`` for each
 public key given, against a SuperLink connection of ``$FLWR_HOME/config.toml``.
 
-Flower 1.41 accepts only NIST elliptic-curve keys (P-256/P-384/P-521) for SuperNode
+Flower 1.42 accepts only NIST elliptic-curve keys (P-256/P-384/P-521) for SuperNode
 authentication; ed25519 keys are refused by both ``flwr supernode register`` and
 ``flower-supernode``.
 

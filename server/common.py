@@ -171,7 +171,7 @@ def startup_section(records: list[dict]) -> tuple[str, str] | None:
         rows.append([stage, str(len(mine)), *cells])
     text = markdown_table(["stage", "replies", *(title for _, title in _STARTUP_COLUMNS)], rows)
     return ("Site start-up per message", text + (
-        "\n\nMean (min-max) over the replies, seconds. A SuperNode (Flower 1.41) starts a process "
+        "\n\nMean (min-max) over the replies, seconds. A SuperNode (Flower 1.42) starts a process "
         "per message, so each reply carries its own start-up; under the Simulation Engine a "
         "process serves many messages and its first reply carries the imports and loading. "
         "Flower runtime: from the process's start to the ClientApp (deployed sites only). Site "

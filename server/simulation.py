@@ -76,7 +76,7 @@ RAY_START_ATTEMPTS = 2
 
 def start_private_ray(init_args: dict, attempts: int = RAY_START_ATTEMPTS) -> None:
     """Start this run's private Ray instance as Flower's ``RayBackend.init_ray`` would (flwr
-    1.41: the same ``init_args``, the driver's ``sys.path`` as the workers' PYTHONPATH, in the
+    1.42: the same ``init_args``, the driver's ``sys.path`` as the workers' PYTHONPATH, in the
     environment and in the runtime env), so that Flower finds Ray initialized and uses it, and
     shuts it down at the end as it would its own. When Ray's local node does not register in
     time (:data:`RAY_NODE_STARTUP_TIMEOUT`), the processes that start left are stopped and Ray

@@ -2,7 +2,7 @@
 
     nice -n 10 python simulations/site_startup.py --out simulations/results/site-startup/after
 
-Flower 1.41 starts a fresh ``flwr-clientapp`` process for every message a SuperNode receives,
+Flower 1.42 starts a fresh ``flwr-clientapp`` process for every message a SuperNode receives,
 so a site pays the Python start-up, its imports (torch, transformers), the model load and the
 calibration windows again for every message. This script deploys FedPrLLM on the embedded
 model as ``tests/test_deploy.py`` does (its ``Deployment`` and ``Processes``): one

@@ -7,7 +7,7 @@ within the round timeout, is logged with its reason and left out, in one record 
 (:func:`rejection`); :func:`require_valid` ends the run with :class:`NotEnoughClientsError`
 when too few valid replies remain.
 
-A ClientApp whose process dies mid-message (crash, OOM killer) under Flower 1.41's Simulation
+A ClientApp whose process dies mid-message (crash, OOM killer) under Flower 1.42's Simulation
 Engine: the Ray actor running it dies, ``ray.get`` raises at once (ActorDiedError, or
 ActorUnavailableError when Ray restarts the actor) and the engine replies with an error
 (``ErrorCode.UNKNOWN``, reason ``<class '...'>:<'...'>``): no hang. :func:`error_reason` names
@@ -68,7 +68,7 @@ class StrategyOutcome:
         """Record rejections (``where``: e.g. ``layer=3``, added to each), with the node's
         partition when an earlier valid reply named it. A reply from a Ray actor process
         already seen dead, or from one that failed several messages of this batch, says that
-        its message was sent to a dead actor (Flower 1.41's RayBackend returns a dead actor to
+        its message was sent to a dead actor (Flower 1.42's RayBackend returns a dead actor to
         its pool) rather than that this site's own process died."""
         partitions = {m["node"]: m["partition"] for m in self.client_metrics
                       if "partition" in m}
@@ -168,7 +168,7 @@ class RecordsReplies:
 def settings_record(settings: Any, **extra: Any) -> ConfigRecord:
     """A method's settings (``Settings.to_dict()``) as the ``config`` record of a message, plus
     ``extra`` values. An empty string is left out when it is the setting's default (Flower
-    1.41's ``ConfigRecord.count_bytes`` refuses empty strings; the receiver's ``from_dict``
+    1.42's ``ConfigRecord.count_bytes`` refuses empty strings; the receiver's ``from_dict``
     restores the default); any other empty value is an error naming it."""
     import dataclasses
 
@@ -195,7 +195,7 @@ def rejection(stage: str, server_round: int, node: int, reason: str, **extra: An
 _DEAD_PROCESS = ("ActorDiedError", "ActorUnavailableError", "RayActorError",
                  "WorkerCrashedError", "OutOfMemoryError")
 _FLOWER_REASON = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>:<'(.*)'>\Z", re.S)
-_DEAD_POOL = ("Flower 1.41's RayBackend returns a dead actor to its pool; Ray restarts it "
+_DEAD_POOL = ("Flower 1.42's RayBackend returns a dead actor to its pool; Ray restarts it "
               "only when the backend's client_resources set max_restarts, as "
               "server/simulation.py does")
 

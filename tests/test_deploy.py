@@ -715,7 +715,7 @@ def _mount(volume: str) -> tuple[str, str]:
 
 
 def test_compose_file_is_the_tested_deployment(tmp_path):
-    """docker/compose.yml starts what this module tests: Flower 1.41 accepts every command
+    """docker/compose.yml starts what this module tests: Flower 1.42 accepts every command
     line, TLS and SuperNode authentication are on, each site has its own key, partition and data
     path, nothing is installed at run time, and make_certs.py makes every mounted file."""
     import yaml

@@ -2,7 +2,7 @@
 mid-message (``fault=kill``: ``os._exit(1)``, as a crash or the OOM killer) and a site that
 never answers within the round timeout (``fault=slow``).
 
-What Flower 1.41 does when the process dies (these runs show it): the Ray actor running the
+What Flower 1.42 does when the process dies (these runs show it): the Ray actor running the
 ClientApp dies, ``ray.get`` in ``RayBackend.process_message`` raises at once (ActorDiedError;
 ActorUnavailableError when Ray restarts the actor) and the engine's worker turns it into an
 error reply (``ErrorCode.UNKNOWN``): the round goes on, nothing waits for the timeout. The
