@@ -24,6 +24,7 @@ engine needed).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -84,11 +85,15 @@ def timed(report: RunReport, name: str, argv: list[str], cwd: Path, log: Path,
     return record
 
 
-def keep_demo(run: Path, dest: Path) -> None:
-    """Copy the demo's report (JSON and Markdown) from the clone into the result."""
+def keep_demo(run: Path, dest: Path) -> dict:
+    """Copy the demo's report (JSON and Markdown) from the clone into the result; return what
+    the README quotes of it (its results, phases and command), kept in this result's own
+    report under ``demo``."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("report.json", "report.md"):
         shutil.copyfile(run / name, dest / name)
+    demo = json.loads((run / "report.json").read_text())
+    return {key: demo.get(key) for key in ("command_line", "status", "results", "timings")}
 
 
 def main() -> None:
@@ -126,7 +131,9 @@ def main() -> None:
                     report.extra["failures"] = failure_sections(output)
                     raise SystemExit(f"{name} failed (exit {records[-1]['exit_status']}):\n{tail}")
                 if name == "make demo":
-                    keep_demo(clone / "runs" / "demo", Path(opts.out) / "demo")
+                    report.extra["demo"] = keep_demo(clone / "runs" / "demo",
+                                                     Path(opts.out) / "demo")
+                    report.write()
             rows = [[r["name"], f"{r['seconds'] / 60:.1f}", str(r["exit_status"]),
                      f"{r['load_average_after'][0]:.2f}"] for r in records]
             said = [f"`{r['name']}`: pytest reported {r.get('passed', 0)} passed, "
