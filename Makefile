@@ -101,7 +101,7 @@ test: install browser
 	# rerun once only when Ray's local node did not register within Ray's fixed 30 s (its
 	# message, matched through the exception chain): on 2 loaded cores both workers' Ray
 	# starts can coincide; any other failure fails at once
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 \
 		--reruns 1 --only-rerun "The current node timed out during startup"
 
 clean:

@@ -67,6 +67,19 @@ def failure_sections(output: str, limit: int = FAILURES_LIMIT) -> str:
     return text if len(text) <= limit else text[:limit] + "\n[... cut]"
 
 
+_DURATIONS = re.compile(r"^=+ slowest \d+ durations =+$", re.M)
+_DURATION = re.compile(r"^(\d+\.\d+)s (call|setup|teardown)\s+(\S+)$", re.M)
+
+
+def slowest_durations(output: str) -> list[dict]:
+    """pytest's ``--durations`` section: ``[{"seconds", "when", "test"}]``, slowest first."""
+    start = _DURATIONS.search(output)
+    if start is None:
+        return []
+    return [{"seconds": float(s), "when": when, "test": test}
+            for s, when, test in _DURATION.findall(output[start.end():].split("\n=", 1)[0])]
+
+
 def timed(report: RunReport, name: str, argv: list[str], cwd: Path, log: Path,
           no_pip_cache: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -80,7 +93,11 @@ def timed(report: RunReport, name: str, argv: list[str], cwd: Path, log: Path,
     record = {"name": name, "command": " ".join(argv), "exit_status": code, "seconds": seconds,
               "load_average_after": list(os.getloadavg())}
     if name in ("make test", "make deploy-test"):
-        record.update(pytest_summary(log.read_text(errors="replace")))
+        output = log.read_text(errors="replace")
+        record.update(pytest_summary(output))
+        slowest = slowest_durations(output)
+        if slowest:
+            report.extra.setdefault("slowest", {})[name] = slowest
     report.add_result(record)
     return record
 

@@ -36,3 +36,24 @@ def test_failure_sections_keep_each_traceback_and_stop_at_the_warnings():
     cut = mt.failure_sections(LOG, limit=40)
     assert cut.endswith("[... cut]") and len(cut) == 40 + len("\n[... cut]")
     assert mt.pytest_summary(LOG) == {"failed": 1, "passed": 9, "error": 1}
+
+
+DURATIONS_LOG = """\
+........
+============================= slowest 3 durations ==============================
+649.10s call     tests/test_deploy.py::test_run
+12.50s setup    tests/test_flwr_run.py::test_x
+0.51s teardown tests/test_y.py::test_z
+=========================== short test summary info ============================
+8 passed in 700.00s
+"""
+
+
+def test_slowest_durations_are_kept_slowest_first():
+    mt = _script()
+    assert mt.slowest_durations(DURATIONS_LOG) == [
+        {"seconds": 649.1, "when": "call", "test": "tests/test_deploy.py::test_run"},
+        {"seconds": 12.5, "when": "setup", "test": "tests/test_flwr_run.py::test_x"},
+        {"seconds": 0.51, "when": "teardown", "test": "tests/test_y.py::test_z"},
+    ]
+    assert mt.slowest_durations("8 passed in 1.00s") == []
