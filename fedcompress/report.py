@@ -79,9 +79,13 @@ def imported_source_files(source: Path | None = None) -> list[str]:
         name = getattr(module, "__file__", None)
         if not name:
             continue
+        path = Path(name)
+        if not path.is_absolute():  # e.g. torch's generated modules: no file of the tree
+            continue
         with contextlib.suppress(ValueError, OSError):
-            rel = Path(name).resolve().relative_to(root)
-            if rel.parts and rel.parts[0] not in (".venv", "build") and rel.suffix == ".py":
+            rel = path.resolve().relative_to(root)
+            if rel.parts and rel.parts[0] not in (".venv", "build") and rel.suffix == ".py" \
+                    and (root / rel).is_file():
                 found.add(rel.as_posix())
     return sorted(found)
 
