@@ -234,6 +234,11 @@ def test_a_result_older_than_its_code_is_stale():
     ("in code `48.17` or <!--n:k-->48.17<!--/n-->", []),
     ("```\n48.17 s\n```\n", []),
     ("[link](results/x-1.22x.md)", []),
+    ("make test: 1,982 passed, 4 skipped", ["1,982 passed", "4 skipped"]),
+    ("a ledger of 10,000 releases and 12,345 bytes", ["12,345"]),
+    ("it ran twice as fast, three times slower", ["twice as fast", "three times slower"]),
+    ("the same vote twice; the Hessian's diagonal is twice the square sums", []),
+    ("3,000 of 1,024", ["3,000"]),
 ])
 def test_measured_looking_numbers_are_found_outside_spans_and_code(text, found):
     assert pub.typed_numbers(text) == found
