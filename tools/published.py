@@ -252,12 +252,12 @@ class Numbers:
                 " changed it is unchecked"
             )
             return problems
-        depends = self.depends(name)
-        untracked = [p for p in res.untracked if under(p, depends)]
+        untracked = self.untracked_in(name)
         if untracked:
             problems.append(f"result {name!r} was made with untracked files in what it depends "
                             f"on ({', '.join(untracked[:5])}): a dirty tree")
-        stale = self.history and stale_since(res, depends, meta.get("unaffected", []))
+        stale = self.history and stale_since(res, self.depends(name),
+                                             meta.get("unaffected", []))
         if stale:
             problems.append(f"result {name!r} is older than the code it describes: {stale}")
         for other in res.quoted():
@@ -277,6 +277,10 @@ class Numbers:
         declared = list(meta.get("depends", []))
         return declared + [p for p in self.result(name).imported if not under(p, declared)]
 
+    def untracked_in(self, name: str) -> list[str]:
+        """The untracked files at result ``name``'s start that lie in what it depends on."""
+        return [p for p in self.result(name).untracked if under(p, self.depends(name))]
+
     def state(self, name: str) -> str:
         """``current``, ``dirty``, ``stale``, ``no commit``, ``no command`` or ``unchecked``."""
         res = self.result(name)
@@ -289,10 +293,9 @@ class Numbers:
         meta = self.results_meta.get(name)
         if meta is None or not meta.get("depends"):
             return "unchecked"
-        problems = self.result_problems(name)
-        if any("untracked files" in p for p in problems):
+        if self.untracked_in(name):
             return "dirty"
-        return "stale" if problems else "current"
+        return "stale" if self.result_problems(name) else "current"
 
 
 def git(*args: str) -> str:
