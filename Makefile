@@ -83,26 +83,43 @@ browser:
 # The documentation site (Sphinx + MyST, docs/): pages, and the API reference generated from the
 # docstrings. Warnings are errors: a broken link, reference or docstring fails the build.
 SPHINX := $(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
+# the same strict build for `make test`, without the source pages and the object entries of the
+# pages' tables of contents, which only render (docs/conf.py): about half the time
+SPHINX_CHECK := $(PY) -m sphinx -b html -W --keep-going -q -t check docs docs/_build/check
 
 docs: install
 	$(SPHINX)
 	@echo "docs: docs/_build/html/index.html"
 
 test: install browser
-	# the documentation site in strict mode (as `make docs`), built while ruff lints (rules in
-	# pyproject.toml) and mypy checks the library's types (lenient): one core each; then tests
-	$(SPHINX) & docs=$$!; \
-	$(PY) -m ruff check . && $(PY) -m mypy; checks=$$?; \
-	wait $$docs || { echo "docs: the strict build failed (make docs shows why)"; exit 1; }; \
-	exit $$checks
-	# two workers (pytest-xdist), one per core; a test file runs whole in one worker, so its
-	# module fixtures (a deployment, a simulation, a model) are built once; files are handed out
-	# in collection order, the slowest first (tests/conftest.py, SLOW_FILES_FIRST). A test is
-	# rerun once only when Ray's local node did not register within Ray's fixed 30 s (its
-	# message, matched through the exception chain): on 2 loaded cores both workers' Ray
-	# starts can coincide; any other failure fails at once
+	# ruff lints first (rules in pyproject.toml; a second). The strict documentation build (as
+	# `make docs`, without its render-only parts: SPHINX_CHECK) and mypy (the library's types,
+	# lenient) then run beside the tests at the lowest CPU priority (nice 19): they take the
+	# cores only when the tests leave them idle (the tests keep 2 cores about 92% busy; these
+	# two need about 110 core-seconds), so they add little to the wall time and nothing to a
+	# test's. Their output is shown when they fail; they are stopped if make is interrupted.
+	#
+	# The tests: two workers (pytest-xdist), one per core; a test file runs whole in one
+	# worker, so its module fixtures (a deployment, a simulation, a model) are built once;
+	# files are handed out in collection order, the slowest first (tests/conftest.py,
+	# SLOW_FILES_FIRST). A test is rerun once only when Ray's local node did not register
+	# within Ray's fixed 30 s (its message, matched through the exception chain): on 2 loaded
+	# cores both workers' Ray starts can coincide; any other failure fails at once
+	$(PY) -m ruff check .
+	@logs=$$(mktemp -d); \
+	nice -n 19 $(SPHINX_CHECK) > $$logs/docs.log 2>&1 & docs=$$!; \
+	nice -n 19 $(PY) -m mypy > $$logs/mypy.log 2>&1 & types=$$!; \
+	trap 'kill $$docs $$types 2>/dev/null; rm -rf $$logs' EXIT INT TERM; \
+	echo "$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30" \
+	     "--reruns 1 --only-rerun \"The current node timed out during startup\""; \
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 \
-		--reruns 1 --only-rerun "The current node timed out during startup"
+		--reruns 1 --only-rerun "The current node timed out during startup"; tests=$$?; \
+	wait $$docs; docs_rc=$$?; wait $$types; types_rc=$$?; \
+	if [ $$docs_rc = 0 ]; then echo "docs: the strict build passed"; else \
+	  cat $$logs/docs.log; echo "docs: the strict build failed (above; make docs builds it)"; fi; \
+	if [ $$types_rc = 0 ]; then tail -1 $$logs/mypy.log; else \
+	  cat $$logs/mypy.log; echo "mypy: failed (above)"; fi; \
+	[ $$tests = 0 ] && [ $$docs_rc = 0 ] && [ $$types_rc = 0 ]
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache docs/_build docs/api

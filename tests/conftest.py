@@ -27,24 +27,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 #: xdist (`make test`: `--dist loadfile --no-loadscope-reorder`, a file runs whole in one worker,
 #: files handed out in collection order) they are collected first, so that neither worker ends
 #: with a long file to run alone while the other is idle.
-SLOW_FILES_FIRST = (  # seconds of a file's tests, a loaded run of 2026-11-26 (junit times)
-    "tests/test_deploy.py",                    # 649 (one worker's share: started first)
-    "tests/test_faults_simulation.py",         # 368 before two of its runs became one
-    "tests/test_fedprllm.py",                  # 214
-    "tests/test_privytune.py",                 # 192
-    "tests/test_flwr_run.py",                  # 487 before four of its six runs went
-    "tests/adversarial/test_policy_attacks.py",  # 150
-    "tests/test_personalized.py",              # 109
-    "tests/test_reproducible.py",              # 196 before its six processes became two
-    "tests/test_ray_cluster.py",               # 66
-    "tests/test_stats_mode.py",                # 63
-    "tests/test_ppcgpt.py",                    # 61
-    "tests/test_site_startup.py",              # 56
-    "tests/test_integration.py",               # 44
-    "tests/adversarial/test_ledger.py",        # 41
-    "tests/test_eval_tasks_methods.py",        # 38
-    "tests/test_secagg.py",                    # 38
-    "tests/test_site_worker.py",               # 38 since its deployment went to test_deploy
+SLOW_FILES_FIRST = (  # seconds of a file's tests, `make test` of 2026-12-06 (--durations)
+    "tests/test_deploy.py",                    # 449 (one worker's share: started first)
+    "tests/test_faults_simulation.py",         # 185
+    "tests/test_flwr_run.py",                  # 132 without its refusal (now in test_deploy)
+    "tests/test_fedprllm.py",                  # 85
+    "tests/test_integration.py",               # 81
+    "tests/test_personalized.py",              # 77
+    "tests/test_privytune.py",                 # 70
+    "tests/test_stats_mode.py",                # 37
+    "tests/test_ppcgpt.py",                    # 34
+    "tests/test_ray_cluster.py",               # 33
+    "tests/test_site_worker.py",               # 26
+    "tests/test_bench.py",                     # 26
+    "tests/test_simulation_start.py",          # 25
+    "tests/test_reproducible.py",              # 24
+    "tests/test_site_startup.py",              # 24
+    "tests/test_eval_tasks.py",                # 23
+    "tests/adversarial/test_ledger.py",        # 22
+    "tests/adversarial/test_policy_attacks.py",  # 21
 )
 
 

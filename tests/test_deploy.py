@@ -17,9 +17,12 @@ same seeds and node configs. ``missing``: site 2's data file does not exist; its
 fail with a clear error that the server logs and records (``rejected`` in report.json), and the
 run must go on with the two other sites (``min-clients=2``). An unregistered SuperNode (a fourth
 key pair) must be refused by the SuperLink. Some SuperNodes hand their messages to a warm site
-worker of their own (``fedcompress site-worker``, :data:`WORKER_SITES`): ``full``'s sites 1
-and 2 (site 0 starts a ``flwr-clientapp`` process per message: the fat path of every method's
-run, beside two warm sites), ``missing``'s site 0.
+worker of their own (``fedcompress site-worker``, :data:`WORKER_SITES`): every site of ``full``
+(each method's messages still start a thin ``flwr-clientapp`` process per message, which hands
+the Message and the Context to the worker and the updated Context back to the SuperNode), and
+``missing``'s site 0; ``missing``'s site 1 keeps the fat path (a ``flwr-clientapp`` process that
+imports torch and runs the ClientApp itself per message). The fat path runs the same ClientApp
+(``clients.app.local_app``) as the worker, which every method's Simulation Engine test runs.
 
 Every process started (SuperLinks, SuperNodes, the ``flwr`` CLI, and the SuperExec /
 flwr-serverapp / flwr-clientapp processes they start) is stopped by PID at the end, also when a
@@ -67,9 +70,10 @@ OFFLINE = {
 }
 STARTUP_TIMEOUT = 90.0
 #: Sites whose SuperNode uses a warm site worker (``fedcompress site-worker``), by deployment:
-#: each site keeps a fat ClientApp path somewhere (site 0 of ``full`` runs every method's
-#: messages in their own processes), and the workers spare the suite most processes' imports.
-WORKER_SITES = {"full": (1, 2), "missing": (0,)}
+#: the workers spare the suite a torch import and a model load per message (a fat site of
+#: ``full`` started about 40 ``flwr-clientapp`` processes of 3 CPU seconds each); ``missing``'s
+#: site 1 keeps the fat path of the deployed runtime.
+WORKER_SITES = {"full": (0, 1, 2), "missing": (0,)}
 # A safety net only: a run takes about a minute on 2 cores (more when the machine is busy).
 RUN_TIMEOUT = 300.0
 
@@ -326,15 +330,17 @@ class Deployment:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return json.loads(proc.stdout)["nodes"]
 
-    def run(self, settings: dict, method: str = "fedprllm") -> tuple[dict, str]:
-        """``flwr run`` the app on this deployment with ``method`` and its ``settings``, and
-        wait for the end of the run; returns the SuperLink's record of the run (``flwr ls``)
-        and the run's log."""
+    def run(self, settings: dict, method: str = "fedprllm",
+            tables: dict | None = None) -> tuple[dict, str]:
+        """``flwr run`` the app on this deployment with ``method`` and its ``settings`` (or the
+        run config's ``tables`` as they are), and wait for the end of the run; returns the
+        SuperLink's record of the run (``flwr ls``) and the run's log."""
         import tomli_w
 
         config = self.root / "run-config.toml"
         table = {k.replace("_", "-"): v for k, v in settings.items()}  # pyproject's keys
-        config.write_text(tomli_w.dumps({"method": method, method: table}))
+        config.write_text(tomli_w.dumps({"method": method, method: table}
+                                        if tables is None else tables))
         name = self.proc_name("flwr-run")
         proc = self.procs.start(name, [
             str(BIN / "flwr"), "run", str(REPO), CONNECTION, "--run-config", str(config),
@@ -371,10 +377,10 @@ def tiny_model_dir(tmp_path_factory):
 def deployments(tmp_path_factory, tiny_model_dir):
     """Two deployments (``full``, ``missing``: site 2 has no data file), each with its one-shot
     FedPrLLM run started in the background (tests wait for ``dep.result``). Some SuperNodes hand
-    their messages to a warm site worker of their own (:data:`WORKER_SITES`): in ``full`` sites
-    1 and 2 (site 0 starts a ClientApp process per message: the fat path of every method's
-    run), in ``missing`` site 0. Every process, the workers too, is stopped by PID at the end,
-    also on failure; none may be left, nor a worker's socket."""
+    their messages to a warm site worker of their own (:data:`WORKER_SITES`): every site of
+    ``full``, and site 0 of ``missing`` (its site 1 keeps the fat path). Every process, the
+    workers too, is stopped by PID at the end, also on failure; none may be left, nor a
+    worker's socket."""
     root = tmp_path_factory.mktemp("deploy")
     procs = Processes(root)
     deps = {name: Deployment(name, root, procs) for name in ("full", "missing")}
@@ -509,8 +515,9 @@ def test_deployed_personalize_equals_in_process(deployments, tiny_model_dir, tmp
 
 
 def test_deployed_secure_vote_equals_in_process_vote(deployments, tiny_model_dir):
-    """SecAgg+ on the deployment: every stage of a site may run in a new ClientApp process
-    (its keys and shares kept in the SuperNode's state between them); the sites sign their
+    """SecAgg+ on the deployment: every stage of a site runs in a new (thin) ClientApp process
+    and its worker, its keys and shares kept in the SuperNode's state (the Context the thin
+    process hands to the worker and back) between them; the sites sign their
     SecAgg keys with their node-auth keys (node config secagg-key, secagg-peers) and run the
     consistency round; the model pruned from the secure sum equals the in-process plain
     vote."""
@@ -626,9 +633,9 @@ def test_deployed_run_equals_in_process_vote(deployments, tiny_model_dir):
     assert sorted(c["node"] for c in report["clients"]) == sorted(dep.node_ids)
     assert sorted(c["partition"] for c in report["clients"]) == list(range(CLIENTS))
     assert {"engine_startup", "federated_pruning"} <= set(report["timings"])
-    # Site 0 ran each message in its own flwr-clientapp process: every reply carries that
-    # process's whole start-up (Flower's runtime, imports, loading) and its compute. Sites 1
-    # and 2 handed theirs to their warm workers: the thin process's runtime and the exchange.
+    # Every site handed its messages to its warm worker: a reply carries the thin process's
+    # runtime and the exchange, and the worker's compute (the fat path's whole start-up is
+    # checked on the ``missing`` deployment's site 1).
     split = report["client_startup"]
     by_node = {c["node"]: c for c in report["clients"]}
     for stage in ("warmup", "masks"):
@@ -639,13 +646,8 @@ def test_deployed_run_equals_in_process_vote(deployments, tiny_model_dir):
             assert r["startup_runtime_seconds"] > 0 and r["compute_seconds"] >= 0, r
             assert r["client_startup_seconds"] == pytest.approx(
                 r["startup_import_seconds"] + r["startup_load_seconds"])
-            if site in dep.workers:
-                assert r["startup_worker_seconds"] >= 0, r
-                assert by_node[r["node"]]["pid"] == dep.workers[site].proc.pid
-            else:
-                assert r["startup_import_seconds"] > 0 and r["startup_load_seconds"] > 0, r
-                assert by_node[r["node"]]["pid"] not in {w.proc.pid
-                                                        for w in dep.workers.values()}
+            assert r["startup_worker_seconds"] >= 0, r
+            assert by_node[r["node"]]["pid"] == dep.workers[site].proc.pid
     assert report["client_startup_seconds"] == [r["client_startup_seconds"] for r in split
                                                 if r["stage"] == "warmup"]
 
@@ -679,6 +681,16 @@ def test_missing_data_path_is_reported_and_run_goes_on(deployments):
     assert f"'{dep.sites[MISSING_SITE]}' does not exist" in dep.log(f"supernode-{MISSING_SITE}")
 
 
+def test_deployed_run_refuses_another_methods_setting(deployments):
+    """A run config that sets a key of another method than the one it runs fails the run at
+    the ServerApp's start, with the key named (on ``missing``, idle after its one run)."""
+    dep = deployments["missing"]
+    dep.result.result()  # one run at a time on this SuperLink
+    run, log = dep.run({}, tables={"method": "ppcgpt", "fedprllm": {"sparsity": 0.7}})
+    assert run["status"].startswith("finished:failed"), f"{run}\n{log[-4000:]}"
+    assert "fedprllm.sparsity=0.7 is a setting of method 'fedprllm'" in log, log[-4000:]
+
+
 def test_deployed_site_with_a_worker_prunes_as_the_fat_path(deployments, tiny_model_dir):
     """The ``missing`` deployment's site 0 hands its messages to a warm site worker: its masks
     come from the worker (the thin per-message process's runtime and imports, the worker's
@@ -698,6 +710,15 @@ def test_deployed_site_with_a_worker_prunes_as_the_fat_path(deployments, tiny_mo
     assert {r["stage"] for r in split} == {"warmup", "masks"}
     for r in split:  # the thin process's runtime and imports, the worker's load/compute
         assert r["startup_runtime_seconds"] > 0 and r["startup_worker_seconds"] >= 0, r
+    # site 1, the fat path: each message's own flwr-clientapp process carries its whole
+    # start-up (Flower's runtime, torch's imports, the model's loading) and its compute
+    fat = [r for r in report["client_startup"] if r["node"] == dep.node_ids[1]]
+    assert {r["stage"] for r in fat} == {"warmup", "masks"}
+    for r in fat:
+        assert r["startup_runtime_seconds"] > 0 and r["startup_import_seconds"] > 0, r
+        assert r["startup_load_seconds"] > 0 and r["compute_seconds"] >= 0, r
+        assert r["client_startup_seconds"] == pytest.approx(
+            r["startup_import_seconds"] + r["startup_load_seconds"])
     assert "message 2: train.masks" in worker.log(), worker.log()
     settings = {**RUN, "model": str(tiny_model_dir), "out": str(dep.root / "out"),
                 "min-clients": 2}
