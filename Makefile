@@ -92,39 +92,28 @@ docs: install
 	@echo "docs: docs/_build/html/index.html"
 
 test: install browser
-	# ruff lints first (rules in pyproject.toml; a second). The strict documentation build (as
-	# `make docs`, without its render-only parts: SPHINX_CHECK) and mypy (the library's types,
-	# lenient) then run beside the tests at the lowest CPU priority (nice 19): they take the
-	# cores only when the tests leave them idle (the tests keep 2 cores about 92% busy; these
-	# two need about 110 core-seconds), so they add little to the wall time and nothing to a
-	# test's. Their output is shown when they fail; they are stopped if make is interrupted.
-	#
-	# The tests: two workers (pytest-xdist), one per core; a test file runs whole in one
-	# worker, so its module fixtures (a deployment, a simulation, a model) are built once;
-	# files are handed out in collection order, the slowest first (tests/conftest.py,
-	# SLOW_FILES_FIRST). A test is rerun once only when Ray's local node did not register
-	# within Ray's fixed 30 s (its message, matched through the exception chain): on 2 loaded
-	# cores both workers' Ray starts can coincide; any other failure fails at once
-	$(PY) -m ruff check .
+	# the documentation site in strict mode (as `make docs`, without its render-only parts:
+	# SPHINX_CHECK, about half its time), built while ruff lints (rules in pyproject.toml) and
+	# mypy checks the library's types (lenient): one core each, before the tests. (Beside the
+	# tests at nice 19 they cost more than they saved: make-test-22's Ray tests, which start
+	# first, took 1.6-1.9x their times, whose messages between Ray's processes wait on a core.)
+	$(SPHINX_CHECK) & docs=$$!; \
+	$(PY) -m ruff check . && $(PY) -m mypy; checks=$$?; \
+	wait $$docs || { echo "docs: the strict build failed (make docs shows why)"; exit 1; }; \
+	exit $$checks
 	# the project's bytecode, once: with PYTHONDONTWRITEBYTECODE set (as on the reference
 	# machine) no process writes it, and each of the suite's processes (Ray actors, ClientApps,
 	# ServerApps, site workers, the CLI) would compile the modules it imports again (about
 	# 0.3 CPU seconds for the four methods' site and server modules)
 	$(PY) -m compileall -q fedcompress clients server strategies
-	@logs=$$(mktemp -d); \
-	nice -n 19 $(SPHINX_CHECK) > $$logs/docs.log 2>&1 & docs=$$!; \
-	nice -n 19 $(PY) -m mypy > $$logs/mypy.log 2>&1 & types=$$!; \
-	trap 'kill $$docs $$types 2>/dev/null; rm -rf $$logs' EXIT INT TERM; \
-	echo "$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30" \
-	     "--reruns 1 --only-rerun \"The current node timed out during startup\""; \
+	# two workers (pytest-xdist), one per core; a test file runs whole in one worker, so its
+	# module fixtures (a deployment, a simulation, a model) are built once; files are handed out
+	# in collection order, the slowest first (tests/conftest.py, SLOW_FILES_FIRST). A test is
+	# rerun once only when Ray's local node did not register within Ray's fixed 30 s (its
+	# message, matched through the exception chain): on 2 loaded cores both workers' Ray
+	# starts can coincide; any other failure fails at once
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 \
-		--reruns 1 --only-rerun "The current node timed out during startup"; tests=$$?; \
-	wait $$docs; docs_rc=$$?; wait $$types; types_rc=$$?; \
-	if [ $$docs_rc = 0 ]; then echo "docs: the strict build passed"; else \
-	  cat $$logs/docs.log; echo "docs: the strict build failed (above; make docs builds it)"; fi; \
-	if [ $$types_rc = 0 ]; then tail -1 $$logs/mypy.log; else \
-	  cat $$logs/mypy.log; echo "mypy: failed (above)"; fi; \
-	[ $$tests = 0 ] && [ $$docs_rc = 0 ] && [ $$types_rc = 0 ]
+		--reruns 1 --only-rerun "The current node timed out during startup"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache docs/_build docs/api
