@@ -29,9 +29,10 @@ extensions = [
 # same strict rules, without the two parts that only render (together they were half of the
 # build's 104 s): the highlighted source pages (viewcode) and each function and class as an
 # entry of its page's table of contents, which the theme copies into every page's navigation.
-if not tags.has("check"):  # type: ignore[name-defined]  # noqa: F821 (Sphinx's namespace)
+CHECK = tags.has("check")  # type: ignore[name-defined]  # noqa: F821 (Sphinx's namespace)
+if not CHECK:
     extensions.append("sphinx.ext.viewcode")
-toc_object_entries = not tags.has("check")  # type: ignore[name-defined]  # noqa: F821
+toc_object_entries = not CHECK
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
