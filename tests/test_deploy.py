@@ -78,6 +78,27 @@ WORKER_SITES = {"full": (0, 1, 2), "missing": (0,)}
 RUN_TIMEOUT = 300.0
 
 
+def _app_copy(root: Path) -> Path:
+    """A copy of this checkout's app, made once: `pyproject.toml`, `.gitignore` and the files its
+    `fab-include` patterns match (`fab-exclude` then applies to them when flwr builds the FAB).
+    `flwr run REPO` walks every file of the checkout, its `.venv` too (about 84,000 files, 7 CPU
+    seconds a run on the reference machine), before its rules keep about 120. The FAB flwr
+    builds from the copy must be the FAB it builds from the checkout, byte for byte."""
+    from flwr.cli.build import build_fab_from_files, get_user_fab_patterns
+    from flwr.cli.utils import build_pathspec, collect_files, filter_paths_for_publish
+
+    files = filter_paths_for_publish(collect_files(REPO))
+    include, _ = get_user_fab_patterns(tomllib.loads((REPO / "pyproject.toml").read_text()))
+    kept = {"pyproject.toml", ".gitignore", *build_pathspec(include or ["**"]).match_files(files)}
+    copy = root / "fedcompress"  # flwr checks the folder's name as a project name
+    for name in kept:
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / name, copy / name)
+    fab, _ = build_fab_from_files(files)
+    assert build_fab_from_files(collect_files(copy))[0] == fab, "the copy builds another FAB"
+    return copy
+
+
 def _make_certs():
     """docker/make_certs.py (a script, not a package) as a module."""
     spec = importlib.util.spec_from_file_location("make_certs", REPO / "docker" / "make_certs.py")
@@ -218,6 +239,7 @@ class Deployment:
             f'address = "{self.address}"\nroot-certificates = "{self.made["ca"]}"\n')
         self.sites = [self.root / f"site-{i}" / "train.jsonl" for i in range(CLIENTS)]
         self.node_ids: list[int] = []
+        self.app = REPO  # what `flwr run` builds the FAB from (the fixture: _app_copy)
 
     def env(self, name: str) -> dict:
         """A process's environment: its own FLWR_HOME, never downloading or installing."""
@@ -343,7 +365,7 @@ class Deployment:
                                         if tables is None else tables))
         name = self.proc_name("flwr-run")
         proc = self.procs.start(name, [
-            str(BIN / "flwr"), "run", str(REPO), CONNECTION, "--run-config", str(config),
+            str(BIN / "flwr"), "run", str(self.app), CONNECTION, "--run-config", str(config),
             "--stream"], self.cli_env, cwd=REPO)
         try:
             proc.wait(RUN_TIMEOUT)
@@ -384,6 +406,9 @@ def deployments(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("deploy")
     procs = Processes(root)
     deps = {name: Deployment(name, root, procs) for name in ("full", "missing")}
+    app = _app_copy(root / "app")
+    for dep in deps.values():
+        dep.app = app
     from conftest import Worker, build_tiny_task
 
     # The sites' policy accepts the tiny model and task, and (research flag: the tests compare
