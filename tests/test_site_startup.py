@@ -121,22 +121,57 @@ DOCS = [Document(f"d{i}", None, "the king and the queen of the river city were a
                  "t") for i in range(3)]
 
 
+def _forget_streams(monkeypatch) -> None:
+    """This process's streams in memory, emptied for one test (as in a new process)."""
+    from collections import OrderedDict
+
+    from fedcompress.data import calibration
+
+    monkeypatch.setattr(calibration, "_streams", OrderedDict())
+
+
+def _no_tokenizing(*args, **kwargs):
+    raise AssertionError("tokenized again")
+
+
 def test_token_cache_gives_the_same_ids_and_is_read_back(tiny_tokenizer, tmp_path, monkeypatch):
+    _forget_streams(monkeypatch)
     plain = tokenize_corpus(tiny_tokenizer, DOCS)
-    cached = tokenize_corpus(tiny_tokenizer, DOCS, tmp_path)
+    cached = tokenize_corpus(tiny_tokenizer, DOCS, tmp_path)  # from memory, saved there
     assert cached.dtype == plain.dtype == torch.long and torch.equal(cached, plain)
     assert len(list(tmp_path.glob("*.npy"))) == 1
 
-    def no_tokenizing(*args, **kwargs):
-        raise AssertionError("tokenized again despite the cache")
-
-    monkeypatch.setattr(type(tiny_tokenizer), "__call__", no_tokenizing)
+    _forget_streams(monkeypatch)  # a new process: only the folder holds the stream
+    monkeypatch.setattr(type(tiny_tokenizer), "__call__", _no_tokenizing)
     assert torch.equal(tokenize_corpus(tiny_tokenizer, DOCS, tmp_path), plain)
 
 
-def test_token_cache_never_serves_a_stale_stream(tiny_tokenizer, tmp_path):
-    """Other text or another tokenizer: another key; a damaged file: tokenized again and
-    rewritten."""
+def test_a_process_tokenizes_a_corpus_once_and_hands_out_copies(tiny_tokenizer, monkeypatch):
+    """The same text and tokenizer again: the stream kept in memory, not tokenized again; each
+    caller's tensor is its own; beyond MEMORY_STREAMS others, the least recent is tokenized
+    again."""
+    from fedcompress.data import calibration
+
+    _forget_streams(monkeypatch)
+    first = tokenize_corpus(tiny_tokenizer, DOCS)
+    with monkeypatch.context() as patched:
+        patched.setattr(type(tiny_tokenizer), "__call__", _no_tokenizing)
+        again = tokenize_corpus(tiny_tokenizer, DOCS)
+        assert torch.equal(again, first)
+        again.zero_()
+        assert torch.equal(tokenize_corpus(tiny_tokenizer, DOCS), first)
+    for i in range(calibration.MEMORY_STREAMS):
+        tokenize_corpus(tiny_tokenizer, [Document("x", None, f"the river {i} " * 10, "t")])
+    calls = []
+    real = type(tiny_tokenizer).__call__
+    monkeypatch.setattr(type(tiny_tokenizer), "__call__",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert torch.equal(tokenize_corpus(tiny_tokenizer, DOCS), first) and calls == [1]
+
+
+def test_token_cache_never_serves_a_stale_stream(tiny_tokenizer, tmp_path, monkeypatch):
+    """Other text or another tokenizer: another key; a damaged file: rewritten from the stream
+    in memory, or tokenized again (a new process)."""
     from conftest import build_tiny_tokenizer
 
     tokenize_corpus(tiny_tokenizer, DOCS, tmp_path)
@@ -157,6 +192,11 @@ def test_token_cache_never_serves_a_stale_stream(tiny_tokenizer, tmp_path):
     assert torch.equal(tokenize_corpus(tiny_tokenizer, DOCS, damaged),
                        tokenize_corpus(tiny_tokenizer, DOCS))
     assert np.array_equal(np.load(path), tokenize_corpus(tiny_tokenizer, DOCS).numpy())
+    path.write_bytes(b"not a stream")
+    _forget_streams(monkeypatch)
+    assert torch.equal(tokenize_corpus(tiny_tokenizer, DOCS, damaged),
+                       tokenize_corpus(tiny_tokenizer, DOCS))
+    assert np.array_equal(np.load(path), tokenize_corpus(tiny_tokenizer, DOCS).numpy())
 
 
 def test_tokenizer_without_a_backend_is_not_cached(tmp_path):
@@ -167,6 +207,10 @@ def test_tokenizer_without_a_backend_is_not_cached(tmp_path):
     assert tokenizer_fingerprint(Slow()) is None
     assert tokenize_corpus(Slow(), DOCS, tmp_path).tolist() == [1, 2, 3]
     assert list(tmp_path.iterdir()) == []
+    from fedcompress.data import calibration
+
+    assert all(not torch.equal(ids, torch.tensor([1, 2, 3])) for ids in
+               calibration._streams.values())  # nor kept in memory
 
 
 # -- the model, memory-mapped -------------------------------------------------------------------

@@ -20,6 +20,10 @@ Choices, and why:
   as ``<key>.npy``, the key a sha256 of the exact text tokenized and of the tokenizer (its class,
   settings and serialized vocabulary and rules), so an edited data file or another tokenizer
   never meets a stale stream; the windows are cut from it as without the cache.
+* **Streams in memory**: the last :data:`MEMORY_STREAMS` streams a process tokenized (or read
+  from its cache), under the same key, so that a process that cuts windows from one corpus many
+  times (a bench's cells, a site's messages, a test suite) tokenizes it once. A stream stays in
+  the process that read the text (a site's own), and a caller gets its own copy.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,6 +92,32 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str | None:
     return digest.hexdigest()
 
 
+#: Token streams a process keeps in memory, the most recently used (see the module's notes).
+MEMORY_STREAMS = 4
+_streams: OrderedDict[str, torch.Tensor] = OrderedDict()
+_streams_lock = threading.Lock()
+
+
+def _remember(key: str, ids: torch.Tensor) -> torch.Tensor:
+    """Keep ``ids`` under ``key`` (dropping the least recently used beyond
+    :data:`MEMORY_STREAMS`); returns a copy for the caller."""
+    with _streams_lock:
+        _streams[key] = ids
+        _streams.move_to_end(key)
+        while len(_streams) > MEMORY_STREAMS:
+            _streams.popitem(last=False)
+    return ids.clone()
+
+
+def _recalled(key: str) -> torch.Tensor | None:
+    """A copy of the stream kept under ``key``; None if none is."""
+    with _streams_lock:
+        ids = _streams.get(key)
+        if ids is not None:
+            _streams.move_to_end(key)
+    return None if ids is None else ids.clone()
+
+
 def _cached_stream(path: Path) -> torch.Tensor | None:
     """The token stream saved at ``path``; None when missing or unreadable."""
     try:
@@ -117,20 +149,26 @@ def tokenize_corpus(tokenizer: PreTrainedTokenizerBase, docs: Sequence[Document]
     """Token ids of ``corpus_text(docs)`` as a 1-D ``torch.long`` tensor, without special tokens.
 
     ``cache``: a folder where the stream is kept and found again (see the module's notes); the
-    same ids as without it.
+    same ids as without it. The process also keeps the last :data:`MEMORY_STREAMS` streams in
+    memory (a tokenizer without a serializable backend: never).
 
     Raises:
         EmptyCorpusError: ``docs`` is empty or tokenizes to no tokens.
     """
     text = corpus_text(docs)
-    fingerprint = tokenizer_fingerprint(tokenizer) if cache is not None and text else None
-    path = None
-    if cache is not None and fingerprint is not None:
+    fingerprint = tokenizer_fingerprint(tokenizer) if text else None
+    key = path = None
+    if fingerprint is not None:
         key = hashlib.sha256(f"{fingerprint}\0".encode() + text.encode()).hexdigest()
-        path = Path(cache) / f"{key}.npy"
-        cached = _cached_stream(path)
+        path = None if cache is None else Path(cache) / f"{key}.npy"
+        recalled = _recalled(key)
+        if recalled is not None:
+            if path is not None and _cached_stream(path) is None:  # missing or damaged there
+                _save_stream(path, recalled)
+            return recalled
+        cached = None if path is None else _cached_stream(path)
         if cached is not None:
-            return cached
+            return _remember(key, cached)
     # verbose=False: the stream is longer than model_max_length on purpose; no warning needed.
     encoded = tokenizer(
         text, add_special_tokens=False, return_attention_mask=False, verbose=False
@@ -146,7 +184,7 @@ def tokenize_corpus(tokenizer: PreTrainedTokenizerBase, docs: Sequence[Document]
         )
     if path is not None:
         _save_stream(path, ids)
-    return ids
+    return ids if key is None else _remember(key, ids)
 
 
 def sample_windows(
