@@ -239,6 +239,12 @@ def test_a_result_older_than_its_code_is_stale():
     ("it ran twice as fast, three times slower", ["twice as fast", "three times slower"]),
     ("the same vote twice; the Hessian's diagonal is twice the square sums", []),
     ("3,000 of 1,024", ["3,000"]),
+    ("took 17 minutes, 2.5 CPU seconds and about two hours", ["17 minutes", "2.5 CPU seconds",
+                                                              "two hours"]),
+    ("within five percent, twenty-one seconds, 12 megabytes", ["five percent",
+                                                               "twenty-one seconds",
+                                                               "12 megabytes"]),
+    ("Ray waits a fixed 30 seconds; 4 bytes a float; one site, two rounds", []),
 ])
 def test_measured_looking_numbers_are_found_outside_spans_and_code(text, found):
     assert pub.typed_numbers(text) == found

@@ -390,6 +390,23 @@ SPELLED = re.compile(
     re.I,
 )
 
+#: Times and sizes with their unit in words (``17 minutes``, ``2.5 CPU seconds``) and figures
+#: spelled out before one (``about two hours``, ``within five percent``): measured-looking too.
+_SPELLED_NUMBER = (r"(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen"
+                   r"|fourteen|fifteen|sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty"
+                   r"|fifty|sixty|seventy|eighty|ninety|a hundred|a thousand)")
+_UNIT_WORD = (r"(?:(?:CPU |core-)?seconds?|minutes?|hours?|days?|bytes|kilobytes|megabytes"
+              r"|gigabytes|percent)")
+WORDED = re.compile(
+    rf"(?<![\w.,/-])((?:\d+(?:\.\d+)?|{_SPELLED_NUMBER}(?:[- ]{_SPELLED_NUMBER})?)"
+    rf"\s{_UNIT_WORD})\b",
+    re.I,
+)
+#: Times and sizes in words that are fixed settings, not measurements (each checked where it
+#: stands): Ray's fixed wait for its local node, the ServerApp's wait for the SuperNodes, the
+#: bytes of a float32, the bytes per weight of the server's memory-mapped sums (their format).
+SETTINGS_IN_WORDS = frozenset({"30 seconds", "2 minutes", "4 bytes", "ten bytes"})
+
 #: Numbers with separators that are settings or data sizes, not measurements (a short list;
 #: each is checked where it stands): ledger sizes of a cost study, the sanitizer's vocabulary,
 #: 16 x 64 pooled windows, two source datasets' sizes.
@@ -404,6 +421,8 @@ def typed_numbers(text: str) -> list[str]:
     found += [(m.start(1), m.group(1)) for m in SEPARATED.finditer(plain)
               if m.group(1) not in NOT_MEASURED]
     found += [(m.start(1), m.group(1)) for rx in (COUNTED, SPELLED) for m in rx.finditer(plain)]
+    found += [(m.start(1), m.group(1)) for m in WORDED.finditer(plain)
+              if m.group(1) not in SETTINGS_IN_WORDS]
     seen: dict[int, str] = {}
     for start, number in sorted(found, key=lambda f: (f[0], -len(f[1]))):
         if not any(start < s + len(n) and s <= start for s, n in seen.items()):
