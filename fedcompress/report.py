@@ -39,17 +39,28 @@ def versions() -> dict[str, str]:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             found[name] = "not installed"
+    state = tree_state(Path(__file__).resolve().parent.parent)
+    if state:
+        found["git_commit"] = state
+    return found
+
+
+def tree_state(source: Path) -> str:
+    """The source tree's commit (short hash), ``+dirty`` when a tracked file differs from it
+    outside :data:`OUTPUT_FOLDERS` (re-running a committed result replaces its own files there:
+    that is no change of the code it measures); "" outside a git checkout."""
     try:
-        source = Path(__file__).resolve().parent.parent
         commit = subprocess.run(["git", "-C", str(source), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True, timeout=5)
-        if commit.returncode == 0:
-            found["git_commit"] = commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        dirty = subprocess.run(
+            ["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no", "--",
+             ":(top)", *(f":(top,exclude){folder}" for folder in OUTPUT_FOLDERS)],
+            capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
-        pass
-    return found
+        return ""
+    if commit.returncode != 0:
+        return ""
+    return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 #: Folders of the source tree whose untracked files are outputs, not code a run may measure.

@@ -40,3 +40,28 @@ def test_report_records_the_load_average_at_start_and_end(tmp_path, monkeypatch)
     assert machine["load_average_end"] == [0.5, 1.0, 1.5]
     assert "3.5 / 2.25 / 1.0 at the start, 0.5 / 1.0 / 1.5 at the end" in (
         tmp_path / "report.md").read_text()
+
+
+def test_tree_state_is_dirty_for_code_not_for_a_results_own_files(tmp_path):
+    """Re-running a committed result replaces its files under simulations/results/: the tree
+    stays clean; a changed tracked file elsewhere makes it dirty."""
+    import subprocess
+
+    from fedcompress.report import tree_state
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    result = tmp_path / "simulations" / "results" / "r" / "report.json"
+    result.parent.mkdir(parents=True)
+    result.write_text("{}")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    clean = tree_state(tmp_path)
+    assert clean and not clean.endswith("+dirty")
+    result.unlink()  # the re-run starts afresh
+    assert tree_state(tmp_path) == tree_state(tmp_path / "simulations") == clean
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert tree_state(tmp_path) == tree_state(tmp_path / "simulations") == clean + "+dirty"
