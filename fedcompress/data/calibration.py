@@ -163,8 +163,8 @@ def tokenize_corpus(tokenizer: PreTrainedTokenizerBase, docs: Sequence[Document]
         path = None if cache is None else Path(cache) / f"{key}.npy"
         recalled = _recalled(key)
         if recalled is not None:
-            if path is not None and _cached_stream(path) is None:  # missing or damaged there
-                _save_stream(path, recalled)
+            if path is not None and not path.is_file():  # a damaged file: the next process
+                _save_stream(path, recalled)             # that reads it tokenizes again
             return recalled
         cached = None if path is None else _cached_stream(path)
         if cached is not None:
