@@ -653,7 +653,7 @@ _add_method_commands()
 def ledger_command(
     state_dir: Annotated[Path, typer.Option(
         "--state-dir", help="The site's state folder (its node config's state-dir), holding "
-                            "ledger.json.", show_default=False)],
+                            "ledger.jsonl.", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole ledger as JSON.")
                        ] = False,
     lifetime_epsilon: Annotated[Optional[float], typer.Option(
@@ -661,16 +661,23 @@ def ledger_command(
                                    "(its node config's lifetime-epsilon; default 32).",
         show_default=False)] = None,
 ) -> None:
-    """Print a site's privacy ledger: per run, its method, releases (DP and not DP), DP-SGD
-    steps, the epsilon the site's own accountant computed; the lifetime epsilon spent (basic
-    composition over runs) and the budget."""
+    """Print a site's privacy ledger, after checking its journal from the first line (the hash
+    chain, the head): per run, its method, releases (DP and not DP), DP-SGD steps, the epsilon
+    the site's own accountant computed; the lifetime epsilon spent (basic composition over
+    runs) and the budget."""
     from rich.console import Console
     from rich.table import Table
 
-    from fedcompress.privacy.ledger import LEDGER_FILE, Ledger, LedgerError, summary_rows
+    from fedcompress.privacy.ledger import (
+        LEDGER_FILE,
+        LEGACY_FILE,
+        Ledger,
+        LedgerError,
+        summary_rows,
+    )
     from fedcompress.privacy.policy import SitePolicy
 
-    if not (state_dir / LEDGER_FILE).is_file():
+    if not any((state_dir / name).is_file() for name in (LEDGER_FILE, LEGACY_FILE)):
         raise ConfigError(f"--state-dir {state_dir}: no {LEDGER_FILE} there (is it the site's "
                           "state-dir? a site that released nothing yet has none)")
     budget = SitePolicy.lifetime_epsilon if lifetime_epsilon is None else lifetime_epsilon
@@ -696,7 +703,8 @@ def ledger_command(
     console = Console()
     console.print(table)
     console.print(f"lifetime epsilon spent {ledger.lifetime_spent(data):.4g} of "
-                  f"{budget:g} (basic composition: the sum over runs)")
+                  f"{budget:g} (basic composition: the sum over runs); journal intact: "
+                  f"{data['seq']} releases, hash chain and head checked")
 
 
 def main() -> None:

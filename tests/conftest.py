@@ -401,6 +401,29 @@ def same_privytune_result(report: dict, reference: dict) -> None:
             assert got["auc"] == pytest.approx(want["auc"], abs=1e-6)
 
 
+def write_site_keys(folder, n: int) -> tuple[list[Path], Path]:
+    """``n`` sites' node-auth style P-384 keys (OpenSSH, mode 0600, as ``ssh-keygen`` writes
+    them) and the folder ``folder/peers`` of their public keys: ``(private paths, peers)``."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    folder = Path(folder)
+    peers = folder / "peers"
+    peers.mkdir(parents=True)
+    paths = []
+    for i in range(n):
+        key = ec.generate_private_key(ec.SECP384R1())
+        private = folder / f"site-{i}"
+        private.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                              serialization.PrivateFormat.OpenSSH,
+                                              serialization.NoEncryption()))
+        private.chmod(0o600)
+        (peers / f"site-{i}.pub").write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+        paths.append(private)
+    return paths, peers
+
+
 def load_tool(name: str, folder: str = "tools"):
     """A maintainer script of ``tools/`` (or another ``folder`` of the repository, e.g.
     ``simulations``; not part of the package) imported as module ``name``."""

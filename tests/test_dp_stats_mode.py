@@ -188,9 +188,9 @@ def _dp_ledger_releases(federation, node):
     from pathlib import Path
 
     folder = Path(federation.contexts[node].node_config["state-dir"])
-    files = list(folder.rglob("ledger.json"))
+    files = list(folder.rglob("ledger.jsonl"))
     assert len(files) == 1, files
-    data = json.loads(files[0].read_text())
+    data = Ledger(files[0].parent, 32.0).read()
     return [r for r in data["releases"] if r["kind"] == "dp-stats"]
 
 

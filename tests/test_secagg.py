@@ -186,22 +186,11 @@ def test_a_site_resumes_from_its_stored_state():
 def site_keys(folder, n: int) -> list[dict]:
     """``n`` sites' SecAgg node config: node-auth style P-384 keys (OpenSSH) and the folder of
     their public keys, as a deployed site (site-mode deployment) has them."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from conftest import write_site_keys
 
-    peers = folder / "peers"
-    peers.mkdir(parents=True)
-    configs = []
-    for i in range(n):
-        key = ec.generate_private_key(ec.SECP384R1())
-        (folder / f"site-{i}").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-            serialization.NoEncryption()))
-        (peers / f"site-{i}.pub").write_bytes(key.public_key().public_bytes(
-            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
-        configs.append({"site-mode": "deployment", "secagg-key": str(folder / f"site-{i}"),
-                        "secagg-peers": str(peers)})
-    return configs
+    paths, peers = write_site_keys(folder, n)
+    return [{"site-mode": "deployment", "secagg-key": str(path), "secagg-peers": str(peers)}
+            for path in paths]
 
 
 def _flower(tiny_dir, drop: dict | None = None, keys: list[dict] | None = None, **kw):

@@ -335,22 +335,12 @@ def test_context_state_round_trips_through_the_worker(worker, tiny_dir, tmp_path
     messages: through the worker the pruned model equals the fat path's. The sites are
     deployed ones (site-mode deployment): authenticated by their P-384 keys (node config
     secagg-key, secagg-peers), with the consistency round."""
-    from conftest import InProcessFederation
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from conftest import InProcessFederation, write_site_keys
 
     from fedcompress.models import load_model
     from server.fedprllm import run
 
-    peers = tmp_path / "peers"
-    peers.mkdir()
-    for i in range(3):
-        key = ec.generate_private_key(ec.SECP384R1())
-        (tmp_path / f"site-{i}").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-            serialization.NoEncryption()))
-        (peers / f"site-{i}.pub").write_bytes(key.public_key().public_bytes(
-            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    keys, peers = write_site_keys(tmp_path, 3)
 
     class Federation(InProcessFederation):
         app = "clients.app"
@@ -359,7 +349,7 @@ def test_context_state_round_trips_through_the_worker(worker, tiny_dir, tmp_path
             super().__init__(n)
             for i, context in enumerate(self.contexts.values()):
                 context.node_config.update({"site-mode": "deployment", "models": tiny_dir,
-                                            "secagg-key": str(tmp_path / f"site-{i}"),
+                                            "secagg-key": str(keys[i]),
                                             "secagg-peers": str(peers)})
                 if path:
                     context.node_config["site-worker"] = path

@@ -1,11 +1,31 @@
 """A site's persistent privacy ledger: every release, with the epsilon the site's own accountant
 computes, kept in the site's state folder across messages, runs and restarts.
 
-File: ``<state-dir>/ledger.json`` (JSON, :data:`FORMAT`), rewritten atomically (a temporary file
-in the same folder, fsync, ``os.replace``, fsync of the folder) under an exclusive ``fcntl``
-lock on ``<state-dir>/ledger.lock``, so concurrent processes of one site (a SuperNode's
-per-message ClientApps, a warm worker) see one ledger and never lose an entry. A file that
-cannot be read or parsed is an error (:class:`LedgerError`), never a reset to an empty ledger.
+**Files** (in the site's state folder, created with mode 0700):
+
+* ``ledger.jsonl`` (:data:`FORMAT`): an append-only journal. Its first line names the format and
+  a random journal id; each later line is one release: its sequence number, the SHA-256 of the
+  line before it (a hash chain), the release and the new state of what it changed (its run, and
+  the inputs it voted on). Recording a release appends one line and fsyncs it: the cost does not
+  grow with the ledger. A process replays the journal once and then reads only what other
+  processes appended since.
+* ``ledger.head``: the last line's sequence number, hash and byte offset, replaced atomically
+  after each append.
+* optionally a second copy of the head elsewhere (the policy's ``ledger-anchor``, e.g. on another
+  volume or a write-once mount), written the same way.
+* ``ledger.lock``: an exclusive ``fcntl`` lock held while checking and appending, so the
+  processes of one site (a site agent, a per-message ClientApp) see one ledger and lose nothing.
+
+**What it detects** (:class:`LedgerError`, never a reset): a line that does not parse or whose
+chain breaks (an edit, an insertion, a deletion inside the journal); a journal shorter than its
+head or its anchor says (truncated), or whose line at the head's sequence number has another hash
+(rolled back to an older copy, or replaced); a head or anchor of another journal; a journal that
+is missing while its head is not (deleted); a journal that shrinks or changes under a process
+that has read it (the site agent keeps the head it last saw in memory). A line cut short at the
+end while no writer holds the lock is a writer that died mid-append, before its release happened
+(a release is recorded before it is computed): it is cut off with a warning. A head that lags one
+line behind the journal is a writer that died between its append and its head: the head is
+brought forward.
 
 **Composition** (what the site's epsilon means):
 
@@ -37,10 +57,13 @@ cannot be read or parsed is an error (:class:`LedgerError`), never a reset to an
 Spending is recorded BEFORE the release happens (the check and the record are one locked
 transaction): a round that fails after its check still counts (conservative).
 
-What is not protected: a local user who can write the state folder can delete the ledger (the
-folder's permissions are the site operator's); a run id is the SuperLink's, so a server that
-starts a new run for every round gets a fresh per-run budget each time, but never beyond the
-lifetime budget.
+What is not protected: whoever can write the state folder and the anchor can replace both with
+an older copy of each (a backup restored over the site's state rolls its budget back unless the
+anchor lives where that user cannot write); the journal's hashes are not signed, so such a user
+can also write a new, consistent journal. The state folder's permissions are the site
+operator's (the policy refuses one that group or others can write). A run id is the
+SuperLink's, so a server that starts a new run for every round gets a fresh per-run budget each
+time, but never beyond the lifetime budget.
 """
 
 from __future__ import annotations
@@ -48,30 +71,41 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import hashlib
 import json
+import logging
 import math
 import os
+import secrets
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedcompress.privacy.accounting import epsilon_spent
 from fedcompress.privacy.policy import PolicyError
 
-__all__ = ["FORMAT", "LEDGER_FILE", "NOT_DP", "DpSgdMechanism", "Grant", "Ledger",
+__all__ = ["FORMAT", "HEAD_FILE", "LEDGER_FILE", "NOT_DP", "DpSgdMechanism", "Grant", "Ledger",
            "LedgerError", "summary_rows"]
 
-FORMAT = "fedcompress-ledger/1"
-LEDGER_FILE = "ledger.json"
+FORMAT = "fedcompress-ledger/2"
+LEDGER_FILE = "ledger.jsonl"
+HEAD_FILE = "ledger.head"
 LOCK_FILE = "ledger.lock"
+#: The whole-file ledger of fedcompress before the journal: read once, imported, then renamed
+#: to :data:`LEGACY_IMPORTED` (kept, never read again).
+LEGACY_FORMAT = "fedcompress-ledger/1"
+LEGACY_FILE = "ledger.json"
+LEGACY_IMPORTED = "ledger.v1.json"
 #: What a release that is not differentially private records as its epsilon.
 NOT_DP = "none: not DP"
 
+logger = logging.getLogger(__name__)
+
 
 class LedgerError(RuntimeError):
-    """A ledger file that cannot be read, parsed or written (never silently reset)."""
+    """A ledger that cannot be read, verified or written (never silently reset)."""
 
 
 @dataclass(frozen=True)
@@ -109,85 +143,385 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-class Ledger:
-    """The ledger of the site whose state folder is ``state_dir`` (created 0700 if missing)."""
+def _line(value: dict[str, Any]) -> bytes:
+    """One journal line: canonical JSON (sorted keys, no spaces) and a newline."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
-    def __init__(self, state_dir: str | os.PathLike[str], lifetime_budget: float) -> None:
+
+def _replace(path: Path, content: bytes) -> None:
+    """Write ``path`` atomically (a temporary file in its folder, fsync, ``os.replace``, fsync
+    of the folder), mode 0600."""
+    tmp = tempfile.NamedTemporaryFile("wb", dir=path.parent, prefix=f".{path.name}-",
+                                      suffix=".tmp", delete=False)
+    try:
+        with tmp:
+            tmp.write(content)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.chmod(tmp.name, 0o600)
+        os.replace(tmp.name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp.name)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _digest(line: bytes) -> str:
+    return hashlib.sha256(line.rstrip(b"\n")).hexdigest()
+
+
+@dataclass
+class _Replay:
+    """What a process knows of the journal: where it has read to, and the state it built."""
+
+    journal_id: str = ""
+    offset: int = 0
+    seq: int = 0
+    hash: str = ""
+    last_line: int = 0  # the length of the last line read (re-checked before reading on)
+    tables: dict[str, dict[str, Any]] = field(default_factory=lambda: {"runs": {},
+                                                                       "inputs": {}})
+    lifetime_epsilon: float = 0.0
+    lifetime_delta: float = 0.0
+
+    def apply(self, changes: dict[str, dict[str, Any]]) -> None:
+        for table, values in changes.items():
+            rows = self.tables.setdefault(table, {})
+            for key, value in values.items():
+                if table == "runs":
+                    old = rows.get(key) or {}
+                    self.lifetime_epsilon += (float(value.get("epsilon", 0.0))
+                                              - float(old.get("epsilon", 0.0)))
+                    self.lifetime_delta += (float(value.get("delta", 0.0))
+                                            - float(old.get("delta", 0.0)))
+                rows[key] = value
+
+
+class _Transaction:
+    """The ledger inside one locked transaction: the runs it touched (copies), the releases it
+    adds; nothing reaches the journal unless the body returns."""
+
+    def __init__(self, replay: _Replay) -> None:
+        self._replay = replay
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.inputs: dict[str, Any] = {}
+        self.releases: list[dict[str, Any]] = []
+
+    def run(self, run: str, method: str) -> dict[str, Any]:
+        if run not in self.runs:
+            stored = self._replay.tables["runs"].get(run)
+            self.runs[run] = (json.loads(json.dumps(stored)) if stored is not None else
+                              {"method": method, "started": _now(), "epsilon": 0.0,
+                               "delta": 0.0, "steps": 0, "text_epsilon": 0.0, "releases": 0})
+        entry = self.runs[run]
+        if method not in entry["method"].split("+"):  # a run id reused by another method:
+            entry["method"] += f"+{method}"  # its releases compose in the same run
+        return entry
+
+    def input(self, key: str) -> Any:
+        return self.inputs.get(key, self._replay.tables["inputs"].get(key))
+
+    def others_epsilon(self, run: str) -> float:
+        """The lifetime epsilon of every run but ``run`` (constant time: running totals)."""
+        stored = self._replay.tables["runs"].get(run) or {}
+        return max(self._replay.lifetime_epsilon - float(stored.get("epsilon", 0.0)), 0.0)
+
+    def others_delta(self, run: str) -> float:
+        stored = self._replay.tables["runs"].get(run) or {}
+        return max(self._replay.lifetime_delta - float(stored.get("delta", 0.0)), 0.0)
+
+    def lifetime_epsilon(self) -> float:
+        total = self._replay.lifetime_epsilon
+        for run, entry in self.runs.items():
+            stored = self._replay.tables["runs"].get(run) or {}
+            total += float(entry["epsilon"]) - float(stored.get("epsilon", 0.0))
+        return total
+
+
+class Ledger:
+    """The ledger of the site whose state folder is ``state_dir`` (created 0700 if missing).
+    ``anchor``: a second copy of the head (the policy's ``ledger-anchor``), checked and kept
+    like the head. One object per process may serve many messages: it reads only what was
+    appended since its last transaction."""
+
+    def __init__(self, state_dir: str | os.PathLike[str], lifetime_budget: float,
+                 anchor: str | os.PathLike[str] | None = None) -> None:
         self.dir = Path(state_dir)
         self.path = self.dir / LEDGER_FILE
+        self.head_path = self.dir / HEAD_FILE
+        self.anchor = Path(anchor) if anchor else None
         self.lifetime_budget = float(lifetime_budget)
+        self._replay: _Replay | None = None
 
     # -- reading ------------------------------------------------------------------------------
 
     def read(self) -> dict[str, Any]:
-        """The ledger's content (an empty ledger when the file does not exist yet)."""
-        if not self.path.exists():
-            return {"format": FORMAT, "runs": {}, "releases": []}
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise LedgerError(f"privacy ledger {self.path} cannot be read ({err}): refusing to "
-                              "release anything; restore it from a backup (never delete it: "
-                              "that would reset this site's budget)") from err
-        if (not isinstance(data, dict) or data.get("format") != FORMAT
-                or not isinstance(data.get("runs"), dict)
-                or not isinstance(data.get("releases"), list)):
-            raise LedgerError(f"privacy ledger {self.path} is not a {FORMAT} ledger: refusing "
-                              "to release anything; restore it from a backup")
-        return data
+        """The ledger's content, verified from its first line: ``format``, ``runs``,
+        ``inputs``, every release in order (``releases``) and the journal's length (``seq``).
+        An empty ledger when there is no journal yet (nor an older ledger to import)."""
+        if not self.dir.is_dir():
+            return {"format": FORMAT, "runs": {}, "inputs": {}, "releases": [], "seq": 0}
+        with self._locked(fcntl.LOCK_SH):
+            if not self.path.exists():
+                legacy = self._legacy()
+                if legacy is not None:
+                    return {"format": FORMAT, "runs": legacy["runs"], "inputs": {},
+                            "releases": list(legacy["releases"]), "seq": 0}
+                self._check_no_head()
+                return {"format": FORMAT, "runs": {}, "inputs": {}, "releases": [], "seq": 0}
+            replay = _Replay()
+            releases: list[dict[str, Any]] = []
+            heads = self._read_heads()
+            seen = {h["seq"]: "" for _, h in heads.values() if h is not None}
+            self._scan(replay, releases, False, seen)
+            self._check_heads(replay, heads, seen, repair=False)
+        return {"format": FORMAT, "runs": replay.tables["runs"],
+                "inputs": replay.tables["inputs"], "releases": releases, "seq": replay.seq}
 
     def lifetime_spent(self, data: dict[str, Any] | None = None) -> float:
         """The lifetime epsilon: the sum of every run's epsilon (basic composition)."""
         data = self.read() if data is None else data
         return float(sum(float(run.get("epsilon", 0.0)) for run in data["runs"].values()))
 
-    # -- transactions -------------------------------------------------------------------------
+    # -- the journal ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[dict[str, Any]]:
-        """The ledger under the exclusive lock; what the body leaves in it is written atomically
-        (nothing is written if the body raises)."""
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    def _locked(self, mode: int) -> Iterator[None]:
         fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            data = self.read()
-            yield data
-            self._write(data)
+            fcntl.flock(fd, mode)
+            yield
         finally:
             os.close(fd)  # releases the lock
 
-    def _write(self, data: dict[str, Any]) -> None:
-        text = json.dumps(data, indent=1, sort_keys=True)
-        tmp = tempfile.NamedTemporaryFile("w", dir=self.dir, prefix=".ledger-", suffix=".tmp",
-                                          delete=False)
-        try:
-            with tmp:
-                tmp.write(text)
-                tmp.flush()
-                os.fsync(tmp.fileno())
-            os.chmod(tmp.name, 0o600)
-            os.replace(tmp.name, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp.name)
-            raise
-        dir_fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    def _error(self, what: str) -> LedgerError:
+        return LedgerError(f"privacy ledger {self.path}: {what}: refusing to release anything; "
+                           "restore the state folder from a backup (never delete the ledger: "
+                           "that would reset this site's budget)")
 
-    def _run(self, data: dict[str, Any], run: str, method: str) -> dict[str, Any]:
-        entry = data["runs"].setdefault(run, {"method": method, "started": _now(),
-                                              "epsilon": 0.0, "delta": 0.0, "steps": 0,
-                                              "text_epsilon": 0.0, "releases": 0})
-        if method not in entry["method"].split("+"):  # a run id reused by another method:
-            entry["method"] += f"+{method}"  # its releases compose in the same run
-        return entry
+    def _scan(self, replay: _Replay, releases: list[dict[str, Any]] | None, repair: bool,
+              seen: dict[int, str]) -> None:
+        """Read the journal from ``replay``'s offset on, checking the chain, and apply each
+        line; ``seen``: the hash of each line whose sequence number is a key of it (the
+        heads'). The line ``replay`` read last is checked first (a journal rewritten under this
+        process is refused). ``repair``: cut off a line left incomplete by a dead writer (the
+        caller holds the exclusive lock)."""
+        if replay.seq in seen and replay.offset:
+            seen[replay.seq] = replay.hash
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < replay.offset:
+                raise self._error(f"the journal shrank to {size:,} bytes while this process "
+                                  f"had read {replay.offset:,} (truncated or rolled back)")
+            if replay.offset:
+                f.seek(replay.offset - replay.last_line)
+                if _digest(f.read(replay.last_line)) != replay.hash:
+                    raise self._error(f"line {replay.seq} changed after this process read it "
+                                      "(rewritten or rolled back)")
+            else:
+                f.seek(0)
+            data = f.read()
+        position = replay.offset
+        for raw in data.splitlines(keepends=True):
+            if not raw.endswith(b"\n"):
+                if not repair:  # a writer may be appending: the line is not there yet
+                    break
+                logger.warning("privacy ledger %s: its last line (%d bytes) was left "
+                               "incomplete by a writer that died before its release; cutting "
+                               "it off", self.path, len(raw))
+                with open(self.path, "r+b") as f:
+                    f.truncate(position)
+                    os.fsync(f.fileno())
+                break
+            try:
+                record = json.loads(raw)
+                if not isinstance(record, dict):
+                    raise ValueError("not an object")
+            except (UnicodeDecodeError, ValueError) as err:
+                raise self._error(f"line {replay.seq + 1} is not a journal line ({err})"
+                                  ) from None
+            if position == 0:
+                if record.get("format") != FORMAT or not record.get("id"):
+                    raise self._error(f"its first line is not a {FORMAT} header")
+                replay.journal_id = str(record["id"])
+            else:
+                if record.get("seq") != replay.seq + 1 or record.get("prev") != replay.hash:
+                    raise self._error(f"line {replay.seq + 1} does not follow line "
+                                      f"{replay.seq} (seq {record.get('seq')!r}; the hash "
+                                      "chain is broken: edited, inserted or deleted lines)")
+                replay.seq += 1
+                changes = record.get("set") or {}
+                if not isinstance(changes, dict) or not all(isinstance(v, dict)
+                                                            for v in changes.values()):
+                    raise self._error(f"line {replay.seq} has a malformed 'set'")
+                replay.apply(changes)
+                if releases is not None:
+                    releases.extend(record.get("imported") or [])
+                    releases.append(record.get("release") or {})
+            replay.hash = _digest(raw)
+            replay.last_line = len(raw)
+            if replay.seq in seen:
+                seen[replay.seq] = replay.hash
+            position += len(raw)
+        replay.offset = position
+        if replay.offset == 0:
+            raise self._error("the journal is empty (no header line)")
 
-    def _check_lifetime(self, data: dict[str, Any], run: str, new_run_epsilon: float) -> float:
-        others = sum(float(r.get("epsilon", 0.0)) for k, r in data["runs"].items() if k != run)
+    def _read_head(self, path: Path) -> dict[str, Any] | None:
+        try:
+            head = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise self._error(f"its head {path} cannot be read ({err})") from None
+        if (not isinstance(head, dict) or head.get("format") != FORMAT
+                or not isinstance(head.get("seq"), int) or not isinstance(head.get("hash"), str)):
+            raise self._error(f"its head {path} is not a {FORMAT} head")
+        return head
+
+    def _heads(self) -> list[tuple[str, Path]]:
+        return [("head", self.head_path)] + ([("anchor", self.anchor)] if self.anchor else [])
+
+    def _read_heads(self) -> dict[str, tuple[Path, dict[str, Any] | None]]:
+        return {name: (path, self._read_head(path)) for name, path in self._heads()}
+
+    def _check_heads(self, replay: _Replay, heads: dict[str, tuple[Path, dict | None]],
+                     seen: dict[int, str], repair: bool) -> None:
+        """The head (and the anchor), read before the journal, against it: never ahead of it,
+        the same hash at its sequence number (``seen``, filled by :meth:`_scan`; a head older
+        than what this process had read already is only brought forward). A head behind the
+        journal is brought forward when ``repair``; a missing anchor is written."""
+        for name, (path, head) in heads.items():
+            if head is None:
+                if name == "head" and replay.seq > 0:
+                    raise self._error(f"its head {path} is missing while the journal holds "
+                                      f"{replay.seq} releases (deleted?)")
+                if repair:
+                    self._write_head(path, replay)
+                continue
+            if head.get("id") != replay.journal_id:
+                raise self._error(f"its {name} {path} belongs to another journal (id "
+                                  f"{str(head.get('id'))[:12]}, this journal "
+                                  f"{replay.journal_id[:12]}): replaced?")
+            if head["seq"] > replay.seq:
+                raise self._error(f"the journal ends at release {replay.seq} but its {name} "
+                                  f"{path} records release {head['seq']}: truncated or rolled "
+                                  "back")
+            known = seen.get(head["seq"]) or None
+            if known is not None and known != head["hash"]:
+                raise self._error(f"release {head['seq']} of the journal differs from the one "
+                                  f"its {name} {path} records: rolled back or replaced")
+            if repair and head["seq"] < replay.seq:
+                if head["seq"] < replay.seq - 1:
+                    logger.warning("privacy ledger %s: its %s was %d releases behind; brought "
+                                   "forward", self.path, name, replay.seq - head["seq"])
+                self._write_head(path, replay)
+
+    def _check_no_head(self) -> None:
+        for name, path in self._heads():
+            if path.exists():
+                raise self._error(f"the journal is missing while its {name} {path} is not "
+                                  "(deleted?)")
+
+    def _write_head(self, path: Path, replay: _Replay) -> None:
+        _replace(path, json.dumps({"format": FORMAT, "id": replay.journal_id, "seq": replay.seq,
+                                   "hash": replay.hash, "bytes": replay.offset}).encode())
+
+    def _create(self) -> None:
+        """A new journal (its header line), importing the older whole-file ledger if there is
+        one (renamed to :data:`LEGACY_IMPORTED` after)."""
+        self._check_no_head()
+        legacy = self._legacy()
+        header = _line({"format": FORMAT, "id": secrets.token_hex(16), "created": _now()})
+        lines = [header]
+        if legacy is not None:
+            lines.append(_line({"seq": 1, "prev": _digest(header), "time": _now(),
+                                "release": {"kind": "import", "source": LEGACY_FILE,
+                                            "releases": len(legacy["releases"])},
+                                "imported": legacy["releases"],
+                                "set": {"runs": legacy["runs"]}}))
+        _replace(self.path, b"".join(lines))
+        created = _Replay(journal_id=json.loads(header)["id"], offset=sum(map(len, lines)),
+                          seq=len(lines) - 1, hash=_digest(lines[-1]))
+        for _, path in self._heads():
+            self._write_head(path, created)
+        if legacy is not None:
+            os.replace(self.dir / LEGACY_FILE, self.dir / LEGACY_IMPORTED)
+            logger.info("privacy ledger %s: imported %d releases of %s (kept as %s)", self.path,
+                        len(legacy["releases"]), LEGACY_FILE, LEGACY_IMPORTED)
+
+    def _legacy(self) -> dict[str, Any] | None:
+        path = self.dir / LEGACY_FILE
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise LedgerError(f"privacy ledger {path} cannot be read ({err}): refusing to "
+                              "release anything; restore it from a backup (never delete it: "
+                              "that would reset this site's budget)") from err
+        if (not isinstance(data, dict) or data.get("format") != LEGACY_FORMAT
+                or not isinstance(data.get("runs"), dict)
+                or not isinstance(data.get("releases"), list)):
+            raise LedgerError(f"privacy ledger {path} is not a {LEGACY_FORMAT} ledger: refusing "
+                              "to release anything; restore it from a backup")
+        return data
+
+    # -- transactions -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[_Transaction]:
+        """The ledger under the exclusive lock, brought up to date; the releases the body adds
+        are appended (one line each) and the head replaced; nothing is written if it raises."""
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with self._locked(fcntl.LOCK_EX):
+            if not self.path.exists():
+                if self._replay is not None:
+                    raise self._error("the journal this process read is gone (deleted)")
+                self._create()
+            replay = self._replay or _Replay()
+            heads = self._read_heads()
+            seen = {h["seq"]: "" for _, h in heads.values() if h is not None}
+            self._scan(replay, None, True, seen)
+            self._check_heads(replay, heads, seen, repair=True)
+            self._replay = replay
+            txn = _Transaction(replay)
+            yield txn
+            if not txn.releases:
+                return
+            lines = []
+            for i, release in enumerate(txn.releases):
+                run = str(release.get("run"))  # each line: the state its run ends with
+                changes: dict[str, dict[str, Any]] = (
+                    {"runs": {run: txn.runs[run]}} if run in txn.runs else {})
+                if i == len(txn.releases) - 1:  # and the rest after the last release
+                    changes["runs"] = dict(txn.runs)
+                    if txn.inputs:
+                        changes["inputs"] = dict(txn.inputs)
+                line = _line({"seq": replay.seq + 1, "prev": replay.hash, "release": release,
+                              "set": changes})
+                lines.append(line)
+                replay.seq += 1
+                replay.hash = _digest(line)
+                replay.last_line = len(line)
+                replay.apply(changes)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, b"".join(lines))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            replay.offset += sum(len(line) for line in lines)
+            for _, path in self._heads():
+                self._write_head(path, replay)
+
+    def _check_lifetime(self, txn: _Transaction, run: str, new_run_epsilon: float) -> float:
+        others = txn.others_epsilon(run)
         total = others + new_run_epsilon
         if total > self.lifetime_budget + 1e-9:
             raise PolicyError(f"this release would bring the site's lifetime epsilon to "
@@ -205,8 +539,8 @@ class Ledger:
         lifetime within the budget; else :class:`PolicyError` before anything is recorded."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise PolicyError(f"steps={steps!r} is invalid: expected an int >= 1")
-        with self._transaction() as data:
-            entry = self._run(data, run, method)
+        with self._transaction() as txn:
+            entry = txn.run(run, method)
             if entry.get("dp_stats") is not None:
                 raise PolicyError(f"run {run} released DP statistics: it cannot also train "
                                   "with DP-SGD (one mechanism per run)")
@@ -239,10 +573,10 @@ class Ledger:
                     f"{float(entry['text_epsilon']):.4g}), above the run's target "
                     f"{mechanism.target_epsilon:g} (bounded by node config max-epsilon): the "
                     "run's budget is spent; no more rounds")
-            lifetime = self._check_lifetime(data, run, run_epsilon)
+            lifetime = self._check_lifetime(txn, run, run_epsilon)
             entry.update(epsilon=run_epsilon, delta=mechanism.delta, steps=total_steps,
                          releases=int(entry["releases"]) + 1)
-            data["releases"].append({"time": _now(), "run": run, "method": method,
+            txn.releases.append({"time": _now(), "run": run, "method": method,
                                      "action": action, "kind": "dp-sgd", "steps": steps,
                                      "epsilon": dp_epsilon, **(detail or {})})
         return Grant(run_epsilon, lifetime, self.lifetime_budget, total_steps, mechanism)
@@ -256,8 +590,8 @@ class Ledger:
         ``plan.epsilon_after(releases)``, within the target, the lifetime within the budget.
         :class:`PolicyError` before anything is recorded."""
         proposal = plan.ledger_mechanism()
-        with self._transaction() as data:
-            entry = self._run(data, run, method)
+        with self._transaction() as txn:
+            entry = txn.run(run, method)
             fixed = entry.get("dp_stats")
             if entry.get("mechanism") is not None or float(entry["text_epsilon"]) > 0:
                 raise PolicyError(f"run {run} already spent epsilon on DP-SGD or text: it "
@@ -286,10 +620,10 @@ class Ledger:
                 raise PolicyError(f"release {count} would bring run {run}'s epsilon to "
                                   f"{run_epsilon:.4g}, above its target "
                                   f"{float(fixed['epsilon']):g}")
-            lifetime = self._check_lifetime(data, run, run_epsilon)
+            lifetime = self._check_lifetime(txn, run, run_epsilon)
             entry.update(epsilon=run_epsilon, delta=float(fixed["delta"]), dp_releases=count,
                          releases=int(entry["releases"]) + 1)
-            data["releases"].append({"time": _now(), "run": run, "method": method,
+            txn.releases.append({"time": _now(), "run": run, "method": method,
                                      "action": action, "kind": "dp-stats",
                                      "epsilon": run_epsilon, "delta": float(fixed["delta"]),
                                      "placement": fixed["placement"], "unit": fixed["unit"],
@@ -305,8 +639,8 @@ class Ledger:
                 or not math.isfinite(epsilon_per_word) or epsilon_per_word <= 0:
             raise PolicyError(f"epsilon per word {epsilon_per_word!r} is invalid: expected a "
                               "finite number > 0")
-        with self._transaction() as data:
-            entry = self._run(data, run, method)
+        with self._transaction() as txn:
+            entry = txn.run(run, method)
             if entry.get("dp_stats") is not None:
                 raise PolicyError(f"run {run} released DP statistics: it cannot also release "
                                   "text (one mechanism per run)")
@@ -315,11 +649,11 @@ class Ledger:
                 raise PolicyError(f"this text release would bring run {run}'s epsilon per word "
                                   f"to {run_epsilon:.4g}, above this site's bound max-epsilon="
                                   f"{max_epsilon:g} (node config max-epsilon)")
-            lifetime = self._check_lifetime(data, run, run_epsilon)
+            lifetime = self._check_lifetime(txn, run, run_epsilon)
             entry.update(epsilon=run_epsilon,
                          text_epsilon=float(entry["text_epsilon"]) + float(epsilon_per_word),
                          releases=int(entry["releases"]) + 1)
-            data["releases"].append({"time": _now(), "run": run, "method": method,
+            txn.releases.append({"time": _now(), "run": run, "method": method,
                                      "action": action, "kind": "exponential-mechanism",
                                      "epsilon": float(epsilon_per_word),
                                      "unit": "one word", **(detail or {})})
@@ -328,14 +662,14 @@ class Ledger:
     def not_dp(self, run: str, method: str, action: str,
                detail: dict[str, Any] | None = None) -> Grant:
         """Record a release that is not differentially private (masks, statistics, scores)."""
-        with self._transaction() as data:
-            entry = self._run(data, run, method)
+        with self._transaction() as txn:
+            entry = txn.run(run, method)
             entry["releases"] = int(entry["releases"]) + 1
-            data["releases"].append({"time": _now(), "run": run, "method": method,
+            txn.releases.append({"time": _now(), "run": run, "method": method,
                                      "action": action, "kind": "not-dp", "epsilon": NOT_DP,
                                      **(detail or {})})
             run_epsilon = float(entry["epsilon"])
-            lifetime = self.lifetime_spent(data)
+            lifetime = txn.lifetime_epsilon()
         return Grant(run_epsilon, lifetime, self.lifetime_budget)
 
 

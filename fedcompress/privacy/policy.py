@@ -42,6 +42,9 @@ key                                 default   meaning
                                               ``data-path``; ``task`` and ``corpus`` always);
                                               default the bundled ones
 ``state-dir``                       see below the site's persistent folder (its privacy ledger)
+``ledger-anchor``                   ""        a second copy of the ledger's head, best on a volume
+                                              that whoever restores the state folder cannot
+                                              write: a rolled-back state folder is then refused
 ``research-reproducible-secrets``   false     seeded secret draws (research only: every reply and
                                               report then says the guarantee does not hold)
 ``site-mode``                       ""        ``"simulation"``: this site is a simulated one (an
@@ -76,17 +79,26 @@ simulations and tests do not accumulate budget.
 given their own ``state-dir`` if they share a partition id (or have none): they would share a
 ledger (which is safe, only stricter: they spend one budget).
 
-What is not protected here: a site operator can set any bound (the policy is theirs); a local
-user who can write the state folder can erase the ledger (its permissions are the operator's).
+**Files another user could change.** Outside simulation, the policy file (and its folder), the
+``secagg-peers`` folder and its keys, the ``state-dir`` and the ``ledger-anchor``'s folder are
+refused when a user other than the site's (or root) owns them or when group or others may write
+them (each could then loosen a bound, add a Sybil peer or roll the ledger back), and the
+``secagg-key`` when group or others may read it (:func:`check_private_files`). The error names
+the path, its owner and mode, and the command that fixes it.
+
+What is not protected here: a site operator can set any bound (the policy is theirs); root, and
+the site's own user, can change any of these files.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import difflib
 import math
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import tomllib
@@ -100,6 +112,7 @@ __all__ = [
     "SIMULATION_SWITCHES",
     "PolicyError",
     "SitePolicy",
+    "check_private_files",
     "default_corpora",
     "default_models",
     "in_simulation_engine",
@@ -150,6 +163,7 @@ class SitePolicy:
     models: tuple[str, ...] = field(default_factory=default_models)
     corpora: tuple[str, ...] = field(default_factory=default_corpora)
     state_dir: str = ""
+    ledger_anchor: str = ""
     reproducible_secrets: bool = False
     simulation: bool = False
     #: the state folder is a temporary one of a simulation (the ledger then keeps one folder
@@ -338,7 +352,8 @@ POLICY_KEYS: dict[str, str] = {
     "secagg-min-fraction": "secagg_min_fraction",
     "secagg-max-colluders": "secagg_max_colluders", "secagg-key": "secagg_key",
     "secagg-peers": "secagg_peers", "models": "models", "corpora": "corpora",
-    "state-dir": "state_dir", "research-reproducible-secrets": "reproducible_secrets",
+    "state-dir": "state_dir", "ledger-anchor": "ledger_anchor",
+    "research-reproducible-secrets": "reproducible_secrets",
 }
 _OTHER_KEYS = ("policy", "site-mode")
 #: node-config keys a site uses for other purposes (never mistaken for a policy typo)
@@ -381,7 +396,69 @@ def site_policy(node_config: Mapping[str, Any]) -> SitePolicy:
     if not kwargs.get("state_dir"):
         kwargs["state_dir"] = _default_state_dir(node_config, simulation)
         ephemeral = simulation
-    return SitePolicy(simulation=simulation, ephemeral_state=ephemeral, **kwargs)
+    policy = SitePolicy(simulation=simulation, ephemeral_state=ephemeral, **kwargs)
+    if not simulation:
+        check_private_files(policy, str(path) if path else "")
+    return policy
+
+
+def _owner_fix(path: str, uid: int, folder: bool) -> str:
+    return (f"chown {uid} {path} && chmod {'700' if folder else '600'} {path}")
+
+
+def _check_not_writable(path: str, what: str, key: str, folder: bool) -> None:
+    """Refuse ``path`` (a policy file, a folder of keys or state) if a user other than this
+    process's or root owns it, or group or others may write it. A missing path passes."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise PolicyError(f"node config {key}={path!r}: cannot check {what} ({err.strerror})"
+                          ) from err
+    uid, mode = os.geteuid(), stat.S_IMODE(info.st_mode)
+    if info.st_uid not in (uid, 0):
+        raise PolicyError(f"node config {key}={path!r}: {what} is owned by uid {info.st_uid}, "
+                          f"not by this site's user (uid {uid}) or root, who alone may change "
+                          f"it: {_owner_fix(path, uid, folder)}")
+    if mode & 0o022:
+        raise PolicyError(f"node config {key}={path!r}: {what} has mode {mode:04o}, writable "
+                          "by group or others, who could change it: chmod go-w "
+                          f"{path}")
+
+
+def check_private_files(policy: SitePolicy, policy_file: str = "") -> None:
+    """Refuse files of this site that another user could change (module docstring): the policy
+    file and its folder, the peers folder and its keys, the state folder, the anchor's folder;
+    and a private key that group or others may read."""
+    if policy_file:
+        _check_not_writable(policy_file, "the policy file", "policy", False)
+        _check_not_writable(os.path.dirname(os.path.abspath(policy_file)),
+                            "the policy file's folder", "policy", True)
+    if policy.secagg_peers:
+        _check_not_writable(policy.secagg_peers, "the folder of the federation's keys",
+                            "secagg-peers", True)
+        with contextlib.suppress(OSError):
+            for name in sorted(os.listdir(policy.secagg_peers)):
+                if name.endswith(".pub"):
+                    _check_not_writable(os.path.join(policy.secagg_peers, name),
+                                        "a peer's public key", "secagg-peers", False)
+    if policy.state_dir and not policy.ephemeral_state:
+        _check_not_writable(policy.state_dir, "the state folder (the ledger)", "state-dir",
+                            True)
+    if policy.ledger_anchor:
+        _check_not_writable(os.path.dirname(os.path.abspath(policy.ledger_anchor)),
+                            "the ledger anchor's folder", "ledger-anchor", True)
+        _check_not_writable(policy.ledger_anchor, "the ledger anchor", "ledger-anchor", False)
+    if policy.secagg_key:
+        with contextlib.suppress(FileNotFoundError):
+            info = os.stat(policy.secagg_key)
+            if stat.S_IMODE(info.st_mode) & 0o077 or info.st_uid not in (os.geteuid(), 0):
+                raise PolicyError(
+                    f"node config secagg-key={policy.secagg_key!r}: this site's private key "
+                    f"has mode {stat.S_IMODE(info.st_mode):04o} and owner uid {info.st_uid}; "
+                    f"expected 0600 and this site's user: "
+                    f"{_owner_fix(policy.secagg_key, os.geteuid(), False)}")
 
 
 def _read_file(path: str) -> dict[str, Any]:

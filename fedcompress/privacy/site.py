@@ -53,12 +53,22 @@ def admit(node_config: Mapping[str, Any], settings: Mapping[str, Any] | None) ->
     return policy
 
 
+#: the ledgers this process opened: each reads only what was appended since its last use
+_LEDGERS: dict[tuple[str, float, str], Ledger] = {}
+
+
 def ledger(policy: SitePolicy, run_id: int | str) -> Ledger:
     """The site's ledger (a simulation's temporary state: one folder per run, no lifetime
-    budget)."""
+    budget), one object per process and folder."""
     if policy.ephemeral_state:
-        return Ledger(Path(policy.state_dir) / f"run-{run_id}", math.inf)
-    return Ledger(policy.state_dir, policy.lifetime_epsilon)
+        key = (str(Path(policy.state_dir) / f"run-{run_id}"), math.inf, "")
+    else:
+        key = (policy.state_dir, policy.lifetime_epsilon, policy.ledger_anchor)
+    if key not in _LEDGERS:
+        if len(_LEDGERS) >= 64:  # a simulation's per-run folders: forget the oldest
+            _LEDGERS.pop(next(iter(_LEDGERS)))
+        _LEDGERS[key] = Ledger(key[0], key[1], anchor=key[2] or None)
+    return _LEDGERS[key]
 
 
 def ledger_metrics(policy: SitePolicy, grant: Grant, dp: bool) -> dict[str, float]:

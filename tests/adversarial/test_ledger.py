@@ -97,14 +97,15 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     assert not list(tmp_path.glob(".ledger-*"))  # no temporary file left
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"format": "other"}', "", "[]"])
+@pytest.mark.parametrize("content", ["{not json\n", '{"format": "other"}\n', "", "[]\n"])
 def test_corrupted_ledger_is_an_error_never_a_reset(tmp_path, content):
     ledger = Ledger(tmp_path, 32.0)
     ledger.text("1", "ppcgpt", "query.perturb", 3.0, 8.0)
-    (tmp_path / "ledger.json").write_text(content)
-    with pytest.raises(LedgerError, match="refusing to release anything"):
-        ledger.text("1", "ppcgpt", "query.perturb", 3.0, 8.0)
-    assert (tmp_path / "ledger.json").read_text() == content  # left for the operator
+    (tmp_path / "ledger.jsonl").write_text(content)
+    for reader in (ledger, Ledger(tmp_path, 32.0)):  # the same process, and a new one
+        with pytest.raises(LedgerError, match="refusing to release anything"):
+            reader.text("1", "ppcgpt", "query.perturb", 3.0, 8.0)
+    assert (tmp_path / "ledger.jsonl").read_text() == content  # left for the operator
 
 
 def test_text_and_not_dp_releases(tmp_path):
@@ -123,7 +124,8 @@ def test_text_and_not_dp_releases(tmp_path):
 
 def test_ledger_file_is_private(tmp_path):
     Ledger(tmp_path / "state", 32.0).not_dp("1", "fedprllm", "train.masks")
-    assert (tmp_path / "state" / "ledger.json").stat().st_mode & 0o777 == 0o600
+    for name in ("ledger.jsonl", "ledger.head"):
+        assert (tmp_path / "state" / name).stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
 
 
@@ -140,17 +142,149 @@ def test_fedcompress_ledger_prints_a_sites_ledger(tmp_path, monkeypatch, capsys)
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     for text in ("privytune", "fedprllm", "ppcgpt", "none (not DP)", "1 dp-sgd",
-                 "lifetime epsilon spent", "of 32"):
+                 "lifetime epsilon spent", "of 32", "journal intact: 3 releases"):
         assert text in result.output, result.output
     as_json = CliRunner().invoke(app, ["ledger", "--state-dir", str(tmp_path), "--json"])
     assert json.loads(as_json.output)["runs"]["9"]["epsilon"] == 3.0
-    (tmp_path / "ledger.json").write_text("{broken")
+    (tmp_path / "ledger.jsonl").write_text("{broken\n")
     monkeypatch.setattr(sys, "argv", ["fedcompress", "ledger", "--state-dir", str(tmp_path)])
     with pytest.raises(SystemExit) as exit_info:
         main()
-    assert exit_info.value.code == 2 and "cannot be read" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "not a journal line" in capsys.readouterr().err
     monkeypatch.setattr(sys, "argv", ["fedcompress", "ledger", "--state-dir",
                                       str(tmp_path / "none")])
     with pytest.raises(SystemExit):
         main()
-    assert "no ledger.json there" in capsys.readouterr().err
+    assert "no ledger.jsonl there" in capsys.readouterr().err
+
+
+# -- the journal: truncation, rollback, edits, deletion, a dead writer -------------------------
+
+
+def _spent_ledger(path, anchor=None) -> Ledger:
+    ledger = Ledger(path, 32.0, anchor=anchor)
+    for run in range(4):
+        ledger.text(str(run), "ppcgpt", "query.perturb", 2.0, 8.0)
+    return ledger
+
+
+def _lines(path) -> list[bytes]:
+    return (path / "ledger.jsonl").read_bytes().splitlines(keepends=True)
+
+
+def test_a_truncated_journal_is_refused_by_the_process_and_by_a_new_one(tmp_path):
+    ledger = _spent_ledger(tmp_path)
+    (tmp_path / "ledger.jsonl").write_bytes(b"".join(_lines(tmp_path)[:-2]))  # 2 releases gone
+    with pytest.raises(LedgerError, match="shrank"):
+        ledger.text("9", "ppcgpt", "query.perturb", 2.0, 8.0)
+    with pytest.raises(LedgerError, match="ends at release 2 but its head .* records release 4"):
+        Ledger(tmp_path, 32.0).text("9", "ppcgpt", "query.perturb", 2.0, 8.0)
+    with pytest.raises(LedgerError, match="truncated or rolled back"):
+        Ledger(tmp_path, 32.0).read()
+
+
+def test_a_rolled_back_state_folder_is_refused_while_the_agent_runs_and_by_the_anchor(
+        tmp_path):
+    """An older copy of the whole state folder (journal and head) restored over it: consistent
+    in itself, so only what the agent read already, or an anchor kept elsewhere, can tell."""
+    state, anchor = tmp_path / "state", tmp_path / "elsewhere" / "ledger.anchor"
+    anchor.parent.mkdir()
+    ledger = Ledger(state, 32.0, anchor=anchor)
+    ledger.text("1", "ppcgpt", "query.perturb", 8.0, 8.0)
+    backup = {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()}
+    ledger.text("2", "ppcgpt", "query.perturb", 8.0, 8.0)
+    ledger.text("3", "ppcgpt", "query.perturb", 8.0, 8.0)
+    for name, content in backup.items():  # the rollback: 16 of epsilon "unspent"
+        (state / name).write_bytes(content)
+    with pytest.raises(LedgerError, match="shrank"):  # the running agent
+        ledger.text("4", "ppcgpt", "query.perturb", 8.0, 8.0)
+    with pytest.raises(LedgerError, match=r"its anchor .* records release 3: truncated or "
+                                          "rolled back"):  # a restarted one
+        Ledger(state, 32.0, anchor=anchor).text("4", "ppcgpt", "query.perturb", 8.0, 8.0)
+    # the same rollback without an anchor is not detected by a new process (documented)
+    assert Ledger(state, 32.0).read()["seq"] == 1
+
+
+@pytest.mark.parametrize("attack", ["edit", "delete-line", "insert", "swap"])
+def test_an_edited_journal_breaks_the_chain(tmp_path, attack):
+    _spent_ledger(tmp_path)
+    lines = _lines(tmp_path)
+    if attack == "edit":  # run 1's epsilon set back to 0
+        lines[2] = lines[2].replace(b'"epsilon":2.0', b'"epsilon":0.0')
+    elif attack == "delete-line":
+        del lines[2]
+    elif attack == "insert":
+        lines.insert(2, lines[1])
+    else:
+        lines[1], lines[2] = lines[2], lines[1]
+    (tmp_path / "ledger.jsonl").write_bytes(b"".join(lines))
+    with pytest.raises(LedgerError, match="hash chain is broken|does not follow|differs"):
+        Ledger(tmp_path, 32.0).text("9", "ppcgpt", "query.perturb", 2.0, 8.0)
+
+
+def test_a_deleted_journal_or_head_is_refused(tmp_path):
+    _spent_ledger(tmp_path)
+    (tmp_path / "ledger.head").unlink()
+    with pytest.raises(LedgerError, match="its head .* is missing while the journal holds 4"):
+        Ledger(tmp_path, 32.0).not_dp("9", "fedprllm", "train.masks")
+    _spent_ledger(tmp_path / "b")
+    (tmp_path / "b" / "ledger.jsonl").unlink()
+    with pytest.raises(LedgerError, match="the journal is missing while its head"):
+        Ledger(tmp_path / "b", 32.0).not_dp("9", "fedprllm", "train.masks")
+    ledger = _spent_ledger(tmp_path / "c")
+    (tmp_path / "c" / "ledger.jsonl").unlink()
+    (tmp_path / "c" / "ledger.head").unlink()
+    with pytest.raises(LedgerError, match="the journal this process read is gone"):
+        ledger.not_dp("9", "fedprllm", "train.masks")
+
+
+def test_another_journal_with_its_own_head_is_refused_by_the_anchor(tmp_path):
+    anchor = tmp_path / "anchor"
+    _spent_ledger(tmp_path / "state", anchor=anchor)
+    for name in ("ledger.jsonl", "ledger.head"):
+        (tmp_path / "state" / name).unlink()
+    Ledger(tmp_path / "fresh", 32.0).not_dp("1", "fedprllm", "train.masks")
+    for name in ("ledger.jsonl", "ledger.head"):  # a fresh, consistent journal put in place
+        (tmp_path / "state" / name).write_bytes((tmp_path / "fresh" / name).read_bytes())
+    with pytest.raises(LedgerError, match="its anchor .* belongs to another journal"):
+        Ledger(tmp_path / "state", 32.0, anchor=anchor).read()
+
+
+def test_a_writer_that_died_mid_append_or_before_its_head(tmp_path):
+    ledger = _spent_ledger(tmp_path)
+    head = (tmp_path / "ledger.head").read_bytes()
+    ledger.text("4", "ppcgpt", "query.perturb", 2.0, 8.0)
+    (tmp_path / "ledger.head").write_bytes(head)  # died after its append, before its head
+    with open(tmp_path / "ledger.jsonl", "ab") as f:  # and the next one died mid-append
+        f.write(b'{"prev":"00","release":{"kind":"not-dp"')
+    grant = Ledger(tmp_path, 32.0).text("5", "ppcgpt", "query.perturb", 2.0, 8.0)
+    assert grant.lifetime_epsilon == 12.0  # five runs at 2 and this one: the torn line cut off
+    data = Ledger(tmp_path, 32.0).read()
+    assert data["seq"] == 6 and json.loads((tmp_path / "ledger.head").read_text())["seq"] == 6
+
+
+def test_recording_appends_one_line_whatever_the_ledgers_size(tmp_path):
+    ledger = Ledger(tmp_path, 1e9)
+    sizes = []
+    for i in range(300):
+        before = (tmp_path / "ledger.jsonl").stat().st_size if i else 0
+        ledger.not_dp(f"run-{i % 7}", "fedprllm", "train.masks")
+        sizes.append((tmp_path / "ledger.jsonl").stat().st_size - before)
+    assert max(sizes[10:]) - min(sizes[10:]) < 40  # the run's counters grow by a few digits
+    assert len(Ledger(tmp_path, 1e9).read()["releases"]) == 300
+
+
+def test_an_older_whole_file_ledger_is_imported_once(tmp_path):
+    legacy = {"format": "fedcompress-ledger/1",
+              "runs": {"1": {"method": "ppcgpt", "started": "2026-01-01T00:00:00",
+                             "epsilon": 6.0, "delta": 0.0, "steps": 0, "text_epsilon": 6.0,
+                             "releases": 2}},
+              "releases": [{"run": "1", "kind": "exponential-mechanism", "epsilon": 3.0}] * 2}
+    (tmp_path / "ledger.json").write_text(json.dumps(legacy))
+    assert Ledger(tmp_path, 32.0).read()["runs"]["1"]["epsilon"] == 6.0  # reading imports nothing
+    grant = Ledger(tmp_path, 32.0).text("1", "ppcgpt", "query.perturb", 2.0, 8.0)
+    assert grant.run_epsilon == 8.0 and grant.lifetime_epsilon == 8.0
+    assert not (tmp_path / "ledger.json").exists() and (tmp_path / "ledger.v1.json").exists()
+    data = Ledger(tmp_path, 32.0).read()
+    assert [r["kind"] for r in data["releases"]] == ["exponential-mechanism"] * 2 + [
+        "import", "exponential-mechanism"]

@@ -16,6 +16,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedcompress.methods import privytune as ppt
 from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
 from fedcompress.privacy.ledger import Ledger
+from fedcompress.privacy.policy import PolicyError, site_policy
 
 
 @pytest.fixture(scope="module")
@@ -354,8 +355,8 @@ def test_a_corrupted_ledger_refuses_every_release(deployed, tiny_dir, tiny_task)
     context = deployed()
     config = _privytune(tiny_dir, tiny_task)
     assert not _send("query.cosines", config, context).has_error()
-    _ledger(context).path.write_text("{}")
-    _refused(_send("query.cosines", config, context), "not a fedcompress-ledger/1 ledger")
+    _ledger(context).path.write_text("{}\n")
+    _refused(_send("query.cosines", config, context), "refusing to release anything")
     assert json.loads(_ledger(context).path.read_text()) == {}  # never reset
 
 
@@ -443,3 +444,60 @@ def test_sanitize_is_secret_by_default(tmp_path):
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["seeds"] == {"research_seed": 5} and "does not hold" in report["draws"]
     assert "does NOT hold" in (tmp_path / "r" / "report.md").read_text()
+
+
+# -- files another user could change -----------------------------------------------------------
+
+
+def _deployed(**keys):
+    return {"site-mode": "deployment", **{k: str(v) for k, v in keys.items()}}
+
+
+@pytest.mark.parametrize("target", ["policy", "policy-folder", "peers", "peer-key", "state",
+                                    "anchor-folder"])
+def test_files_group_or_others_can_write_are_refused(tmp_path, target):
+    """A policy file, its folder, the peers folder (a Sybil key dropped in), a peer's key, the
+    state folder (the ledger rolled back) or the anchor's folder writable by another user."""
+    folder = tmp_path / "site"
+    folder.mkdir(mode=0o700)
+    policy = folder / "policy.toml"
+    policy.write_text("max-epsilon = 4.0\n")
+    policy.chmod(0o600)
+    peers = folder / "peers"
+    peers.mkdir(mode=0o700)
+    (peers / "site-0.pub").write_text("-")
+    (peers / "site-0.pub").chmod(0o644)
+    state = folder / "state"
+    state.mkdir(mode=0o700)
+    anchor_folder = tmp_path / "anchor"
+    anchor_folder.mkdir(mode=0o700)
+    config = _deployed(policy=policy, **{"secagg-peers": peers, "state-dir": state,
+                                         "ledger-anchor": anchor_folder / "head"})
+    assert site_policy(config).max_epsilon == 4.0  # private: accepted
+    loose = {"policy": policy, "policy-folder": folder, "peers": peers,
+             "peer-key": peers / "site-0.pub", "state": state,
+             "anchor-folder": anchor_folder}[target]
+    loose.chmod(loose.stat().st_mode | 0o020)  # group-writable
+    with pytest.raises(PolicyError, match=r"writable by group or others.*chmod go-w"):
+        site_policy(config)
+
+
+def test_a_private_key_others_can_read_is_refused(tmp_path):
+    key = tmp_path / "site.key"
+    key.write_text("-")
+    key.chmod(0o644)
+    with pytest.raises(PolicyError, match=r"secagg-key=.*mode 0644.*expected 0600"):
+        site_policy(_deployed(**{"secagg-key": key, "state-dir": tmp_path / "state"}))
+    key.chmod(0o600)
+    site_policy(_deployed(**{"secagg-key": key, "state-dir": tmp_path / "state"}))
+
+
+def test_the_ledger_anchor_comes_from_the_policy(tmp_path):
+    from fedcompress.privacy import site
+
+    (tmp_path / "anchor").mkdir(mode=0o700)
+    policy = site_policy(_deployed(**{"state-dir": tmp_path / "state",
+                                      "ledger-anchor": tmp_path / "anchor" / "head"}))
+    site.record_release(policy, 3, "fedprllm", "train.masks")
+    assert (tmp_path / "anchor" / "head").read_text() == (
+        tmp_path / "state" / "ledger.head").read_text()

@@ -427,19 +427,9 @@ def test_the_honest_authenticated_vote_sums_exactly_with_a_dropout_at_each_stage
 # -- 7. through the ClientApp: what a deployed site answers ----------------------------------
 def _keys(tmp_path, n):
     """``n`` sites' node-auth style keys: OpenSSH private keys and a folder of .pub."""
-    peers = tmp_path / "peers"
-    peers.mkdir()
-    paths = []
-    for i in range(n):
-        key = ec.generate_private_key(CURVE)
-        private = tmp_path / f"site-{i}"
-        private.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                              serialization.PrivateFormat.OpenSSH,
-                                              serialization.NoEncryption()))
-        (peers / f"site-{i}.pub").write_bytes(key.public_key().public_bytes(
-            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
-        paths.append(private)
-    return paths, peers
+    from conftest import write_site_keys
+
+    return write_site_keys(tmp_path, n)
 
 
 def _keys_message(run=1, group="1", layer=-1, sites=5, threshold=3, index=0, numel=NUMEL):
