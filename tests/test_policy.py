@@ -69,7 +69,10 @@ def test_checks():
     assert policy.check_delta(1e-5) == 1e-5
     with pytest.raises(PolicyError, match="max-delta=1e-05"):
         policy.check_delta(1e-3)
-    assert [policy.min_secagg_threshold(n) for n in (1, 2, 3, 4, 5, 16)] == [2, 2, 2, 3, 3, 9]
+    # one colluder by default: more than (n + 1) / 2, and more than half
+    assert [policy.min_secagg_threshold(n) for n in (1, 2, 3, 4, 5, 16)] == [2, 2, 3, 3, 4, 9]
+    trusting = SitePolicy(secagg_max_colluders=0)
+    assert [trusting.min_secagg_threshold(n) for n in (1, 2, 3, 4, 5, 16)] == [2, 2, 2, 3, 3, 9]
     with pytest.raises(PolicyError, match="sites=0"):
         policy.min_secagg_threshold(0)
     with pytest.raises(PolicyError, match="node config models"):

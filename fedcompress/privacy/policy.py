@@ -28,10 +28,11 @@ key                                 default   meaning
                                               bounds and scales; the site reads no other file for
                                               them, whatever the server names
 ``secagg-min-fraction``             0.5       a SecAgg threshold must exceed this fraction of sites
-``secagg-max-colluders``            0         sites that may collude with a malicious server: the
+``secagg-max-colluders``            1         sites that may collude with a malicious server: the
                                               threshold must exceed (sites + colluders) / 2, so
                                               that no split view of the survivors can be
-                                              confirmed twice (Bonawitz et al. 2017)
+                                              confirmed twice (Bonawitz et al. 2017); 0 trusts
+                                              every other site
 ``secagg-key``                      ""        this site's P-384 private key (PEM) for SecAgg+
 ``secagg-peers``                    ""        folder of the federation's public keys (``*.pub``)
 ``models``                          embedded  model specs accepted (comma-separated in node config,
@@ -157,7 +158,7 @@ class SitePolicy:
     dp_placements: tuple[str, ...] = ("distributed",)
     dp_public_files: tuple[str, ...] = ()
     secagg_min_fraction: float = 0.5
-    secagg_max_colluders: int = 0
+    secagg_max_colluders: int = 1
     secagg_key: str = ""
     secagg_peers: str = ""
     models: tuple[str, ...] = field(default_factory=default_models)

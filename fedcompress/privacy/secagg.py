@@ -548,7 +548,7 @@ class SecAggSite:
             raise SecAggError(f"threshold={cfg.threshold} is below this site's minimum "
                               f"{floor} for a federation of {federation} sites: refused (fewer "
                               "colluders could unmask a site; its policy: node config "
-                              "secagg-min-fraction)")
+                              "secagg-min-fraction, secagg-max-colluders)")
         if cfg.slot in self.history:
             raise SecAggError(f"{cfg.describe()}: this site already took part in a vote on "
                               "this input: refused (a second vote lets the server difference "

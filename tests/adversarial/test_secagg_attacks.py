@@ -432,7 +432,7 @@ def _keys(tmp_path, n):
     return write_site_keys(tmp_path, n)
 
 
-def _keys_message(run=1, group="1", layer=-1, sites=5, threshold=3, index=0, numel=NUMEL):
+def _keys_message(run=1, group="1", layer=-1, sites=5, threshold=4, index=0, numel=NUMEL):
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
@@ -466,13 +466,13 @@ def test_a_site_takes_its_threshold_floor_from_its_policy_not_the_message(tmp_pa
     keys, peers = _keys(tmp_path, 5)
     config = {"partition-id": 0, "site-mode": "deployment", "secagg-key": str(keys[0]),
               "secagg-peers": str(peers)}
-    with pytest.raises(SecAggError, match="threshold=2 is below this site's minimum 3 for a "
-                                          "federation of 5"):
-        secagg_keys(_keys_message(threshold=2), _context(config))
-    # a vote over 3 of the 5 sites still needs 3 (the federation's majority, not the vote's)
-    with pytest.raises(SecAggError, match="threshold=2 is below this site's minimum 3"):
-        secagg_keys(_keys_message(sites=3, threshold=2), _context(config))
-    reply = secagg_keys(_keys_message(threshold=3), _context(config))
+    with pytest.raises(SecAggError, match="threshold=3 is below this site's minimum 4 for a "
+                                          "federation of 5"):  # one colluder by default
+        secagg_keys(_keys_message(threshold=3), _context(config))
+    # a vote over 3 of the 5 sites still needs 4 (the federation's floor, not the vote's)
+    with pytest.raises(SecAggError, match="threshold=3 is below this site's minimum 4"):
+        secagg_keys(_keys_message(sites=3, threshold=3), _context(config))
+    reply = secagg_keys(_keys_message(threshold=4), _context(config))
     record = reply.content["secagg"]
     assert record["authenticated"] and identity_public(load_identity(keys[0])) == bytes(
         record["signer"])
@@ -613,14 +613,14 @@ def _split_view_attack(t: int, min_threshold: int | None = None) -> bool:
 def test_split_view_with_one_colluder_needs_the_colluder_bound():
     """With one colluding site, a majority threshold (t = 3 of 5) is NOT enough: the split view
     unmasks the victim (the control: the attack is real). A site whose policy declares one
-    colluder (secagg-max-colluders = 1) asks for t >= 4 and refuses t = 3; at t = 4 no two
-    disjoint groups of honest sites exist, so the split view cannot be confirmed."""
+    colluder (secagg-max-colluders = 1, the default) asks for t >= 4 and refuses t = 3; at t = 4
+    no two disjoint groups of honest sites exist, so the split view cannot be confirmed."""
     from fedcompress.privacy.policy import SitePolicy, site_policy
 
-    assert _split_view_attack(t=3)  # the default majority floor admits it
-    policy = site_policy({"site-mode": "deployment", "secagg-max-colluders": 1,
-                          "state-dir": "/nonexistent-not-used"})
-    assert policy.min_secagg_threshold(5) == 4 == SitePolicy().min_secagg_threshold(5) + 1
+    assert _split_view_attack(t=3)  # a majority floor (a site trusting every other) admits it
+    assert SitePolicy(secagg_max_colluders=0).min_secagg_threshold(5) == 3
+    policy = site_policy({"site-mode": "deployment", "state-dir": "/nonexistent-not-used"})
+    assert policy.min_secagg_threshold(5) == 4 == SitePolicy().min_secagg_threshold(5)
     with pytest.raises(SecAggError, match="below this site's minimum 4"):
         _split_view_attack(t=3, min_threshold=4)
     assert not _split_view_attack(t=4, min_threshold=4)

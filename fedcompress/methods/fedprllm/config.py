@@ -187,9 +187,11 @@ class FedPrLLMConfig(Settings):
                            "learns only their sum (bit-packed wire; no Hamming defence: no "
                            "site's mask is visible).")
     secagg_threshold: int = setting(0, "SecAgg+ Shamir threshold: sites needed to unmask the "
-                                    "sum (0: ceil(2n/3), at least 2). Each site refuses one "
-                                    "below its own minimum (node config secagg-min-fraction: "
-                                    "by default more than half the federation).", ge=0)
+                                    "sum (0: ceil(2n/3), and more than (n + 1) / 2, at least "
+                                    "2). Each site refuses one below its own minimum (node "
+                                    "config secagg-min-fraction, secagg-max-colluders: by "
+                                    "default more than (n + 1) / 2, safe against one site "
+                                    "colluding with the server).", ge=0)
     secagg_frac_bits: int = setting(25, "SecAgg+ of statistics (aggregate stats): fractional "
                                     "bits of their fixed-point encoding in 64-bit lanes (a "
                                     "site's rounding error <= 2^-(f+1); its values must stay "
@@ -412,7 +414,9 @@ class FedPrLLMConfig(Settings):
         """The SecAgg+ threshold of an aggregation over ``sites`` sites."""
         if self.secagg_threshold:
             return min(self.secagg_threshold, sites)
-        return max(2, -(-2 * sites // 3))
+        # two thirds of the sites, and at least the floor of a site's default policy (one
+        # colluder: more than (n + 1) / 2), so that deployed sites accept the default
+        return min(sites, max(2, -(-2 * sites // 3), (sites + 1) // 2 + 1))
 
     @property
     def quant_config(self) -> QuantConfig | None:
