@@ -41,7 +41,7 @@ with startup.timed(startup.IMPORT):
 
 logger = logging.getLogger(__name__)
 
-def _handler(method: str, action: str, module: str, function: str):
+def _handler(method: str, action: str, module: str, function: str, clear: str = ""):
     def handle(message: Message, context: Context) -> Message:
         started = startup.message_started()
         with startup.timed(startup.IMPORT):
@@ -51,7 +51,7 @@ def _handler(method: str, action: str, module: str, function: str):
             from fedcompress.privacy.policy import PolicyError
         try:
             config = message.content["config"] if "config" in message.content else None
-            policy = site.admit(context.node_config, config)
+            policy = site.admit(context.node_config, config, action, clear)
             reply = handler(message, context)
             if not reply.has_error() and "metrics" in reply.content:
                 metrics = reply.content["metrics"]
@@ -82,7 +82,8 @@ def build_client_app() -> ClientApp:
             kind, _, name = action.partition(".")
             register = {"train": client_app.train, "evaluate": client_app.evaluate,
                         "query": client_app.query}[kind]
-            register(name)(_handler(method.name, action, method.client_module, function))
+            register(name)(_handler(method.name, action, method.client_module, function,
+                                    method.clear_releases.get(action, "")))
     return client_app
 
 

@@ -73,10 +73,38 @@ def _windows(config: FedPrLLMConfig, data_path: str | None) -> list[torch.Tensor
 _KWARGS: dict[tuple, list[dict]] = {}
 
 
+def _check_release(message: Message, context: Context, config: FedPrLLMConfig) -> None:
+    """What this site's policy says about the release a message asks for, beyond
+    :func:`fedcompress.privacy.site.admit`: a release in the clear in a run whose settings say
+    SecAgg+ (the settings checked for one protocol, the message asking another) is refused;
+    statistics need DP unless the site allows otherwise (node config ``allow-no-dp``), and
+    distributed DP noise only ever leaves under SecAgg+ (a site's share alone is not the
+    noise)."""
+    from fedcompress.methods.fedprllm import METHOD
+    from fedcompress.privacy import site
+    from fedcompress.privacy.policy import PolicyError
+
+    action = message.metadata.message_type
+    clear = action in METHOD.clear_releases
+    if clear and config.secagg:
+        raise PolicyError(f"{action} is a release in the clear, but the run's settings ask for "
+                          "SecAgg+ (secagg=true): refused")
+    if config.aggregate == "stats" and action in ("train.layer_stats", "train.secagg_masks"):
+        policy = site.admit(context.node_config, None)
+        if not config.dp:
+            policy.check_epsilon(None, "dp_epsilon (statistics)")
+        elif clear and config.dp_placement == "distributed":
+            raise PolicyError("dp_placement='distributed' asks for this site's share of the "
+                              f"noise on {action}, a release in the clear: a share is not the "
+                              "noise, so the statistics would leave without DP; refused")
+
+
 def _setup(message: Message, context: Context, partition_of: int | None = None):
-    """The run's settings, this node's partition, the model and the windows of this node (or,
-    simulating collusion, of partition ``partition_of``)."""
+    """The run's settings (checked against the release asked, :func:`_check_release`), this
+    node's partition, the model and the windows of this node (or, simulating collusion, of
+    partition ``partition_of``)."""
     config = FedPrLLMConfig.from_dict(dict(message.content["config"]))
+    _check_release(message, context, config)
     partition = site_partition(context, config.clients)
     model, _ = cached_model(config.model, config.dtype, config.onload)
     which = partition if partition_of is None else partition_of

@@ -254,11 +254,13 @@ def stack(tmp_path_factory):
     for path in [public, *public.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     (root / "project").mkdir()
-    # the sites' policy accepts the public tiny model and task, and (research flag: the tests
-    # compare a deployed run with the in-process one) draws its secrets from the server's seeds
+    # the sites' policy accepts the public tiny model and task, releases masks in the clear
+    # (the plain one-shot and personalized runs; require-secagg=false is the operators'
+    # opt-out), and (research flag: the tests compare a deployed run with the in-process one)
+    # draws its secrets from the server's seeds
     stack = Stack(root / "project", public,
                   policy={"models": str(public / "tiny-llama"),
-                          "corpora": f"wiki,strategyqa,{task}",
+                          "corpora": f"wiki,strategyqa,{task}", "require-secagg": False,
                           "research-reproducible-secrets": True})
     try:
         stack.start()

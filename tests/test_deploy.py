@@ -411,13 +411,15 @@ def deployments(tmp_path_factory, tiny_model_dir):
         dep.app = app
     from conftest import Worker, build_tiny_task
 
-    # The sites' policy accepts the tiny model and task, and (research flag: the tests compare
-    # a deployed run with the in-process one) draws its secrets from the server's seeds.
+    # The sites' policy accepts the tiny model and task, releases masks in the clear (the
+    # plain vote runs here beside the SecAgg+ one; require-secagg=false is the operator's
+    # opt-out), and (research flag: the tests compare a deployed run with the in-process one)
+    # draws its secrets from the server's seeds.
     task = build_tiny_task(root / "task")
     for dep in deps.values():
         dep.task = task
         dep.policy = {"models": str(tiny_model_dir), "corpora": f"wiki,strategyqa,{task}",
-                      "research-reproducible-secrets": True}
+                      "require-secagg": False, "research-reproducible-secrets": True}
     # Every site's data: the first documents of the bundled wiki train split (small: each
     # ClientApp process tokenizes it), a private copy per site.
     documents = WIKI.read_text().splitlines(keepends=True)[:20]

@@ -202,8 +202,10 @@ def test_flower_central_dp_with_deployed_sites(tiny_dir, tmp_path):
 
     class Deployed(InProcessFederation):
         app = "clients.app"
+        # central placement: the server is trusted with the un-noised statistics, which
+        # leave in the clear (the site allows both: dp-placements, require-secagg)
         site_config = {"site-mode": "deployment", "dp-placements": "central",
-                       "models": tiny_dir}
+                       "require-secagg": False, "models": tiny_dir}
 
     config = config_for(tiny_dir, dp_placement="central")
     loaded = load_model(tiny_dir, device="cpu")

@@ -225,10 +225,16 @@ def _flower(tiny_dir, drop: dict | None = None, keys: list[dict] | None = None, 
     assert isinstance(secure, SecureFedPrLLM)
     grid = Federation(5)
     secure.start(grid, ArrayRecord())
+    # the reference: the same sites' plain vote, in a federation of its own (the sites that
+    # voted securely would refuse their masks in the clear on the same input), whose sites
+    # release masks in the clear (require-secagg=false)
     plain = FedPrLLM(config.replace(secagg=False, min_clients=2), model)
+    reference = Federation(5)
+    for context in reference.contexts.values():
+        context.node_config["require-secagg"] = False
     kept = {100 + p for p in (drop or {}).get("train.secagg_masks", ())}
-    replies = [r for r in grid.send_and_receive(plain.configure_train(
-        1, ArrayRecord(), ConfigRecord(), grid)) if r.metadata.src_node_id not in kept]
+    replies = [r for r in reference.send_and_receive(plain.configure_train(
+        1, ArrayRecord(), ConfigRecord(), reference)) if r.metadata.src_node_id not in kept]
     plain.aggregate_train(1, replies)
     return secure, plain
 
@@ -448,7 +454,9 @@ def test_iterative_authenticated_votes_one_per_layer(tiny_dir, tmp_path):
     assert secure.secagg["sum"]["votes"] == 3 and secure.secagg["sum"]["authenticated"]
     assert secure.secagg["confirm"]["valid"] == 12
     plain = IterativeFedPrLLM(config.replace(secagg=False), model)
-    other = Federation(4)
+    other = Federation(4)  # the reference's sites release their masks in the clear
+    for context in other.contexts.values():
+        context.node_config["require-secagg"] = False
     for rnd in range(1, plain.num_rounds + 1):
         plain.aggregate_train(rnd, other.send_and_receive(plain.configure_train(
             rnd, ArrayRecord(), ConfigRecord(), other)))

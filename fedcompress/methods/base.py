@@ -37,6 +37,8 @@ class Method:
             ``run(grid, settings) -> RunReport`` and ``check_settings(settings)``).
         summary: ``report dict -> (title, columns, rows, notes)`` for the CLI's table.
         aliases: deprecated option name -> current setting name.
+        clear_releases: action -> what it releases of a site in the clear (its masks, its
+            statistics): a site whose policy requires SecAgg+ (``require-secagg``) refuses it.
     """
 
     name: str
@@ -49,6 +51,7 @@ class Method:
     server_module: str
     summary: Callable[[dict], tuple[str, list[str], list[list[str]], list[str]]] | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
+    clear_releases: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
@@ -61,6 +64,10 @@ class Method:
                     raise MethodError(f"method {self.name!r}: setting {key!r} is declared by "
                                       f"both {seen[key]} and {cls.__name__}")
                 seen[key] = cls.__name__
+        unknown = sorted(set(self.clear_releases) - set(self.actions))
+        if unknown:
+            raise MethodError(f"method {self.name!r}: clear_releases names {unknown}, which are "
+                              "not among its actions")
         for action in self.actions:
             kind, _, name = action.partition(".")
             if kind not in ("train", "evaluate", "query") or not name.isidentifier():

@@ -491,6 +491,7 @@ METHOD = Method(
     message_keys={"config": "config", "classes": "classes", "plan": "plan", "masks": "masks",
                   "uniform": "uniform", "shared": "shared", "metrics": "metrics",
                   "state": "personalize"},
+    clear_releases={"train.plan_masks": "its masks"},
     client_module="clients.personalize",
     server_module="server.personalize",
     summary=summary,

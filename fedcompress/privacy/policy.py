@@ -33,6 +33,8 @@ key                                 default   meaning
                                               that no split view of the survivors can be
                                               confirmed twice (Bonawitz et al. 2017); 0 trusts
                                               every other site
+``require-secagg``                  true      refuse to release masks or statistics in the clear
+                                              (only their sum, under SecAgg+)
 ``secagg-key``                      ""        this site's P-384 private key (PEM) for SecAgg+
 ``secagg-peers``                    ""        folder of the federation's public keys (``*.pub``)
 ``models``                          embedded  model specs accepted (comma-separated in node config,
@@ -159,6 +161,7 @@ class SitePolicy:
     dp_public_files: tuple[str, ...] = ()
     secagg_min_fraction: float = 0.5
     secagg_max_colluders: int = 1
+    require_secagg: bool = True
     secagg_key: str = ""
     secagg_peers: str = ""
     models: tuple[str, ...] = field(default_factory=default_models)
@@ -299,6 +302,16 @@ class SitePolicy:
                               "Simulation Engine or node config site-mode=\"simulation\" "
                               "honours it)")
 
+    def check_clear_release(self, action: str, what: str) -> None:
+        """Refuse ``action``, which releases ``what`` of this site in the clear, when this
+        site requires SecAgg+ (node config ``require-secagg``; in simulation: allowed)."""
+        if self.simulation or not self.require_secagg:
+            return
+        raise PolicyError(f"{action} asks for {what} in the clear; this site's policy releases "
+                          "masks and statistics only under SecAgg+ (node config "
+                          "require-secagg=true): run with --secagg, or the site sets "
+                          "require-secagg=false")
+
     def check_known_seed(self, key: str, seed: Any) -> bool:
         """Whether a seed the server sent for a secret draw (``key``; None or < 0: none) may be
         used: only with ``research-reproducible-secrets`` or in simulation; else refused."""
@@ -351,7 +364,8 @@ POLICY_KEYS: dict[str, str] = {
     "max-delta": "max_delta", "allow-no-dp": "allow_no_dp", "dp-placements": "dp_placements",
     "dp-public-files": "dp_public_files",
     "secagg-min-fraction": "secagg_min_fraction",
-    "secagg-max-colluders": "secagg_max_colluders", "secagg-key": "secagg_key",
+    "secagg-max-colluders": "secagg_max_colluders", "require-secagg": "require_secagg",
+    "secagg-key": "secagg_key",
     "secagg-peers": "secagg_peers", "models": "models", "corpora": "corpora",
     "state-dir": "state_dir", "ledger-anchor": "ledger_anchor",
     "research-reproducible-secrets": "reproducible_secrets",

@@ -32,13 +32,14 @@ def _flat(settings: Mapping[str, Any]) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in settings.items()}
 
 
-def admit(node_config: Mapping[str, Any], settings: Mapping[str, Any] | None) -> SitePolicy:
+def admit(node_config: Mapping[str, Any], settings: Mapping[str, Any] | None,
+          action: str = "", clear: str = "") -> SitePolicy:
     """This site's policy, after checking the generic parts of a request's ``settings`` (the
-    message's ``config`` record): raises :class:`~fedcompress.privacy.policy.PolicyError`."""
+    message's ``config`` record) and, for an ``action`` that releases ``clear`` (the site's
+    masks or statistics) in the clear, whether the policy requires SecAgg+: raises
+    :class:`~fedcompress.privacy.policy.PolicyError`."""
     policy = site_policy(node_config)
-    if settings is None:
-        return policy
-    flat = _flat(settings)
+    flat = _flat(settings or {})
     policy.check_simulation_switches(flat)
     if flat.get("model"):
         policy.check_model(str(flat["model"]))
@@ -50,6 +51,8 @@ def admit(node_config: Mapping[str, Any], settings: Mapping[str, Any] | None) ->
         for name in value.split("+"):
             if name.strip() and name.strip() != "none":
                 policy.check_corpus(name.strip())
+    if clear:  # last: a more specific refusal above names its own key
+        policy.check_clear_release(action, clear)
     return policy
 
 

@@ -24,7 +24,7 @@ def request(**kw):
     base = dict(epsilon=8.0, delta=1e-5, placement="distributed", unit="window", clip=5.0,
                 normalize="none", clip_quantile=0.95, public_windows=8, public_text="wiki",
                 releases=LAYERS,
-                sites=5, threshold=3, windows=4, seqlen=16)
+                sites=5, threshold=4, windows=4, seqlen=16)
     base.update(kw)
     return dpm.DpRequest(**base)
 

@@ -501,3 +501,53 @@ def test_the_ledger_anchor_comes_from_the_policy(tmp_path):
     site.record_release(policy, 3, "fedprllm", "train.masks")
     assert (tmp_path / "anchor" / "head").read_text() == (
         tmp_path / "state" / "ledger.head").read_text()
+
+
+# -- releases in the clear, statistics without DP -------------------------------------------------
+
+
+def _fp(tiny_dir, **extra) -> dict:
+    return {"model": tiny_dir, "clients": 2, "samples_per_client": 2, "seqlen": 16,
+            "batch_size": 2, **extra}
+
+
+@pytest.mark.parametrize("action", ["train.masks", "train.fedspallm"])
+def test_masks_in_the_clear_are_refused_unless_the_site_allows_them(deployed, tiny_dir, action):
+    """require-secagg (default true): a deployed site releases its masks only as a SecAgg+
+    sum; a site that sets require-secagg=false answers."""
+    extra = {"aggregate": "fedspallm"} if action == "train.fedspallm" else {}
+    _refused(_send(action, _fp(tiny_dir, **extra), deployed()), action, "in the clear",
+             "require-secagg=true")
+    if action == "train.masks":
+        reply = _send(action, _fp(tiny_dir), deployed(**{"require-secagg": "false"}))
+        assert not reply.has_error(), reply.error.reason
+        assert reply.content["metrics"]["ledger_dp"] == 0
+
+
+def test_a_clear_request_in_a_run_configured_for_secagg_is_refused(deployed, tiny_dir):
+    """The server validates settings for SecAgg+ and then asks the clear action: refused even
+    by a site that allows releases in the clear."""
+    context = deployed(**{"require-secagg": "false"})
+    _refused(_send("train.masks", _fp(tiny_dir, secagg=True), context), "secagg=true")
+
+
+def test_statistics_need_dp_and_distributed_noise_needs_secagg(deployed, tiny_dir):
+    """Statistics mode without DP is refused under the default allow-no-dp=false; a clear
+    layer_stats with dp_placement distributed (the site's noise share alone, i.e. un-noised
+    statistics) is refused even when the site allows clear releases."""
+    context = deployed(**{"require-secagg": "false"})
+    round_ = {"round": ConfigRecord({"layer": 0})}
+
+    def stats(**extra):
+        content = RecordDict({"config": ConfigRecord(_fp(tiny_dir, aggregate="stats", **extra)),
+                              **round_})
+        from clients.app import local_app
+
+        return local_app()(Message(content, dst_node_id=100,
+                                   message_type="train.layer_stats"), context)
+
+    _refused(stats(), "dp_epsilon (statistics)", "allow-no-dp=false")
+    _refused(stats(dp_epsilon=8.0, dp_placement="distributed", secagg=True), "secagg=true")
+    context.node_config["allow-no-dp"] = "true"
+    reply = stats()
+    assert not reply.has_error(), reply.error.reason  # the site's own choice: answered
