@@ -30,45 +30,21 @@ from clients import startup  # first: the imports below are timed
 
 with startup.timed(startup.IMPORT):
     import functools
-    import importlib
     import logging
 
-    from flwr.app import Context, Error, Message
+    from flwr.app import Context, Message
     from flwr.clientapp import ClientApp
-    from flwr.common.constant import ErrorCode
 
-    from clients import site_worker
+    from clients import site_agent, site_worker
 
 logger = logging.getLogger(__name__)
 
-def _handler(method: str, action: str, module: str, function: str, clear: str = ""):
-    def handle(message: Message, context: Context) -> Message:
-        started = startup.message_started()
-        with startup.timed(startup.IMPORT):
-            handler = getattr(importlib.import_module(module), function)
-            from fedcompress.privacy import site
-            from fedcompress.privacy.ledger import LedgerError
-            from fedcompress.privacy.policy import PolicyError
-        try:
-            config = message.content["config"] if "config" in message.content else None
-            policy = site.admit(context.node_config, config, action, clear)
-            reply = handler(message, context)
-            if not reply.has_error() and "metrics" in reply.content:
-                metrics = reply.content["metrics"]
-                if "ledger_dp" not in metrics:  # a DP release records itself before it happens
-                    for key, value in site.record_release(policy, context.run_id, method,
-                                                          action).items():
-                        metrics[key] = value
-                for key, value in startup.message_metrics(started).items():
-                    metrics[key] = value
-        except (PolicyError, LedgerError) as err:
-            logger.warning("%s refused by this site's policy: %s", action, err)
-            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                                 reason=f"refused by the site's policy: {err}"),
-                           reply_to=message)
-        return reply
 
-    handle.__name__ = function
+def _operation(op: site_agent.Operation):
+    def handle(message: Message, context: Context) -> Message:
+        return site_agent.run_operation(op, message, context)
+
+    handle.__name__ = op.function
     return handle
 
 
@@ -82,8 +58,9 @@ def build_client_app() -> ClientApp:
             kind, _, name = action.partition(".")
             register = {"train": client_app.train, "evaluate": client_app.evaluate,
                         "query": client_app.query}[kind]
-            register(name)(_handler(method.name, action, method.client_module, function,
-                                    method.clear_releases.get(action, "")))
+            register(name)(_operation(site_agent.Operation(
+                method.name, action, method.client_module, function,
+                method.clear_releases.get(action, ""))))
     return client_app
 
 
@@ -100,6 +77,9 @@ class SiteClientApp(ClientApp):
     names one (``site-worker`` node config), else to :func:`local_app` in this process."""
 
     def __call__(self, message: Message, context: Context) -> Message:
+        agent = context.node_config.get(site_agent.NODE_CONFIG_KEY)
+        if agent:  # the site's agent holds its data, keys and state: only the message crosses
+            return site_agent.relay(str(agent), message)
         path = context.node_config.get(site_worker.NODE_CONFIG_KEY)
         if path:
             return site_worker.forward(str(path), message, context)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ def cached_model(spec: str, dtype: str, onload: bool = False):
 
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def site_partition(context: Any, clients: int) -> int:
@@ -44,9 +46,14 @@ def site_partition(context: Any, clients: int) -> int:
 def with_data_path(context: Any, load: Callable[[str | None], T]) -> T:
     """``load(data_path)`` with this node's ``data-path`` (None: the run's corpora); a path
     that cannot be used is an error naming it."""
+    from fedcompress.privacy.site import SiteError
+
     data_path = context.node_config.get("data-path")
     try:
         return load(data_path)
     except (OSError, ValueError) as err:
-        raise ValueError(f"this site's data-path {data_path!r} (SuperNode --node-config) "
-                         f"cannot be used: {err}") from err
+        missing = isinstance(err, FileNotFoundError) or "does not exist" in str(err)
+        logger.error("this site's data-path %r cannot be used: %s", data_path, err)
+        raise SiteError("this site's data-path (SuperNode --node-config data-path) cannot be "
+                        f"used: {'it does not exist' if missing else type(err).__name__}; the "
+                        "site's log names the file") from err

@@ -99,6 +99,18 @@ def _check_release(message: Message, context: Context, config: FedPrLLMConfig) -
                               "noise, so the statistics would leave without DP; refused")
 
 
+def _record_input(message: Message, context: Context, config: FedPrLLMConfig, windows,
+                  layer: int, what: str) -> None:
+    """Before computing ``what`` (masks, statistics without DP) of ``layer`` (-1: every layer)
+    on this site's windows: the ledger's one-release-per-input rule
+    (:func:`fedcompress.privacy.site.record_input`)."""
+    from fedcompress.privacy import site
+
+    policy = site.admit(context.node_config, None)
+    site.record_input(policy, context.run_id, "fedprllm", message.metadata.message_type,
+                      site.input_key(config.model, what, windows), layer)
+
+
 def _setup(message: Message, context: Context, partition_of: int | None = None):
     """The run's settings (checked against the release asked, :func:`_check_release`), this
     node's partition, the model and the windows of this node (or, simulating collusion, of
@@ -188,6 +200,7 @@ def _site_masks(message: Message, context: Context, config, partition: int, mode
 def oneshot_masks(message: Message, context: Context) -> Message:
     """All local masks from one sequential pass over this node's windows."""
     config, partition, model, windows = _setup(message, context)
+    _record_input(message, context, config, windows, -1, "masks")
     start = time.perf_counter()
     masks = _site_masks(message, context, config, partition, model, windows)
     return _reply(message, encode_wire(flatten_masks(masks), model, config,
@@ -204,6 +217,7 @@ def fedspallm_release(message: Message, context: Context) -> Message:
     from fedcompress.methods.fedspallm import encode_release, site_release
 
     config, partition, model, windows = _setup(message, context)
+    _record_input(message, context, config, windows, -1, "masks")
     layers = [int(i) for i in message.content["layers"]["layers"]]
     start = time.perf_counter()
     release = site_release(model, windows, layers, config.sparsity, config.local_group,
@@ -368,6 +382,9 @@ def secagg_masks(message: Message, context: Context) -> Message:
         raise SecAggError(f"masked votes of layer {computed} asked in the "
                           f"{site.config.describe()}: refused")
     config, partition, model, windows = _setup(message, context)
+    if not (config.aggregate == "stats" and config.dp):  # DP statistics: the DP ledger's
+        _record_input(message, context, config, windows, site.config.layer,
+                      "statistics" if config.aggregate == "stats" else "masks")
     start = time.perf_counter()
     dp_metrics: dict[str, float] = {}
     if config.aggregate == "stats":  # the round's layer statistics, fixed point
@@ -477,6 +494,9 @@ def layer_stats(message: Message, context: Context) -> Message:
     """Statistics mode: the sums of this node's input statistics of the round's layer (after
     the previous layer's global masks and updated weights), nothing else."""
     config, partition, model, windows = _setup(message, context)
+    if not config.dp:  # DP statistics are bounded by the DP ledger
+        _record_input(message, context, config, windows,
+                      int(message.content["round"]["layer"]), "statistics")
     start = time.perf_counter()
     inputs, layer = _layer_inputs(message, context, config, model, windows)
     step = _dp_step(context, config, model, inputs, layer) if config.dp else None
@@ -496,6 +516,8 @@ def layer_stats(message: Message, context: Context) -> Message:
 def iterative_layer_mask(message: Message, context: Context) -> Message:
     """Masks of one decoder layer, after applying the global mask of the previous one."""
     config, partition, model, windows = _setup(message, context)
+    _record_input(message, context, config, windows, int(message.content["round"]["layer"]),
+                  "masks")
     start = time.perf_counter()
     masks, layer = _layer_masks(message, context, config, model, windows)
     return _reply(message, encode_wire(flatten_masks([masks], layer), model, config,

@@ -431,22 +431,26 @@ def forward(path: str, message: Any, context: Any) -> Any:
     if not status.get("ok") or reply is None:
         raise SiteWorkerError(f"{status.get('raised') or 'error'} in the site worker at {path}:"
                               f" {status.get('error')}")
-    if not reply.has_error() and "metrics" in reply.content:
-        mine = startup.message_metrics(started)
-        metrics = reply.content["metrics"]
-        worker = {k: float(metrics[k]) if k in metrics else 0.0
-                  for k in ("startup_import_seconds", "startup_load_seconds")}
-        metrics["startup_import_seconds"] = (worker["startup_import_seconds"]
-                                             + mine["startup_import_seconds"])
-        metrics["startup_load_seconds"] = (worker["startup_load_seconds"]
-                                           + mine["startup_load_seconds"])
-        metrics["client_startup_seconds"] = (metrics["startup_import_seconds"]
-                                             + metrics["startup_load_seconds"])
-        metrics["startup_worker_seconds"] = max(
-            time.perf_counter() - clock - float(status.get("handler_seconds", 0.0)), 0.0)
-        if "startup_runtime_seconds" in mine:
-            metrics["startup_runtime_seconds"] = mine["startup_runtime_seconds"]
+    add_relay_startup(reply, started, clock, status)
     return reply
+
+
+def add_relay_startup(reply: Any, started: Any, clock: float, status: dict) -> None:
+    """Into a reply with metrics that a long-lived process (a worker, an agent) computed: this
+    relaying process's imports and loading added to its own, and ``startup_worker_seconds``
+    (the exchange since ``clock`` less the handler's ``status["handler_seconds"]``)."""
+    if reply.has_error() or "metrics" not in reply.content:
+        return
+    mine = startup.message_metrics(started)
+    metrics = reply.content["metrics"]
+    for key in ("startup_import_seconds", "startup_load_seconds"):
+        metrics[key] = (float(metrics[key]) if key in metrics else 0.0) + mine[key]
+    metrics["client_startup_seconds"] = (metrics["startup_import_seconds"]
+                                         + metrics["startup_load_seconds"])
+    metrics["startup_worker_seconds"] = max(
+        time.perf_counter() - clock - float(status.get("handler_seconds", 0.0)), 0.0)
+    if "startup_runtime_seconds" in mine:
+        metrics["startup_runtime_seconds"] = mine["startup_runtime_seconds"]
 
 
 # -- the worker ----------------------------------------------------------------------------------
@@ -638,6 +642,21 @@ def serve(path: str, stop: threading.Event | None = None, *,
     (more are refused at once), each from a process of this uid (``SO_PEERCRED``), each
     delivering its request within ``timeout`` seconds. ``warm``: import everything a message
     needs first (:func:`warm_up`). Returns the process's exit code."""
+    path = os.path.abspath(path)
+    worker = _Worker(path)
+    logger.info("site worker %d: fedcompress %s, code %s (%s, %d modules)", os.getpid(),
+                worker.version, worker.hash[:16], worker.root, len(worker.files))
+    return serve_socket(path, "site worker", worker.handle, lambda: worker.served, stop,
+                        max_connections=max_connections, timeout=timeout, warm=warm)
+
+
+def serve_socket(path: str, name: str, handle: Any, served: Any,
+                 stop: threading.Event | None = None, *, max_connections: int = MAX_CONNECTIONS,
+                 timeout: float = IO_TIMEOUT, warm: bool = True) -> int:
+    """The serving loop of the site worker and the site agent (``name``): listen on ``path``
+    (:func:`_listen`), run ``handle(conn, timeout)`` in a thread per connection from a peer of
+    this uid, at most ``max_connections`` at once, until SIGTERM/SIGINT or ``stop`` (a second
+    signal stops at once); ``served()`` counts the messages for the last log line."""
     import signal
 
     if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
@@ -646,10 +665,6 @@ def serve(path: str, stop: threading.Event | None = None, *,
     if not timeout > 0:
         raise SiteWorkerError(f"timeout={timeout!r}: expected seconds > 0")
     stop = stop or threading.Event()
-    path = os.path.abspath(path)
-    worker = _Worker(path)
-    logger.info("site worker %d: fedcompress %s, code %s (%s, %d modules)", os.getpid(),
-                worker.version, worker.hash[:16], worker.root, len(worker.files))
     seconds = warm_up() if warm else 0.0
     listener = _listen(path, max_connections)
     inode = os.stat(path).st_ino
@@ -666,9 +681,9 @@ def serve(path: str, stop: threading.Event | None = None, *,
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, on_signal)
-    logger.info("site worker ready on %s (mode 0600, folder 0700, uid %d) after %.1f s of "
-                "imports; one message at a time, at most %d connections, %g s to deliver a "
-                "request", path, expected_uid(), seconds, max_connections, timeout)
+    logger.info("%s ready on %s (mode 0600, folder 0700, uid %d) after %.1f s of imports; one "
+                "message at a time, at most %d connections, %g s to deliver a request", name,
+                path, expected_uid(), seconds, max_connections, timeout)
     threads: list[threading.Thread] = []
     try:
         while not stop.is_set():
@@ -680,12 +695,12 @@ def serve(path: str, stop: threading.Event | None = None, *,
             if not slots.acquire(blocking=False):
                 logger.warning("refused a connection: %d connections open already "
                                "(--max-connections)", max_connections)
-                _try_refuse(conn, f"the site worker is busy: {max_connections} connections "
-                            "open already (--max-connections)")
+                _try_refuse(conn, f"the {name} is busy: {max_connections} connections open "
+                            "already (--max-connections)")
                 conn.close()
                 continue
-            thread = threading.Thread(target=_serve_one, args=(worker, conn, slots, timeout),
-                                      daemon=True)
+            thread = threading.Thread(target=_serve_one,
+                                      args=(name, handle, conn, slots, timeout), daemon=True)
             thread.start()
             threads.append(thread)
     finally:
@@ -693,21 +708,21 @@ def serve(path: str, stop: threading.Event | None = None, *,
         _remove(path, inode)
         for thread in threads:
             thread.join()
-        logger.info("site worker stopped after %d message(s); %s removed", worker.served, path)
+        logger.info("%s stopped after %d message(s); %s removed", name, served(), path)
     return 0
 
 
-def _serve_one(worker: _Worker, conn: socket.socket, slots: threading.BoundedSemaphore,
-               timeout: float) -> None:
+def _serve_one(name: str, handle: Any, conn: socket.socket,
+               slots: threading.BoundedSemaphore, timeout: float) -> None:
     try:
         with conn:
             try:
-                check_peer(conn, "a client of the site worker")
+                check_peer(conn, f"a client of the {name}")
             except SiteWorkerError as err:
                 logger.warning("refused a connection: %s", err)
                 _try_refuse(conn, str(err))
                 return
-            worker.handle(conn, timeout)
+            handle(conn, timeout)
     finally:
         slots.release()
 

@@ -604,6 +604,15 @@ def models_command(
     Console().print(f"cache: {models.cache_dir()} (set FEDCOMPRESS_CACHE to move it)")
 
 
+#: the options of the site worker's and the site agent's socket
+MaxConnectionsOpt = Annotated[int, typer.Option(
+    "--max-connections", min=1, help="Connections served at once (one message runs, the "
+    "others wait); one more is refused at once.")]
+SocketTimeoutOpt = Annotated[float, typer.Option(
+    "--timeout", min=0.001, help="Seconds a connection has to deliver its request; a stalled "
+    "one is dropped.")]
+
+
 @app.command("site-worker")
 def site_worker_command(
     socket: Annotated[Path, typer.Option(
@@ -611,12 +620,8 @@ def site_worker_command(
         "removed at exit) in a folder of this user with mode 0700 (created so when missing, "
         "refused otherwise); the SuperNode's --node-config names it: site-worker=\"PATH\".",
         show_default=False)],
-    max_connections: Annotated[int, typer.Option(
-        "--max-connections", min=1, help="Connections served at once (one message runs, the "
-        "others wait); one more is refused at once.")] = 4,
-    timeout: Annotated[float, typer.Option(
-        "--timeout", min=0.001, help="Seconds a connection has to deliver its request; a "
-        "stalled one is dropped.")] = 60.0,
+    max_connections: MaxConnectionsOpt = 4,
+    timeout: SocketTimeoutOpt = 60.0,
     log_level: LogOpt = "INFO",
 ) -> None:
     """A warm site worker: run this site's ClientApp messages in one long-lived process.
@@ -635,6 +640,39 @@ def site_worker_command(
     try:
         code = serve(str(socket), max_connections=max_connections, timeout=timeout)
     except SiteWorkerError as err:
+        raise ConfigError(str(err)) from err
+    raise typer.Exit(code)
+
+
+@app.command("site-agent")
+def site_agent_command(
+    config: Annotated[Path, typer.Option(
+        "--config", metavar="FILE", help="The site's agent config (TOML): 'socket' (the Unix "
+        "socket to serve on, which the SuperNode's node config names as site-agent=\"PATH\") "
+        "and the site's node config: partition-id, num-partitions, data-path, state-dir, the "
+        "policy keys, secagg-key, secagg-peers. Refused when another user could change it.",
+        show_default=False)],
+    max_connections: MaxConnectionsOpt = 4,
+    timeout: SocketTimeoutOpt = 60.0,
+    log_level: LogOpt = "INFO",
+) -> None:
+    """The site agent: the one process of this site that holds its data, keys, policy and
+    ledger, and runs its operations for the server's ClientApp.
+
+    Start it as the site's user from the fedcompress the site installed. The SuperNode gets only
+    --node-config 'site-agent="PATH"' (no data path, no key, no state folder): the ClientApp the
+    server ships relays each message over the socket, and the agent answers it with its own
+    code (the operations of its registry), its own node config and its own Flower Context per
+    run (SecAgg+ secrets never leave it). Every request passes the site's policy; every
+    release is written to its ledger. Stops on SIGTERM or Ctrl-C (the message in flight
+    finishes; a second signal stops at once)."""
+    _setup_logging(log_level)
+    from clients.site_agent import SiteAgentError, load_config, serve
+    from clients.site_worker import SiteWorkerError
+
+    try:
+        code = serve(load_config(config), max_connections=max_connections, timeout=timeout)
+    except (SiteAgentError, SiteWorkerError) as err:
         raise ConfigError(str(err)) from err
     raise typer.Exit(code)
 

@@ -185,7 +185,8 @@ TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 # the site's own state folder (its privacy ledger), beside its data
 node_config = {"partition-id": 0, "data-path": data, "num-partitions": int(sites),
                "state-dir": os.path.join(os.path.dirname(os.path.abspath(data)), "state"),
-               "require-secagg": False}  # the plain one-shot vote is what is timed
+               # the plain one-shot vote is what is timed, many times on the same windows
+               "require-secagg": False, "runs-per-input": 1000}
 if worker:
     node_config["site-worker"] = worker
 context = Context(run_id=1, node_id=100, node_config=node_config, state=RecordDict(),
@@ -505,8 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     procs = deploy.Processes(work)
     dep = deploy.Deployment("bench", work, procs)
-    # the sites' policy accepts the measured model and the plain one-shot vote's clear masks
-    dep.policy = {"models": opts.model, "require-secagg": False}
+    # the sites' policy accepts the measured model and the plain one-shot vote's clear masks,
+    # many runs on the same windows
+    dep.policy = {"models": opts.model, "require-secagg": False, "runs-per-input": 1000}
     watcher = None
     pool = ThreadPoolExecutor(4)
     with report:

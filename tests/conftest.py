@@ -513,21 +513,26 @@ class Worker:
     worker's tests, and the deployed SuperNode that uses one in tests/test_deploy.py).
     ``wait=False``: return once started; :meth:`wait_ready` before sending it messages."""
 
+    #: the command's arguments after ``fedcompress`` (``{path}``: the socket) and the line of
+    #: its log that says it serves
+    command = ("site-worker", "--socket", "{path}")
+    ready = "site worker ready"
+
     def __init__(self, path: Path, cache: Path, log: Path, env: dict | None = None,
-                 wait: bool = True):
+                 wait: bool = True, config: Path | None = None):
         self.path, self.log_path = path, log
         env = {**(env or os.environ), "FEDCOMPRESS_CACHE": str(cache)}
+        args = [a.format(path=path, config=config) for a in self.command]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                [str(Path(sys.executable).parent / "fedcompress"), "site-worker", "--socket",
-                 str(path)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True)
+                [str(Path(sys.executable).parent / "fedcompress"), *args], stdout=out,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if wait:
             self.wait_ready()
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + WORKER_START_TIMEOUT
-        while "site worker ready" not in self.log():
+        while self.ready not in self.log():
             assert self.proc.poll() is None, f"worker exited {self.proc.returncode}:\n{self.log()}"
             assert time.monotonic() < deadline, self.log()
             time.sleep(0.2)
@@ -544,3 +549,11 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+class Agent(Worker):
+    """A ``fedcompress site-agent --config FILE`` process of its own session (the site agent's
+    tests): the socket ``path`` is the config's ``socket``."""
+
+    command = ("site-agent", "--config", "{config}")
+    ready = "site agent ready"

@@ -33,7 +33,8 @@ def run_main(monkeypatch, capsys, *args):
 
 
 @pytest.mark.parametrize("command", [[], ["eval"], ["models"], ["prune"], ["bench"],
-                                     ["sanitize"], ["ppcgpt"], ["site-worker"], ["ledger"]])
+                                     ["sanitize"], ["ppcgpt"], ["site-worker"], ["site-agent"],
+                                     ["ledger"]])
 def test_help_on_every_command(command):
     result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0

@@ -256,12 +256,13 @@ def stack(tmp_path_factory):
     (root / "project").mkdir()
     # the sites' policy accepts the public tiny model and task, releases masks in the clear
     # (the plain one-shot and personalized runs; require-secagg=false is the operators'
-    # opt-out), and (research flag: the tests compare a deployed run with the in-process one)
-    # draws its secrets from the server's seeds
+    # opt-out) and on the same windows in several runs (runs-per-input), and (research flag:
+    # the tests compare a deployed run with the in-process one) draws its secrets from the
+    # server's seeds
     stack = Stack(root / "project", public,
                   policy={"models": str(public / "tiny-llama"),
                           "corpora": f"wiki,strategyqa,{task}", "require-secagg": False,
-                          "research-reproducible-secrets": True})
+                          "runs-per-input": 100, "research-reproducible-secrets": True})
     try:
         stack.start()
         yield stack

@@ -264,7 +264,17 @@ def _looks_like_path(name: str) -> bool:
 # local files
 
 
+#: A split of a local corpus folder is the name of a file in it (``<split>.jsonl``): letters,
+#: digits, ``_`` and ``-`` only, so that no split reaches outside the folder.
+SPLIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
 def _load_local(path: Path, split: str) -> list[Document]:
+    if not SPLIT_NAME.fullmatch(str(split)):
+        raise UnknownSplitError(
+            f"split {split!r} is not a split name: expected letters, digits, '_' or '-' (a "
+            "split names a file <split>.jsonl or <split>.txt inside the corpus folder, never "
+            "a path)")
     if path.is_dir():
         candidates = [path / f"{split}{suffix}" for suffix in _LOCAL_SUFFIXES]
         found = [c for c in candidates if c.is_file()]

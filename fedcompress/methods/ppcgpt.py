@@ -319,6 +319,7 @@ def client_text(config: PPCGPTConfig, data: ClientData, policy: SitePolicy | Non
     grant = None
     if policy is not None and ledger is not None:
         policy.check_epsilon(config.eps, "eps (per word)")
+        policy.check_sanitizer(config.mechanism, config.top_k, config.keep_stopwords)
         seeded = policy.check_known_seed("noise_seed", config.noise_seed)
         bound = math.inf if policy.simulation else policy.max_epsilon
         grant = ledger.text(run, "ppcgpt", "query.perturb", float(config.eps), bound,

@@ -596,6 +596,10 @@ def site_train(config: PrivyTuneConfig, model: nn.Module, train: Encoded, pad: i
     if grant is not None and policy is not None:
         metrics.update(ledger_metrics(policy, grant, dp=sigma is not None))
         metrics["secrets_reproducible"] = 1 if seeded else 0
+        if sigma is not None and not policy.simulation:
+            # the losses are the un-noised model's on the site's examples: not covered by the
+            # DP release, so a deployed site does not send them
+            del metrics["loss_first"], metrics["loss_last"]
     return metrics
 
 

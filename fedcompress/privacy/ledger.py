@@ -250,12 +250,14 @@ class Ledger:
     appended since its last transaction."""
 
     def __init__(self, state_dir: str | os.PathLike[str], lifetime_budget: float,
-                 anchor: str | os.PathLike[str] | None = None) -> None:
+                 anchor: str | os.PathLike[str] | None = None,
+                 lifetime_delta: float = math.inf) -> None:
         self.dir = Path(state_dir)
         self.path = self.dir / LEDGER_FILE
         self.head_path = self.dir / HEAD_FILE
         self.anchor = Path(anchor) if anchor else None
         self.lifetime_budget = float(lifetime_budget)
+        self.lifetime_delta = float(lifetime_delta)
         self._replay: _Replay | None = None
 
     # -- reading ------------------------------------------------------------------------------
@@ -520,6 +522,14 @@ class Ledger:
             for _, path in self._heads():
                 self._write_head(path, replay)
 
+    def _check_lifetime_delta(self, txn: _Transaction, run: str, new_run_delta: float) -> None:
+        others = txn.others_delta(run)
+        if others + new_run_delta > self.lifetime_delta * (1 + 1e-9):
+            raise PolicyError(f"this release would bring the site's lifetime delta to "
+                              f"{others + new_run_delta:.3g}, above its bound lifetime-delta="
+                              f"{self.lifetime_delta:g} ({others:.3g} already by other runs; "
+                              "node config lifetime-delta)")
+
     def _check_lifetime(self, txn: _Transaction, run: str, new_run_epsilon: float) -> float:
         others = txn.others_epsilon(run)
         total = others + new_run_epsilon
@@ -574,6 +584,7 @@ class Ledger:
                     f"{mechanism.target_epsilon:g} (bounded by node config max-epsilon): the "
                     "run's budget is spent; no more rounds")
             lifetime = self._check_lifetime(txn, run, run_epsilon)
+            self._check_lifetime_delta(txn, run, mechanism.delta)
             entry.update(epsilon=run_epsilon, delta=mechanism.delta, steps=total_steps,
                          releases=int(entry["releases"]) + 1)
             txn.releases.append({"time": _now(), "run": run, "method": method,
@@ -621,6 +632,7 @@ class Ledger:
                                   f"{run_epsilon:.4g}, above its target "
                                   f"{float(fixed['epsilon']):g}")
             lifetime = self._check_lifetime(txn, run, run_epsilon)
+            self._check_lifetime_delta(txn, run, float(fixed["delta"]))
             entry.update(epsilon=run_epsilon, delta=float(fixed["delta"]), dp_releases=count,
                          releases=int(entry["releases"]) + 1)
             txn.releases.append({"time": _now(), "run": run, "method": method,
@@ -657,6 +669,50 @@ class Ledger:
                                      "action": action, "kind": "exponential-mechanism",
                                      "epsilon": float(epsilon_per_word),
                                      "unit": "one word", **(detail or {})})
+        return Grant(run_epsilon, lifetime, self.lifetime_budget)
+
+    def input_release(self, run: str, method: str, action: str, key: str, layer: int,
+                      runs_per_input: int) -> Grant:
+        """Check and record that run ``run`` releases something computed on the input ``key``
+        (a digest of the site's windows, its model and what is computed) for decoder layer
+        ``layer`` (-1: every layer at once), before it is computed. Refused: a second release of
+        a layer in one run, a one-shot and a per-layer release in one run (their first layer
+        has the same input), and a run beyond the ``runs_per_input``-th on one input (sums of
+        different runs over the same inputs can be differenced)."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < -1:
+            raise PolicyError(f"layer={layer!r} is invalid: expected -1 or an int >= 0")
+        with self._transaction() as txn:
+            entry = txn.run(run, method)
+            stored = txn.input(key) or {"runs": [], "layers": {}}
+            runs: list[str] = list(stored["runs"])
+            layers: dict[str, list[int]] = {r: list(ls) for r, ls in stored["layers"].items()}
+            done = layers.get(run, [])
+            what = "every layer at once" if layer < 0 else f"layer {layer}"
+            if layer in done:
+                raise PolicyError(f"run {run} already released {what} on this input: a second "
+                                  "release of the same input is refused")
+            if done and (layer < 0 or -1 in done):
+                before = ("every layer at once" if -1 in done
+                          else "layers " + ", ".join(map(str, done)))
+                raise PolicyError(f"run {run} already released {before} on this input, and "
+                                  f"asks for {what}: a one-shot and a per-layer release share "
+                                  "their first layer's input; refused")
+            if run not in runs:
+                if len(runs) >= runs_per_input:
+                    raise PolicyError(
+                        f"this site already released masks or statistics on this input in "
+                        f"{len(runs)} run(s), its bound (node config "
+                        f"runs-per-input={runs_per_input}): sums of several runs over the same "
+                        "input can be differenced; refused")
+                runs.append(run)
+            layers[run] = [*done, layer]
+            txn.inputs[key] = {"runs": runs, "layers": layers}
+            entry["releases"] = int(entry["releases"]) + 1
+            txn.releases.append({"time": _now(), "run": run, "method": method,
+                                 "action": action, "kind": "input", "input": key[:16],
+                                 "layer": layer, "epsilon": NOT_DP})
+            run_epsilon = float(entry["epsilon"])
+            lifetime = txn.lifetime_epsilon()
         return Grant(run_epsilon, lifetime, self.lifetime_budget)
 
     def not_dp(self, run: str, method: str, action: str,

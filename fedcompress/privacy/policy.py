@@ -16,6 +16,7 @@ key                                 default   meaning
 ``max-epsilon``                     8.0       most epsilon one run may spend at this site
 ``lifetime-epsilon``                32.0      most epsilon all runs together may spend (ledger)
 ``max-delta``                       1e-5      largest delta a run may ask for
+``lifetime-delta``                  1e-4      largest sum of the deltas of all runs (ledger)
 ``allow-no-dp``                     false     may a DP-capable method run without DP
 ``dp-placements``                   distrib.  where this site lets DP noise be added to its
                                               statistics (``distributed``: by the sites under
@@ -35,6 +36,14 @@ key                                 default   meaning
                                               every other site
 ``require-secagg``                  true      refuse to release masks or statistics in the clear
                                               (only their sum, under SecAgg+)
+``custext-top-k``                   20        CusText's group size: the candidates each word may
+                                              become (a request for another is refused; a
+                                              small group releases most words verbatim)
+``custext-keep-stopwords``          false     whether stop words are released in the clear
+``runs-per-input``                  1         runs that may release masks or statistics (not DP)
+                                              computed on the same input (the site's windows and
+                                              model): the sums of several runs over one input can
+                                              be differenced (ledger)
 ``secagg-key``                      ""        this site's P-384 private key (PEM) for SecAgg+
 ``secagg-peers``                    ""        folder of the federation's public keys (``*.pub``)
 ``models``                          embedded  model specs accepted (comma-separated in node config,
@@ -156,12 +165,16 @@ class SitePolicy:
     max_epsilon: float = 8.0
     lifetime_epsilon: float = 32.0
     max_delta: float = 1e-5
+    lifetime_delta: float = 1e-4
     allow_no_dp: bool = False
     dp_placements: tuple[str, ...] = ("distributed",)
     dp_public_files: tuple[str, ...] = ()
     secagg_min_fraction: float = 0.5
     secagg_max_colluders: int = 1
     require_secagg: bool = True
+    runs_per_input: int = 1
+    custext_top_k: int = 20
+    custext_keep_stopwords: bool = False
     secagg_key: str = ""
     secagg_peers: str = ""
     models: tuple[str, ...] = field(default_factory=default_models)
@@ -187,6 +200,9 @@ class SitePolicy:
         if not _finite(self.max_delta) or not 0 < self.max_delta < 1:
             raise PolicyError(f"node config max-delta={self.max_delta!r} is invalid: expected "
                               "a number in (0, 1)")
+        if not _finite(self.lifetime_delta) or not self.max_delta <= self.lifetime_delta < 1:
+            raise PolicyError(f"node config lifetime-delta={self.lifetime_delta!r} is invalid: "
+                              f"expected a number in [max-delta={self.max_delta:g}, 1)")
         unknown = [p for p in self.dp_placements if p not in ("central", "distributed")]
         if unknown:
             raise PolicyError(f"node config dp-placements={','.join(self.dp_placements)!r} is "
@@ -198,6 +214,14 @@ class SitePolicy:
                 or not isinstance(self.secagg_max_colluders, int) or self.secagg_max_colluders < 0:
             raise PolicyError(f"node config secagg-max-colluders={self.secagg_max_colluders!r} "
                               "is invalid: expected an integer >= 0")
+        if isinstance(self.custext_top_k, bool) or not isinstance(self.custext_top_k, int) \
+                or self.custext_top_k < 2:
+            raise PolicyError(f"node config custext-top-k={self.custext_top_k!r} is invalid: "
+                              "expected an integer >= 2")
+        if isinstance(self.runs_per_input, bool) or not isinstance(self.runs_per_input, int) \
+                or self.runs_per_input < 1:
+            raise PolicyError(f"node config runs-per-input={self.runs_per_input!r} is invalid: "
+                              "expected an integer >= 1")
 
     # -- checks a handler calls -------------------------------------------------------------
 
@@ -312,6 +336,21 @@ class SitePolicy:
                           "require-secagg=true): run with --secagg, or the site sets "
                           "require-secagg=false")
 
+    def check_sanitizer(self, mechanism: str, top_k: int, keep_stopwords: bool) -> None:
+        """Refuse a text release whose exponential mechanism differs from this site's: CusText's
+        group size (``custext-top-k``) and its stop words (``custext-keep-stopwords``) are the
+        site's, not the server's (in simulation: any)."""
+        if self.simulation:
+            return
+        if mechanism == "custext" and int(top_k) != self.custext_top_k:
+            raise PolicyError(f"top_k={top_k} asks for CusText groups of {top_k} words; this "
+                              f"site perturbs with groups of {self.custext_top_k} (node config "
+                              "custext-top-k; a small group releases most words as they are)")
+        if bool(keep_stopwords) and not self.custext_keep_stopwords:
+            raise PolicyError("keep_stopwords=true asks this site to release its stop words in "
+                              "the clear; its policy refuses it (node config "
+                              "custext-keep-stopwords=false)")
+
     def check_known_seed(self, key: str, seed: Any) -> bool:
         """Whether a seed the server sent for a secret draw (``key``; None or < 0: none) may be
         used: only with ``research-reproducible-secrets`` or in simulation; else refused."""
@@ -361,10 +400,13 @@ def _listed(value: str, allowed: Iterable[str]) -> bool:
 #: node-config key -> SitePolicy field
 POLICY_KEYS: dict[str, str] = {
     "max-epsilon": "max_epsilon", "lifetime-epsilon": "lifetime_epsilon",
-    "max-delta": "max_delta", "allow-no-dp": "allow_no_dp", "dp-placements": "dp_placements",
+    "max-delta": "max_delta", "lifetime-delta": "lifetime_delta", "allow-no-dp": "allow_no_dp",
+    "dp-placements": "dp_placements",
     "dp-public-files": "dp_public_files",
     "secagg-min-fraction": "secagg_min_fraction",
     "secagg-max-colluders": "secagg_max_colluders", "require-secagg": "require_secagg",
+    "runs-per-input": "runs_per_input", "custext-top-k": "custext_top_k",
+    "custext-keep-stopwords": "custext_keep_stopwords",
     "secagg-key": "secagg_key",
     "secagg-peers": "secagg_peers", "models": "models", "corpora": "corpora",
     "state-dir": "state_dir", "ledger-anchor": "ledger_anchor",
@@ -372,7 +414,7 @@ POLICY_KEYS: dict[str, str] = {
 }
 _OTHER_KEYS = ("policy", "site-mode")
 #: node-config keys a site uses for other purposes (never mistaken for a policy typo)
-_SITE_KEYS = ("partition-id", "num-partitions", "data-path", "site-worker")
+_SITE_KEYS = ("partition-id", "num-partitions", "data-path", "site-worker", "site-agent")
 _FIELD_TYPES = {f.name: f.type for f in fields(SitePolicy)}
 
 

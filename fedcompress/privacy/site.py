@@ -21,11 +21,40 @@ from typing import Any
 from fedcompress.privacy.ledger import Grant, Ledger
 from fedcompress.privacy.policy import SitePolicy, site_policy
 
-__all__ = ["CORPUS_KEYS", "admit", "ledger", "ledger_metrics", "record_release"]
+__all__ = ["CORPUS_KEYS", "SiteError", "admit", "input_key", "is_simulated", "ledger",
+           "ledger_metrics", "public_error", "record_input", "record_release"]
 
 #: Settings naming a corpus or task a site loads: (key, replaced by the site's data-path)
 CORPUS_KEYS: tuple[tuple[str, bool], ...] = (("calib_text", True), ("wire_reference", True),
                                              ("task", False), ("corpus", False))
+
+
+class SiteError(RuntimeError):
+    """An error a site sends to the server: its message names settings, keys and bounds,
+    never a private value (a record, a path, a number computed from the site's data)."""
+
+
+def is_simulated(node_config: Mapping[str, Any]) -> bool:
+    """Whether this site is a simulated one (:func:`~fedcompress.privacy.policy.site_policy`'s
+    rule, without reading the policy: for an error raised before the policy is read)."""
+    from fedcompress.privacy.policy import in_simulation_engine
+
+    mode = str(node_config.get("site-mode", "") or "")
+    return mode == "simulation" or (mode == "" and in_simulation_engine())
+
+
+def public_error(action: str, err: BaseException) -> str:
+    """What a deployed site tells the server about ``err`` raised by ``action``: the text of
+    the errors whose messages name only settings and bounds (this module's
+    :class:`SiteError`, a settings error, a SecAgg+ protocol error); for any other, its class
+    only (its text may quote the site's data; the site's log has it)."""
+    from fedcompress.config import SettingsError
+    from fedcompress.privacy.secagg import SecAggError
+
+    if isinstance(err, (SiteError, SettingsError, SecAggError)):
+        return f"{type(err).__name__}: {err}"
+    return (f"{action} failed at this site ({type(err).__name__}); a deployed site does not "
+            "send an error's text, which may quote its data: the site's log has it")
 
 
 def _flat(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -57,20 +86,21 @@ def admit(node_config: Mapping[str, Any], settings: Mapping[str, Any] | None,
 
 
 #: the ledgers this process opened: each reads only what was appended since its last use
-_LEDGERS: dict[tuple[str, float, str], Ledger] = {}
+_LEDGERS: dict[tuple[str, float, str, float], Ledger] = {}
 
 
 def ledger(policy: SitePolicy, run_id: int | str) -> Ledger:
     """The site's ledger (a simulation's temporary state: one folder per run, no lifetime
     budget), one object per process and folder."""
     if policy.ephemeral_state:
-        key = (str(Path(policy.state_dir) / f"run-{run_id}"), math.inf, "")
+        key = (str(Path(policy.state_dir) / f"run-{run_id}"), math.inf, "", math.inf)
     else:
-        key = (policy.state_dir, policy.lifetime_epsilon, policy.ledger_anchor)
+        key = (policy.state_dir, policy.lifetime_epsilon, policy.ledger_anchor,
+               policy.lifetime_delta)
     if key not in _LEDGERS:
         if len(_LEDGERS) >= 64:  # a simulation's per-run folders: forget the oldest
             _LEDGERS.pop(next(iter(_LEDGERS)))
-        _LEDGERS[key] = Ledger(key[0], key[1], anchor=key[2] or None)
+        _LEDGERS[key] = Ledger(key[0], key[1], anchor=key[2] or None, lifetime_delta=key[3])
     return _LEDGERS[key]
 
 
@@ -86,6 +116,30 @@ def ledger_metrics(policy: SitePolicy, grant: Grant, dp: bool) -> dict[str, floa
     if math.isfinite(grant.lifetime_budget):
         out["ledger_lifetime_budget"] = float(grant.lifetime_budget)
     return out
+
+
+def record_input(policy: SitePolicy, run_id: int | str, method: str, action: str,
+                 key: str, layer: int) -> None:
+    """Before a release of masks or statistics that is not DP: check and record in the ledger
+    that run ``run_id`` releases ``layer`` (-1: every layer) computed on the input ``key``
+    (:meth:`~fedcompress.privacy.ledger.Ledger.input_release`: one release per layer and run,
+    not both a one-shot and a per-layer one, at most ``runs-per-input`` runs per input). In
+    simulation (the server runs the sites) nothing is enforced."""
+    if policy.simulation:
+        return
+    ledger(policy, run_id).input_release(str(run_id), method, action, key, layer,
+                                         policy.runs_per_input)
+
+
+def input_key(model: str, what: str, windows: Any) -> str:
+    """The digest naming an input: the model spec, what is computed (``masks``,
+    ``statistics``) and the token ids of every window, in order."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{model}|{what}|{len(windows)}".encode())
+    for window in windows:
+        digest.update(window.detach().cpu().numpy().astype("<i8").tobytes())
+    return digest.hexdigest()
 
 
 def record_release(policy: SitePolicy, run_id: int | str, method: str, action: str

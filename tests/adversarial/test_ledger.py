@@ -288,3 +288,50 @@ def test_an_older_whole_file_ledger_is_imported_once(tmp_path):
     data = Ledger(tmp_path, 32.0).read()
     assert [r["kind"] for r in data["releases"]] == ["exponential-mechanism"] * 2 + [
         "import", "exponential-mechanism"]
+
+
+# -- one release per input: differencing across runs, one-shot against per-layer ----------------
+
+
+def test_a_second_run_on_the_same_input_is_refused(tmp_path):
+    """Three SecAgg+ votes in fresh runs over the pairs {0,1}, {1,2}, {0,2} give every site's
+    vote by differencing: each site answers the first run on an input only."""
+    ledger = Ledger(tmp_path, 32.0)
+    ledger.input_release("1", "fedprllm", "train.secagg_masks", "k" * 64, -1, 1)
+    with pytest.raises(PolicyError, match=r"in 1 run\(s\), its bound \(node config "
+                                          r"runs-per-input=1\)"):
+        ledger.input_release("2", "fedprllm", "train.secagg_masks", "k" * 64, -1, 1)
+    ledger.input_release("2", "fedprllm", "train.secagg_masks", "other" * 8, -1, 1)  # new input
+    allowing = Ledger(tmp_path / "b", 32.0)  # a site that allows two runs per input
+    for run in ("1", "2"):
+        allowing.input_release(run, "fedprllm", "train.masks", "k" * 64, -1, 2)
+    with pytest.raises(PolicyError, match="runs-per-input=2"):
+        allowing.input_release("3", "fedprllm", "train.masks", "k" * 64, -1, 2)
+    assert Ledger(tmp_path, 32.0).read()["inputs"]["k" * 64]["runs"] == ["1"]
+
+
+@pytest.mark.parametrize("first, second", [(-1, 0), (0, -1), (3, 3), (-1, -1)])
+def test_one_shot_and_per_layer_releases_of_one_input_in_one_run_are_refused(tmp_path, first,
+                                                                              second):
+    """A one-shot vote and the iterative layer-0 vote share their first layer's input; a
+    layer twice in one run is a double request (clear masks after a secure vote included:
+    the input is the same whichever way it leaves)."""
+    ledger = Ledger(tmp_path, 32.0)
+    ledger.input_release("1", "fedprllm", "train.secagg_masks", "k" * 64, first, 5)
+    with pytest.raises(PolicyError, match="already released"):
+        ledger.input_release("1", "fedprllm", "train.masks", "k" * 64, second, 5)
+    if -1 not in (first, second):  # another layer of the run is still answered
+        ledger.input_release("1", "fedprllm", "train.layer_mask", "k" * 64, 7, 5)
+    data = Ledger(tmp_path, 32.0).read()
+    assert [r["kind"] for r in data["releases"]].count("input") in (1, 2)
+
+
+def test_the_lifetime_delta_is_bounded(tmp_path):
+    """A new run id per round keeps the lifetime epsilon bounded; the deltas add up too."""
+    ledger = Ledger(tmp_path, 1e6, lifetime_delta=2.5e-5)
+    for run in ("1", "2"):
+        ledger.dp_sgd(run, "privytune", "train.dplora", mechanism(), STEPS)
+    with pytest.raises(PolicyError, match=r"lifetime delta to 3e-05, above its bound "
+                                          r"lifetime-delta=2.5e-05"):
+        ledger.dp_sgd("3", "privytune", "train.dplora", mechanism(), STEPS)
+    assert ledger.dp_sgd("2", "privytune", "train.dplora", mechanism(), STEPS)  # same run

@@ -173,6 +173,8 @@ def test_dp_rounds_carry_the_sites_ledger(deployed, tiny_dir, tiny_task):
     assert metrics[1]["epsilon_spent"] == metrics[1]["ledger_run_epsilon"]
     assert metrics[1]["ledger_lifetime_budget"] == 32.0
     assert metrics[1]["secrets_reproducible"] == 0
+    # the un-noised model's training losses on the site's examples are not sent
+    assert not any(k in m for m in metrics for k in ("loss_first", "loss_last"))
     run = _ledger(context).read()["runs"]["1"]
     assert run["steps"] == 2 * metrics[0]["steps"] and run["mechanism"]["target_epsilon"] == 8.0
 
@@ -314,6 +316,10 @@ def _ppcgpt(tiny_dir, **values) -> dict:
 @pytest.mark.parametrize("values, words", [
     ({"eps": 20.0}, ("eps (per word)=20", "max-epsilon=8")),
     ({"noise_seed": 0}, ("noise_seed=0", "research-reproducible-secrets")),
+    # CusText's group size and stop words are the site's: top_k=2 at eps 8 released most
+    # words as they were while the ledger recorded a DP release
+    ({"top_k": 2}, ("top_k=2", "groups of 20", "custext-top-k")),
+    ({"keep_stopwords": True}, ("keep_stopwords=true", "custext-keep-stopwords=false")),
 ])
 def test_ppcgpt_text_beyond_the_policy_refused(deployed, tiny_dir, values, words):
     context = deployed(corpora="strategyqa")
@@ -356,7 +362,8 @@ def test_a_corrupted_ledger_refuses_every_release(deployed, tiny_dir, tiny_task)
     config = _privytune(tiny_dir, tiny_task)
     assert not _send("query.cosines", config, context).has_error()
     _ledger(context).path.write_text("{}\n")
-    _refused(_send("query.cosines", config, context), "refusing to release anything")
+    # the file's path stays in the site's log
+    _refused(_send("query.cosines", config, context), "its privacy ledger refuses every release")
     assert json.loads(_ledger(context).path.read_text()) == {}  # never reset
 
 
@@ -551,3 +558,58 @@ def test_statistics_need_dp_and_distributed_noise_needs_secagg(deployed, tiny_di
     context.node_config["allow-no-dp"] = "true"
     reply = stats()
     assert not reply.has_error(), reply.error.reason  # the site's own choice: answered
+
+
+def test_the_same_input_in_a_second_run_or_twice_in_a_run_is_refused(deployed, tiny_dir):
+    """Through the ClientApp: clear masks in run 1, the same masks in run 2 (differencing
+    across runs), and the iterative layer-0 vote after the one-shot vote in one run."""
+    allow = {"require-secagg": "false"}
+    assert not _send("train.masks", _fp(tiny_dir), deployed(run_id=1, **allow)).has_error()
+    _refused(_send("train.masks", _fp(tiny_dir), deployed(run_id=2, **allow)),
+             "runs-per-input=1")
+    again = deployed(run_id=2, **allow)
+    message = Message(RecordDict({"config": ConfigRecord(_fp(tiny_dir, mode="iterative")),
+                                  "round": ConfigRecord({"layer": 0})}),
+                      dst_node_id=100, message_type="train.layer_mask")
+    from clients.app import local_app
+
+    _refused(local_app()(message, deployed(run_id=1, **allow)), "every layer at once")
+    # another seed draws other windows: another input, answered
+    assert not _send("train.masks", _fp(tiny_dir, seed=7), again).has_error()
+
+
+@pytest.mark.parametrize("split", ["../records/notes", "/etc/passwd", "..", "train/../../x",
+                                   ".hidden", "a" * 65])
+def test_a_split_is_a_name_inside_the_sites_data_folder(tmp_path, split):
+    """calib_split joined to the site's data folder: a path escaping it is refused by name
+    (the message quotes the server's value only)."""
+    from fedcompress.data.corpora import load_corpus
+    from fedcompress.data.errors import UnknownSplitError
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text(json.dumps({"text": "private"}) + "\n")
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "notes.jsonl").write_text(json.dumps({"text": "secret"}) + "\n")
+    assert load_corpus(str(data), "train")[0].text == "private"
+    with pytest.raises(UnknownSplitError, match="is not a split name"):
+        load_corpus(str(data), split)
+
+
+def test_a_deployed_sites_error_carries_no_private_text(deployed, tiny_dir, tmp_path):
+    """A record that breaks the site's loader: the server learns which action failed and the
+    error's class, not the record (its text stays in the site's log)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "the secret diagnosis of patient 4711"\n')
+    context = deployed(**{"require-secagg": "false", "data-path": str(data)})
+    reply = _send("train.masks", _fp(tiny_dir), context)
+    assert reply.has_error()
+    assert "4711" not in reply.error.reason and "diagnosis" not in reply.error.reason
+    assert "data-path" in reply.error.reason and "CorpusFormatError" in reply.error.reason
+    from fedcompress.privacy.site import public_error
+
+    leaky = ValueError("record 12: answer 'the secret diagnosis' is not one of A, B")
+    assert public_error("query.perturb", leaky) == (
+        "query.perturb failed at this site (ValueError); a deployed site does not send an "
+        "error's text, which may quote its data: the site's log has it")

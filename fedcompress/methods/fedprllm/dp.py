@@ -469,6 +469,10 @@ def site_step(policy: SitePolicy, ledger: Any, run_id: int | str, config: FedPrL
                "dp_delta": the_plan.delta, "dp_sigma": the_plan.sigma,
                "dp_distributed": 1 if the_plan.placement == "distributed" else 0,
                "dp_clipped_windows": float(sum(clipped.clipped.values()))}
+    if not policy.simulation:
+        # how many windows the (server-chosen) clip bound cut is computed from the site's
+        # windows and not noised: a threshold oracle, so a deployed site does not send it
+        del metrics["dp_clipped_windows"]
     return SiteStep(the_plan, clipped, metrics)
 
 

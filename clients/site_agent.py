@@ -1,0 +1,358 @@
+"""The site agent: the one process of a site that holds its data, keys, policy and ledger.
+
+In Flower the server ships the ClientApp that a SuperNode runs (the FAB), so the server's code
+is as untrusted as its messages. A site that runs ``fedcompress site-agent --config SITE.toml``
+keeps everything a guarantee depends on out of that code's reach:
+
+* the agent is started by the site, from the fedcompress the site installed, as the site's user;
+  its config file (the site's node config: ``partition-id``, ``data-path``, ``state-dir``, the
+  policy keys, ``secagg-key`` and ``secagg-peers``; plus the agent's ``socket``) is the site's,
+  checked like a policy file (:func:`load_config`);
+* the SuperNode's ClientApp process (the server's code) gets only ``site-agent="PATH"`` in its
+  node config and relays each Message over the agent's Unix socket (:func:`relay`): the
+  Message goes in, the reply comes out, nothing else. The Flower Context, whose state holds a
+  site's SecAgg+ keys and shares between messages, is the agent's own (one per run, kept in
+  the agent's memory) and never leaves it; so are the node config, the model and the windows;
+* the agent runs only the operations of its own registry (:func:`operations`: every method's
+  actions, :data:`OPERATIONS_VERSION`), each through :func:`run_operation`, which the
+  in-process ClientApp of a simulation runs too: the site's policy first, the ledger, the
+  release, and an error that names settings and bounds but no private value.
+
+Protocol, one connection per message, every frame ``MAGIC + 8-byte length + payload`` (the
+site worker's frames, :mod:`clients.site_worker`):
+
+1. relay -> agent: a JSON hello (``protocol``, the ``operations`` version the FAB expects,
+   Flower's task identity); agent -> relay: its answer, a refusal when the versions differ;
+2. relay -> agent: the Message (``flwr.proto`` bytes);
+3. agent -> relay: a JSON status, then the reply Message.
+
+What is protected: the server's code never holds the site's data, keys, ledger or the
+Context's secrets, provided the process that runs it cannot read the agent's files (in the
+shipped deployment the SuperNode's container mounts none of them, see ``docker/compose.yml``).
+It can still send the agent any Message: the agent's policy decides what is answered. Not
+protected: root, or any process that can read the agent's files or memory; the peer checks of
+the socket (same uid, ``SO_PEERCRED``) are the site worker's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import tomllib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from clients import site_worker as frames
+from clients import startup
+
+logger = logging.getLogger("fedcompress.site_agent")
+
+#: The relay's ``--node-config`` key naming the agent's socket.
+NODE_CONFIG_KEY = "site-agent"
+PROTOCOL = 2
+#: The version of the site operations' wire contract (message types, record keys): a relay
+#: from a FAB that expects another version is refused with both versions named.
+OPERATIONS_VERSION = 1
+#: The agent's own keys in its config file; every other key is the site's node config.
+AGENT_KEYS = ("socket",)
+#: Runs whose Context the agent keeps (a SecAgg+ vote's keys live there between messages).
+CONTEXTS_KEPT = 8
+
+
+class SiteAgentError(RuntimeError):
+    """The agent cannot serve this message, or its config is invalid (named)."""
+
+
+# -- the operations ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Operation:
+    """One site operation: a method's action and its handler in the site's installed code."""
+
+    method: str
+    action: str
+    module: str
+    function: str
+    clear: str = ""  # what it releases in the clear (the method's clear_releases)
+
+
+def operations() -> dict[str, Operation]:
+    """Every site operation of the registry, by message type."""
+    from fedcompress.methods import methods
+
+    return {action: Operation(m.name, action, m.client_module, function,
+                              m.clear_releases.get(action, ""))
+            for m in methods().values() for action, function in m.actions.items()}
+
+
+def _error(message: Any, reason: str) -> Any:
+    from flwr.app import Error, Message
+    from flwr.common.constant import ErrorCode
+
+    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
+                   reply_to=message)
+
+
+def run_operation(op: Operation, message: Any, context: Any) -> Any:
+    """``op`` on ``message`` at the site whose node config and state ``context`` holds: the
+    site's policy first (:func:`fedcompress.privacy.site.admit`), then the handler; a release
+    that is not DP is recorded in the ledger, every reply with metrics carries what the ledger
+    says and this process's start-up split. A refusal names the value, the bound and the key;
+    any other error of a deployed site names the action and the error's class only
+    (:func:`fedcompress.privacy.site.public_error`; in simulation it propagates)."""
+    import importlib
+
+    started = startup.message_started()
+    with startup.timed(startup.IMPORT):
+        handler = getattr(importlib.import_module(op.module), op.function)
+        from fedcompress.privacy import site
+        from fedcompress.privacy.ledger import LedgerError
+        from fedcompress.privacy.policy import PolicyError
+    simulated = site.is_simulated(context.node_config)
+    try:
+        config = message.content["config"] if "config" in message.content else None
+        policy = site.admit(context.node_config, config, op.action, op.clear)
+        reply = handler(message, context)
+        if not reply.has_error() and "metrics" in reply.content:
+            metrics = reply.content["metrics"]
+            if "ledger_dp" not in metrics:  # a DP release records itself before it happens
+                for key, value in site.record_release(policy, context.run_id, op.method,
+                                                      op.action).items():
+                    metrics[key] = value
+            for key, value in startup.message_metrics(started).items():
+                metrics[key] = value
+    except PolicyError as err:
+        logger.warning("%s refused by this site's policy: %s", op.action, err)
+        return _error(message, f"refused by the site's policy: {err}")
+    except LedgerError as err:
+        logger.error("%s refused: %s", op.action, err)
+        return _error(message, "refused by the site's policy: " + (
+            str(err) if simulated else "its privacy ledger refuses every release (damaged, "
+            "truncated or rolled back); the site's log names the file"))
+    except Exception as err:
+        if simulated:  # the server runs the sites: its error, as the runtime reports it
+            raise
+        # a deployed site says what failed, not why: an exception's text may quote the site's
+        # data (a record's field, a path); the site's own log has it
+        logger.exception("%s failed at this site", op.action)
+        return _error(message, site.public_error(op.action, err))
+    return reply
+
+
+# -- the agent's config ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AgentConfig:
+    """The agent's socket and the site's node config, from the site's own file."""
+
+    path: str
+    socket: str
+    node_config: dict[str, Any]
+
+
+def load_config(path: str | os.PathLike[str]) -> AgentConfig:
+    """The agent's config file (TOML): ``socket`` and the site's node-config keys (policy keys,
+    ``partition-id``, ``num-partitions``, ``data-path``, ``state-dir``, ...). Refused: a file
+    (or folder) another user could change, an unknown key (with the nearest known one), a key
+    that names another agent or worker, a missing ``socket``; the node config's policy is read
+    once here, so a bad value fails at start, not at the first message."""
+    from fedcompress.privacy.policy import (
+        POLICY_KEYS,
+        PolicyError,
+        check_private_files,
+        site_policy,
+    )
+
+    path = os.path.abspath(path)
+    try:
+        check_private_files(_file_only_policy(), path)
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except PolicyError as err:
+        raise SiteAgentError(f"site-agent --config {path}: {err}") from err
+    except OSError as err:
+        raise SiteAgentError(f"site-agent --config {path}: cannot read it "
+                             f"({err.strerror or err})") from err
+    except tomllib.TOMLDecodeError as err:
+        raise SiteAgentError(f"site-agent --config {path} is not valid TOML: {err}") from err
+    known = (*AGENT_KEYS, *POLICY_KEYS, "policy", "site-mode", "partition-id",
+             "num-partitions", "data-path")
+    for key in data:
+        if key in (NODE_CONFIG_KEY, frames.NODE_CONFIG_KEY):
+            raise SiteAgentError(f"site-agent --config {path}: key {key!r} belongs in the "
+                                 "SuperNode's node config, not in the agent's")
+        if key not in known:
+            import difflib
+
+            close = difflib.get_close_matches(key, known, n=1)
+            raise SiteAgentError(f"site-agent --config {path}: unknown key {key!r}"
+                                 + (f" (did you mean {close[0]!r}?)" if close else "")
+                                 + f"; expected one of {', '.join(known)}")
+    if not isinstance(data.get("socket"), str) or not data["socket"]:
+        raise SiteAgentError(f"site-agent --config {path}: 'socket' (the path of the agent's "
+                             "Unix socket, which the SuperNode's node config names as "
+                             f"{NODE_CONFIG_KEY}) is missing")
+    node_config = {k: v for k, v in data.items() if k not in AGENT_KEYS}
+    if node_config.get("site-mode") == "simulation":
+        raise SiteAgentError(f"site-agent --config {path}: site-mode='simulation' is for a "
+                             "harness that plays the sites, never for an agent")
+    node_config.setdefault("site-mode", "deployment")
+    try:
+        site_policy(node_config)
+    except PolicyError as err:
+        raise SiteAgentError(f"site-agent --config {path}: {err}") from err
+    return AgentConfig(path, os.path.abspath(data["socket"]), node_config)
+
+
+def _file_only_policy() -> Any:
+    from fedcompress.privacy.policy import SitePolicy
+
+    return SitePolicy(state_dir="", ephemeral_state=True)
+
+
+# -- the agent -------------------------------------------------------------------------------------
+class SiteAgent:
+    """A site's operations over its own node config, with one Flower Context per run kept in
+    memory (its state holds a SecAgg+ vote's keys between messages)."""
+
+    def __init__(self, node_config: dict[str, Any]) -> None:
+        self.node_config = dict(node_config)
+        self.operations = operations()
+        self.contexts: OrderedDict[int, Any] = OrderedDict()
+        self.served = 0
+
+    def context_for(self, message: Any) -> Any:
+        """The agent's Context of the message's run (the last :data:`CONTEXTS_KEPT` runs)."""
+        from flwr.app import Context, RecordDict
+
+        run = int(message.metadata.run_id)
+        if run not in self.contexts:
+            if len(self.contexts) >= CONTEXTS_KEPT:
+                self.contexts.popitem(last=False)
+            self.contexts[run] = Context(run_id=run, node_id=int(message.metadata.dst_node_id),
+                                         node_config=dict(self.node_config),
+                                         state=RecordDict(), run_config={})
+        self.contexts.move_to_end(run)
+        return self.contexts[run]
+
+    def handle(self, message: Any) -> Any:
+        """The reply to ``message``: an operation of this agent's registry, or a refusal."""
+        action = message.metadata.message_type
+        op = self.operations.get(action)
+        if op is None:
+            logger.warning("refused an unknown operation %r", action)
+            return _error(message, f"refused by the site's policy: operation {action!r} is not "
+                          f"one of this site's operations (fedcompress site operations "
+                          f"v{OPERATIONS_VERSION}: {', '.join(sorted(self.operations))})")
+        self.served += 1
+        return run_operation(op, message, self.context_for(message))
+
+
+# -- the relay (the FAB's ClientApp process) -------------------------------------------------------
+def relay(path: str, message: Any) -> Any:
+    """The agent's reply to ``message``; nothing else crosses (no Context, no node config)."""
+    started = startup.message_started()
+    clock = time.perf_counter()
+    hello = {"protocol": PROTOCOL, "operations": OPERATIONS_VERSION,
+             "task": frames._task_identity()}
+    with frames._connect(path) as sock:
+        try:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                frames.write_json(sock, hello)
+            answer = frames.read_json(sock, time.monotonic() + frames.IO_TIMEOUT)
+            if not answer.get("ok"):
+                raise SiteAgentError(f"the site agent at {path} refused the message: "
+                                     f"{answer.get('error')}")
+            frames.write_frame(sock, frames.message_to_bytes(message))
+            sock.settimeout(None)  # an operation may run long (and wait for the lock)
+            status = frames.read_json(sock)
+            reply_bytes = frames.read_frame(sock)
+        except frames.ProtocolError as err:
+            raise SiteAgentError(f"the site agent at {path}: {err}") from err
+        except TimeoutError as err:
+            raise SiteAgentError(f"the site agent at {path} did not answer within "
+                                 f"{frames.IO_TIMEOUT:g} s: {err}") from err
+        except OSError as err:
+            raise SiteAgentError(f"the site agent at {path} closed the connection "
+                                 f"mid-message (did it stop? see its log): {err}") from err
+    if not status.get("ok") or not reply_bytes:
+        raise SiteAgentError(f"the site agent at {path}: {status.get('error')}")
+    reply = frames.message_from_bytes(reply_bytes)
+    frames.add_relay_startup(reply, started, clock, status)
+    return reply
+
+
+# -- serving ---------------------------------------------------------------------------------------
+class _Server:
+    def __init__(self, agent: SiteAgent) -> None:
+        self.agent = agent
+        self.lock = threading.Lock()
+
+    def check(self, hello: dict) -> str | None:
+        if hello.get("protocol") != PROTOCOL:
+            return (f"site-agent protocol {hello.get('protocol')!r} of the relay, {PROTOCOL} of "
+                    "the agent")
+        if hello.get("operations") != OPERATIONS_VERSION:
+            return (f"the FAB expects site operations v{hello.get('operations')!r}, this agent "
+                    f"serves v{OPERATIONS_VERSION}: install the fedcompress version the run's "
+                    "FAB was built from, or run a FAB of this one")
+        return None
+
+    def handle(self, conn: socket.socket, timeout: float) -> None:
+        from flwr.supercore.task_identity import TaskIdentity
+
+        deadline = time.monotonic() + timeout
+        try:
+            hello = frames.read_json(conn, deadline)
+            refusal = self.check(hello)
+            if refusal:
+                logger.warning("refused a relay: %s", refusal)
+                frames.write_json(conn, {"ok": False, "error": refusal})
+                return
+            frames.write_json(conn, {"ok": True, "operations": OPERATIONS_VERSION,
+                                     "pid": os.getpid()})
+            message_bytes = frames.read_frame(conn, frames.MAX_FRAME_BYTES, deadline)
+            with self.lock:  # one message at a time
+                start = time.perf_counter()
+                status: dict[str, Any] = {"ok": True}
+                reply_bytes = b""
+                try:
+                    message = frames.message_from_bytes(message_bytes)
+                    for name, value in (hello.get("task") or {}).items():
+                        if name in ("run_id", "node_id", "task_id") and (
+                                value is None or isinstance(value, int)):
+                            setattr(TaskIdentity, name, value)
+                    reply_bytes = frames.message_to_bytes(self.agent.handle(message))
+                except Exception as err:  # an error of the agent itself, not an operation's
+                    logger.exception("a message could not be served")
+                    status = {"ok": False, "error": f"the site agent could not serve the "
+                              f"message ({type(err).__name__}); its log has the details"}
+                status["handler_seconds"] = time.perf_counter() - start
+            conn.settimeout(timeout)
+            frames.write_json(conn, status)
+            frames.write_frame(conn, reply_bytes)
+        except frames.ProtocolError as err:
+            logger.warning("refused a connection: %s", err)
+            frames._try_refuse(conn, str(err))
+        except TimeoutError as err:
+            logger.warning("dropped a connection that did not deliver its request within "
+                           "%g s: %s", timeout, err)
+        except OSError as err:
+            logger.warning("a relay went away mid-message: %s", err)
+
+
+def serve(config: AgentConfig, stop: threading.Event | None = None, *,
+          max_connections: int = frames.MAX_CONNECTIONS, timeout: float = frames.IO_TIMEOUT,
+          warm: bool = True) -> int:
+    """Serve the site's operations on ``config.socket`` until SIGTERM/SIGINT (or ``stop``);
+    the socket (mode 0600, in a folder of mode 0700, both of this uid) is removed at exit
+    (the site worker's loop, :func:`clients.site_worker.serve_socket`)."""
+    server = _Server(SiteAgent(config.node_config))
+    logger.info("site agent %d: %d operations (v%d), node config from %s", os.getpid(),
+                len(server.agent.operations), OPERATIONS_VERSION, config.path)
+    return frames.serve_socket(config.socket, "site agent", server.handle,
+                               lambda: server.agent.served, stop,
+                               max_connections=max_connections, timeout=timeout, warm=warm)

@@ -1,0 +1,141 @@
+"""The site agent (clients/site_agent.py): a real ``fedcompress site-agent`` process holding the
+site's node config, data, ledger and Flower Context; the relay (the FAB's ClientApp) sends only
+the Message. Its answers equal the in-process operation's; unknown operations, other protocol or
+operation versions and bad config files are refused with their names."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from clients import site_agent as sa
+from clients import site_worker as frames
+
+
+def _fp(tiny_dir, **extra) -> dict:
+    return {"model": tiny_dir, "clients": 2, "samples_per_client": 2, "seqlen": 16,
+            "batch_size": 2, **extra}
+
+
+def _write_config(folder, **keys) -> tuple:
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    config = folder / "agent.toml"
+    lines = [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
+    config.write_text("\n".join(lines) + "\n")
+    config.chmod(0o600)
+    return config
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory, tiny_dir):
+    """One agent for the module, deployed (its own state folder, the tiny model accepted,
+    masks in the clear allowed, one partition of two); at the end SIGTERM stops it cleanly."""
+    from conftest import Agent
+
+    root = tmp_path_factory.mktemp("agent")
+    (root / "run").mkdir(mode=0o700)
+    config = _write_config(root / "etc", socket=str(root / "run" / "agent.sock"),
+                           **{"partition-id": 0, "num-partitions": 2,
+                              "state-dir": str(root / "state"), "models": tiny_dir,
+                              "require-secagg": False, "runs-per-input": 100})
+    process = Agent(root / "run" / "agent.sock", root / "cache", root / "agent.log",
+                    config=config)
+    process.state = root / "state"
+    try:
+        yield process
+    finally:
+        code = process.stop()
+        assert code == 0, process.log()
+        assert not process.path.exists(), process.log()
+        assert "site agent stopped" in process.log()
+
+
+def _message(message_type: str, content: dict, run: int = 1) -> Message:
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run, 0, 1
+    return Message(RecordDict({k: ConfigRecord(v) for k, v in content.items()}),
+                   dst_node_id=100, message_type=message_type)
+
+
+def test_the_relay_gets_the_agents_answer_and_nothing_else(agent, tiny_dir, tmp_path):
+    """train.masks through the agent equals the same operation in process with the agent's node
+    config; the relay's own context (what the server's code holds) gains nothing."""
+    relay_context = Context(run_id=1, node_id=100,
+                            node_config={sa.NODE_CONFIG_KEY: str(agent.path)},
+                            state=RecordDict(), run_config={})
+    from clients.app import app
+
+    message = _message("train.masks", {"config": _fp(tiny_dir)})
+    reply = app(message, relay_context)
+    assert not reply.has_error(), reply.error.reason
+    assert reply.content["metrics"]["ledger_dp"] == 0
+    assert relay_context.node_config == {sa.NODE_CONFIG_KEY: str(agent.path)}
+    assert len(relay_context.state) == 0
+    local = sa.SiteAgent({"partition-id": 0, "num-partitions": 2, "site-mode": "deployment",
+                          "state-dir": str(tmp_path / "state"), "models": tiny_dir,
+                          "require-secagg": False})
+    expected = local.handle(_message("train.masks", {"config": _fp(tiny_dir)}))
+    for key, array in expected.content["masks"].items():
+        assert np.array_equal(reply.content["masks"][key].numpy(), array.numpy()), key
+    journal = (agent.state / "ledger.jsonl").read_text()
+    assert '"action":"train.masks"' in journal  # the agent's ledger recorded the release
+
+
+def test_an_operation_the_agent_does_not_know_is_refused(agent):
+    reply = sa.relay(str(agent.path), _message("query.read_file", {"config": {"path": "/"}}))
+    assert reply.has_error()
+    assert "operation 'query.read_file' is not one of this site's operations" in (
+        reply.error.reason)
+
+
+def test_another_protocol_or_operations_version_is_refused(agent):
+    for hello, words in (({"protocol": 1}, "protocol 1 of the relay"),
+                         ({"protocol": sa.PROTOCOL, "operations": 99},
+                          "expects site operations v99")):
+        with frames._connect(str(agent.path)) as sock:
+            frames.write_json(sock, hello)
+            answer = frames.read_json(sock)
+        assert not answer["ok"] and words in answer["error"], answer
+
+
+def test_the_secagg_state_stays_in_the_agent(agent, tiny_dir, tmp_path):
+    """A SecAgg+ vote's keys live in the Context between its messages: the agent's, never the
+    relay's (the site worker sent the Context, secrets included, back to the FAB's process)."""
+    from clients.app import app
+
+    relay_context = Context(run_id=3, node_id=100,
+                            node_config={sa.NODE_CONFIG_KEY: str(agent.path)},
+                            state=RecordDict(), run_config={})
+    message = _message("query.secagg_keys", {
+        "config": _fp(tiny_dir, secagg=True),
+        "secagg": {"sites": 2, "threshold": 2, "numel": 64, "bits": 2, "index": 0,
+                   "group": "1", "layer": -1}}, run=3)
+    reply = app(message, relay_context)
+    # simulated? no: a deployed agent without keys refuses an unauthenticated vote
+    assert reply.has_error() and "secagg-key" in reply.error.reason, reply.error.reason
+    assert len(relay_context.state) == 0
+
+
+def test_a_bad_config_file_is_refused(tmp_path):
+    good = {"socket": str(tmp_path / "run" / "a.sock"), "partition-id": 0,
+            "state-dir": str(tmp_path / "state")}
+    assert sa.load_config(_write_config(tmp_path / "a", **good)).node_config["site-mode"] == (
+        "deployment")
+    for keys, words in (
+            ({**good, "data_path": "/data"}, "unknown key 'data_path' (did you mean "
+                                             "'data-path'?)"),
+            ({k: v for k, v in good.items() if k != "socket"}, "'socket'"),
+            ({**good, "site-worker": "/x"}, "belongs in the SuperNode's node config"),
+            ({**good, "site-mode": "simulation"}, "never for an agent"),
+            ({**good, "max-epsilon": -1}, "max-epsilon=-1.0 is invalid")):
+        with pytest.raises(sa.SiteAgentError, match=re.escape(words)):
+            sa.load_config(_write_config(tmp_path / f"b{len(words)}", **keys))
+    loose = _write_config(tmp_path / "c", **good)
+    os.chmod(loose, 0o620)
+    with pytest.raises(sa.SiteAgentError, match="writable by group or others"):
+        sa.load_config(loose)
