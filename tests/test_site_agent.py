@@ -103,9 +103,11 @@ def test_another_protocol_or_operations_version_is_refused(agent):
         assert not answer["ok"] and words in answer["error"], answer
 
 
-def test_the_secagg_state_stays_in_the_agent(agent, tiny_dir, tmp_path):
-    """A SecAgg+ vote's keys live in the Context between its messages: the agent's, never the
-    relay's (the site worker sent the Context, secrets included, back to the FAB's process)."""
+def test_an_agent_without_keys_refuses_the_secure_vote_and_the_relay_keeps_nothing(agent,
+                                                                                   tiny_dir):
+    """Through the real agent process: a deployed agent without SecAgg+ keys refuses the
+    vote's first stage, and the relay's Context (the server's code) stays empty (the site
+    worker sent its Context, secrets included, back to the FAB's process)."""
     from clients.app import app
 
     relay_context = Context(run_id=3, node_id=100,
@@ -116,7 +118,6 @@ def test_the_secagg_state_stays_in_the_agent(agent, tiny_dir, tmp_path):
         "secagg": {"sites": 2, "threshold": 2, "numel": 64, "bits": 2, "index": 0,
                    "group": "1", "layer": -1}}, run=3)
     reply = app(message, relay_context)
-    # simulated? no: a deployed agent without keys refuses an unauthenticated vote
     assert reply.has_error() and "secagg-key" in reply.error.reason, reply.error.reason
     assert len(relay_context.state) == 0
 
@@ -139,3 +140,50 @@ def test_a_bad_config_file_is_refused(tmp_path):
     os.chmod(loose, 0o620)
     with pytest.raises(sa.SiteAgentError, match="writable by group or others"):
         sa.load_config(loose)
+
+
+def test_an_authenticated_secure_vote_through_agents_keeps_its_secrets_in_them(tiny_dir,
+                                                                               tmp_path):
+    """The five SecAgg+ stages through each site's agent (in process: the same SiteAgent the
+    agent process runs): the vote's keys and shares live in the agents' Contexts between the
+    stages, the counts equal the plain vote's, and no message the server receives carries a
+    Context."""
+    import torch
+    from conftest import write_site_keys
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
+    from fedcompress.models import load_model
+    from strategies.fedprllm import FedPrLLM, make_strategy
+
+    keys, peers = write_site_keys(tmp_path, 4)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+
+    class Agents:
+        def __init__(self, **policy):
+            self.agents = {100 + i: sa.SiteAgent({
+                "partition-id": i, "num-partitions": 4, "site-mode": "deployment",
+                "state-dir": str(tmp_path / f"state-{len(policy)}-{i}"), "models": tiny_dir,
+                "secagg-key": str(keys[i]), "secagg-peers": str(peers), **policy})
+                for i in range(4)}
+
+        def get_node_ids(self):
+            return list(self.agents)
+
+        def send_and_receive(self, messages, timeout=None):
+            return [self.agents[m.metadata.dst_node_id].handle(m) for m in messages]
+
+    config = FedPrLLMConfig(model=tiny_dir, clients=4, samples_per_client=2, seqlen=16,
+                            batch_size=2, secagg=True)
+    model = load_model(tiny_dir, device="cpu").model
+    secure, grid = make_strategy(config, model), Agents()
+    secure.start(grid, ArrayRecord())
+    assert secure.secagg["sum"]["authenticated"] and secure.secagg["sum"]["consistency_round"]
+    states = [agent.contexts[1].state for agent in grid.agents.values()]
+    assert all("fedprllm_secagg" in state for state in states)  # kept by each agent
+    plain, reference = FedPrLLM(config.replace(secagg=False), model), Agents(
+        **{"require-secagg": False})
+    plain.aggregate_train(1, reference.send_and_receive(plain.configure_train(
+        1, ArrayRecord(), ConfigRecord(), reference)))
+    for key, counts in plain.aggregator.counts().items():
+        assert torch.equal(secure.aggregator.counts()[key], counts)
