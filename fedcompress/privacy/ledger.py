@@ -707,7 +707,6 @@ class Ledger:
                 runs.append(run)
             layers[run] = [*done, layer]
             txn.inputs[key] = {"runs": runs, "layers": layers}
-            entry["releases"] = int(entry["releases"]) + 1
             txn.releases.append({"time": _now(), "run": run, "method": method,
                                  "action": action, "kind": "input", "input": key[:16],
                                  "layer": layer, "epsilon": NOT_DP})
@@ -716,10 +715,18 @@ class Ledger:
         return Grant(run_epsilon, lifetime, self.lifetime_budget)
 
     def not_dp(self, run: str, method: str, action: str,
-               detail: dict[str, Any] | None = None) -> Grant:
-        """Record a release that is not differentially private (masks, statistics, scores)."""
+               detail: dict[str, Any] | None = None, limit: int | None = None) -> Grant:
+        """Record a release that is not differentially private (masks, statistics, scores);
+        refused beyond ``limit`` such releases in the run (the policy's
+        ``non-dp-releases-per-run``)."""
         with self._transaction() as txn:
             entry = txn.run(run, method)
+            count = int(entry.get("not_dp", 0)) + 1
+            if limit is not None and count > limit:
+                raise PolicyError(f"run {run} has made {count - 1} releases that are not DP, "
+                                  f"this site's bound (node config non-dp-releases-per-run="
+                                  f"{limit}): {action} is refused")
+            entry["not_dp"] = count
             entry["releases"] = int(entry["releases"]) + 1
             txn.releases.append({"time": _now(), "run": run, "method": method,
                                      "action": action, "kind": "not-dp", "epsilon": NOT_DP,

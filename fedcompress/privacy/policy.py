@@ -40,6 +40,8 @@ key                                 default   meaning
                                               become (a request for another is refused; a
                                               small group releases most words verbatim)
 ``custext-keep-stopwords``          false     whether stop words are released in the clear
+``non-dp-releases-per-run``         256       releases that are not DP (masks, statistics, scores,
+                                              accuracies, cosines) one run may have (ledger)
 ``runs-per-input``                  1         runs that may release masks or statistics (not DP)
                                               computed on the same input (the site's windows and
                                               model): the sums of several runs over one input can
@@ -173,6 +175,7 @@ class SitePolicy:
     secagg_max_colluders: int = 1
     require_secagg: bool = True
     runs_per_input: int = 1
+    non_dp_releases_per_run: int = 256
     custext_top_k: int = 20
     custext_keep_stopwords: bool = False
     secagg_key: str = ""
@@ -218,10 +221,11 @@ class SitePolicy:
                 or self.custext_top_k < 2:
             raise PolicyError(f"node config custext-top-k={self.custext_top_k!r} is invalid: "
                               "expected an integer >= 2")
-        if isinstance(self.runs_per_input, bool) or not isinstance(self.runs_per_input, int) \
-                or self.runs_per_input < 1:
-            raise PolicyError(f"node config runs-per-input={self.runs_per_input!r} is invalid: "
-                              "expected an integer >= 1")
+        for key, value in (("runs-per-input", self.runs_per_input),
+                           ("non-dp-releases-per-run", self.non_dp_releases_per_run)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PolicyError(f"node config {key}={value!r} is invalid: expected an "
+                                  "integer >= 1")
 
     # -- checks a handler calls -------------------------------------------------------------
 
@@ -406,6 +410,7 @@ POLICY_KEYS: dict[str, str] = {
     "secagg-min-fraction": "secagg_min_fraction",
     "secagg-max-colluders": "secagg_max_colluders", "require-secagg": "require_secagg",
     "runs-per-input": "runs_per_input", "custext-top-k": "custext_top_k",
+    "non-dp-releases-per-run": "non_dp_releases_per_run",
     "custext-keep-stopwords": "custext_keep_stopwords",
     "secagg-key": "secagg_key",
     "secagg-peers": "secagg_peers", "models": "models", "corpora": "corpora",

@@ -146,5 +146,7 @@ def record_release(policy: SitePolicy, run_id: int | str, method: str, action: s
                    ) -> dict[str, float]:
     """Record a release that is not DP (masks, statistics, scores, a model's accuracy) and
     return the reply's ledger metrics."""
-    grant = ledger(policy, run_id).not_dp(str(run_id), method, action)
+    grant = ledger(policy, run_id).not_dp(
+        str(run_id), method, action,
+        limit=None if policy.simulation else policy.non_dp_releases_per_run)
     return ledger_metrics(policy, grant, dp=False)

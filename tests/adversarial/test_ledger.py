@@ -335,3 +335,15 @@ def test_the_lifetime_delta_is_bounded(tmp_path):
                                           r"lifetime-delta=2.5e-05"):
         ledger.dp_sgd("3", "privytune", "train.dplora", mechanism(), STEPS)
     assert ledger.dp_sgd("2", "privytune", "train.dplora", mechanism(), STEPS)  # same run
+
+
+def test_releases_that_are_not_dp_are_bounded_per_run(tmp_path):
+    """Scores, accuracies, cosines: a server asking again and again gets the site's bound."""
+    ledger = Ledger(tmp_path, 32.0)
+    for _ in range(3):
+        ledger.not_dp("1", "privytune", "query.cosines", limit=3)
+    with pytest.raises(PolicyError, match="made 3 releases that are not DP.*"
+                                          "non-dp-releases-per-run=3"):
+        ledger.not_dp("1", "privytune", "query.cosines", limit=3)
+    ledger.not_dp("2", "privytune", "query.cosines", limit=3)  # another run
+    assert Ledger(tmp_path, 32.0).read()["runs"]["1"]["not_dp"] == 3
