@@ -740,9 +740,11 @@ def ledger_command(
                       f"{row['target']:g}" if row["target"] is not None else "-")
     console = Console()
     console.print(table)
+    checked = (f"journal intact: {data['seq']} releases, hash chain and head checked"
+               if (state_dir / LEDGER_FILE).is_file() else
+               f"an older {LEGACY_FILE}, imported into a journal at the site's next release")
     console.print(f"lifetime epsilon spent {ledger.lifetime_spent(data):.4g} of "
-                  f"{budget:g} (basic composition: the sum over runs); journal intact: "
-                  f"{data['seq']} releases, hash chain and head checked")
+                  f"{budget:g} (basic composition: the sum over runs); {checked}")
 
 
 def main() -> None:

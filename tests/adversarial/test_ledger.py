@@ -282,6 +282,13 @@ def test_an_older_whole_file_ledger_is_imported_once(tmp_path):
               "releases": [{"run": "1", "kind": "exponential-mechanism", "epsilon": 3.0}] * 2}
     (tmp_path / "ledger.json").write_text(json.dumps(legacy))
     assert Ledger(tmp_path, 32.0).read()["runs"]["1"]["epsilon"] == 6.0  # reading imports nothing
+    from typer.testing import CliRunner
+
+    from fedcompress.cli import app
+
+    shown = CliRunner().invoke(app, ["ledger", "--state-dir", str(tmp_path)],
+                               env={"COLUMNS": "200"})
+    assert shown.exit_code == 0 and "an older ledger.json, imported" in shown.output
     grant = Ledger(tmp_path, 32.0).text("1", "ppcgpt", "query.perturb", 2.0, 8.0)
     assert grant.run_epsilon == 8.0 and grant.lifetime_epsilon == 8.0
     assert not (tmp_path / "ledger.json").exists() and (tmp_path / "ledger.v1.json").exists()
