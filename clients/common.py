@@ -45,7 +45,9 @@ def site_partition(context: Any, clients: int) -> int:
 
 def with_data_path(context: Any, load: Callable[[str | None], T]) -> T:
     """``load(data_path)`` with this node's ``data-path`` (None: the run's corpora); a path
-    that cannot be used is an error naming it."""
+    that cannot be used is a :class:`~fedcompress.privacy.site.SiteError` naming the key and
+    whether the path exists (the path itself and the loader's message, which may quote a
+    record, go to the site's log only)."""
     from fedcompress.privacy.site import SiteError
 
     data_path = context.node_config.get("data-path")
