@@ -57,17 +57,19 @@ images:
 deploy-deps:
 	docker/install_deploy_deps.sh
 
-# docker/compose.yml's deployment in real containers (tests/test_containers.py, not part of
-# `make test`), with one command on a fresh Debian machine as root: installs what it needs
-# (deploy-deps), starts a Docker engine when none answers (and stops it at the end:
-# docker/with_engine.sh), builds the image of this checkout, then starts the SuperLink, three
-# SuperNodes (own uid, data, volumes, keys) and two site workers as a Compose project of their
-# own with TLS and SuperNode authentication; FedPrLLM one-shot and with SecAgg+ and personalized
-# pruning with `flwr run`, each equal to the in-process run; the isolation checked from inside
-# every container; then everything removed. Needs root (the sites' files are given to their uids).
+# docker/compose.yml's deployment in real containers (tests/test_containers.py and
+# tests/test_hostile_app.py, not part of `make test`), with one command on a fresh Debian machine
+# as root: installs what it needs (deploy-deps), starts a Docker engine when none answers (and
+# stops it at the end: docker/with_engine.sh), builds the image of this checkout, then starts the
+# SuperLink and three sites (each its agent with the site's data, keys and ledger, its SuperNode
+# and its ClientApp container) as a Compose project of their own with TLS and SuperNode
+# authentication; FedPrLLM one-shot and with SecAgg+ and personalized pruning with `flwr run`,
+# each equal to the in-process run; the isolation checked from inside every container; then, on a
+# second project with the default site policy, an attacker's app (tests/hostile-app) submitted
+# with `flwr run`; then everything removed. Needs root (the sites' files are given to their uids).
 deploy-test: install deploy-deps
 	docker/with_engine.sh sh -c 'docker/build_images.sh && FEDCOMPRESS_CONTAINER_TEST=1 \
-	  $(PY) -m pytest -q -p no:cacheprovider tests/test_containers.py'
+	  $(PY) -m pytest -q -p no:cacheprovider tests/test_containers.py tests/test_hostile_app.py'
 
 # Debian's chromium, for the report page's browser test (tests/test_report_html.py): installed
 # with apt-get only when missing. FEDCOMPRESS_NO_BROWSER=1 skips both the install and that test.

@@ -5,10 +5,13 @@ Each method of the registry (:mod:`fedcompress.methods`) names its actions (``tr
 the registry is read at a process's first message (:func:`local_app`: it imports every method's
 settings module, and torch), and a handler's module when a message of its method first arrives.
 
-A SuperNode whose ``--node-config`` names a warm site worker (``site-worker="/path/to.sock"``,
-:mod:`clients.site_worker`) keeps this process thin: :data:`app` sends each message to that
-worker, which runs it through :func:`local_app` as this process would have, and imports
-neither torch nor transformers here. Without the key, :data:`app` runs :func:`local_app` itself.
+A deployed site's SuperNode names its site agent (``site-agent="/path/to.sock"``,
+:mod:`clients.site_agent`): :data:`app` relays each message to the agent, which alone holds the
+site's data, keys, policy and ledger and runs the operation from the site's own installed code;
+this process (the server's code) imports neither torch nor transformers. A warm site worker
+(``site-worker``, :mod:`clients.site_worker`) is the older, same-uid variant. Without either
+key, :data:`app` runs :func:`local_app` itself, which only a simulated site or one in
+``site-mode="development"`` may do: a deployed site without an agent refuses every message.
 
 Every reply with a ``metrics`` record also carries this process's start-up split
 (:mod:`clients.startup`): the seconds of imports and of loading not reported yet, and the
@@ -42,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 def _operation(op: site_agent.Operation):
     def handle(message: Message, context: Context) -> Message:
+        if _simulated(context):  # the same operation, wrapped in the simulation's faults
+            from clients import simulated  # and attacks (never at a deployed site)
+
+            return simulated.run(op, message, context)
         return site_agent.run_operation(op, message, context)
 
     handle.__name__ = op.function
@@ -73,8 +80,15 @@ def local_app() -> ClientApp:
 
 
 class SiteClientApp(ClientApp):
-    """The FAB's ClientApp: each message goes to this site's warm worker when its SuperNode
-    names one (``site-worker`` node config), else to :func:`local_app` in this process."""
+    """The FAB's ClientApp: each message goes to this site's agent (``site-agent`` node config)
+    or warm worker (``site-worker``) when its SuperNode names one; else, in simulation or at a
+    site in ``site-mode="development"``, to :func:`local_app` in this process. A deployed site
+    without an agent is refused: its SuperNode would run the operations, and so hold the site's
+    data, keys and ledger, in the process that runs the server's code.
+
+    That refusal is the honest FAB's, a guard against a site set up wrongly; a server's own FAB
+    would skip it, which is why the deployment gives the SuperNode's ClientApp nothing to take
+    (``docker/compose.yml``: its container mounts only the agent's socket)."""
 
     def __call__(self, message: Message, context: Context) -> Message:
         agent = context.node_config.get(site_agent.NODE_CONFIG_KEY)
@@ -83,7 +97,23 @@ class SiteClientApp(ClientApp):
         path = context.node_config.get(site_worker.NODE_CONFIG_KEY)
         if path:
             return site_worker.forward(str(path), message, context)
+        mode = str(context.node_config.get("site-mode", "") or "")
+        if mode != "development" and not _simulated(context):
+            logger.error("refused %s: no site agent (node config %s)",
+                         message.metadata.message_type, site_agent.NODE_CONFIG_KEY)
+            return site_agent._error(message, (
+                f"refused by the site: this SuperNode's node config names no site agent "
+                f"({site_agent.NODE_CONFIG_KEY}=\"PATH\" of `fedcompress site-agent`'s "
+                "socket), and a deployed site runs the server's code only beside its agent; "
+                "site-mode=\"development\" runs the operations in the SuperNode's ClientApp "
+                "process instead (a test bench, never a site with private data)"))
         return local_app()(message, context)
+
+
+def _simulated(context: Context) -> bool:
+    from fedcompress.privacy import site
+
+    return site.is_simulated(context.node_config)
 
 
 app = SiteClientApp()

@@ -19,11 +19,12 @@ cache folder (``$FEDCOMPRESS_CACHE/tokens``), so a message only cuts its windows
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
-import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -32,7 +33,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from clients import startup
 from clients.common import cached_model, site_partition, with_data_path
 from fedcompress.masks.stats import flatten_masks
-from fedcompress.methods.fedprllm.attacks import attack_masks, is_attacker
 from fedcompress.methods.fedprllm.federated import (
     FedPrLLMConfig,
     advance_to_layer,
@@ -131,33 +131,7 @@ def _reference(message: Message) -> dict | None:
     return {key: arr.numpy() for key, arr in message.content["reference"].items()}
 
 
-def _inject_fault(config: FedPrLLMConfig, partition: int, payload: dict, layer: int = 0
-                  ) -> dict:
-    """A simulated fault at the last ``faulty`` partitions (``fault``), from the round of
-    decoder layer ``fault_layer`` on: an error, a truncated payload (what a broken transfer
-    delivers), a late reply, or the death of this ClientApp's process (``kill``: no reply at
-    all, as a crashed or OOM-killed process; under the Simulation Engine, its Ray actor)."""
-    if (not config.faulty or partition < config.clients - config.faulty
-            or layer < config.fault_layer):
-        return payload
-    logger.warning("partition %d (layer %d): injected fault %s", partition, layer, config.fault)
-    if config.fault == "kill":
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(1)  # no clean-up, no reply: what the OOM killer leaves
-    if config.fault == "error":
-        raise RuntimeError(f"injected fault: partition {partition} fails")
-    if config.fault == "slow":
-        time.sleep(config.fault_seconds)
-        return payload
-    first = sorted(payload)[0]
-    return {**payload, first: payload[first][:-1]}
-
-
 def _reply(message: Message, payload: dict, metrics: dict) -> Message:
-    config = FedPrLLMConfig.from_dict(dict(message.content["config"]))
-    payload = _inject_fault(config, int(metrics["partition"]), payload,
-                            int(metrics.get("layer", 0)))
     arrays = ArrayRecord({key: Array(value) for key, value in payload.items()})
     metrics["bytes_up"] = sum(int(v.nbytes) for v in payload.values())
     metrics["pid"] = os.getpid()  # the process that served it: a Ray worker, a SuperNode's app
@@ -186,14 +160,20 @@ def outliers(message: Message, context: Context) -> Message:
         reply_to=message)
 
 
+#: A simulated site's attack model (:mod:`clients.simulated` sets it around one operation):
+#: ``attack(message, context, config, partition, model, windows)`` -> masks, or None for the
+#: honest pass. Unset at a deployed site, whose agent never imports the simulation's code.
+SIMULATED_MASKS: contextvars.ContextVar[Callable[..., list | None] | None] = \
+    contextvars.ContextVar("fedprllm_simulated_masks", default=None)
+
+
 def _site_masks(message: Message, context: Context, config, partition: int, model, windows):
-    """This node's one-shot masks: its local pass, or a simulated attacker's masks."""
-    if is_attacker(partition, config.attackers):  # a simulated Byzantine site
-        first = (_setup(message, context, partition_of=0)[3] if config.attack == "collude"
-                 else None)
-        logger.warning("partition %d attacks (%s)", partition, config.attack)
-        return attack_masks(config.attack, model, windows, config.prune, config.seed,
-                            partition, config.batch_size, first)
+    """This node's one-shot masks: its local pass (at a simulated attacker, the attack's:
+    :data:`SIMULATED_MASKS`)."""
+    attack = SIMULATED_MASKS.get()
+    masks = attack(message, context, config, partition, model, windows) if attack else None
+    if masks is not None:
+        return masks
     return local_masks(model, windows, config.prune, batch_size=config.batch_size).masks
 
 
@@ -402,11 +382,8 @@ def secagg_masks(message: Message, context: Context) -> Message:
         masked = site.masked(votes, inbox)
     finally:
         _keep_secagg(context, site)
-    words = _inject_fault(config, partition, {"words": masked},
-                          int(message.content["round"]["layer"])
-                          if "round" in message.content else 0)["words"]
     return Message(RecordDict({
-        "masked": ArrayRecord({"words": Array(words)}),
+        "masked": ArrayRecord({"words": Array(masked)}),
         "metrics": MetricRecord({"seconds": time.perf_counter() - start,
                                  "windows": len(windows), "partition": partition,
                                  "bytes_up": int(masked.nbytes), **dp_metrics})}),
@@ -503,7 +480,6 @@ def layer_stats(message: Message, context: Context) -> Message:
     stats = (step.clipped.stats if step is not None else
              site_layer_stats(model, inputs, config.prune.needs_hessian, config.batch_size))
     arrays, shared = encode_stats(stats, layer)
-    arrays = _inject_fault(config, partition, arrays, layer)
     metrics = {"seconds": time.perf_counter() - start, "layer": layer, "partition": partition,
                "windows": len(windows), "bytes_up": sum(int(v.nbytes) for v in arrays.values()),
                **(step.metrics if step is not None else {})}

@@ -28,10 +28,13 @@ site worker's frames, :mod:`clients.site_worker`):
 
 What is protected: the server's code never holds the site's data, keys, ledger or the
 Context's secrets, provided the process that runs it cannot read the agent's files (in the
-shipped deployment the SuperNode's container mounts none of them, see ``docker/compose.yml``).
-It can still send the agent any Message: the agent's policy decides what is answered. Not
-protected: root, or any process that can read the agent's files or memory; the peer checks of
-the socket (same uid, ``SO_PEERCRED``) are the site worker's.
+shipped deployment, ``docker/compose.yml``, the ClientApp runs in a container of its own, as a
+uid of its own, ``relay-uid``, that mounts none of them: only the agent's socket folder). It
+can still send the agent any Message: the agent's policy decides what is answered. Who may
+connect: a process of the agent's uid or of its ``relay-uid`` (``SO_PEERCRED``, the site
+worker's socket checks); the socket folder is then 0711 and the socket 0666, so that anything
+which can reach the folder can try, and is refused by uid. Not protected: root, or any
+process that can read the agent's files or memory.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ PROTOCOL = 2
 #: from a FAB that expects another version is refused with both versions named.
 OPERATIONS_VERSION = 1
 #: The agent's own keys in its config file; every other key is the site's node config.
-AGENT_KEYS = ("socket",)
+AGENT_KEYS = ("socket", "relay-uid")
 #: Runs whose Context the agent keeps (a SecAgg+ vote's keys live there between messages).
 CONTEXTS_KEPT = 8
 
@@ -151,6 +154,10 @@ class AgentConfig:
     path: str
     socket: str
     node_config: dict[str, Any]
+    #: the uid of the relay (the SuperNode's ClientApp process) when it is not the agent's own:
+    #: the socket is then shared with it (:func:`clients.site_worker._listen`), and only the
+    #: agent's uid and this one are served
+    relay_uid: int | None = None
 
 
 def load_config(path: str | os.PathLike[str]) -> AgentConfig:
@@ -195,16 +202,23 @@ def load_config(path: str | os.PathLike[str]) -> AgentConfig:
         raise SiteAgentError(f"site-agent --config {path}: 'socket' (the path of the agent's "
                              "Unix socket, which the SuperNode's node config names as "
                              f"{NODE_CONFIG_KEY}) is missing")
+    relay_uid = data.get("relay-uid")
+    if relay_uid is not None and (isinstance(relay_uid, bool) or not isinstance(relay_uid, int)
+                                  or not 0 < relay_uid < 2**31 or relay_uid == os.geteuid()):
+        raise SiteAgentError(f"site-agent --config {path}: relay-uid={relay_uid!r} is invalid: "
+                             "expected the uid of the SuperNode's ClientApp process, an integer "
+                             f"> 0 other than root's and the agent's own ({os.geteuid()})")
     node_config = {k: v for k, v in data.items() if k not in AGENT_KEYS}
-    if node_config.get("site-mode") == "simulation":
-        raise SiteAgentError(f"site-agent --config {path}: site-mode='simulation' is for a "
-                             "harness that plays the sites, never for an agent")
+    if node_config.get("site-mode") in ("simulation", "development"):
+        raise SiteAgentError(f"site-agent --config {path}: site-mode="
+                             f"{node_config['site-mode']!r} is for a harness that plays the "
+                             "sites or a SuperNode without an agent, never for an agent")
     node_config.setdefault("site-mode", "deployment")
     try:
         site_policy(node_config)
     except PolicyError as err:
         raise SiteAgentError(f"site-agent --config {path}: {err}") from err
-    return AgentConfig(path, os.path.abspath(data["socket"]), node_config)
+    return AgentConfig(path, os.path.abspath(data["socket"]), node_config, relay_uid)
 
 
 def _file_only_policy() -> Any:
@@ -248,6 +262,7 @@ class SiteAgent:
                           f"one of this site's operations (fedcompress site operations "
                           f"v{OPERATIONS_VERSION}: {', '.join(sorted(self.operations))})")
         self.served += 1
+        logger.info("message %d: %s (run %d)", self.served, action, message.metadata.run_id)
         return run_operation(op, message, self.context_for(message))
 
 
@@ -258,7 +273,7 @@ def relay(path: str, message: Any) -> Any:
     clock = time.perf_counter()
     hello = {"protocol": PROTOCOL, "operations": OPERATIONS_VERSION,
              "task": frames._task_identity()}
-    with frames._connect(path) as sock:
+    with frames._connect(path, shared=True) as sock:
         try:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 frames.write_json(sock, hello)
@@ -348,11 +363,13 @@ def serve(config: AgentConfig, stop: threading.Event | None = None, *,
           max_connections: int = frames.MAX_CONNECTIONS, timeout: float = frames.IO_TIMEOUT,
           warm: bool = True) -> int:
     """Serve the site's operations on ``config.socket`` until SIGTERM/SIGINT (or ``stop``);
-    the socket (mode 0600, in a folder of mode 0700, both of this uid) is removed at exit
-    (the site worker's loop, :func:`clients.site_worker.serve_socket`)."""
+    the socket (mode 0600, in a folder of mode 0700, both of this uid; with ``relay-uid``,
+    0666 in a folder of 0711, and that uid served too) is removed at exit (the site worker's
+    loop, :func:`clients.site_worker.serve_socket`)."""
     server = _Server(SiteAgent(config.node_config))
     logger.info("site agent %d: %d operations (v%d), node config from %s", os.getpid(),
                 len(server.agent.operations), OPERATIONS_VERSION, config.path)
     return frames.serve_socket(config.socket, "site agent", server.handle,
                                lambda: server.agent.served, stop,
-                               max_connections=max_connections, timeout=timeout, warm=warm)
+                               max_connections=max_connections, timeout=timeout, warm=warm,
+                               peer_uids=() if config.relay_uid is None else (config.relay_uid,))

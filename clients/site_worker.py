@@ -63,6 +63,7 @@ import struct
 import threading
 import time
 import tomllib
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,9 @@ MAX_CONNECTIONS = 4
 IO_TIMEOUT = 60.0
 #: The mode of the socket's folder: the site's user only.
 FOLDER_MODE = 0o700
+#: A site agent's socket folder when another uid's relay connects (``relay-uid``): traverse
+#: only, for that uid; the socket is 0666 inside and ``SO_PEERCRED`` decides who is served.
+SHARED_FOLDER_MODE = 0o711
 #: The code a ClientApp runs: the worker must hold these modules exactly as the FAB ships them.
 CODE_PACKAGES = ("clients", "fedcompress", "server", "strategies")
 
@@ -263,64 +267,86 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-def check_peer(sock: socket.socket, what: str) -> None:
-    """Refuse a peer (``what``: who it should be) whose uid is not :func:`expected_uid`."""
+def check_peer(sock: socket.socket, what: str, allowed: Collection[int] = ()) -> None:
+    """Refuse a peer (``what``: who it should be) whose uid is neither :func:`expected_uid`
+    nor one of ``allowed`` (the site agent's ``relay-uid``)."""
     pid, uid, _ = peer_credentials(sock)
-    if uid != expected_uid():
+    if uid != expected_uid() and uid not in allowed:
+        others = "".join(f" or {u}" for u in sorted(set(allowed) - {expected_uid()}))
         raise SiteWorkerError(f"{what} runs as uid {uid} (pid {pid}), expected uid "
-                              f"{expected_uid()} (this process's, the site's user): refused")
+                              f"{expected_uid()} (this process's, the site's user){others}: "
+                              "refused")
 
 
-def _where(path: str) -> str:
-    return f"site-worker socket {path!r} (SuperNode --node-config {NODE_CONFIG_KEY})"
+def _where(path: str, agent: bool = False) -> str:
+    kind = "site-agent" if agent else NODE_CONFIG_KEY
+    return f"{kind} socket {path!r} (SuperNode --node-config {kind})"
 
 
-def _open_folder(path: str, create: bool) -> tuple[int, str]:
-    """``(descriptor of the socket's folder, the socket's name)`` after checking the folder: not
-    a symbolic link (``O_NOFOLLOW``), a folder, owned by :func:`expected_uid`, no access for
-    group or others. ``create``: make a missing folder with mode 0700 (its parent must exist).
-    The caller reaches the socket through the descriptor (:func:`_fd_path`) and closes it."""
+def _open_folder(path: str, create: bool, shared: bool = False) -> tuple[int, str, int]:
+    """``(descriptor of the socket's folder, the socket's name, the folder's owner)`` after
+    checking the folder: not a symbolic link (``O_NOFOLLOW``), a folder, owned by
+    :func:`expected_uid`, no access for group or others. ``create``: make a missing folder
+    (its parent must exist). The caller reaches the socket through the descriptor
+    (:func:`_fd_path`) and closes it.
+
+    ``shared``: the folder of a site agent that serves another uid's relay (its ``relay-uid``):
+    group and others may traverse it (mode 0711, created so) but never write it, and, for the
+    relay (``create`` false), its owner may be another uid, whose socket it then expects."""
     path = os.path.abspath(path)
     folder, name = os.path.split(path)
     uid = expected_uid()
-    fix = f"make it a folder of uid {uid} with mode 0700 (mkdir -m 700)"
+    mode_wanted = SHARED_FOLDER_MODE if shared else FOLDER_MODE
+    fix = f"make it a folder of uid {uid} with mode {mode_wanted:04o} (mkdir -m {mode_wanted:o})"
     if not name:
-        raise SiteWorkerError(f"{_where(path)}: not a socket path (it ends with '/')")
+        raise SiteWorkerError(f"{_where(path, shared)}: not a socket path (it ends with '/')")
     if create:
         try:
-            os.mkdir(folder, FOLDER_MODE)
-            logger.info("created the socket folder %s (mode 0700)", folder)
+            os.mkdir(folder, mode_wanted)
+            os.chmod(folder, mode_wanted)  # the umask may have removed the traverse bits
+            logger.info("created the socket folder %s (mode %04o)", folder, mode_wanted)
         except FileExistsError:
             pass
         except OSError as err:
-            raise SiteWorkerError(f"{_where(path)}: cannot create its folder {folder}: {err}"
-                                  ) from err
+            raise SiteWorkerError(f"{_where(path, shared)}: cannot create its folder {folder}: "
+                                  f"{err}") from err
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # the relay of another uid may only traverse the agent's folder (0711): O_PATH needs
+        # no read permission, and a descriptor of it still serves fstat and the *at() calls
+        how = os.O_PATH if not create and hasattr(os, "O_PATH") else os.O_RDONLY
+        fd = os.open(folder, how | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise SiteWorkerError(f"{_where(path)}: its folder {folder} does not exist: {fix}"
+        raise SiteWorkerError(f"{_where(path, shared)}: its folder {folder} does not exist: {fix}"
                               ) from None
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENOTDIR):
             raise SiteWorkerError(
-                f"{_where(path)}: its folder {folder} is a symbolic link or not a folder; "
+                f"{_where(path, shared)}: its folder {folder} is a symbolic link or not a folder; "
                 f"refusing to follow it: {fix}") from None
-        raise SiteWorkerError(f"{_where(path)}: cannot open its folder {folder}: {err}"
+        raise SiteWorkerError(f"{_where(path, shared)}: cannot open its folder {folder}: {err}"
                               ) from err
     try:
         info = os.fstat(fd)
-        if info.st_uid != uid:
-            raise SiteWorkerError(f"{_where(path)}: its folder {folder} is owned by uid "
+        mode = stat.S_IMODE(info.st_mode)
+        if info.st_uid != uid and (create or not shared):
+            raise SiteWorkerError(f"{_where(path, shared)}: its folder {folder} is owned by uid "
                                   f"{info.st_uid}, expected uid {uid} (the site's user): {fix}")
-        if stat.S_IMODE(info.st_mode) & 0o077:
+        if shared and mode & 0o022:
             raise SiteWorkerError(
-                f"{_where(path)}: its folder {folder} has mode "
-                f"{stat.S_IMODE(info.st_mode):04o}, expected 0700 (no access for group or "
-                f"others, who could replace the socket): chmod 700 {folder}")
+                f"{_where(path, shared)}: its folder {folder} has mode {mode:04o}, writable by "
+                f"group or others, who could replace the socket; expected at most 0711: "
+                f"chmod go-w {folder}")
+        if not shared and mode & 0o077:
+            raise SiteWorkerError(
+                f"{_where(path, shared)}: its folder {folder} has mode {mode:04o}, expected 0700 "
+                f"(no access for group or others, who could replace the socket): chmod 700 "
+                f"{folder}")
+        if create and shared and mode != SHARED_FOLDER_MODE:  # the relay's uid traverses it
+            os.fchmod(fd, SHARED_FOLDER_MODE)
     except BaseException:
         os.close(fd)
         raise
-    return fd, name
+    return fd, name, info.st_uid
 
 
 def _fd_path(fd: int, name: str, path: str) -> str:
@@ -331,9 +357,11 @@ def _fd_path(fd: int, name: str, path: str) -> str:
     return os.path.abspath(path)
 
 
-def _check_socket_file(fd: int, name: str, path: str) -> None:
+def _check_socket_file(fd: int, name: str, path: str, owner: int | None = None) -> None:
     """The socket file itself (``lstat``): a Unix socket, not a symbolic link, FIFO or regular
-    file, owned by :func:`expected_uid`. :class:`FileNotFoundError` when it is missing."""
+    file, owned by ``owner`` (default :func:`expected_uid`). :class:`FileNotFoundError` when
+    it is missing."""
+    owner = expected_uid() if owner is None else owner
     info = os.stat(name, dir_fd=fd, follow_symlinks=False)
     if stat.S_ISLNK(info.st_mode):
         raise SiteWorkerError(f"{_where(path)} is a symbolic link: refusing to follow it "
@@ -343,33 +371,42 @@ def _check_socket_file(fd: int, name: str, path: str) -> None:
                 if stat.S_ISREG(info.st_mode) else "a folder" if stat.S_ISDIR(info.st_mode)
                 else "not a socket")
         raise SiteWorkerError(f"{_where(path)} is not a Unix socket ({kind})")
-    if info.st_uid != expected_uid():
+    if info.st_uid != owner:
         raise SiteWorkerError(f"{_where(path)} is owned by uid {info.st_uid}, expected uid "
-                              f"{expected_uid()} (the site's user)")
+                              f"{owner} (the site's user)")
 
 
 # -- the thin side (a flwr-clientapp process) ----------------------------------------------------
-def _connect(path: str, timeout: float = IO_TIMEOUT) -> socket.socket:
+def _connect(path: str, timeout: float = IO_TIMEOUT, shared: bool = False) -> socket.socket:
     """A connection to the worker at ``path`` after every check: the folder, the socket file,
-    then the worker's uid (``SO_PEERCRED``), before anything is sent."""
-    fd, name = _open_folder(path, create=False)
+    then the worker's uid (``SO_PEERCRED``), before anything is sent. ``shared``: a site
+    agent's socket, whose folder's owner (who alone can place a socket there) may be another
+    uid: the socket file and the process that listens must then be that uid's."""
+    fd, name, owner = _open_folder(path, create=False, shared=shared)
     try:
         try:
-            _check_socket_file(fd, name, path)
+            _check_socket_file(fd, name, path, owner)
         except FileNotFoundError:
-            raise SiteWorkerError(f"{_where(path)} does not exist: start `fedcompress "
-                                  f"site-worker --socket {path}` at this site, or remove the "
-                                  "key") from None
+            raise SiteWorkerError(f"{_where(path, shared)} does not exist: start `fedcompress "
+                                  f"{'site-agent --config' if shared else 'site-worker --socket'} "
+                                  "...` at this site") from None
         except OSError as err:
-            raise SiteWorkerError(f"{_where(path)} cannot be used: {err}") from err
+            raise SiteWorkerError(f"{_where(path, shared)} cannot be used: {err}") from err
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
             sock.connect(_fd_path(fd, name, path))
-            check_peer(sock, f"the site worker at {path}")
+            if owner == expected_uid():
+                check_peer(sock, f"the site worker at {path}")
+            else:  # exactly the folder's owner, who alone can place the socket there
+                pid, uid, _ = peer_credentials(sock)
+                if uid != owner:
+                    raise SiteWorkerError(f"the site agent at {path} runs as uid {uid} (pid "
+                                          f"{pid}), expected uid {owner} (the owner of its "
+                                          "folder and socket): refused")
         except OSError as err:
             sock.close()
-            raise SiteWorkerError(f"no site worker answers at {_where(path)}: {err}") from err
+            raise SiteWorkerError(f"nothing answers at {_where(path, shared)}: {err}") from err
         except BaseException:
             sock.close()
             raise
@@ -556,12 +593,14 @@ def _try_refuse(conn: socket.socket, error: str) -> None:
         pass
 
 
-def _listen(path: str, backlog: int = MAX_CONNECTIONS) -> socket.socket:
+def _listen(path: str, backlog: int = MAX_CONNECTIONS, shared: bool = False) -> socket.socket:
     """A listening Unix socket at ``path``, mode 0600 from its creation, in a folder of this
     uid with mode 0700 (created so when missing; :func:`_open_folder`). A stale socket file of
     this uid (nobody listening) is replaced; a live one, a symbolic link or any other file is
-    refused."""
-    fd, name = _open_folder(path, create=True)
+    refused. ``shared`` (a site agent with a ``relay-uid``): the folder may be 0711 and the
+    socket is 0666, so that the relay's uid can connect; who is served is decided by the
+    peer's uid (``SO_PEERCRED``, :func:`serve_socket`)."""
+    fd, name, _ = _open_folder(path, create=True, shared=shared)
     try:
         address = _fd_path(fd, name, path)
         try:
@@ -595,7 +634,8 @@ def _listen(path: str, backlog: int = MAX_CONNECTIONS) -> socket.socket:
         finally:
             os.umask(umask)
         try:
-            os.chmod(staging, 0o600, dir_fd=fd)  # bound just now, in our 0700 folder
+            # bound just now, in our folder that nobody else may write
+            os.chmod(staging, 0o666 if shared else 0o600, dir_fd=fd)
             sock.listen(backlog)
             try:
                 os.link(staging, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
@@ -652,11 +692,13 @@ def serve(path: str, stop: threading.Event | None = None, *,
 
 def serve_socket(path: str, name: str, handle: Any, served: Any,
                  stop: threading.Event | None = None, *, max_connections: int = MAX_CONNECTIONS,
-                 timeout: float = IO_TIMEOUT, warm: bool = True) -> int:
+                 timeout: float = IO_TIMEOUT, warm: bool = True,
+                 peer_uids: Collection[int] = ()) -> int:
     """The serving loop of the site worker and the site agent (``name``): listen on ``path``
     (:func:`_listen`), run ``handle(conn, timeout)`` in a thread per connection from a peer of
-    this uid, at most ``max_connections`` at once, until SIGTERM/SIGINT or ``stop`` (a second
-    signal stops at once); ``served()`` counts the messages for the last log line."""
+    this uid (or of ``peer_uids``: the agent's ``relay-uid``, which makes the socket
+    ``shared``), at most ``max_connections`` at once, until SIGTERM/SIGINT or ``stop`` (a
+    second signal stops at once); ``served()`` counts the messages for the last log line."""
     import signal
 
     if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
@@ -666,7 +708,8 @@ def serve_socket(path: str, name: str, handle: Any, served: Any,
         raise SiteWorkerError(f"timeout={timeout!r}: expected seconds > 0")
     stop = stop or threading.Event()
     seconds = warm_up() if warm else 0.0
-    listener = _listen(path, max_connections)
+    peer_uids = tuple(sorted(set(peer_uids) - {expected_uid()}))
+    listener = _listen(path, max_connections, shared=bool(peer_uids))
     inode = os.stat(path).st_ino
     listener.settimeout(0.2)
     slots = threading.BoundedSemaphore(max_connections)
@@ -681,9 +724,11 @@ def serve_socket(path: str, name: str, handle: Any, served: Any,
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, on_signal)
-    logger.info("%s ready on %s (mode 0600, folder 0700, uid %d) after %.1f s of imports; one "
-                "message at a time, at most %d connections, %g s to deliver a request", name,
-                path, expected_uid(), seconds, max_connections, timeout)
+    logger.info("%s ready on %s (%s, uid %d%s) after %.1f s of imports; one message at a "
+                "time, at most %d connections, %g s to deliver a request", name, path,
+                "mode 0666, folder 0711" if peer_uids else "mode 0600, folder 0700",
+                expected_uid(), "".join(f", peer uid {u}" for u in peer_uids), seconds,
+                max_connections, timeout)
     threads: list[threading.Thread] = []
     try:
         while not stop.is_set():
@@ -700,7 +745,8 @@ def serve_socket(path: str, name: str, handle: Any, served: Any,
                 conn.close()
                 continue
             thread = threading.Thread(target=_serve_one,
-                                      args=(name, handle, conn, slots, timeout), daemon=True)
+                                      args=(name, handle, conn, slots, timeout, peer_uids),
+                                      daemon=True)
             thread.start()
             threads.append(thread)
     finally:
@@ -713,11 +759,12 @@ def serve_socket(path: str, name: str, handle: Any, served: Any,
 
 
 def _serve_one(name: str, handle: Any, conn: socket.socket,
-               slots: threading.BoundedSemaphore, timeout: float) -> None:
+               slots: threading.BoundedSemaphore, timeout: float,
+               peer_uids: Collection[int] = ()) -> None:
     try:
         with conn:
             try:
-                check_peer(conn, f"a client of the {name}")
+                check_peer(conn, f"a client of the {name}", peer_uids)
             except SiteWorkerError as err:
                 logger.warning("refused a connection: %s", err)
                 _try_refuse(conn, str(err))

@@ -12,6 +12,10 @@
                                     OpenSSH formats Flower expects: the private key for
                                     ``flower-supernode --auth-supernode-private-key``, the public
                                     key for ``flwr supernode register``
+    keys/agent-I  keys/agent-I.pub  one P-384 key pair per site agent: the agent's SecAgg+
+                                    signing key (its config's ``secagg-key``) and the public key
+                                    every site's agent trusts (``secagg-peers``); never the
+                                    SuperNode's, so the node-auth key signs nothing of a vote
 
 and prints the registration commands. ``register`` runs ``flwr supernode register`` for each
 public key given, against a SuperLink connection of ``$FLWR_HOME/config.toml``.
@@ -160,9 +164,10 @@ def make_node_keys(keys_dir: Path, name: str) -> tuple[Path, Path]:
 
 def create(out: Path, nodes: int, extra_names: list[str], prefix: str = "supernode",
            first: int = 0) -> dict:
-    """CA, SuperLink certificate (if not there yet) and ``nodes`` SuperNode key pairs. Every
-    private key file (``ca.key``, ``server.key``, ``keys/supernode-I``) is created mode 0600
-    (:func:`_write`); ``OUT`` and ``OUT/keys`` are created mode 0700."""
+    """CA, SuperLink certificate (if not there yet), ``nodes`` SuperNode key pairs and as many
+    site-agent key pairs (``agent_keys``). Every private key file (``ca.key``, ``server.key``,
+    ``keys/supernode-I``, ``keys/agent-I``) is created mode 0600 (:func:`_write`); ``OUT`` and
+    ``OUT/keys`` are created mode 0700."""
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     (out / "keys").mkdir(exist_ok=True, mode=0o700)
     names = list(dict.fromkeys([*DEFAULT_NAMES, *extra_names]))
@@ -181,8 +186,9 @@ def create(out: Path, nodes: int, extra_names: list[str], prefix: str = "superno
         ca_cert, ca_key = make_ca(out)
     make_server_cert(out, ca_cert, ca_key, names)
     keys = [make_node_keys(out / "keys", f"{prefix}-{i}") for i in range(first, first + nodes)]
+    agents = [make_node_keys(out / "keys", f"agent-{i}") for i in range(first, first + nodes)]
     return {"ca": out / "ca.crt", "cert": out / "server.pem", "key": out / "server.key",
-            "names": names, "node_keys": keys}
+            "names": names, "node_keys": keys, "agent_keys": agents}
 
 
 def flwr_executable() -> str:
@@ -219,7 +225,8 @@ def register(public_keys: list[Path], superlink: str | None = None,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    make = sub.add_parser("create", help="CA, SuperLink certificate, SuperNode key pairs")
+    make = sub.add_parser("create", help="CA, SuperLink certificate, SuperNode and site-agent "
+                          "key pairs")
     make.add_argument("out", nargs="?", type=Path,
                       default=Path(__file__).resolve().parent / "certs")
     make.add_argument("--nodes", type=int, default=3, help="SuperNode key pairs (default 3)")
@@ -244,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 ", ".join(made["names"]))
     for private, public in made["node_keys"]:
         logger.info("SuperNode key pair:  %s, %s", private, public)
+    for private, public in made["agent_keys"]:
+        logger.info("site agent key pair: %s, %s", private, public)
     logger.info("\nOnce the SuperLink runs (with --enable-supernode-auth), register the "
                 "SuperNodes' public keys:\n")
     for _, public in made["node_keys"]:

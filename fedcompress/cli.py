@@ -36,12 +36,19 @@ class ConfigError(ValueError):
     """A config file or option value is invalid."""
 
 
-def _setup_logging(level: str) -> None:
-    from rich.logging import RichHandler
+def _setup_logging(level: str, service: bool = False) -> None:
+    """Log at ``level``: through rich for a command, as plain lines (time, level, logger: one
+    line per record, never wrapped, greppable) for a long-lived ``service`` (the site agent,
+    the site worker), whose log is the site's record of what it refused and why."""
+    if service:
+        logging.basicConfig(level=level.upper(), force=True,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    else:
+        from rich.logging import RichHandler
 
-    logging.basicConfig(level=level.upper(), format="%(message)s", datefmt="[%X]",
-                        handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
-                        force=True)
+        logging.basicConfig(level=level.upper(), format="%(message)s", datefmt="[%X]",
+                            handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
+                            force=True)
     logging.getLogger("flwr").propagate = False  # Flower logs through its own handler
 
 
@@ -634,7 +641,7 @@ def site_worker_command(
     be this user's with mode 0700 and no symbolic link; both ends check the other's uid
     (SO_PEERCRED, Linux). Stops on SIGTERM or Ctrl-C (the message in flight finishes; a second
     signal stops at once)."""
-    _setup_logging(log_level)
+    _setup_logging(log_level, service=True)
     from clients.site_worker import SiteWorkerError, serve
 
     try:
@@ -666,7 +673,7 @@ def site_agent_command(
     run (SecAgg+ secrets never leave it). Every request passes the site's policy; every
     release is written to its ledger. Stops on SIGTERM or Ctrl-C (the message in flight
     finishes; a second signal stops at once)."""
-    _setup_logging(log_level)
+    _setup_logging(log_level, service=True)
     from clients.site_agent import SiteAgentError, load_config, serve
     from clients.site_worker import SiteWorkerError
 

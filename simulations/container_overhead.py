@@ -3,14 +3,15 @@
     python simulations/container_overhead.py --out simulations/results/container-overhead
 
 Two deployments of the same three sites, up at the same time, each with TLS and SuperNode
-authentication, site 0 starting a ``flwr-clientapp`` process per message and sites 1 and 2
-handing theirs to a warm site worker of their own:
+authentication, every site an agent of its own (``fedcompress site-agent``) to which each
+message's ``flwr-clientapp`` process relays the Message:
 
 * ``loopback``: processes on this machine, as ``tests/test_deploy.py`` starts them (its
-  ``Deployment``), the workers as ``simulations/site_startup.py`` starts them;
+  ``Deployment``), the agents as ``simulations/site_startup.py`` starts them;
 * ``containers``: ``docker/compose.yml`` as ``tests/test_containers.py`` starts it (its
-  ``Stack``: own uids, volumes, data and keys per site, the ``site-worker`` profile), from the
-  image ``--image`` (build it from the measured checkout first: ``make images``).
+  ``Stack``: per site an agent, a SuperNode and a ClientApp container, own uids, volumes, data
+  and keys), from the image ``--image`` (build it from the measured checkout first: ``make
+  images``).
 
 The same settings (``--model``, each site's first ``--site-docs`` wiki documents,
 ``--samples-per-client`` windows of ``--seqlen`` tokens, Wanda 50%, no saved model) run
@@ -18,7 +19,7 @@ The same settings (``--model``, each site's first ``--site-docs`` wiki documents
 the machine's load hits both alike. Per run: the wall time of ``flwr run --stream`` (submit to
 end; in containers it includes starting the operator's ``cli`` container) and, per site and
 message (the warm-up, the masks), the start-up its reply reports (Flower's runtime in the
-per-message process, imports, model and windows loaded, the exchange with the worker) and its
+per-message process, imports, model and windows loaded, the exchange with the agent) and its
 compute. Run 1 is cold (a new app install, empty window caches) and is reported apart. A timing
 measurement: run it alone on an idle machine; the load average is recorded.
 """
@@ -45,7 +46,10 @@ STARTUP_KEYS = ("startup_runtime_seconds", "startup_import_seconds", "startup_lo
                 "startup_worker_seconds")
 
 
-def _messages(report: dict, node_ids: list[int], workers: tuple[int, ...]) -> list[dict]:
+PATHS = ("agent",)
+
+
+def _messages(report: dict, node_ids: list[int]) -> list[dict]:
     """One record per site and message of a run's report.json (its ``client_startup``)."""
     site_of = {node: i for i, node in enumerate(node_ids)}
     out = []
@@ -53,7 +57,7 @@ def _messages(report: dict, node_ids: list[int], workers: tuple[int, ...]) -> li
         site = site_of[r["node"]]
         startup = sum(float(r.get(k, 0.0)) for k in STARTUP_KEYS)
         out.append({"site": site, "message": r["stage"],
-                    "path": "worker" if site in workers else "process per message",
+                    "path": "agent",
                     "startup_seconds": startup,
                     "compute_seconds": float(r.get("compute_seconds", 0.0)),
                     **{k: float(r[k]) for k in STARTUP_KEYS if k in r}})
@@ -84,11 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO / "tests"))
     sys.path.insert(0, str(REPO / "simulations"))
     import test_containers
-    from site_startup import _deploy_module, _git, _prepare_cache, start_worker, wait_for
+    from site_startup import Sites, _deploy_module, _git, _prepare_cache
 
     deploy = _deploy_module()
     test_containers.IMAGE = opts.image
-    workers = test_containers.WORKER_SITES
     report = RunReport.for_script(Path(__file__).resolve().relative_to(REPO), opts)
     report.extra["measured_code"] = {
         "commit": _git("rev-parse", "--short", "HEAD"),
@@ -110,12 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     dep = deploy.Deployment("loopback", work, procs)
     # the plain one-shot vote, measured over several runs on the same windows
     dep.policy = {"models": opts.model, "require-secagg": False, "runs-per-input": 1000}
-    dep.workers = {}  # (the class's default is shared)
     (work / "containers").mkdir()
     stack = test_containers.Stack(work / "containers",
                                   policy={"models": opts.model, "require-secagg": False,
                                           "runs-per-input": 1000},
-                                  workers=workers, documents=docs)
+                                  documents=docs)
     with report:
         try:
             # loopback: the same data as the containers' sites (their canary line included)
@@ -128,19 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             dep.node_ids = [deploy._make_certs().register([public], deploy.CONNECTION,
                                                            dep.cli_env)[0]
                             for _, public in dep.made["node_keys"][:deploy.CLIENTS]]
-            for i in workers:
-                socket = dep.root / f"site-{i}" / "worker" / "worker.sock"
-                start_worker(procs, dep.proc_name(f"worker-{i}"), socket,
-                             dep.env(f"supernode-{i}"))
-                dep.workers[i] = socket
-            for i in range(deploy.CLIENTS):
-                config = {**dep.node_config(i),
-                          **({"site-worker": str(dep.workers[i])} if i in workers else {})}
-                dep.start_supernode(i, " ".join(f"{k}={json.dumps(v)}"
-                                                for k, v in config.items()))
-            for i in range(deploy.CLIENTS):
-                wait_for(procs, dep.proc_name(f"supernode-{i}"), "SuperNode ID:")
-            procs.track()
+            sites = Sites(deploy, dep, procs)
+            sites.start_agents()
+            sites.use("agent")
             with report.phase("containers up"):
                 stack.start()
             for run in range(1, opts.runs + 1):
@@ -158,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     if record["status"] != "finished:completed":
                         raise RuntimeError(f"{name}: {record}\n{log[-3000:]}")
                     run_report = json.loads((out / "report.json").read_text())
-                    messages = _messages(run_report, nodes, workers)
+                    messages = _messages(run_report, nodes)
                     report.add_result({"name": f"run {run} {kind}", "deployment": kind,
                                        "run": run, "seconds": seconds,
                                        "perplexity": run_report["results"][0].get("perplexity"),
@@ -183,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     if r["deployment"] == kind and r["run"] == 1]
             entry = {"warm_runs": len(mine), "run_seconds": _median([r["seconds"] for r in mine]),
                      "cold_run_seconds": cold[0] if cold else None}
-            for path in ("process per message", "worker"):
+            for path in PATHS:
                 for message in ("warmup", "masks"):
                     values = [m for r in mine for m in r["messages"]
                               if m["path"] == path and m["message"] == message]
@@ -201,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(["cold run 1", *(f"{summary[k]['cold_run_seconds']:.1f}"
                                      for k in DEPLOYMENTS),
                      f"{summary['containers']['cold_run_seconds'] / summary['loopback']['cold_run_seconds']:.2f}"])  # noqa: E501
-        for path in ("process per message", "worker"):
+        for path in PATHS:
             for message in ("warmup", "masks"):
                 key = f"{path}/{message}"
                 lb, ct = (summary[k][key]["startup_seconds"] for k in DEPLOYMENTS)
@@ -211,11 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             ["", "loopback", "containers", "containers / loopback"], rows) + (
             f"\n\n{deploy.CLIENTS} sites, TLS and SuperNode authentication, one-shot FedPrLLM "
             f"on {opts.model} (Wanda 50%, {opts.samples_per_client} x {opts.seqlen} tokens per "
-            f"site, {len(docs)} wiki documents of data per site); site 0 starts a process per "
-            f"message, sites {', '.join(map(str, workers))} use their warm site worker. "
+            f"site, {len(docs)} wiki documents of data per site); every site an agent. "
             f"{opts.runs} runs per deployment, alternating; run 1 cold. Start-up per message: "
             "what its reply reports (Flower's runtime in the per-message process, imports, "
-            "model and windows, the exchange with the worker), median over the warm runs' "
+            "model and windows, the exchange with the agent), median over the warm runs' "
             "sites and messages of that path. The containers: image "
             f"{report.extra['image']['id'][7:19]} ({report.extra['image']['size_bytes'] / 1e9:.2f}"
             f" GB). Load average (1, 5, 15 min) before {report.extra['load_average_before']}, "

@@ -40,7 +40,9 @@ reply when the code reports one, and its ``seconds``: the warm-up's loading, wha
 ``report.json`` and ``report.md``; ``--before DIR`` adds the summary of an earlier report (the
 same script run on the code before a change) side by side.
 
-``--site-worker`` measures the same with a warm site worker per site too (``fedcompress
+Without a worker or an agent, a site runs in ``site-mode="development"`` (a deployed site
+refuses to run the operations in the SuperNode's process). ``--site-worker`` measures the same
+with a warm site worker per site too (``fedcompress
 site-worker``, ``clients/site_worker.py``, started from the measured checkout on the sites'
 cache): the runs alternate without / with it (the SuperNodes restarted between, each keeping
 its key, data and installed app, with ``site-worker`` in its node config for the worker's
@@ -50,6 +52,14 @@ seconds`` is the thin process's exchange with its worker less the worker's Clien
 
     nice -n 19 python simulations/site_startup.py --site-worker --runs 2 \
         --out simulations/results/site-startup/worker
+
+``--site-agent`` adds the site agent (``fedcompress site-agent``, ``clients/site_agent.py``): one
+per site, its config the site's node config, the SuperNode's node config naming only its
+socket; its rows are labelled ``agent: ...`` (``startup_worker_seconds``: the relay's exchange
+less the agent's operation).
+
+    python simulations/site_startup.py --site-worker --site-agent --runs 4 --alone 0 \
+        --out simulations/results/site-startup/agent
 """
 
 from __future__ import annotations
@@ -74,7 +84,9 @@ REPO = Path(__file__).resolve().parents[1]
 KINDS = ("warmup", "masks")  # the messages of a one-shot run, in the order a site gets them
 SPLIT = ("startup_runtime_seconds", "startup_import_seconds", "startup_load_seconds",
          "client_startup_seconds", "startup_worker_seconds")
-MODES = ("fat", "worker")  # without / with a warm site worker (clients/site_worker.py)
+#: a process per message (``site-mode="development"``), a warm site worker
+#: (clients/site_worker.py), the site agent (clients/site_agent.py)
+MODES = ("fat", "worker", "agent")
 
 
 def _deploy_module():
@@ -189,6 +201,8 @@ node_config = {"partition-id": 0, "data-path": data, "num-partitions": int(sites
                "require-secagg": False, "runs-per-input": 1000}
 if worker:
     node_config["site-worker"] = worker
+else:  # no agent: the operations in this process, as a test bench's SuperNode runs them
+    node_config["site-mode"] = "development"
 context = Context(run_id=1, node_id=100, node_config=node_config, state=RecordDict(),
                   run_config={}, series_id=0)
 with open(message_file, "rb") as f:
@@ -343,6 +357,7 @@ class Sites:
         self.names: list[str] = []
         self.restarts = 0
         self.workers: dict[int, Path] = {}
+        self.agents: dict[int, Path] = {}
 
     def worker_socket(self, i: int) -> Path:
         return self.dep.root / f"site-{i}" / "worker" / "worker.sock"  # a 0700 folder of its own
@@ -357,8 +372,30 @@ class Sites:
         for i in self.workers:
             wait_for(self.procs, self.dep.proc_name(f"worker-{i}"), "site worker ready")
 
+    def start_agents(self) -> None:
+        """One ``fedcompress site-agent`` per site: its config the site's node config and its
+        socket (mode 0600, a folder of its own), on the sites' cache (stopped by PID with the
+        deployment)."""
+        for i in range(len(self.dep.sites)):
+            folder = self.dep.root / f"site-{i}" / "agent"
+            folder.mkdir(mode=0o700, parents=True)
+            self.agents[i] = folder / "run" / "agent.sock"
+            config = folder / "agent.toml"
+            config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in
+                                      {"socket": str(self.agents[i]),
+                                       **self.dep.node_config(i)}.items()))
+            config.chmod(0o600)
+            self.procs.start(self.dep.proc_name(f"agent-{i}"), [
+                sys.executable, "-m", "fedcompress.cli", "site-agent", "--config", str(config)],
+                self.dep.env(f"supernode-{i}"), cwd=REPO)
+        for i in self.agents:
+            wait_for(self.procs, self.dep.proc_name(f"agent-{i}"), "site agent ready")
+
     def worker_pid(self, i: int) -> int:
         return self.procs.roots[self.dep.proc_name(f"worker-{i}")].pid
+
+    def agent_pid(self, i: int) -> int:
+        return self.procs.roots[self.dep.proc_name(f"agent-{i}")].pid
 
     def worker_logs(self) -> dict[int, list[str]]:
         """Each worker's log lines of the messages it served."""
@@ -374,8 +411,10 @@ class Sites:
             self.names = [f"supernode-{i}-{mode}-{self.restarts}"
                           for i in range(len(self.dep.sites))]
             for i, name in enumerate(self.names):
-                config = {**self.dep.node_config(i),
-                          **({"site-worker": str(self.workers[i])} if mode == "worker" else {})}
+                config = ({"site-agent": str(self.agents[i])} if mode == "agent" else
+                          {**self.dep.node_config(i), "site-worker": str(self.workers[i])}
+                          if mode == "worker" else
+                          {**self.dep.node_config(i), "site-mode": "development"})
                 private, _ = self.dep.made["node_keys"][i]
                 self.procs.start(self.dep.proc_name(name), [
                     str(self.deploy.BIN / "flower-supernode"),
@@ -422,6 +461,7 @@ def _deployed_run(report, dep, watcher, sites: Sites, settings: dict, run: int, 
     # who computed the masks: the site's own flwr-clientapp process, or its worker
     masks_pids = {m["pid"] for m in run_report.get("clients", []) if "pid" in m}
     expected = ({r["pid"] for r in mine_now if r["message"] == "masks"} if mode == "fat" else
+                {sites.agent_pid(i) for i in range(len(dep.sites))} if mode == "agent" else
                 {sites.worker_pid(i) for i in range(len(dep.sites))})
     if masks_pids and masks_pids != expected and not report.extra.get("unattributed"):
         raise RuntimeError(f"run {run} {mode}: the masks replies came from {masks_pids}, "
@@ -488,6 +528,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="Measure with a warm site worker too (fedcompress site-worker, "
                              "one per site): the runs and the alone messages alternate "
                              "without / with it.")
+    parser.add_argument("--site-agent", action="store_true",
+                        help="Measure with a site agent per site too (fedcompress site-agent, "
+                             "the SuperNode's node config naming only its socket): the runs "
+                             "alternate between the modes.")
     parser.add_argument("--poll", type=float, default=0.05,
                         help="Seconds between two looks at the sites' processes.")
     parser.add_argument("--before", default="",
@@ -524,10 +568,12 @@ def main(argv: list[str] | None = None) -> int:
             dep.start_superlink()
             dep.wait_superlink()
             dep.node_ids = [f.result() for f in dep.register(pool)]
-            modes = MODES if opts.site_worker else MODES[:1]
+            modes = [m for m, on in zip(MODES, (True, opts.site_worker, opts.site_agent)) if on]
             sites = Sites(deploy, dep, procs)
             if opts.site_worker:
                 sites.start_workers()
+            if opts.site_agent:
+                sites.start_agents()
             watcher = ClientAppWatcher({}, opts.poll)
             watcher.start()
             settings = {"model": opts.model, "clients": deploy.CLIENTS,
@@ -606,6 +652,10 @@ def main(argv: list[str] | None = None) -> int:
                "alternate without / with, the SuperNodes restarted between); site worker s: "
                "the exchange with it less its ClientApp; the alone worker's first message "
                "loads the model, the others find it loaded. " if opts.site_worker else "")
+            + ("agent: each site's SuperNode with only site-agent in its node config (its "
+               "flwr-clientapp processes relay the Message alone to the site's agent, which "
+               "holds the site's node config, data, ledger and Context); site worker s: the "
+               "exchange with it less its operation. " if opts.site_agent else "")
             + "'-': not reported by that ClientApp. Load average (1, 5, 15 min) before "
             f"{report.extra['load_average_before']}, after "
             f"{report.extra['load_average_after']}, after each run: "

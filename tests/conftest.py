@@ -281,11 +281,19 @@ class InProcessFederation:
 
         from flwr.app import Error, Message
 
-        app = importlib.import_module(self.app).app
+        module = importlib.import_module(self.app)
         replies = []
         for msg in messages:
+            context = self.contexts[msg.metadata.dst_node_id]
+            app = module.app
+            if hasattr(module, "local_app") and not {"site-agent", "site-worker"} & set(
+                    context.node_config):
+                # no agent or worker named: this harness plays the site's agent, the operations
+                # in process as an agent (and a simulated site) runs them (clients.app refuses a
+                # deployed site without an agent)
+                app = module.local_app()
             try:
-                replies.append(app(msg, self.contexts[msg.metadata.dst_node_id]))
+                replies.append(app(msg, context))
             except Exception as err:
                 if not self.errors_as_replies:
                     raise

@@ -7,18 +7,21 @@ its own (``fedcompress-test-<random>``) in a temporary project folder:
 
 * the SuperLink (uid 50000) with TLS (``docker/make_certs.py``'s CA, certificate and key) and
   SuperNode authentication, its own volumes;
-* three SuperNodes, one per site, each under its own uid (5010I) with its own private key,
-  its own data (a bind mount of the site's folder, mode 0700, owned by the site's uid) and its
-  own named volumes (Flower home, cache with the tokenized corpus, ledger, worker socket);
-  sites 1 and 2 hand their messages to their own warm site worker (``site-worker-I``, the
-  compose file's ``site-worker`` profile), site 0 starts a ClientApp process per message;
+* three sites, each the compose file's four services: its agent (``agent-I``, uid 5010I, no
+  network: its data, a bind mount of the site's folder, mode 0700, owned by the site's uid; its
+  SecAgg+ key; its agent config ``sites/site-I.toml`` with the site's policy; its cache with the
+  tokenized corpus and its ledger), its SuperNode (``supernode-I``: its node-auth key, its
+  Flower home, ``--isolation process``), its ClientApp container (``clientapp-I``, uid 5020I:
+  Flower's SuperExec running the FAB's ClientApp, which relays each message to the agent over
+  the one volume it mounts) and its one-shot ``site-I-init``;
 * the ``cli`` container (the operator) for ``flwr supernode register`` and ``flwr run``.
 
 The override (``compose.test.yml``, written by :class:`Stack`): a read-only bind mount of public
 material (the tiny test model and task, at the same absolute path as on the host, so that the
-in-process reference runs on the very same paths), each site's policy in its node config (the
-models and corpora it accepts, ``research-reproducible-secrets`` so that the deployed run can be
-compared with the in-process one) and no host port (the project's network only).
+in-process reference runs on the very same paths) in the SuperLink and the agents, and no host
+port (the project's network only). Each site's policy (the models and corpora it accepts,
+``research-reproducible-secrets`` so that the deployed run can be compared with the in-process
+one) is in its agent config, which the stack writes where the compose file expects it.
 
 Then, with ``flwr run`` from the ``cli`` container and the FAB it builds from the image's
 ``/app``: FedPrLLM one-shot, FedPrLLM with ``secagg``, and personalized layer pruning; each
@@ -53,10 +56,9 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[1]
 IMAGE = os.environ.get("FEDCOMPRESS_IMAGE", "fedcompress:cpu")
 SITES = 3
-#: sites whose SuperNode hands its messages to its warm site worker (the compose file's
-#: ``site-worker`` profile); site 0 keeps the fat path (a ClientApp process per message)
-WORKER_SITES = (1, 2)
 SITE_UID = 50100
+#: the uid of each site's ClientApp container (5020I): the server's code
+APP_UID = 50200
 SUPERLINK_UID = 50000
 #: a safety net: one tiny run takes well under a minute on 2 cores
 RUN_TIMEOUT = 600
@@ -82,23 +84,24 @@ class Stack:
     material, the override), with helpers to run ``docker compose`` on it."""
 
     def __init__(self, root: Path, public: Path | None = None, policy: dict | None = None,
-                 workers: tuple[int, ...] = WORKER_SITES, documents: list[str] | None = None):
-        """``public``: a folder of public material every container mounts read only at the
-        same path (or none); ``policy``: node-config keys added to every site's (the models and
-        corpora it accepts, ...); ``workers``: the sites with a warm site worker;
-        ``documents``: JSONL lines of each site's train split (default: the first 20 wiki
-        documents), to which a canary line of the site's own is added."""
+                 documents: list[str] | None = None):
+        """``public``: a folder of public material the SuperLink and the agents mount read
+        only at the same path (or none); ``policy``: node-config keys added to every site's
+        agent config (the models and corpora it accepts, ...); ``documents``: JSONL lines of
+        each site's train split (default: the first 20 wiki documents), to which a canary line
+        of the site's own is added."""
         from test_deploy import WIKI, _make_certs
 
         self.root = root
         self.project = f"fedcompress-test-{secrets.token_hex(4)}"
-        self.public, self.policy, self.workers = public, dict(policy or {}), tuple(workers)
+        self.public, self.policy = public, dict(policy or {})
         shutil.copy(REPO / "docker" / "compose.yml", root / "compose.yml")
         shutil.copy(REPO / "docker" / "flwr-config.toml", root / "flwr-config.toml")
         made = _make_certs().create(root / "certs", SITES, [])
         os.chown(made["key"], SUPERLINK_UID, SUPERLINK_UID)
-        for i, (private, _) in enumerate(made["node_keys"]):
-            os.chown(private, SITE_UID + i, SITE_UID + i)
+        for i, ((node, _), (agent, _)) in enumerate(zip(made["node_keys"], made["agent_keys"])):
+            os.chown(node, SITE_UID + i, SITE_UID + i)
+            os.chown(agent, SITE_UID + i, SITE_UID + i)
         self.made = made
         # each site's private text (a folder with its train and test splits: personalized
         # pruning evaluates each site on its own held-out text) and a canary line of its own
@@ -117,26 +120,42 @@ class Stack:
                 os.chown(path, SITE_UID + i, SITE_UID + i)
                 path.chmod(0o700 if path.is_dir() else 0o600)
         (root / "runs").mkdir()
+        self.write_sites()
         self.write_override()
 
-    # -- the override ------------------------------------------------------------------------
+    # -- the sites' agent configs and the override ---------------------------------------------
+    def agent_config(self, i: int) -> dict:
+        """Site ``i``'s agent config: docker/sites/site-I.toml's, plus the stack's ``policy``."""
+        import tomllib
+
+        shipped = tomllib.loads((REPO / "docker" / "sites" / f"site-{i}.toml").read_text())
+        return {**shipped, **self.policy}
+
     def node_config(self, i: int, data_path: str = "/data") -> dict:
-        """Site ``i``'s node config: compose.yml's, plus the stack's ``policy`` and, for a site
-        with a worker, its socket."""
-        config = {"partition-id": i, "num-partitions": SITES, "data-path": data_path,
-                  "state-dir": "/home/app/state", "secagg-key": "/keys/supernode",
-                  "secagg-peers": "/peers", **self.policy}
-        if i in self.workers:
-            config["site-worker"] = "/home/app/worker/site.sock"
-        return config
+        """Site ``i``'s node config (its agent config less the agent's own keys)."""
+        from clients.site_agent import AGENT_KEYS
+
+        config = {k: v for k, v in self.agent_config(i).items() if k not in AGENT_KEYS}
+        return {**config, "data-path": data_path}
+
+    def write_sites(self) -> None:
+        """``sites/site-I.toml`` where the compose file mounts it: the site's, mode 0600."""
+        import tomli_w
+
+        (self.root / "sites").mkdir(exist_ok=True)
+        for i in range(SITES):
+            path = self.root / "sites" / f"site-{i}.toml"
+            path.write_text(tomli_w.dumps(self.agent_config(i)))
+            os.chown(path, SITE_UID + i, SITE_UID + i)
+            path.chmod(0o600)
 
     def write_override(self) -> None:
         import yaml
 
         base = yaml.safe_load((self.root / "compose.yml").read_text())["services"]
         lines = ["services:"]
-        for name, service in base.items():
-            if name.endswith("-init"):
+        for name in base:
+            if name != "superlink" and not name.startswith("agent-"):
                 continue
             lines.append(f"  {name}:")
             if self.public is not None:
@@ -144,15 +163,6 @@ class Stack:
                 lines += ["    volumes:", f"      - {_yaml_string(public)}"]
             if name == "superlink":
                 lines.append("    ports: !reset []")
-            match = re.fullmatch(r"supernode-(\d)", name)
-            if match:
-                i = int(match.group(1))
-                node_config = " ".join(f"{k}={json.dumps(v)}"
-                                       for k, v in self.node_config(i).items())
-                command = [a for a in service["command"] if not a.startswith("--node-config")]
-                lines.append("    command:")
-                lines += [f"      - {_yaml_string(a)}"
-                          for a in [*command, f"--node-config={node_config}"]]
         (self.root / "compose.test.yml").write_text("\n".join(lines) + "\n")
 
     # -- docker compose ----------------------------------------------------------------------
@@ -187,11 +197,11 @@ class Stack:
             reply = json.loads(proc.stdout[proc.stdout.index("{"):])
             assert reply.get("success"), reply
             self.node_ids.append(int(reply["node-id"]))
-        if self.workers:
-            self.compose("--profile", "site-worker", "up", "-d", "--pull", "never",
-                         *(f"site-worker-{i}" for i in self.workers), timeout=STARTUP_TIMEOUT)
+        self.compose("up", "-d", "--wait", "--pull", "never",
+                     *(f"agent-{i}" for i in range(SITES)), timeout=STARTUP_TIMEOUT)
         self.compose("up", "-d", "--pull", "never",
-                     *(f"supernode-{i}" for i in range(SITES)), timeout=STARTUP_TIMEOUT)
+                     *(f"{kind}-{i}" for i in range(SITES) for kind in ("supernode", "clientapp")),
+                     timeout=STARTUP_TIMEOUT)
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while True:
             nodes = json.loads(self.flwr("supernode", "ls", "--format", "json").stdout)["nodes"]
@@ -201,18 +211,20 @@ class Stack:
             assert time.monotonic() < deadline, (nodes, self.compose("logs").stdout[-5000:])
             time.sleep(2)
 
-    def run(self, name: str, method: str, settings: dict) -> tuple[dict, str, float]:
-        """``flwr run /app`` from the operator's container with ``method`` and its
-        ``settings`` (the run's output in the SuperLink's ``/runs/NAME``), copied out to
-        ``ROOT/out/NAME``; returns the SuperLink's record of the run, its log, its seconds."""
+    def run(self, name: str, method: str, settings: dict, app: str = "/app",
+            tables: dict | None = None) -> tuple[dict, str, float]:
+        """``flwr run APP`` from the operator's container with ``method`` and its
+        ``settings`` (the run's output in the SuperLink's ``/runs/NAME``), or the run config's
+        ``tables`` as they are, copied out to ``ROOT/out/NAME``; returns the SuperLink's record
+        of the run, its log, its seconds."""
         import tomli_w
 
         table = {k.replace("_", "-"): v for k, v in
                  {**settings, "out": f"/runs/{name}"}.items()}
         (self.root / "runs" / f"{name}.toml").write_text(
-            tomli_w.dumps({"method": method, method: table}))
+            tomli_w.dumps({"method": method, method: table} if tables is None else tables))
         started = time.perf_counter()
-        proc = self.flwr("run", "/app", "docker", "--run-config", f"/run-config/{name}.toml",
+        proc = self.flwr("run", app, "docker", "--run-config", f"/run-config/{name}.toml",
                          "--stream", timeout=RUN_TIMEOUT)
         seconds = time.perf_counter() - started
         log = proc.stdout + proc.stderr
@@ -222,12 +234,19 @@ class Stack:
         record = json.loads(ls.stdout[ls.stdout.index("{"):])["runs"][0]
         out = self.root / "out"
         out.mkdir(exist_ok=True)
-        self.compose("cp", f"superlink:/runs/{name}", str(out / name))
+        self.compose("cp", f"superlink:/runs/{name}", str(out / name), check=False)
         return record, log, seconds
+
+    def close(self, log: Path) -> None:
+        """The project's logs into ``log``, then everything it started removed (asserted)."""
+        logs = self.compose("logs", "--no-color", check=False)
+        log.write_text(logs.stdout + logs.stderr)
+        left = self.stop()
+        assert left == [], f"left by the project {self.project}: {left}"
 
     def stop(self) -> list[str]:
         """Remove everything the project started; returns what is left (nothing)."""
-        self.compose("--profile", "site-worker", "--profile", "cli", "down", "-v",
+        self.compose("--profile", "cli", "down", "-v",
                      "--remove-orphans", "--timeout", "20", timeout=300, check=False)
         label = f"label=com.docker.compose.project={self.project}"
         left = []
@@ -267,10 +286,7 @@ def stack(tmp_path_factory):
         stack.start()
         yield stack
     finally:
-        logs = stack.compose("--profile", "site-worker", "logs", "--no-color", check=False)
-        (root / "compose.log").write_text(logs.stdout + logs.stderr)
-        left = stack.stop()
-        assert left == [], f"left by the project {stack.project}: {left}"
+        stack.close(root / "compose.log")
 
 
 TINY_RUN = {"clients": SITES, "samples-per-client": 2, "seqlen": 16, "batch-size": 2,
@@ -278,11 +294,9 @@ TINY_RUN = {"clients": SITES, "samples-per-client": 2, "seqlen": 16, "batch-size
 
 
 def _host_node_configs(stack: Stack) -> list[dict]:
-    """The sites' node configs with their data where the host has it, and no site worker (the
-    in-process reference: the ClientApp's handlers called in this process)."""
-    configs = [stack.node_config(i, str(stack.root / "data" / f"site-{i}"))
-               for i in range(SITES)]
-    return [{k: v for k, v in c.items() if k != "site-worker"} for c in configs]
+    """The sites' node configs with their data where the host has it (the in-process
+    reference: the operations called in this process)."""
+    return [stack.node_config(i, str(stack.root / "data" / f"site-{i}")) for i in range(SITES)]
 
 
 def _same_model(reference, saved_dir: Path) -> None:
@@ -310,15 +324,12 @@ def test_containerized_oneshot_equals_in_process(stack, oneshot):
     fed = report["results"][0]
     assert fed["valid_clients"] == SITES and fed["rounds"] == 1
     assert sorted(c["node"] for c in report["clients"]) == sorted(stack.node_ids)
-    # site 0 ran each message in its own flwr-clientapp process; sites 1 and 2 in their warm
-    # workers (another container, same uid and volumes)
+    # every site's ClientApp (its own container, a flwr-clientapp process per message) relayed
+    # its messages to the site's agent (another container, another uid)
     split = {(r["node"], r["stage"]): r for r in report["client_startup"]}
-    for i, node in enumerate(stack.node_ids):
+    for node in stack.node_ids:
         r = split[(node, "masks")]
-        if i in stack.workers:
-            assert r["startup_worker_seconds"] >= 0, r
-        else:
-            assert r["startup_import_seconds"] > 0 and r["startup_load_seconds"] > 0, r
+        assert r["startup_worker_seconds"] >= 0 and r["startup_runtime_seconds"] > 0, r
     reference = _reference_model(stack.public / "tiny-llama", {**settings, "out": "unused"},
                                  _host_node_configs(stack))
     _same_model(reference, stack.root / "out" / "oneshot" / "model")
@@ -391,31 +402,35 @@ def _inside(stack: Stack, service: str, canaries: dict, probes: list[str]) -> di
 
 
 def test_no_container_reads_another_sites_data(stack, oneshot):
-    """After a run (each site's corpus tokenized in its own cache): from inside every site's
-    SuperNode and worker, only its own canary is in any readable file outside the image, its
-    mounts are its own volumes, its data, its key and public material; the SuperLink's
+    """After a run (each site's corpus tokenized in its agent's cache): from inside every site's
+    agent, only its own canary is in any readable file outside the image; from inside its
+    SuperNode and its ClientApp container (the server's code) none is; each mounts its own
+    volumes and public material only (the agent its data, key and config too); the SuperLink's
     container (the ServerApp and its outputs) holds no site's canary."""
     canaries = {f"site-{i}": c for i, c in stack.canaries.items()}
-    public_mounts = {"/certs/ca.crt", "/peers/supernode-0.pub", "/peers/supernode-1.pub",
-                     "/peers/supernode-2.pub", str(stack.public), "/etc/hosts",
-                     "/etc/hostname", "/etc/resolv.conf"}
-    own = {"/data", "/keys/supernode", "/home/app/.flwr", "/home/app/.cache/fedcompress",
-           "/home/app/state", "/home/app/worker"}
-    services = [f"supernode-{i}" for i in range(SITES)] + [f"site-worker-{i}"
-                                                           for i in stack.workers]
+    public_mounts = {"/certs/ca.crt", *(f"/peers/agent-{j}.pub" for j in range(SITES)),
+                     str(stack.public), "/etc/hosts", "/etc/hostname", "/etc/resolv.conf"}
+    own = {"agent": {"/data", "/keys/agent", "/site/agent.toml", "/home/app/.cache/fedcompress",
+                     "/home/app/state", "/agent"},
+           "supernode": {"/keys/supernode", "/home/app/.flwr"},
+           "clientapp": {"/agent", "/home/app"}}
+    services = [f"{kind}-{i}" for i in range(SITES) for kind in own]
     mounts = {service: stack.mounts(service) for service in ["superlink", *services]}
     for service in services:
-        i = int(service[-1])
+        kind, i = service.rsplit("-", 1)[0], int(service[-1])
         seen = _inside(stack, service, canaries, ["/data/train.jsonl"])
-        assert seen["uid"] == SITE_UID + i, seen
-        assert set(seen["found"]) == {f"site-{i}"}, (service, seen["found"])
-        assert seen["readable"]["/data/train.jsonl"], seen
+        assert seen["uid"] == (APP_UID if kind == "clientapp" else SITE_UID) + i, seen
+        expected = {f"site-{i}"} if kind == "agent" else set()
+        assert set(seen["found"]) == expected, (service, seen["found"])
+        assert seen["readable"]["/data/train.jsonl"] == (kind == "agent"), seen
         extra = {m for m in seen["mounts"] if not m.startswith(("/proc", "/sys", "/dev"))}
-        assert extra <= own | public_mounts, (service, extra - own - public_mounts)
-        # the named volumes it mounts are its own (by name) and nobody else's
+        assert extra <= own[kind] | public_mounts, (service, extra - own[kind] - public_mounts)
+        # the named volumes it mounts are its own site's (by name) and nobody else's
         volumes = {m["Name"] for m in mounts[service] if m["Type"] == "volume"}
         assert volumes and all(v.startswith(f"{stack.project}_site-{i}-") for v in volumes), \
             volumes
+        if kind == "clientapp":
+            assert volumes == {f"{stack.project}_site-{i}-agent"}, volumes
     link = _inside(stack, "superlink", canaries, [])
     assert link["uid"] == SUPERLINK_UID and link["found"] == {}, link["found"]
     assert "/data" not in link["mounts"], link["mounts"]

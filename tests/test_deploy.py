@@ -16,13 +16,14 @@ FLWR_HOME:
 same seeds and node configs. ``missing``: site 2's data file does not exist; its ClientApp must
 fail with a clear error that the server logs and records (``rejected`` in report.json), and the
 run must go on with the two other sites (``min-clients=2``). An unregistered SuperNode (a fourth
-key pair) must be refused by the SuperLink. Some SuperNodes hand their messages to a warm site
-worker of their own (``fedcompress site-worker``, :data:`WORKER_SITES`): every site of ``full``
-(each method's messages still start a thin ``flwr-clientapp`` process per message, which hands
-the Message and the Context to the worker and the updated Context back to the SuperNode), and
-``missing``'s site 0; ``missing``'s site 1 keeps the fat path (a ``flwr-clientapp`` process that
-imports torch and runs the ClientApp itself per message). The fat path runs the same ClientApp
-(``clients.app.local_app``) as the worker, which every method's Simulation Engine test runs.
+key pair) must be refused by the SuperLink. A deployed site is its agent (``fedcompress
+site-agent``, :data:`AGENT_SITES`): its SuperNode's node config names only the agent's socket,
+and each message's thin ``flwr-clientapp`` process (the server's code) relays the Message to the
+agent, which holds the site's data, keys, policy, ledger and the run's Context (the SecAgg+
+keys between stages) and answers with the reply alone. ``missing``'s site 1 has no agent: its
+node config says ``site-mode="development"`` and it keeps the fat path (a ``flwr-clientapp``
+process that imports torch and runs the operations itself per message), which runs the same
+operations (``clients.app.local_app``) as the agents and every method's Simulation Engine test.
 
 Every process started (SuperLinks, SuperNodes, the ``flwr`` CLI, and the SuperExec /
 flwr-serverapp / flwr-clientapp processes they start) is stopped by PID at the end, also when a
@@ -69,11 +70,11 @@ OFFLINE = {
     "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
 }
 STARTUP_TIMEOUT = 90.0
-#: Sites whose SuperNode uses a warm site worker (``fedcompress site-worker``), by deployment:
-#: the workers spare the suite a torch import and a model load per message (a fat site of
-#: ``full`` started about 40 ``flwr-clientapp`` processes of 3 CPU seconds each); ``missing``'s
-#: site 1 keeps the fat path of the deployed runtime.
-WORKER_SITES = {"full": (0, 1, 2), "missing": (0,)}
+#: Sites with an agent (``fedcompress site-agent``), by deployment: a deployed site refuses to
+#: run without one. The agents also spare the suite a torch import and a model load per message
+#: (a fat site of ``full`` started about 40 ``flwr-clientapp`` processes of 3 CPU seconds
+#: each); ``missing``'s site 1 keeps the fat path (``site-mode="development"``).
+AGENT_SITES = {"full": (0, 1, 2), "missing": (0, 2)}
 # A safety net only: a run takes about a minute on 2 cores (more when the machine is busy).
 RUN_TIMEOUT = 300.0
 
@@ -321,16 +322,27 @@ class Deployment:
                   "secagg-peers": str(self.peers)}
         return {**config, **self.policy}
 
-    #: sites whose SuperNode hands its messages to a warm site worker: index -> the worker
-    #: (conftest.Worker) whose socket its node config names
-    workers: dict = {}
+    #: the sites' agents: index -> the agent (conftest.Agent) whose socket the SuperNode's
+    #: node config names (the site's whole node config is the agent's)
+    agents: dict = {}
+
+    def agent_config(self, i: int) -> Path:
+        """Site ``i``'s agent config file: its socket and the site's node config."""
+        folder = self.root / f"site-{i}" / "agent"
+        folder.mkdir(mode=0o700, parents=True)
+        path = folder / "agent.toml"
+        config = {"socket": str(folder / "run" / "agent.sock"), **self.node_config(i)}
+        path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items()))
+        path.chmod(0o600)
+        return path
 
     def start_sites(self) -> None:
         for i in range(CLIENTS):
-            config = dict(self.node_config(i))
-            if i in self.workers:
-                self.workers[i].wait_ready()
-                config["site-worker"] = str(self.workers[i].path)
+            if i in self.agents:
+                self.agents[i].wait_ready()
+                config = {"site-agent": str(self.agents[i].path)}
+            else:  # no agent: a test bench's fat path, with the site's keys in its node config
+                config = {**self.node_config(i), "site-mode": "development"}
             self.start_supernode(i, " ".join(f"{k}={json.dumps(v)}" for k, v in config.items()))
 
     def wait_sites(self) -> None:
@@ -398,18 +410,17 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deployments(tmp_path_factory, tiny_model_dir):
     """Two deployments (``full``, ``missing``: site 2 has no data file), each with its one-shot
-    FedPrLLM run started in the background (tests wait for ``dep.result``). Some SuperNodes hand
-    their messages to a warm site worker of their own (:data:`WORKER_SITES`): every site of
-    ``full``, and site 0 of ``missing`` (its site 1 keeps the fat path). Every process, the
-    workers too, is stopped by PID at the end, also on failure; none may be left, nor a
-    worker's socket."""
+    FedPrLLM run started in the background (tests wait for ``dep.result``). The sites of
+    :data:`AGENT_SITES` run an agent: every site of ``full``, sites 0 and 2 of ``missing`` (its
+    site 1 keeps the fat path, ``site-mode="development"``). Every process, the agents too, is
+    stopped by PID at the end, also on failure; none may be left, nor an agent's socket."""
     root = tmp_path_factory.mktemp("deploy")
     procs = Processes(root)
     deps = {name: Deployment(name, root, procs) for name in ("full", "missing")}
     app = _app_copy(root / "app")
     for dep in deps.values():
         dep.app = app
-    from conftest import Worker, build_tiny_task
+    from conftest import Agent, build_tiny_task
 
     # The sites' policy accepts the tiny model and task, releases masks in the clear (the
     # plain vote runs here beside the SecAgg+ one; require-secagg=false is the operator's
@@ -432,16 +443,17 @@ def deployments(tmp_path_factory, tiny_model_dir):
                 site.write_text("".join(documents))
     pool = ThreadPoolExecutor(8)
     for dep in deps.values():
-        dep.workers = {}
+        dep.agents = {}
     try:
-        # their start-up (imports) overlaps the SuperLinks' and the registrations; a worker
+        # their start-up (imports) overlaps the SuperLinks' and the registrations; an agent
         # makes its own 0700 folder for its socket
-        for name, sites in WORKER_SITES.items():
+        for name, sites in AGENT_SITES.items():
             dep = deps[name]
             for i in sites:
-                dep.workers[i] = Worker(dep.root / f"site-{i}" / "worker" / "worker.sock",
-                                        dep.root / "cache", root / f"worker-{name}-{i}.log",
-                                        env=dep.env(f"worker-{i}"), wait=False)
+                config = dep.agent_config(i)
+                dep.agents[i] = Agent(config.parent / "run" / "agent.sock", dep.root / "cache",
+                                      root / f"agent-{name}-{i}.log",
+                                      env=dep.env(f"agent-{i}"), wait=False, config=config)
         for dep in deps.values():
             dep.start_superlink()
         for dep in deps.values():
@@ -463,8 +475,8 @@ def deployments(tmp_path_factory, tiny_model_dir):
     finally:
         left = procs.stop_all()
         pool.shutdown(wait=True, cancel_futures=True)
-        codes = {(dep.name, i): (w.stop(), w.path.exists(), w.log())
-                 for dep in deps.values() for i, w in dep.workers.items()}
+        codes = {(dep.name, i): (a.stop(), a.path.exists(), a.log())
+                 for dep in deps.values() for i, a in dep.agents.items()}
         assert left == [], f"processes left running: {[(p.pid, p.name()) for p in left]}"
         for code, socket_left, log in codes.values():
             assert code == 0 and not socket_left, log
@@ -545,9 +557,9 @@ def test_deployed_personalize_equals_in_process(deployments, tiny_model_dir, tmp
 
 def test_deployed_secure_vote_equals_in_process_vote(deployments, tiny_model_dir):
     """SecAgg+ on the deployment: every stage of a site runs in a new (thin) ClientApp process
-    and its worker, its keys and shares kept in the SuperNode's state (the Context the thin
-    process hands to the worker and back) between them; the sites sign their
-    SecAgg keys with their node-auth keys (node config secagg-key, secagg-peers) and run the
+    that relays it to the site's agent, the site's keys and shares kept in the agent's Context
+    of the run (never in the SuperNode's state) between them; the agents sign their SecAgg
+    keys with their sites' keys (agent config secagg-key, secagg-peers) and run the
     consistency round; the model pruned from the secure sum equals the in-process plain
     vote."""
     from fedcompress.models import load_model
@@ -662,8 +674,8 @@ def test_deployed_run_equals_in_process_vote(deployments, tiny_model_dir):
     assert sorted(c["node"] for c in report["clients"]) == sorted(dep.node_ids)
     assert sorted(c["partition"] for c in report["clients"]) == list(range(CLIENTS))
     assert {"engine_startup", "federated_pruning"} <= set(report["timings"])
-    # Every site handed its messages to its warm worker: a reply carries the thin process's
-    # runtime and the exchange, and the worker's compute (the fat path's whole start-up is
+    # Every site relayed its messages to its agent: a reply carries the thin process's
+    # runtime and the exchange, and the agent's compute (the fat path's whole start-up is
     # checked on the ``missing`` deployment's site 1).
     split = report["client_startup"]
     by_node = {c["node"]: c for c in report["clients"]}
@@ -676,7 +688,7 @@ def test_deployed_run_equals_in_process_vote(deployments, tiny_model_dir):
             assert r["client_startup_seconds"] == pytest.approx(
                 r["startup_import_seconds"] + r["startup_load_seconds"])
             assert r["startup_worker_seconds"] >= 0, r
-            assert by_node[r["node"]]["pid"] == dep.workers[site].proc.pid
+            assert by_node[r["node"]]["pid"] == dep.agents[site].proc.pid
     assert report["client_startup_seconds"] == [r["client_startup_seconds"] for r in split
                                                 if r["stage"] == "warmup"]
 
@@ -686,7 +698,7 @@ def test_deployed_run_equals_in_process_vote(deployments, tiny_model_dir):
 
 
 def test_missing_data_path_is_reported_and_run_goes_on(deployments):
-    """Site 2's data file does not exist: its ClientApp fails with a clear error, the server
+    """Site 2's data file does not exist: its agent refuses with a clear error, the server
     logs it, records it in report.json and prunes with the two other sites (min-clients=2)."""
     dep = deployments["missing"]
     run, log = dep.result.result()
@@ -706,9 +718,12 @@ def test_missing_data_path_is_reported_and_run_goes_on(deployments):
         assert "data-path" in record["reason"] and "does not exist" in record["reason"], record
         assert str(dep.sites[MISSING_SITE]) not in record["reason"], record
     assert sorted(c["node"] for c in report["clients"]) == sorted(set(dep.node_ids) - {site})
-    # The server logged it (the run's log streams the ServerApp's), the site logged it too.
+    # The server logged it (the run's log streams the ServerApp's), the site's agent logged it
+    # with the path (the site's own log), its SuperNode's ClientApp (the server's code) never
+    # saw the path.
     assert f"client node {site} left out" in log and "does not exist" in log
-    assert f"'{dep.sites[MISSING_SITE]}' does not exist" in dep.log(f"supernode-{MISSING_SITE}")
+    assert f"'{dep.sites[MISSING_SITE]}' does not exist" in dep.agents[MISSING_SITE].log()
+    assert str(dep.sites[MISSING_SITE]) not in dep.log(f"supernode-{MISSING_SITE}")
 
 
 def test_deployed_run_refuses_another_methods_setting(deployments):
@@ -721,24 +736,24 @@ def test_deployed_run_refuses_another_methods_setting(deployments):
     assert "fedprllm.sparsity=0.7 is a setting of method 'fedprllm'" in log, log[-4000:]
 
 
-def test_deployed_site_with_a_worker_prunes_as_the_fat_path(deployments, tiny_model_dir):
-    """The ``missing`` deployment's site 0 hands its messages to a warm site worker: its masks
-    come from the worker (the thin per-message process's runtime and imports, the worker's
+def test_deployed_site_with_an_agent_prunes_as_the_fat_path(deployments, tiny_model_dir):
+    """The ``missing`` deployment's site 0 relays its messages to its agent: its masks
+    come from the agent (the thin per-message process's runtime and imports, the agent's
     loading and compute), the other sites' from their own ClientApp processes, and the pruned
     model equals the in-process vote of fat ClientApps over the same sites (site 2 failing)."""
     from fedcompress.models import load_model
 
     dep = deployments["missing"]
-    worker = dep.workers[0]
+    agent = dep.agents[0]
     run, log = dep.result.result()
     assert run["status"] == "finished:completed", f"{run}\n{log[-4000:]}"
     report = json.loads((dep.root / "out" / "report.json").read_text())
     by_node = {c["node"]: c for c in report["clients"]}
-    assert by_node[dep.node_ids[0]]["pid"] == worker.proc.pid  # site 0: the worker's masks
-    assert by_node[dep.node_ids[1]]["pid"] != worker.proc.pid
+    assert by_node[dep.node_ids[0]]["pid"] == agent.proc.pid  # site 0: the agent's masks
+    assert by_node[dep.node_ids[1]]["pid"] != agent.proc.pid
     split = [r for r in report["client_startup"] if r["node"] == dep.node_ids[0]]
     assert {r["stage"] for r in split} == {"warmup", "masks"}
-    for r in split:  # the thin process's runtime and imports, the worker's load/compute
+    for r in split:  # the thin process's runtime and imports, the agent's load/compute
         assert r["startup_runtime_seconds"] > 0 and r["startup_worker_seconds"] >= 0, r
     # site 1, the fat path: each message's own flwr-clientapp process carries its whole
     # start-up (Flower's runtime, torch's imports, the model's loading) and its compute
@@ -749,7 +764,7 @@ def test_deployed_site_with_a_worker_prunes_as_the_fat_path(deployments, tiny_mo
         assert r["startup_load_seconds"] > 0 and r["compute_seconds"] >= 0, r
         assert r["client_startup_seconds"] == pytest.approx(
             r["startup_import_seconds"] + r["startup_load_seconds"])
-    assert "message 2: train.masks" in worker.log(), worker.log()
+    assert "message 2: train.masks" in agent.log(), agent.log()
     settings = {**RUN, "model": str(tiny_model_dir), "out": str(dep.root / "out"),
                 "min-clients": 2}
     reference = _reference_model(tiny_model_dir, settings,
@@ -767,12 +782,17 @@ def _mount(volume: str) -> tuple[str, str]:
 
 def test_compose_file_is_the_tested_deployment(tmp_path):
     """docker/compose.yml starts what this module tests: Flower 1.42 accepts every command
-    line, TLS and SuperNode authentication are on, each site has its own key, partition and data
-    path, nothing is installed at run time, and make_certs.py makes every mounted file."""
+    line, TLS and SuperNode authentication are on, each site has its own node key, agent key,
+    agent config (partition, data path) and data folder, each SuperNode's ClientApp runs in a
+    container that reaches it (``--isolation process``), nothing is installed at run time, and
+    make_certs.py makes every mounted key."""
     import yaml
     from flwr.common.config import parse_config_args
+    from flwr.supercore.cli.flower_superexec import _parse_args as _parse_args_superexec
     from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink
     from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
+
+    from clients.site_agent import NODE_CONFIG_KEY
 
     compose = yaml.safe_load((REPO / "docker" / "compose.yml").read_text())
     services = compose["services"]
@@ -791,28 +811,38 @@ def test_compose_file_is_the_tested_deployment(tmp_path):
     made = _make_certs().create(tmp_path / "certs", CLIENTS, [])
     sites = sorted(name for name in services if name.startswith("supernode-"))
     assert len(sites) == CLIENTS
-    seen = {"keys": set(), "partitions": set()}
+    seen: dict[str, set] = {"keys": set(), "agent_keys": set(), "partitions": set(),
+                            "data": set()}
     for name in sites:
+        i = int(name.rsplit("-", 1)[1])
         service = services[name]
         assert service["command"][0] == "flower-supernode"
-        # `${SITEi_WORKER:+site-worker="..."}`: Compose's interpolation (unset here)
-        command = [re.sub(r"\$\{[^}]*\}", "", arg) for arg in service["command"]]
-        args = _parse_args_run_supernode().parse_args(command[1:])
+        args = _parse_args_run_supernode().parse_args(service["command"][1:])
         assert args.superlink == "superlink:8000" and not args.insecure
         assert args.root_certificates == "/certs/ca.crt"
+        assert args.isolation == "process" and args.port == 9094
         node_config = parse_config_args([args.node_config])
-        assert node_config["num-partitions"] == CLIENTS and node_config["data-path"] == "/data"
-        seen["partitions"].add(node_config["partition-id"])
+        assert node_config == {NODE_CONFIG_KEY: "/agent/agent.sock"}, node_config
         mounts = dict(_mount(v) for v in service["volumes"])
         key = mounts[args.auth_supernode_private_key]
         seen["keys"].add(key)
         assert (tmp_path / Path(key)).is_file(), key  # ./certs/keys/supernode-I
-        default_data = re.fullmatch(r"\$\{SITE\d_DATA:-(.+)\}", mounts["/data"]).group(1)
+        app = services[f"clientapp-{i}"]
+        superexec = _parse_args_superexec().parse_args(app["command"][1:])
+        assert superexec.runtime_api_address == f"{name}:{args.port}" and superexec.insecure
+        agent = services[f"agent-{i}"]
+        agent_mounts = dict(_mount(v) for v in agent["volumes"])
+        assert (tmp_path / Path(agent_mounts["/keys/agent"])).is_file()  # ./certs/keys/agent-I
+        seen["agent_keys"].add(agent_mounts["/keys/agent"])
+        config = tomllib.loads((REPO / "docker" / agent_mounts["/site/agent.toml"]).read_text())
+        assert config["num-partitions"] == CLIENTS and config["data-path"] == "/data"
+        seen["partitions"].add(config["partition-id"])
+        default_data = re.fullmatch(r"\$\{SITE\d_DATA:-(.+)\}", agent_mounts["/data"]).group(1)
         # each site its own data folder, under docker/data (never in git nor in the image)
-        assert default_data == f"./data/site-{node_config['partition-id']}", default_data
-        seen.setdefault("data", set()).add(default_data)
+        assert default_data == f"./data/site-{config['partition-id']}", default_data
+        seen["data"].add(default_data)
     assert seen["partitions"] == set(range(CLIENTS)) and len(seen["keys"]) == CLIENTS
-    assert len(seen["data"]) == CLIENTS
+    assert len(seen["data"]) == CLIENTS and len(seen["agent_keys"]) == CLIENTS
     for ignore in (".gitignore", "docker/Dockerfile.dockerignore", ".dockerignore"):
         assert "docker/data" in (REPO / ignore).read_text(), ignore
     # Docker's legacy builder reads only the context's .dockerignore: the same exclusions

@@ -86,6 +86,68 @@ def test_the_relay_gets_the_agents_answer_and_nothing_else(agent, tiny_dir, tmp_
     assert '"action":"train.masks"' in journal  # the agent's ledger recorded the release
 
 
+def test_a_deployed_site_without_an_agent_refuses_every_message(tiny_dir, tmp_path):
+    """The FAB's ClientApp at a deployed site whose node config names no agent refuses (its
+    SuperNode's process would hold the data, keys and ledger beside the server's code), naming
+    the key; ``site-mode="development"`` (a test bench) runs the operation in process."""
+    from clients.app import app
+
+    config = {"partition-id": 0, "num-partitions": 2, "state-dir": str(tmp_path / "state"),
+              "models": tiny_dir, "require-secagg": False}
+    for mode in ("deployment", ""):
+        context = Context(run_id=1, node_id=100, node_config={**config, "site-mode": mode},
+                          state=RecordDict(), run_config={})
+        reply = app(_message("train.masks", {"config": _fp(tiny_dir)}), context)
+        assert reply.has_error(), mode
+        assert "names no site agent (site-agent=" in reply.error.reason
+        assert 'site-mode="development"' in reply.error.reason
+        assert not (tmp_path / "state").exists()  # nothing ran, nothing was recorded
+    context = Context(run_id=1, node_id=100, node_config={**config, "site-mode": "development"},
+                      state=RecordDict(), run_config={})
+    reply = app(_message("train.masks", {"config": _fp(tiny_dir)}), context)
+    assert not reply.has_error(), reply.error.reason
+    assert reply.content["metrics"]["ledger_dp"] == 0
+
+
+_DEPLOYED_PATH = """
+import json, sys
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from clients import site_agent as sa
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+agent = sa.SiteAgent(json.loads(sys.argv[1]))
+out = {}
+for name, config in json.loads(sys.argv[2]).items():
+    reply = agent.handle(Message(RecordDict({"config": ConfigRecord(config)}), dst_node_id=100,
+                                 message_type="train.masks"))
+    out[name] = reply.error.reason if reply.has_error() else "answered"
+out["simulated imported"] = "clients.simulated" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def test_the_deployed_path_never_imports_the_simulations_faults_and_attacks(tiny_dir, tmp_path):
+    """An agent (a fresh process) answers an honest operation and refuses an attack model's
+    switch, and never imports clients/simulated.py, where faults and attacks live."""
+    import subprocess
+    import sys
+
+    node_config = {"partition-id": 0, "num-partitions": 2, "site-mode": "deployment",
+                   "state-dir": str(tmp_path / "state"), "models": tiny_dir,
+                   "require-secagg": False}
+    configs = {"honest": _fp(tiny_dir), "attacker": _fp(tiny_dir, attackers=2, attack="random"),
+               "faulty": _fp(tiny_dir, faulty=1, fault="corrupt")}
+    proc = subprocess.run([sys.executable, "-c", _DEPLOYED_PATH, json.dumps(node_config),
+                           json.dumps(configs)], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["honest"] == "answered", out
+    for name in ("attacker", "faulty"):
+        assert "simulation-only switch" in out[name], out
+    assert out["simulated imported"] is False
+
+
 def test_an_operation_the_agent_does_not_know_is_refused(agent):
     reply = sa.relay(str(agent.path), _message("query.read_file", {"config": {"path": "/"}}))
     assert reply.has_error()
@@ -127,12 +189,18 @@ def test_a_bad_config_file_is_refused(tmp_path):
             "state-dir": str(tmp_path / "state")}
     assert sa.load_config(_write_config(tmp_path / "a", **good)).node_config["site-mode"] == (
         "deployment")
+    shared = sa.load_config(_write_config(tmp_path / "s", **good, **{"relay-uid": 50200}))
+    assert shared.relay_uid == 50200 and "relay-uid" not in shared.node_config
     for keys, words in (
             ({**good, "data_path": "/data"}, "unknown key 'data_path' (did you mean "
                                              "'data-path'?)"),
             ({k: v for k, v in good.items() if k != "socket"}, "'socket'"),
             ({**good, "site-worker": "/x"}, "belongs in the SuperNode's node config"),
             ({**good, "site-mode": "simulation"}, "never for an agent"),
+            ({**good, "site-mode": "development"}, "never for an agent"),
+            ({**good, "relay-uid": 0}, "relay-uid=0 is invalid"),
+            ({**good, "relay-uid": "50200"}, "relay-uid='50200' is invalid"),
+            ({**good, "relay-uid": os.geteuid()}, f"relay-uid={os.geteuid()} is invalid"),
             ({**good, "max-epsilon": -1}, "max-epsilon=-1.0 is invalid")):
         with pytest.raises(sa.SiteAgentError, match=re.escape(words)):
             sa.load_config(_write_config(tmp_path / f"b{len(words)}", **keys))

@@ -222,7 +222,7 @@ def test_missing_socket_or_not_a_socket_is_a_clear_error(tmp_path):
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(tmp_path / "stale.sock"))
     stale.close()
-    with pytest.raises(sw.SiteWorkerError, match="no site worker answers"):
+    with pytest.raises(sw.SiteWorkerError, match="nothing answers at site-worker socket"):
         sw.exchange(str(tmp_path / "stale.sock"), message, context)
 
 

@@ -62,7 +62,10 @@ key                                 default   meaning
 ``research-reproducible-secrets``   false     seeded secret draws (research only: every reply and
                                               report then says the guarantee does not hold)
 ``site-mode``                       ""        ``"simulation"``: this site is a simulated one (an
-                                              in-process harness); ``"deployment"``: never simulated
+                                              in-process harness); ``"deployment"``: never
+                                              simulated; ``"development"``: as deployment, but
+                                              the SuperNode may run the operations without an
+                                              agent
 =================================== ========= ===================================================
 
 **How ``simulation`` is derived (never from the server).** True when
@@ -76,9 +79,13 @@ key                                 default   meaning
 * the site's own node config says ``site-mode="simulation"`` (tests' in-process harness, which
   plays the SuperNodes itself).
 
-``site-mode="deployment"`` forces False even inside Ray (a site operator who runs its own
-ClientApp on Ray). In simulation the server runs the sites (a Simulation Engine gives its
-virtual sites no node config of their own), so there is nobody to hold a bound against: the
+``site-mode="deployment"`` (or ``"development"``) forces False even inside Ray (a site
+operator who runs its own ClientApp on Ray). A deployed site's ClientApp relays every message
+to the site's agent (:mod:`clients.site_agent`) and refuses to run without one; only
+``site-mode="development"`` (a test bench, never a site with private data) lets the SuperNode's
+ClientApp process run the operations itself, with the data, keys and ledger in its reach. In
+simulation the server runs the sites (a Simulation Engine gives its virtual sites no node
+config of their own), so there is nobody to hold a bound against: the
 fault and attack switches are honoured, and the bounds the server chooses (max-epsilon,
 allow-no-dp, max-delta, models, corpora, a known seed) are not enforced; every reply says so
 (its ``site_policy_enforced`` metric is 0; :attr:`SitePolicy.enforcement`). The ledger still
@@ -418,6 +425,8 @@ POLICY_KEYS: dict[str, str] = {
     "research-reproducible-secrets": "reproducible_secrets",
 }
 _OTHER_KEYS = ("policy", "site-mode")
+#: ``site-mode``'s values ("": derived, see the module docstring)
+SITE_MODES = ("", "simulation", "deployment", "development")
 #: node-config keys a site uses for other purposes (never mistaken for a policy typo)
 _SITE_KEYS = ("partition-id", "num-partitions", "data-path", "site-worker", "site-agent")
 _FIELD_TYPES = {f.name: f.type for f in fields(SitePolicy)}
@@ -449,9 +458,9 @@ def site_policy(node_config: Mapping[str, Any]) -> SitePolicy:
             raise PolicyError(f"node config key {key!r} is not a policy key: did you mean "
                               f"{close[0]!r}?")
     mode = str(values.pop("site-mode", "") or "")
-    if mode not in ("", "simulation", "deployment"):
+    if mode not in SITE_MODES:
         raise PolicyError(f"node config site-mode={mode!r} is invalid: expected 'simulation', "
-                          "'deployment' or nothing")
+                          "'deployment', 'development' or nothing")
     simulation = mode == "simulation" or (mode == "" and in_simulation_engine())
     kwargs: dict[str, Any] = {POLICY_KEYS[k]: _convert(k, v) for k, v in values.items()}
     ephemeral = False

@@ -9,7 +9,11 @@ neighbour site) would, each asserting that it is refused or fails:
 * the key files of ``docker/make_certs.py``: never readable by group or others at any instant,
   a planted symlink at a key's path not followed;
 * Docker Compose (``docker/compose*.yml``): one site's cache, state, data or key mounted in
-  another site's or the SuperLink's container, sites sharing a user;
+  another site's or the SuperLink's container, sites sharing a user; the server's ClientApp
+  run beside a site's data, keys, ledger or network (it runs in ``clientapp-I`` with the agent's
+  socket alone);
+* the site agent's shared socket (``relay-uid``): a third uid connecting, a relay that meets a
+  socket folder others may write or a listener of another uid than the folder's owner;
 * the fixed-point lanes SecAgg+ sums (``encode_fixed``): a value at, or just over, the edge of
   the range, a sum of all sites that would wrap, integer lanes.
 
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -294,8 +297,8 @@ def test_folder_swapped_after_the_check_does_not_redirect(tmp_path, monkeypatch)
     evil = Listener(evil_dir / "w.sock")
     real_check = sw._check_socket_file
 
-    def check_then_swap(fd, name, path):
-        real_check(fd, name, path)
+    def check_then_swap(fd, name, path, owner=None):
+        real_check(fd, name, path, owner)
         os.rename(site, tmp_path / "moved")
         os.rename(evil_dir, site)
 
@@ -398,6 +401,116 @@ def test_worker_refuses_a_client_of_another_uid(private_dir, monkeypatch, caplog
         assert f"runs as uid {os.geteuid()}" in answer["error"]
         assert f"expected uid {OTHER_UID}" in answer["error"]
         monkeypatch.undo()
+
+
+# -- the site agent's shared socket (relay-uid) ----------------------------------------------------
+@contextlib.contextmanager
+def _serving_shared(path: Path, peer_uids: tuple[int, ...]):
+    """``serve_socket`` as a site agent with ``peer_uids`` (its relay-uid) in a thread; every
+    served connection answers ``{"ok": true, "uid": PEER}``."""
+    stop = threading.Event()
+
+    def handle(conn, timeout):
+        sw.write_json(conn, {"ok": True, "uid": sw.peer_credentials(conn)[1]})
+
+    thread = threading.Thread(target=sw.serve_socket, args=(str(path), "site agent", handle,
+                                                            lambda: 0, stop),
+                              kwargs={"warm": False, "peer_uids": peer_uids}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.02)
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+_CONNECT_AS = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+s.connect(sys.argv[1])
+data = b""
+while chunk := s.recv(4096):
+    data += chunk
+sys.stdout.write(data.decode("utf-8", "replace"))
+"""
+
+
+def test_agent_socket_serves_its_relay_uid_and_refuses_a_third_uid():
+    """The agent's socket is shared with its ClientApp container's uid (``relay-uid``): folder
+    0711, socket 0666. A process of that uid is served; a process of a third uid that reaches
+    the socket is refused by its kernel-reported uid before anything is read."""
+    import subprocess
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run processes as other uids")
+    # an interpreter other uids may run (this one may live in root's home)
+    python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3")
+                   if os.access(p, os.X_OK)), None)
+    if python is None:
+        pytest.skip("needs a system python3 that other uids can run")
+    relay, third = OTHER_UID, OTHER_UID + 1
+    top = Path(tempfile.mkdtemp(prefix="fedcompress-shared-", dir="/tmp"))
+    try:
+        top.chmod(0o711)
+        path = top / "agent" / "agent.sock"
+        with _serving_shared(path, (relay,)):
+            assert stat.S_IMODE(path.parent.stat().st_mode) == 0o711
+            assert stat.S_IMODE(path.stat().st_mode) == 0o666
+            answers = {uid: subprocess.run([python, "-c", _CONNECT_AS, str(path)],
+                                           user=uid, group=uid, capture_output=True, text=True,
+                                           timeout=30, cwd="/")
+                       for uid in (relay, third)}
+        assert answers[relay].returncode == 0, answers[relay].stderr
+        assert f'"uid": {relay}' in answers[relay].stdout, answers[relay].stdout
+        refused = answers[third].stdout
+        assert f"runs as uid {third}" in refused and '"ok": false' in refused, refused
+        assert f"or {relay}" in refused  # the allowed uids are named, no more
+    finally:
+        import shutil
+
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_relay_refuses_an_agent_folder_others_may_write(tmp_path):
+    """The relay meets the agent's socket in a folder that group or others may write (where
+    anyone could plant a socket of their own): refused, naming the mode, before connecting."""
+    folder = tmp_path / "agent"
+    folder.mkdir()
+    folder.chmod(0o733)
+    evil = Listener(folder / "agent.sock")
+    try:
+        with pytest.raises(sw.SiteWorkerError, match=r"mode 0733, writable by group or others"):
+            sw._connect(str(folder / "agent.sock"), shared=True)
+        assert evil.connections == 0
+    finally:
+        evil.close()
+    with pytest.raises(sw.SiteWorkerError, match=r"mode 0733, writable by group or others"):
+        sw._listen(str(folder / "agent.sock"), shared=True)
+
+
+def test_relay_refuses_a_listener_that_is_not_the_folders_owner(tmp_path):
+    """An agent folder (and socket file) of uid A, but the process listening is another uid's:
+    the relay refuses it by the listener's kernel-reported uid."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown the folder and socket")
+    folder = tmp_path / "agent"
+    folder.mkdir(mode=0o711)
+    folder.chmod(0o711)
+    evil = Listener(folder / "agent.sock")
+    try:
+        os.chown(folder, OTHER_UID, OTHER_UID)
+        os.chown(folder / "agent.sock", OTHER_UID, OTHER_UID)
+        with pytest.raises(sw.SiteWorkerError,
+                           match=rf"runs as uid 0 .*expected uid {OTHER_UID} \(the owner"):
+            sw._connect(str(folder / "agent.sock"), shared=True)
+    finally:
+        evil.close()
 
 
 # -- frames ---------------------------------------------------------------------------------------
@@ -730,11 +843,15 @@ def _owner(name: str, service: dict) -> str:
     if isinstance(labels, list):
         labels = dict(item.split("=", 1) for item in labels)
     owner = labels.get("fedcompress.site")
-    if owner is None:  # unlabelled: by its name (supernode-I, site-worker-I, superlink, cli)
-        site = re.fullmatch(r"(?:supernode|site-worker|site)-(\d+)(?:-init)?", name)
+    if owner is None:  # unlabelled: by its name (supernode-I, agent-I, superlink, cli)
+        site = re.fullmatch(r"(?:supernode|agent|clientapp|site)-(\d+)(?:-init)?", name)
         owner = f"site-{site.group(1)}" if site else (
             "superlink" if name.startswith("superlink") else "operator")
     return owner
+
+
+def _role(service: dict) -> str:
+    return str((service.get("labels") or {}).get("fedcompress.role", ""))
 
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
@@ -742,7 +859,9 @@ def test_compose_shares_nothing_private_between_sites(path):
     """The reviewer's attack: from site B's (or the SuperLink's) container, read site A's
     tokenized corpus in a cache volume both mount. Now no named volume or bind mount is
     mounted by services of two different owners (sites, the SuperLink, the operator's CLI),
-    except read-only public material (the CA certificate, public keys)."""
+    except read-only public material (the CA certificate, public keys). Users: a site's agent
+    and SuperNode share the site's uid; its ClientApp container (the server's code) has a uid
+    of its own; no two owners share one, and none is root or the image's 49999."""
     compose = _load(path)
     services = compose["services"]
     users: dict[str, set[str]] = {}
@@ -754,31 +873,32 @@ def test_compose_shares_nothing_private_between_sites(path):
                 continue
             owners_of.setdefault(source, set()).add(owner)
         if owner.startswith("site-") or owner == "superlink":
-            role = (service.get("labels") or {}).get("fedcompress.role", "")
-            if role == "init":  # a one-shot chown of this owner's own volumes, as root
+            if _role(service) == "init":  # a one-shot chown of this owner's own volumes, root
                 assert service.get("restart") == "no", name
+                assert service.get("network_mode") == "none", name
                 for source, _, _ in _mounts(service):
                     assert source in compose["volumes"], (name, source)  # named volumes only
                 continue
-            users.setdefault(owner, set()).add(str(service.get("user", "the image's user")))
+            group = f"{owner}:server-code" if _role(service) == "clientapp" else owner
+            users.setdefault(group, set()).add(str(service.get("user", "the image's user")))
     shared = {source: owners for source, owners in owners_of.items() if len(owners) > 1}
     assert not shared, f"mounted by services of different owners: {shared}"
-    # each owner one user, every owner a different one, never root or the image's 49999
     assert all(len(u) == 1 for u in users.values()), users
     flat = [next(iter(u)) for u in users.values()]
     assert len(set(flat)) == len(flat), users
     for user in flat:
         uid = user.split(":")[0]
         assert uid.isdigit() and int(uid) not in (0, 49999), f"{user}: {users}"
-    sites = sorted(o for o in users if o.startswith("site-"))
+    sites = sorted(o for o in users if o.startswith("site-") and ":" not in o)
     assert len(sites) >= 3 and "superlink" in users
 
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
 def test_compose_private_keys_and_site_volumes_stay_home(path):
-    """A site's private key (``certs/keys/supernode-I``) is mounted only in that site's
-    services; the CA key nowhere; the SuperLink's TLS key only in the SuperLink; every site
-    has its own cache, state and FLWR_HOME volumes (and the SuperLink its own)."""
+    """A site's node-auth key (``certs/keys/supernode-I``) is mounted only in its SuperNode,
+    its SecAgg+ key (``certs/keys/agent-I``) and its agent config only in its agent; the CA key
+    nowhere; the SuperLink's TLS key only in the SuperLink; every site has its own cache, state
+    and FLWR_HOME volumes (and the SuperLink its own)."""
     compose = _load(path)
     services = compose["services"]
     for name, service in services.items():
@@ -787,22 +907,90 @@ def test_compose_private_keys_and_site_volumes_stay_home(path):
             assert not source.endswith("ca.key"), name
             if source.endswith("server.key"):
                 assert owner == "superlink", name
-            key = re.search(r"keys/supernode-(\d+)$", source)
-            if key:
-                assert owner == f"site-{key.group(1)}", (name, source)
+            for kind, role in (("supernode", "supernode"), ("agent", "agent")):
+                key = re.search(rf"keys/{kind}-(\d+)$", source)
+                if key:
+                    assert owner == f"site-{key.group(1)}" and _role(service) == role, (
+                        name, source)
+            if source.startswith("./sites/"):
+                assert _role(service) == "agent" and source == f"./sites/{owner}.toml", name
     for i in range(3):
-        site = {n: s for n, s in services.items() if _owner(n, s) == f"site-{i}"}
-        node = site[f"supernode-{i}"]
-        targets = {t: s for s, t, _ in _mounts(node)}
-        env = node.get("environment") or {}
-        cache = env.get("FEDCOMPRESS_CACHE", "/home/app/.cache/fedcompress")
-        for target in (cache, env.get("FLWR_HOME", "/home/app/.flwr"), "/home/app/state"):
-            assert targets.get(target) in compose["volumes"], (i, target, targets)
-            assert f"-{i}-" in f"-{targets[target]}-" or targets[target].startswith(
-                f"site-{i}"), (i, target, targets[target])
-        worker = site.get(f"site-worker-{i}")
-        assert worker is not None, f"site {i} has no optional site-worker service"
-        assert worker["user"] == node["user"]
-        sock_dir = next(t for s, t, _ in _mounts(worker) if "worker" in s)
-        assert any(t == sock_dir for _, t, _ in _mounts(node))
-        assert json.dumps(worker["command"]).count(sock_dir) == 1
+        agent, node = services[f"agent-{i}"], services[f"supernode-{i}"]
+        agent_targets = {t: s for s, t, _ in _mounts(agent)}
+        node_targets = {t: s for s, t, _ in _mounts(node)}
+        for target, volume in (("/home/app/.cache/fedcompress", "cache"),
+                               ("/home/app/state", "state")):
+            assert agent_targets.get(target) == f"site-{i}-{volume}", (i, target, agent_targets)
+        assert node_targets.get("/home/app/.flwr") == f"site-{i}-home", node_targets
+        assert agent["user"] == node["user"]
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_the_servers_code_gets_nothing_of_the_site(path):
+    """Issue 62's attack: the server ships the ClientApp a SuperNode runs, and in the old compose
+    file it ran in the SuperNode's container beside the site's data, its private key and its
+    ledger. Now each site's ClientApp runs in ``clientapp-I``, as a uid of its own, with only
+    the agent's socket volume (no data, key, cache, state or Flower home; its home a tmpfs),
+    on the site's internal network alone; the SuperNode holds only its node-auth key and its
+    Flower home, and names only the agent's socket in its node config; the agent has no
+    network and is the only service that mounts the site's data, state, cache and keys."""
+    compose = _load(path)
+    services = compose["services"]
+    networks = compose.get("networks") or {}
+    for i in range(3):
+        app, node = services[f"clientapp-{i}"], services[f"supernode-{i}"]
+        agent = services[f"agent-{i}"]
+        assert _role(app) == "clientapp" and _owner(f"clientapp-{i}", app) == f"site-{i}"
+        assert [(s, t) for s, t, _ in _mounts(app)] == [(f"site-{i}-agent", "/agent")]
+        assert [t.split(":")[0] for t in app.get("tmpfs") or []] == ["/home/app"]
+        assert app["user"] != agent["user"] and app["user"].split(":")[0] != "0"
+        assert app.get("networks") == [f"site-{i}"], app.get("networks")
+        assert networks[f"site-{i}"].get("internal") is True
+        assert app["command"][0] == "flower-superexec"
+        assert f"--runtime-api-address=supernode-{i}:9094" in app["command"]
+        # the SuperNode: its node-auth key and Flower home, ClientApps in another container
+        node_mounts = {s for s, _, _ in _mounts(node)}
+        assert node_mounts == {"./certs/ca.crt", f"./certs/keys/supernode-{i}",
+                               f"site-{i}-home"}, node_mounts
+        assert "--isolation=process" in node["command"]
+        configs = [a for a in node["command"] if a.startswith("--node-config=")]
+        assert configs == ['--node-config=site-agent="/agent/agent.sock"'], configs
+        assert set(node["networks"]) == {"default", f"site-{i}"}
+        # the agent: no network; the site's data, state, cache, its key and its config
+        assert agent.get("network_mode") == "none"
+        agent_mounts = {t: s for s, t, _ in _mounts(agent)}
+        assert agent_mounts["/agent"] == f"site-{i}-agent"
+        assert agent_mounts["/keys/agent"] == f"./certs/keys/agent-{i}"
+        assert agent_mounts["/site/agent.toml"] == f"./sites/site-{i}.toml"
+        assert agent["command"][:3] == ["fedcompress", "site-agent", "--config"]
+        # whoever else mounts the site's volumes: its init service alone
+        for name, service in services.items():
+            if name in (f"agent-{i}", f"site-{i}-init"):
+                continue
+            for source, _, _ in _mounts(service):
+                assert source not in (f"site-{i}-cache", f"site-{i}-state") and \
+                    f"data/site-{i}" not in source and f"SITE{i}_" not in source, (name, source)
+                if source == f"site-{i}-agent":
+                    assert name == f"clientapp-{i}", name
+
+
+def test_site_agent_configs_match_the_compose_file():
+    """Each ``docker/sites/site-I.toml`` is a valid agent config for the compose file's agent-I:
+    its socket in the shared volume, its relay uid the ClientApp container's, its keys and
+    folders where the agent's container mounts them."""
+    import tomllib
+
+    from clients.site_agent import AGENT_KEYS
+
+    services = _load(REPO / "docker" / "compose.yml")["services"]
+    for i in range(3):
+        config = tomllib.loads((REPO / "docker" / "sites" / f"site-{i}.toml").read_text())
+        assert set(AGENT_KEYS) <= set(config)
+        agent, app = services[f"agent-{i}"], services[f"clientapp-{i}"]
+        targets = {t for _, t, _ in _mounts(agent)}
+        assert config["socket"].rsplit("/", 1)[0] in targets
+        assert config["relay-uid"] == int(app["user"].split(":")[0])
+        assert config["partition-id"] == i and config["num-partitions"] == 3
+        assert {config["data-path"], config["state-dir"], config["secagg-key"],
+                config["secagg-peers"]} <= targets | {"/peers"}
+        assert any(t.startswith("/peers/agent-") for t in targets)
