@@ -377,14 +377,8 @@ class Sites:
         socket (mode 0600, a folder of its own), on the sites' cache (stopped by PID with the
         deployment)."""
         for i in range(len(self.dep.sites)):
-            folder = self.dep.root / f"site-{i}" / "agent"
-            folder.mkdir(mode=0o700, parents=True)
-            self.agents[i] = folder / "run" / "agent.sock"
-            config = folder / "agent.toml"
-            config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in
-                                      {"socket": str(self.agents[i]),
-                                       **self.dep.node_config(i)}.items()))
-            config.chmod(0o600)
+            config = self.dep.agent_config(i)  # tests/test_deploy.py's: socket in run/
+            self.agents[i] = config.parent / "run" / "agent.sock"
             self.procs.start(self.dep.proc_name(f"agent-{i}"), [
                 sys.executable, "-m", "fedcompress.cli", "site-agent", "--config", str(config)],
                 self.dep.env(f"supernode-{i}"), cwd=REPO)
