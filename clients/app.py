@@ -8,10 +8,11 @@ settings module, and torch), and a handler's module when a message of its method
 A deployed site's SuperNode names its site agent (``site-agent="/path/to.sock"``,
 :mod:`clients.site_agent`): :data:`app` relays each message to the agent, which alone holds the
 site's data, keys, policy and ledger and runs the operation from the site's own installed code;
-this process (the server's code) imports neither torch nor transformers. A warm site worker
-(``site-worker``, :mod:`clients.site_worker`) is the older, same-uid variant. Without either
-key, :data:`app` runs :func:`local_app` itself, which only a simulated site or one in
-``site-mode="development"`` may do: a deployed site without an agent refuses every message.
+this process (the server's code) imports neither torch nor transformers. (The warm site worker
+that ran this ClientApp at the SuperNode's uid, ``site-worker``, is retired: a node config
+naming it is refused.) Without ``site-agent``, :data:`app` runs :func:`local_app` itself,
+which only a simulated site or one in ``site-mode="development"`` may do: a deployed site
+without an agent refuses every message.
 
 Every reply with a ``metrics`` record also carries this process's start-up split
 (:mod:`clients.startup`): the seconds of imports and of loading not reported yet, and the
@@ -38,7 +39,7 @@ with startup.timed(startup.IMPORT):
     from flwr.app import Context, Message
     from flwr.clientapp import ClientApp
 
-    from clients import site_agent, site_worker
+    from clients import site_agent
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,8 @@ def local_app() -> ClientApp:
 
 class SiteClientApp(ClientApp):
     """The FAB's ClientApp: each message goes to this site's agent (``site-agent`` node config)
-    or warm worker (``site-worker``) when its SuperNode names one; else, in simulation or at a
-    site in ``site-mode="development"``, to :func:`local_app` in this process. A deployed site
+    when its SuperNode names one; else, in simulation or at a site in
+    ``site-mode="development"``, to :func:`local_app` in this process. A deployed site
     without an agent is refused: its SuperNode would run the operations, and so hold the site's
     data, keys and ledger, in the process that runs the server's code.
 
@@ -94,9 +95,13 @@ class SiteClientApp(ClientApp):
         agent = context.node_config.get(site_agent.NODE_CONFIG_KEY)
         if agent:  # the site's agent holds its data, keys and state: only the message crosses
             return site_agent.relay(str(agent), message)
-        path = context.node_config.get(site_worker.NODE_CONFIG_KEY)
-        if path:
-            return site_worker.forward(str(path), message, context)
+        if "site-worker" in context.node_config:
+            logger.error("refused %s: the node config names the retired site worker",
+                         message.metadata.message_type)
+            return site_agent._error(message, (
+                "refused by the site: this SuperNode's node config names a site worker "
+                "(site-worker), which fedcompress no longer has; start `fedcompress site-agent "
+                f"--config FILE` and name its socket as {site_agent.NODE_CONFIG_KEY}=\"PATH\""))
         mode = str(context.node_config.get("site-mode", "") or "")
         if mode != "development" and not _simulated(context):
             logger.error("refused %s: no site agent (node config %s)",

@@ -90,7 +90,7 @@ def _check_release(message: Message, context: Context, config: FedPrLLMConfig) -
         raise PolicyError(f"{action} is a release in the clear, but the run's settings ask for "
                           "SecAgg+ (secagg=true): refused")
     if config.aggregate == "stats" and action in ("train.layer_stats", "train.secagg_masks"):
-        policy = site.admit(context.node_config, None)
+        policy = site.policy(context.node_config)
         if not config.dp:
             policy.check_epsilon(None, "dp_epsilon (statistics)")
         elif clear and config.dp_placement == "distributed":
@@ -106,7 +106,7 @@ def _record_input(message: Message, context: Context, config: FedPrLLMConfig, wi
     (:func:`fedcompress.privacy.site.record_input`)."""
     from fedcompress.privacy import site
 
-    policy = site.admit(context.node_config, None)
+    policy = site.policy(context.node_config)
     site.record_input(policy, context.run_id, "fedprllm", message.metadata.message_type,
                       site.input_key(config.model, what, windows), layer)
 
@@ -221,10 +221,10 @@ def _vote_of(message: Message) -> tuple[int, int, int]:
 
 def _credentials(context: Context):
     """This site's policy, identity key and peers' keys: from its own node config only."""
-    from fedcompress.privacy.policy import site_policy
+    from fedcompress.privacy import site
     from fedcompress.privacy.secagg import site_credentials
 
-    policy = site_policy(context.node_config)
+    policy = site.policy(context.node_config)
     return (policy, *site_credentials(policy.secagg_key, policy.secagg_peers,
                                       policy.simulation))
 
@@ -347,7 +347,7 @@ def _dp_step(context: Context, config: FedPrLLMConfig, model, inputs, layer: int
     from fedcompress.methods.fedprllm.dp import site_step
     from fedcompress.privacy import site
 
-    policy = site.admit(context.node_config, None)
+    policy = site.policy(context.node_config)
     _, tokenizer = cached_model(config.model, config.dtype, config.onload)
     return site_step(policy, site.ledger(policy, context.run_id), context.run_id, config,
                      model, tokenizer, inputs, layer)

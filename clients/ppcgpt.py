@@ -32,8 +32,8 @@ from fedcompress.methods.ppcgpt import (
     client_text,
     rebuild_model,
 )
-from fedcompress.privacy.policy import site_policy
 from fedcompress.privacy.site import ledger as site_ledger
+from fedcompress.privacy.site import policy as site_policy
 
 logger = logging.getLogger(__name__)
 

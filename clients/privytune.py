@@ -33,8 +33,8 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from clients.common import cached_model
 from fedcompress.methods import privytune as ppt
 from fedcompress.models import resolve_model_spec
-from fedcompress.privacy.policy import site_policy
 from fedcompress.privacy.site import ledger as site_ledger
+from fedcompress.privacy.site import policy as site_policy
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ keeps everything a guarantee depends on out of that code's reach:
   release, and an error that names settings and bounds but no private value.
 
 Protocol, one connection per message, every frame ``MAGIC + 8-byte length + payload`` (the
-site worker's frames, :mod:`clients.site_worker`):
+frames of :mod:`clients.site_socket`):
 
 1. relay -> agent: a JSON hello (``protocol``, the ``operations`` version the FAB expects,
    Flower's task identity); agent -> relay: its answer, a refusal when the versions differ;
@@ -31,9 +31,9 @@ Context's secrets, provided the process that runs it cannot read the agent's fil
 shipped deployment, ``docker/compose.yml``, the ClientApp runs in a container of its own, as a
 uid of its own, ``relay-uid``, that mounts none of them: only the agent's socket folder). It
 can still send the agent any Message: the agent's policy decides what is answered. Who may
-connect: a process of the agent's uid or of its ``relay-uid`` (``SO_PEERCRED``, the site
-worker's socket checks); the socket folder is then 0711 and the socket 0666, so that anything
-which can reach the folder can try, and is refused by uid. Not protected: root, or any
+connect: a process of the agent's uid or of its ``relay-uid`` (``SO_PEERCRED``,
+:mod:`clients.site_socket`); the socket folder is then 0711 and the socket 0666, so that
+anything which can reach the folder can try, and is refused by uid. Not protected: root, or any
 process that can read the agent's files or memory.
 """
 
@@ -50,7 +50,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from clients import site_worker as frames
+from clients import site_socket as frames
 from clients import startup
 
 logger = logging.getLogger("fedcompress.site_agent")
@@ -67,7 +67,7 @@ AGENT_KEYS = ("socket", "relay-uid")
 CONTEXTS_KEPT = 8
 
 
-class SiteAgentError(RuntimeError):
+class SiteAgentError(frames.SiteSocketError):
     """The agent cannot serve this message, or its config is invalid (named)."""
 
 
@@ -119,7 +119,8 @@ def run_operation(op: Operation, message: Any, context: Any) -> Any:
     try:
         config = message.content["config"] if "config" in message.content else None
         policy = site.admit(context.node_config, config, op.action, op.clear)
-        reply = handler(message, context)
+        with site.admitted(context.node_config, policy):  # read once per message
+            reply = handler(message, context)
         if not reply.has_error() and "metrics" in reply.content:
             metrics = reply.content["metrics"]
             if "ledger_dp" not in metrics:  # a DP release records itself before it happens
@@ -155,7 +156,7 @@ class AgentConfig:
     socket: str
     node_config: dict[str, Any]
     #: the uid of the relay (the SuperNode's ClientApp process) when it is not the agent's own:
-    #: the socket is then shared with it (:func:`clients.site_worker._listen`), and only the
+    #: the socket is then shared with it (:func:`clients.site_socket._listen`), and only the
     #: agent's uid and this one are served
     relay_uid: int | None = None
 
@@ -164,8 +165,9 @@ def load_config(path: str | os.PathLike[str]) -> AgentConfig:
     """The agent's config file (TOML): ``socket`` and the site's node-config keys (policy keys,
     ``partition-id``, ``num-partitions``, ``data-path``, ``state-dir``, ...). Refused: a file
     (or folder) another user could change, an unknown key (with the nearest known one), a key
-    that names another agent or worker, a missing ``socket``; the node config's policy is read
-    once here, so a bad value fails at start, not at the first message."""
+    that names another agent or the retired site worker, a missing ``socket``; the node
+    config's policy is read once here, so a bad value fails at start, not at the first
+    message."""
     from fedcompress.privacy.policy import (
         POLICY_KEYS,
         PolicyError,
@@ -188,9 +190,12 @@ def load_config(path: str | os.PathLike[str]) -> AgentConfig:
     known = (*AGENT_KEYS, *POLICY_KEYS, "policy", "site-mode", "partition-id",
              "num-partitions", "data-path")
     for key in data:
-        if key in (NODE_CONFIG_KEY, frames.NODE_CONFIG_KEY):
+        if key == NODE_CONFIG_KEY:
             raise SiteAgentError(f"site-agent --config {path}: key {key!r} belongs in the "
                                  "SuperNode's node config, not in the agent's")
+        if key == "site-worker":
+            raise SiteAgentError(f"site-agent --config {path}: key {key!r} names the retired "
+                                 "site worker; the agent serves the site itself: remove it")
         if key not in known:
             import difflib
 
@@ -273,7 +278,7 @@ def relay(path: str, message: Any) -> Any:
     clock = time.perf_counter()
     hello = {"protocol": PROTOCOL, "operations": OPERATIONS_VERSION,
              "task": frames._task_identity()}
-    with frames._connect(path, shared=True) as sock:
+    with frames._connect(path) as sock:
         try:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 frames.write_json(sock, hello)
@@ -364,8 +369,8 @@ def serve(config: AgentConfig, stop: threading.Event | None = None, *,
           warm: bool = True) -> int:
     """Serve the site's operations on ``config.socket`` until SIGTERM/SIGINT (or ``stop``);
     the socket (mode 0600, in a folder of mode 0700, both of this uid; with ``relay-uid``,
-    0666 in a folder of 0711, and that uid served too) is removed at exit (the site worker's
-    loop, :func:`clients.site_worker.serve_socket`)."""
+    0666 in a folder of 0711, and that uid served too) is removed at exit
+    (:func:`clients.site_socket.serve_socket`)."""
     server = _Server(SiteAgent(config.node_config))
     logger.info("site agent %d: %d operations (v%d), node config from %s", os.getpid(),
                 len(server.agent.operations), OPERATIONS_VERSION, config.path)

@@ -62,7 +62,7 @@ def runtime_seconds() -> float | None:
 
 def settle() -> None:
     """Count what this process spent so far as reported: a long-lived process's own start-up
-    (the site worker's, :mod:`clients.site_worker`), which no message pays."""
+    (the site agent's, :mod:`clients.site_agent`), which no message pays."""
     _reported.update(_spent)
 
 

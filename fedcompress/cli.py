@@ -620,37 +620,6 @@ SocketTimeoutOpt = Annotated[float, typer.Option(
     "one is dropped.")]
 
 
-@app.command("site-worker")
-def site_worker_command(
-    socket: Annotated[Path, typer.Option(
-        "--socket", metavar="PATH", help="The Unix socket to serve on (created with mode 0600, "
-        "removed at exit) in a folder of this user with mode 0700 (created so when missing, "
-        "refused otherwise); the SuperNode's --node-config names it: site-worker=\"PATH\".",
-        show_default=False)],
-    max_connections: MaxConnectionsOpt = 4,
-    timeout: SocketTimeoutOpt = 60.0,
-    log_level: LogOpt = "INFO",
-) -> None:
-    """A warm site worker: run this site's ClientApp messages in one long-lived process.
-
-    Start it next to the site's SuperNode, as the same user, and give the SuperNode
-    --node-config 'site-worker="PATH"': each flwr-clientapp process then stays thin (no torch,
-    no transformers) and hands its message to this worker, which imported Flower, torch and
-    fedcompress once and keeps the model and windows cached. One message at a time; a FAB whose
-    fedcompress version or code differs from this worker's is refused. The socket's folder must
-    be this user's with mode 0700 and no symbolic link; both ends check the other's uid
-    (SO_PEERCRED, Linux). Stops on SIGTERM or Ctrl-C (the message in flight finishes; a second
-    signal stops at once)."""
-    _setup_logging(log_level, service=True)
-    from clients.site_worker import SiteWorkerError, serve
-
-    try:
-        code = serve(str(socket), max_connections=max_connections, timeout=timeout)
-    except SiteWorkerError as err:
-        raise ConfigError(str(err)) from err
-    raise typer.Exit(code)
-
-
 @app.command("site-agent")
 def site_agent_command(
     config: Annotated[Path, typer.Option(
@@ -674,12 +643,12 @@ def site_agent_command(
     release is written to its ledger. Stops on SIGTERM or Ctrl-C (the message in flight
     finishes; a second signal stops at once)."""
     _setup_logging(log_level, service=True)
-    from clients.site_agent import SiteAgentError, load_config, serve
-    from clients.site_worker import SiteWorkerError
+    from clients.site_agent import load_config, serve
+    from clients.site_socket import SiteSocketError
 
     try:
         code = serve(load_config(config), max_connections=max_connections, timeout=timeout)
-    except (SiteAgentError, SiteWorkerError) as err:
+    except SiteSocketError as err:  # the agent's config and socket errors, named
         raise ConfigError(str(err)) from err
     raise typer.Exit(code)
 

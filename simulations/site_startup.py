@@ -40,26 +40,23 @@ reply when the code reports one, and its ``seconds``: the warm-up's loading, wha
 ``report.json`` and ``report.md``; ``--before DIR`` adds the summary of an earlier report (the
 same script run on the code before a change) side by side.
 
-Without a worker or an agent, a site runs in ``site-mode="development"`` (a deployed site
-refuses to run the operations in the SuperNode's process). ``--site-worker`` measures the same
-with a warm site worker per site too (``fedcompress
-site-worker``, ``clients/site_worker.py``, started from the measured checkout on the sites'
-cache): the runs alternate without / with it (the SuperNodes restarted between, each keeping
-its key, data and installed app, with ``site-worker`` in its node config for the worker's
-runs), and so do the alone messages (a worker of their own; its first message, which loads the
-model, is reported apart). A worker's rows are labelled ``worker: ...``; ``startup_worker_
-seconds`` is the thin process's exchange with its worker less the worker's ClientApp.
+Without an agent, a site runs in ``site-mode="development"`` (a deployed site refuses to run
+the operations in the SuperNode's process): a process per message. ``--site-agent`` measures
+the same with the site agent too (``fedcompress site-agent``, ``clients/site_agent.py``,
+started from the measured checkout on the sites' cache): one per site, its config the site's
+node config, the SuperNode's node config naming only its socket. The runs alternate without /
+with it (the SuperNodes restarted between, each keeping its key, data and installed app), and
+so do the alone messages (an agent of their own; its first message, which loads the model, is
+reported apart). The agent's rows are labelled ``agent: ...``; ``startup_worker_seconds`` (the
+name is the retired site worker's) is the relay's exchange with the agent less the agent's
+operation.
 
-    nice -n 19 python simulations/site_startup.py --site-worker --runs 2 \
-        --out simulations/results/site-startup/worker
-
-``--site-agent`` adds the site agent (``fedcompress site-agent``, ``clients/site_agent.py``): one
-per site, its config the site's node config, the SuperNode's node config naming only its
-socket; its rows are labelled ``agent: ...`` (``startup_worker_seconds``: the relay's exchange
-less the agent's operation).
-
-    python simulations/site_startup.py --site-worker --site-agent --runs 4 --alone 0 \
+    python simulations/site_startup.py --site-agent --runs 4 \
         --out simulations/results/site-startup/agent
+
+(The earlier results in ``site-startup/worker`` and ``site-startup/agent`` also measured the
+retired site worker, ``--site-worker``, which this script had until that worker was removed;
+their reports name the commit that measured them.)
 """
 
 from __future__ import annotations
@@ -84,9 +81,10 @@ REPO = Path(__file__).resolve().parents[1]
 KINDS = ("warmup", "masks")  # the messages of a one-shot run, in the order a site gets them
 SPLIT = ("startup_runtime_seconds", "startup_import_seconds", "startup_load_seconds",
          "client_startup_seconds", "startup_worker_seconds")
-#: a process per message (``site-mode="development"``), a warm site worker
-#: (clients/site_worker.py), the site agent (clients/site_agent.py)
-MODES = ("fat", "worker", "agent")
+#: a process per message (``site-mode="development"``), the site agent (clients/site_agent.py)
+MODES = ("fat", "agent")
+#: the modes an earlier report may hold (``--before``): the retired site worker's too
+REPORT_MODES = ("fat", "worker", "agent")
 
 
 def _deploy_module():
@@ -179,7 +177,8 @@ class ClientAppWatcher:
 # One site's warm-up message in a fresh process with no deployment around it (`--alone`): the
 # imports a flwr-clientapp process has made before the ClientApp, the ClientApp module, then the
 # warm-up query (read with Flower's serde, as a flwr-clientapp process receives it) through
-# `app` (what Flower calls), with or without a site worker; run in the measured checkout (cwd).
+# `app` (what Flower calls), in this process or relayed to a site agent; run in the measured
+# checkout (cwd).
 ALONE = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
@@ -192,17 +191,17 @@ from flwr.common.serde import message_from_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.supercore.task_identity import TaskIdentity
 
-message_file, data, sites, worker = sys.argv[1:5]
+message_file, data, sites, agent = sys.argv[1:5]
 TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-# the site's own state folder (its privacy ledger), beside its data
-node_config = {"partition-id": 0, "data-path": data, "num-partitions": int(sites),
-               "state-dir": os.path.join(os.path.dirname(os.path.abspath(data)), "state"),
-               # the plain one-shot vote is what is timed, many times on the same windows
-               "require-secagg": False, "runs-per-input": 1000}
-if worker:
-    node_config["site-worker"] = worker
+if agent:  # the relay: the agent's socket is all this process knows of the site
+    node_config = {"site-agent": agent}
 else:  # no agent: the operations in this process, as a test bench's SuperNode runs them
-    node_config["site-mode"] = "development"
+    # (the site's own state folder, its privacy ledger, beside its data; the plain one-shot
+    # vote is what is timed, many times on the same windows)
+    node_config = {"partition-id": 0, "data-path": data, "num-partitions": int(sites),
+                   "state-dir": os.path.join(os.path.dirname(os.path.abspath(data)), "state"),
+                   "require-secagg": False, "runs-per-input": 1000,
+                   "site-mode": "development"}
 context = Context(run_id=1, node_id=100, node_config=node_config, state=RecordDict(),
                   run_config={}, series_id=0)
 with open(message_file, "rb") as f:
@@ -235,13 +234,13 @@ def _warmup_message(opts: argparse.Namespace, clients: int, path: Path) -> None:
 
 
 def _alone(i: int, opts: argparse.Namespace, data: Path, cache: Path, clients: int,
-           message: Path, worker: Path | None = None, name: str = "") -> dict:
-    """One site's warm-up message alone in a fresh process (:data:`ALONE`), handed to the
-    site worker at ``worker`` if given."""
+           message: Path, agent: Path | None = None, name: str = "") -> dict:
+    """One site's warm-up message alone in a fresh process (:data:`ALONE`), relayed to the
+    site agent at ``agent`` if given."""
     env = {**os.environ, "FEDCOMPRESS_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", ALONE, str(message), str(data), str(clients),
-                          str(worker or "")], cwd=REPO, env=env,
+                          str(agent or "")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise RuntimeError(f"alone {i}: {out.stderr[-3000:]}")
@@ -250,9 +249,9 @@ def _alone(i: int, opts: argparse.Namespace, data: Path, cache: Path, clients: i
     heavy = found.pop("heavy")
     if not Path(found.pop("app")).is_relative_to(REPO):
         raise RuntimeError(f"alone {i}: the ClientApp came from outside {REPO}")
-    if worker and heavy:
-        raise RuntimeError(f"alone {i}: the thin process imported {heavy}")
-    mode = "worker" if worker else "fat"
+    if agent and heavy:
+        raise RuntimeError(f"alone {i}: the relay imported {heavy}")
+    mode = "agent" if agent else "fat"
     record = {"name": name or f"alone {mode} {i}", "run": i, "message": "alone", "mode": mode,
               **found, "startup_seconds": sum(found.values()),
               "startup_runtime_seconds": found["flower_import_seconds"],
@@ -331,15 +330,6 @@ def wait_for(procs, name: str, text: str, timeout: float = 600.0) -> None:
         time.sleep(0.3)
 
 
-def start_worker(procs, name: str, path: Path, env: dict, wait: bool = True) -> None:
-    """``fedcompress site-worker --socket path`` from the measured checkout (cwd), as the
-    process ``name`` of ``procs`` (stopped by PID with them)."""
-    procs.start(name, [sys.executable, "-m", "fedcompress.cli", "site-worker", "--socket",
-                       str(path)], env, cwd=REPO)
-    if wait:
-        wait_for(procs, name, "site worker ready")
-
-
 def _load(report, phase: str) -> None:
     """The load average (1, 5, 15 min) after ``phase``: the machine is shared."""
     report.extra.setdefault("load_average", []).append(
@@ -347,30 +337,16 @@ def _load(report, phase: str) -> None:
 
 
 class Sites:
-    """The deployment's SuperNodes, without (``fat``) or with a warm site worker each
-    (``worker``: ``site-worker`` in its node config): :meth:`use` restarts them in the other
-    mode, each site keeping its key, data and FLWR_HOME (its installed app)."""
+    """The deployment's SuperNodes, without (``fat``) or with a site agent each (``agent``:
+    only ``site-agent`` in its node config): :meth:`use` restarts them in the other mode, each
+    site keeping its key, data and FLWR_HOME (its installed app)."""
 
     def __init__(self, deploy, dep, procs):
         self.deploy, self.dep, self.procs = deploy, dep, procs
         self.mode: str | None = None
         self.names: list[str] = []
         self.restarts = 0
-        self.workers: dict[int, Path] = {}
         self.agents: dict[int, Path] = {}
-
-    def worker_socket(self, i: int) -> Path:
-        return self.dep.root / f"site-{i}" / "worker" / "worker.sock"  # a 0700 folder of its own
-
-    def start_workers(self) -> None:
-        """One ``fedcompress site-worker`` per site, on the sites' cache (stopped by PID with
-        the deployment)."""
-        for i in range(len(self.dep.sites)):
-            self.workers[i] = self.worker_socket(i)
-            start_worker(self.procs, self.dep.proc_name(f"worker-{i}"), self.workers[i],
-                         self.dep.env(f"supernode-{i}"), wait=False)
-        for i in self.workers:
-            wait_for(self.procs, self.dep.proc_name(f"worker-{i}"), "site worker ready")
 
     def start_agents(self) -> None:
         """One ``fedcompress site-agent`` per site: its config the site's node config and its
@@ -385,16 +361,13 @@ class Sites:
         for i in self.agents:
             wait_for(self.procs, self.dep.proc_name(f"agent-{i}"), "site agent ready")
 
-    def worker_pid(self, i: int) -> int:
-        return self.procs.roots[self.dep.proc_name(f"worker-{i}")].pid
-
     def agent_pid(self, i: int) -> int:
         return self.procs.roots[self.dep.proc_name(f"agent-{i}")].pid
 
-    def worker_logs(self) -> dict[int, list[str]]:
-        """Each worker's log lines of the messages it served."""
-        return {i: [line for line in self.dep.log(f"worker-{i}").splitlines()
-                    if "message" in line] for i in self.workers}
+    def agent_logs(self) -> dict[int, list[str]]:
+        """Each agent's log lines of the messages it served."""
+        return {i: [line for line in self.dep.log(f"agent-{i}").splitlines()
+                    if "message" in line] for i in self.agents}
 
     def use(self, mode: str) -> dict[int, int]:
         """The SuperNodes in ``mode`` (restarted if they are not); their sessions -> site."""
@@ -406,8 +379,6 @@ class Sites:
                           for i in range(len(self.dep.sites))]
             for i, name in enumerate(self.names):
                 config = ({"site-agent": str(self.agents[i])} if mode == "agent" else
-                          {**self.dep.node_config(i), "site-worker": str(self.workers[i])}
-                          if mode == "worker" else
                           {**self.dep.node_config(i), "site-mode": "development"})
                 private, _ = self.dep.made["node_keys"][i]
                 self.procs.start(self.dep.proc_name(name), [
@@ -452,11 +423,10 @@ def _deployed_run(report, dep, watcher, sites: Sites, settings: dict, run: int, 
         for kind, proc in zip(KINDS, mine):
             mine_now.append(_message_record(run, kind, proc, metrics.get((site, kind), {}),
                                             mode))
-    # who computed the masks: the site's own flwr-clientapp process, or its worker
+    # who computed the masks: the site's own flwr-clientapp process, or its agent
     masks_pids = {m["pid"] for m in run_report.get("clients", []) if "pid" in m}
     expected = ({r["pid"] for r in mine_now if r["message"] == "masks"} if mode == "fat" else
-                {sites.agent_pid(i) for i in range(len(dep.sites))} if mode == "agent" else
-                {sites.worker_pid(i) for i in range(len(dep.sites))})
+                {sites.agent_pid(i) for i in range(len(dep.sites))})
     if masks_pids and masks_pids != expected and not report.extra.get("unattributed"):
         raise RuntimeError(f"run {run} {mode}: the masks replies came from {masks_pids}, "
                            f"expected {expected}")
@@ -473,15 +443,15 @@ COLUMNS = ("process_seconds", "compute_seconds", "startup_seconds", *SPLIT,
 
 
 def summarize(results: list[dict]) -> dict:
-    """Per mode (without / with a site worker), message kind, cold (run 1) and warm (later
-    runs), and the warm-ups alone: mean, min, max of each column. The worker's rows are
-    labelled ``worker: ...`` (results without a mode: no worker)."""
+    """Per mode (a process per message, a site agent; an earlier report's site worker), message
+    kind, cold (run 1) and warm (later runs), and the warm-ups alone: mean, min, max of each
+    column. An agent's rows are labelled ``agent: ...`` (results without a mode: ``fat``)."""
     groups = [(f"{phase} {kind}", kind, first) for phase, first in (("cold", True), ("warm", False))
               for kind in KINDS]
     groups += [("alone warmup", "alone", None),
-               ("alone warmup, the worker's first message", "alone first", None)]
+               ("alone warmup, the agent's first message", "alone first", None)]
     out: dict = {}
-    for mode in MODES:
+    for mode in REPORT_MODES:
         for label, kind, first in groups:
             rows = [r for r in results if r["message"] == kind and r.get("mode", "fat") == mode
                     and (first is None or (r["run"] == 1) == first)]
@@ -518,14 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alone", type=int, default=3,
                         help="Then this many warm-up messages of one site, each in a fresh "
                              "process with nothing else of the deployment running.")
-    parser.add_argument("--site-worker", action="store_true",
-                        help="Measure with a warm site worker too (fedcompress site-worker, "
-                             "one per site): the runs and the alone messages alternate "
-                             "without / with it.")
     parser.add_argument("--site-agent", action="store_true",
                         help="Measure with a site agent per site too (fedcompress site-agent, "
                              "the SuperNode's node config naming only its socket): the runs "
-                             "alternate between the modes.")
+                             "and the alone messages alternate without / with it.")
     parser.add_argument("--poll", type=float, default=0.05,
                         help="Seconds between two looks at the sites' processes.")
     parser.add_argument("--before", default="",
@@ -562,10 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             dep.start_superlink()
             dep.wait_superlink()
             dep.node_ids = [f.result() for f in dep.register(pool)]
-            modes = [m for m, on in zip(MODES, (True, opts.site_worker, opts.site_agent)) if on]
+            modes = [m for m, on in zip(MODES, (True, opts.site_agent)) if on]
             sites = Sites(deploy, dep, procs)
-            if opts.site_worker:
-                sites.start_workers()
             if opts.site_agent:
                 sites.start_agents()
             watcher = ClientAppWatcher({}, opts.poll)
@@ -580,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                     watcher.sessions.update(sites.use(mode))
                     _deployed_run(report, dep, watcher, sites, settings, run, mode,
                                   work / f"run-{run}-{mode}", opts.poll)
-            report.extra["site_workers"] = sites.worker_logs()
+            report.extra["site_agents"] = sites.agent_logs()
         finally:
             if watcher is not None:
                 watcher.stop()
@@ -590,26 +554,30 @@ def main(argv: list[str] | None = None) -> int:
             if left:
                 logger.error("processes left running: %s", [p.pid for p in left])
         # The deployment stopped: one site's warm-up alone in fresh processes, without and
-        # (--site-worker) with its worker, interleaved.
+        # (--site-agent) with site 0's agent, interleaved.
         message, cache = work / "warmup.bin", work / "bench" / "cache"
         _warmup_message(opts, deploy.CLIENTS, message)
         alone_procs = deploy.Processes(work)
-        worker = work / "alone-worker" / "worker.sock" if opts.site_worker else None
+        agent = None
         try:
-            if worker is not None:
-                start_worker(alone_procs, "alone-worker", worker,
-                             {**os.environ, "FEDCOMPRESS_CACHE": str(cache),
-                              **deploy.OFFLINE})
-                with report.phase("alone worker first"):  # the worker loads the model
+            if opts.site_agent and opts.alone:
+                config = dep.root / "site-0" / "agent" / "agent.toml"  # site 0's, as deployed
+                agent = config.parent / "run" / "agent.sock"
+                alone_procs.start("alone-agent", [
+                    sys.executable, "-m", "fedcompress.cli", "site-agent", "--config",
+                    str(config)], {**os.environ, "FEDCOMPRESS_CACHE": str(cache),
+                                   **deploy.OFFLINE}, cwd=REPO)
+                wait_for(alone_procs, "alone-agent", "site agent ready")
+                with report.phase("alone agent first"):  # the agent loads the model
                     report.add_result({**_alone(0, opts, dep.sites[0], cache, deploy.CLIENTS,
-                                                message, worker, "alone worker first"),
+                                                message, agent, "alone agent first"),
                                        "message": "alone first"})
             for i in range(1, opts.alone + 1):
-                for path in (None, worker) if worker is not None else (None,):
+                for path in (None, agent) if agent is not None else (None,):
                     with report.phase("alone"):
                         report.add_result(_alone(i, opts, dep.sites[0], cache,
                                                  deploy.CLIENTS, message, path))
-                    _load(report, f"alone {i} {'worker' if path else 'fat'}")
+                    _load(report, f"alone {i} {'agent' if path else 'fat'}")
         finally:
             left = alone_procs.stop_all()
             if left:
@@ -619,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         report.extra["summary"] = summary
         header = ["code", "runs, message", "messages", "process s", "compute s",
                   "start-up s (process - compute)", "runtime s", "import s", "load s",
-                  "import + load s", "site worker s",
+                  "import + load s", "relay s",
                   "warm-up setup s (the former client_startup_seconds)"]
         rows = summary_table(summary, "this")
         if opts.before:
@@ -641,15 +609,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{os.cpu_count()} CPU cores. Alone: one site's warm-up in a fresh process, nothing "
             "else of the deployment running (runtime: Flower's imports only; start-up: those, "
             "the ClientApp module and the warm-up). "
-            + ("worker: each site's SuperNode with site-worker in its node config (its "
-               "flwr-clientapp processes thin, a warm worker per site computing; runs "
-               "alternate without / with, the SuperNodes restarted between); site worker s: "
-               "the exchange with it less its ClientApp; the alone worker's first message "
-               "loads the model, the others find it loaded. " if opts.site_worker else "")
             + ("agent: each site's SuperNode with only site-agent in its node config (its "
                "flwr-clientapp processes relay the Message alone to the site's agent, which "
-               "holds the site's node config, data, ledger and Context); site worker s: the "
-               "exchange with it less its operation. " if opts.site_agent else "")
+               "holds the site's node config, data, ledger and Context; runs alternate without "
+               "/ with, the SuperNodes restarted between); relay s: the exchange with the "
+               "agent less its operation (startup_worker_seconds); the alone agent's first "
+               "message loads the model, the others find it loaded. " if opts.site_agent
+               else "")
             + "'-': not reported by that ClientApp. Load average (1, 5, 15 min) before "
             f"{report.extra['load_average_before']}, after "
             f"{report.extra['load_average_after']}, after each run: "

@@ -37,7 +37,8 @@ T = TypeVar("T")
 #: What a ClientApp reply's metrics say of its process's start-up (``clients/startup.py``):
 #: Flower's runtime before the app (a ``flwr-clientapp`` process's first reply only), imports,
 #: loading (model, tokenizer, windows), import + load, the handler's own work, and at a site
-#: with a warm worker (``clients/site_worker.py``) the exchange with it.
+#: with a site agent (``clients/site_agent.py``) the relay's exchange with it (the key's name is
+#: the retired site worker's).
 STARTUP_KEYS = ("startup_runtime_seconds", "startup_import_seconds", "startup_load_seconds",
                 "client_startup_seconds", "compute_seconds", "startup_worker_seconds")
 

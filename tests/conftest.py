@@ -38,7 +38,6 @@ SLOW_FILES_FIRST = (  # seconds of a file's tests, `make test` of 2026-12-06 (--
     "tests/test_stats_mode.py",                # 37
     "tests/test_ppcgpt.py",                    # 34
     "tests/test_ray_cluster.py",               # 33
-    "tests/test_site_worker.py",               # 26
     "tests/test_bench.py",                     # 26
     "tests/test_simulation_start.py",          # 25
     "tests/test_reproducible.py",              # 24
@@ -286,9 +285,8 @@ class InProcessFederation:
         for msg in messages:
             context = self.contexts[msg.metadata.dst_node_id]
             app = module.app
-            if hasattr(module, "local_app") and not {"site-agent", "site-worker"} & set(
-                    context.node_config):
-                # no agent or worker named: this harness plays the site's agent, the operations
+            if hasattr(module, "local_app") and "site-agent" not in context.node_config:
+                # no agent named: this harness plays the site's agent, the operations
                 # in process as an agent (and a simulated site) runs them (clients.app refuses a
                 # deployed site without an agent)
                 app = module.local_app()
@@ -512,19 +510,19 @@ def write_bench_config(folder, config) -> str:
     return str(path)
 
 
-#: A site worker's start-up: it imports torch and transformers (longer on a loaded machine).
-WORKER_START_TIMEOUT = 240.0
+#: A site agent's start-up: it imports torch and transformers (longer on a loaded machine).
+AGENT_START_TIMEOUT = 240.0
 
 
-class Worker:
-    """A ``fedcompress site-worker`` process of its own session, stopped by PID (the warm site
-    worker's tests, and the deployed SuperNode that uses one in tests/test_deploy.py).
-    ``wait=False``: return once started; :meth:`wait_ready` before sending it messages."""
+class Agent:
+    """A ``fedcompress site-agent --config FILE`` process of its own session, stopped by PID
+    (the site agent's tests, the deployed SuperNodes of tests/test_deploy.py): the socket
+    ``path`` is the config's ``socket``. ``wait=False``: return once started;
+    :meth:`wait_ready` before sending it messages."""
 
-    #: the command's arguments after ``fedcompress`` (``{path}``: the socket) and the line of
-    #: its log that says it serves
-    command = ("site-worker", "--socket", "{path}")
-    ready = "site worker ready"
+    #: the command's arguments after ``fedcompress`` and the line of its log that says it serves
+    command = ("site-agent", "--config", "{config}")
+    ready = "site agent ready"
 
     def __init__(self, path: Path, cache: Path, log: Path, env: dict | None = None,
                  wait: bool = True, config: Path | None = None):
@@ -539,9 +537,9 @@ class Worker:
             self.wait_ready()
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + WORKER_START_TIMEOUT
+        deadline = time.monotonic() + AGENT_START_TIMEOUT
         while self.ready not in self.log():
-            assert self.proc.poll() is None, f"worker exited {self.proc.returncode}:\n{self.log()}"
+            assert self.proc.poll() is None, f"agent exited {self.proc.returncode}:\n{self.log()}"
             assert time.monotonic() < deadline, self.log()
             time.sleep(0.2)
 
@@ -557,11 +555,3 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
-
-
-class Agent(Worker):
-    """A ``fedcompress site-agent --config FILE`` process of its own session (the site agent's
-    tests): the socket ``path`` is the config's ``socket``."""
-
-    command = ("site-agent", "--config", "{config}")
-    ready = "site agent ready"

@@ -33,7 +33,7 @@ def run_main(monkeypatch, capsys, *args):
 
 
 @pytest.mark.parametrize("command", [[], ["eval"], ["models"], ["prune"], ["bench"],
-                                     ["sanitize"], ["ppcgpt"], ["site-worker"], ["site-agent"],
+                                     ["sanitize"], ["ppcgpt"], ["site-agent"],
                                      ["ledger"]])
 def test_help_on_every_command(command):
     result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"})

@@ -53,7 +53,7 @@ def test_missing_file_and_misspelt_key(tmp_path):
         site_policy({"max-epsilion": 2.0, "state-dir": str(tmp_path)})
     with pytest.raises(PolicyError, match="site-mode='sim' is invalid"):
         site_policy({"site-mode": "sim", "state-dir": str(tmp_path)})
-    site_policy({"partition-id": 0, "data-path": "x", "site-worker": "y", "other": 1,
+    site_policy({"partition-id": 0, "data-path": "x", "site-agent": "y", "other": 1,
                  "state-dir": str(tmp_path)})  # other keys are not the policy's
 
 

@@ -15,7 +15,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from clients import site_agent as sa
-from clients import site_worker as frames
+from clients import site_socket as frames
 
 
 def _fp(tiny_dir, **extra) -> dict:
@@ -165,11 +165,98 @@ def test_another_protocol_or_operations_version_is_refused(agent):
         assert not answer["ok"] and words in answer["error"], answer
 
 
+def test_garbage_to_the_agent_is_refused_and_it_keeps_serving(agent, tiny_dir):
+    import socket
+    import struct
+
+    for garbage in (b"GET / HTTP/1.1\r\n\r\n",
+                    struct.pack(">4sQ", frames.MAGIC, frames.MAX_FRAME_BYTES + 1)):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(agent.path))
+            sock.sendall(garbage)
+            answer = frames.read_json(sock)
+        assert not answer["ok"]
+        assert "not a site-agent frame" in answer["error"] or \
+            f"MAX_HEADER_BYTES = {frames.MAX_HEADER_BYTES:,}" in answer["error"]
+    reply = sa.relay(str(agent.path), _message("query.warmup", {"config": _fp(tiny_dir)}))
+    assert not reply.has_error(), reply.error.reason
+
+
+def test_a_node_config_naming_the_retired_site_worker_is_refused(tiny_dir, tmp_path):
+    """``site-worker`` (the warm worker that ran the ClientApp at the SuperNode's uid) is gone:
+    a SuperNode still naming it gets a refusal that says what to start instead, and nothing
+    runs, whatever its site mode."""
+    from clients.app import app
+
+    for mode in ("deployment", "development"):
+        context = Context(run_id=1, node_id=100, node_config={
+            "partition-id": 0, "num-partitions": 2, "site-mode": mode, "site-worker": "/x.sock",
+            "state-dir": str(tmp_path / "state"), "models": tiny_dir}, state=RecordDict(),
+            run_config={})
+        reply = app(_message("train.masks", {"config": _fp(tiny_dir)}), context)
+        assert reply.has_error(), mode
+        assert "site worker (site-worker)" in reply.error.reason
+        assert "fedcompress site-agent" in reply.error.reason
+        assert not (tmp_path / "state").exists()
+
+
+# A flwr-clientapp process's imports, then the ClientApp module and two messages through `app`
+# with an agent named in the node config; prints what got imported and the replies.
+_THIN = r"""
+import hashlib, json, sys
+import flwr.cli.install, flwr.clientapp.utils, flwr.supernode.runtime.run_clientapp
+from flwr.app import Context, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from clients.app import app
+from clients.site_socket import message_from_bytes
+
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+socket_path, *messages = sys.argv[1:]
+context = Context(run_id=1, node_id=100, node_config={"site-agent": socket_path},
+                  state=RecordDict(), run_config={}, series_id=0)
+replies = []
+for path in messages:
+    reply = app(message_from_bytes(open(path, "rb").read()), context)
+    replies.append({"error": reply.error.reason} if reply.has_error() else
+                   dict(reply.content["metrics"]))
+print(json.dumps({"replies": replies, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_the_relay_imports_no_torch_and_gets_the_agents_start_up_split(agent, tiny_dir,
+                                                                      tmp_path):
+    """The relay (a fresh process, as a ``flwr-clientapp`` one) imports neither torch nor
+    transformers; the agent's replies carry the start-up split: the relay's imports added to
+    the agent's, ``startup_worker_seconds`` the exchange, no load for a warm model."""
+    import subprocess
+    import sys
+
+    files = []
+    for kind in ("query.warmup", "train.masks"):
+        files.append(tmp_path / f"{kind}.bin")
+        files[-1].write_bytes(frames.message_to_bytes(
+            _message(kind, {"config": _fp(tiny_dir)}, run=11)))  # a run of its own
+    sa.relay(str(agent.path), _message("query.warmup", {"config": _fp(tiny_dir)}))  # warm
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _THIN, str(agent.path), *map(str, files)],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    thin = json.loads(out.stdout.strip().splitlines()[-1])
+    heavy = {m for m in thin["modules"] if m.split(".")[0] in ("torch", "transformers")}
+    assert not heavy, sorted(heavy)[:10]
+    for reply in thin["replies"]:
+        assert "error" not in reply, reply
+        assert reply["startup_worker_seconds"] >= 0 and reply["compute_seconds"] >= 0
+        assert reply["client_startup_seconds"] == pytest.approx(
+            reply["startup_import_seconds"] + reply["startup_load_seconds"])
+    assert thin["replies"][1]["startup_load_seconds"] == 0.0  # model and windows warm
+
+
 def test_an_agent_without_keys_refuses_the_secure_vote_and_the_relay_keeps_nothing(agent,
                                                                                    tiny_dir):
     """Through the real agent process: a deployed agent without SecAgg+ keys refuses the
-    vote's first stage, and the relay's Context (the server's code) stays empty (the site
-    worker sent its Context, secrets included, back to the FAB's process)."""
+    vote's first stage, and the relay's Context (the server's code) stays empty (the retired
+    site worker sent its Context, secrets included, back to the FAB's process)."""
     from clients.app import app
 
     relay_context = Context(run_id=3, node_id=100,
@@ -195,7 +282,7 @@ def test_a_bad_config_file_is_refused(tmp_path):
             ({**good, "data_path": "/data"}, "unknown key 'data_path' (did you mean "
                                              "'data-path'?)"),
             ({k: v for k, v in good.items() if k != "socket"}, "'socket'"),
-            ({**good, "site-worker": "/x"}, "belongs in the SuperNode's node config"),
+            ({**good, "site-worker": "/x"}, "names the retired site worker"),
             ({**good, "site-mode": "simulation"}, "never for an agent"),
             ({**good, "site-mode": "development"}, "never for an agent"),
             ({**good, "relay-uid": 0}, "relay-uid=0 is invalid"),
@@ -255,3 +342,30 @@ def test_an_authenticated_secure_vote_through_agents_keeps_its_secrets_in_them(t
         1, ArrayRecord(), ConfigRecord(), reference)))
     for key, counts in plain.aggregator.counts().items():
         assert torch.equal(secure.aggregator.counts()[key], counts)
+
+
+def test_the_policy_is_read_once_per_message(tiny_dir, tmp_path, monkeypatch):
+    """The runner admits a message under the policy it reads, and its handler uses that same
+    policy (``site.policy``): one read per message, so a policy file changed mid-message
+    cannot make the admission and the handler's checks disagree."""
+    from fedcompress.privacy import site
+
+    reads = []
+    read = site.site_policy
+
+    def counting(node_config):
+        reads.append(1)
+        return read(node_config)
+
+    monkeypatch.setattr(site, "site_policy", counting)
+    policy_file = tmp_path / "policy.toml"
+    policy_file.write_text(f'models = "{tiny_dir}"\nrequire-secagg = false\n')
+    policy_file.chmod(0o600)
+    agent = sa.SiteAgent({"partition-id": 0, "num-partitions": 2, "site-mode": "deployment",
+                          "state-dir": str(tmp_path / "state"), "policy": str(policy_file)})
+    for run, action in enumerate(("query.warmup", "train.masks"), start=20):
+        reads.clear()
+        reply = agent.handle(_message(action, {"config": _fp(tiny_dir)}, run=run))
+        assert not reply.has_error(), reply.error.reason
+        assert len(reads) == 1, (action, len(reads))
+    assert site.policy({"state-dir": str(tmp_path / "other")}).state_dir  # outside: read now

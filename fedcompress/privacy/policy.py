@@ -428,7 +428,7 @@ _OTHER_KEYS = ("policy", "site-mode")
 #: ``site-mode``'s values ("": derived, see the module docstring)
 SITE_MODES = ("", "simulation", "deployment", "development")
 #: node-config keys a site uses for other purposes (never mistaken for a policy typo)
-_SITE_KEYS = ("partition-id", "num-partitions", "data-path", "site-worker", "site-agent")
+_SITE_KEYS = ("partition-id", "num-partitions", "data-path", "site-agent")
 _FIELD_TYPES = {f.name: f.type for f in fields(SitePolicy)}
 
 

@@ -2,27 +2,35 @@
 under the site's policy, open its ledger, record a release that is not DP, and say in the reply
 what the ledger says.
 
-The ClientApp's handler wrapper (``clients/app.py``) calls :func:`admit` before a handler runs
-and :func:`record_release` after it (unless the handler recorded a DP release itself, which a
+The site's operation runner (``clients/site_agent.py``) calls :func:`admit` before a handler
+runs and :func:`record_release` after it (unless the handler recorded a DP release itself, which a
 method's DP code does through :func:`ledger` before it trains or perturbs anything). The generic
 checks here: simulation-only switches (fault injection, attack models) outside simulation; the
 model spec; the corpora or tasks the server names (always for ``task`` and ``corpus``, which no
 ``data-path`` replaces; for ``calib_text`` and ``wire_reference`` when the site has no
 ``data-path``).
+
+The policy is read once per message: :func:`admit` reads it, the runner holds it while the
+handler runs (:func:`admitted`), and a handler asks for it with :func:`policy` (the same
+object; the file is not read again, so a policy file changed mid-message cannot make one
+message's checks disagree).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 from fedcompress.privacy.ledger import Grant, Ledger
 from fedcompress.privacy.policy import SitePolicy, site_policy
 
-__all__ = ["CORPUS_KEYS", "SiteError", "admit", "input_key", "is_simulated", "ledger",
-           "ledger_metrics", "public_error", "record_input", "record_release"]
+__all__ = ["CORPUS_KEYS", "SiteError", "admit", "admitted", "input_key", "is_simulated",
+           "ledger", "ledger_metrics", "policy", "public_error", "record_input",
+           "record_release"]
 
 #: Settings naming a corpus or task a site loads: (key, replaced by the site's data-path)
 CORPUS_KEYS: tuple[tuple[str, bool], ...] = (("calib_text", True), ("wire_reference", True),
@@ -83,6 +91,31 @@ def admit(node_config: Mapping[str, Any], settings: Mapping[str, Any] | None,
     if clear:  # last: a more specific refusal above names its own key
         policy.check_clear_release(action, clear)
     return policy
+
+
+#: the policy that admitted the message being handled, with the node config it was read from
+_ADMITTED: ContextVar[tuple[Mapping[str, Any], SitePolicy] | None] = ContextVar(
+    "fedcompress_admitted_policy", default=None)
+
+
+@contextlib.contextmanager
+def admitted(node_config: Mapping[str, Any], policy: SitePolicy) -> Iterator[SitePolicy]:
+    """While the handler of a message admitted under ``policy`` runs: :func:`policy` of the
+    same ``node_config`` (the same object) returns it instead of reading the policy again."""
+    token = _ADMITTED.set((node_config, policy))
+    try:
+        yield policy
+    finally:
+        _ADMITTED.reset(token)
+
+
+def policy(node_config: Mapping[str, Any]) -> SitePolicy:
+    """This site's policy: the one that admitted the message being handled (:func:`admitted`),
+    else read from ``node_config`` now (a handler called outside the runner, e.g. a test)."""
+    held = _ADMITTED.get()
+    if held is not None and held[0] is node_config:
+        return held[1]
+    return site_policy(node_config)
 
 
 #: the ledgers this process opened: each reads only what was appended since its last use

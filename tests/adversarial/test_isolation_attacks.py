@@ -1,7 +1,7 @@
 """Attacks on a site's deployment, performed as a local user of the site's host (or a curious
 neighbour site) would, each asserting that it is refused or fails:
 
-* the warm site worker's socket (``clients/site_worker.py``): a symlinked socket or folder, a
+* the site agent's socket (``clients/site_socket.py``): a symlinked socket or folder, a
   socket in a world-writable folder such as /tmp, a folder of the wrong mode or owner, a FIFO,
   regular file or foreign socket at the socket path, a peer of another uid on either end
   (SO_PEERCRED), a frame announcing 1 GiB (no allocation), more connections than the cap, a
@@ -17,7 +17,7 @@ neighbour site) would, each asserting that it is refused or fails:
 * the fixed-point lanes SecAgg+ sums (``encode_fixed``): a value at, or just over, the edge of
   the range, a sum of all sites that would wrap, integer lanes.
 
-The worker here runs in this process (a thread, ``warm=False``: no torch import) so that the
+The agent here runs in this process (a thread, ``warm=False``: no torch import) so that the
 expected uid can be patched: the tests run as one user.
 """
 
@@ -40,7 +40,8 @@ import numpy as np
 import pytest
 import yaml
 
-from clients import site_worker as sw
+from clients import site_agent as sa
+from clients import site_socket as ss
 
 REPO = Path(__file__).resolve().parents[2]
 OTHER_UID = 54321
@@ -49,22 +50,30 @@ OTHER_UID = 54321
 # -- helpers -------------------------------------------------------------------------------------
 @pytest.fixture
 def private_dir(tmp_path):
-    """A folder as the worker wants it: this uid's, mode 0700."""
+    """A folder as the agent wants it: this uid's, mode 0700."""
     folder = tmp_path / "site"
     folder.mkdir(mode=0o700)
     folder.chmod(0o700)
     return folder
 
 
+def _agent_config(path: Path) -> sa.AgentConfig:
+    """A deployed site agent's config with its socket at ``path`` (no data: the attacks here
+    never reach an operation)."""
+    return sa.AgentConfig(str(path.parent / "agent.toml"), str(path), {
+        "partition-id": 0, "num-partitions": 1, "site-mode": "deployment",
+        "state-dir": str(path.parent.parent / "agent-state")})
+
+
 @contextlib.contextmanager
-def running_worker(path: Path, **options):
-    """``sw.serve`` in a thread (no warm-up), stopped at exit; yields the stop event."""
+def running_agent(path: Path, **options):
+    """``site_agent.serve`` in a thread (no warm-up), stopped at exit; yields the stop event."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
     def run():
         try:
-            sw.serve(str(path), stop, warm=False, **options)
+            sa.serve(_agent_config(path), stop, warm=False, **options)
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
 
@@ -73,7 +82,7 @@ def running_worker(path: Path, **options):
     deadline = time.monotonic() + 30
     while not path.exists():
         assert not errors, errors
-        assert time.monotonic() < deadline, "the worker did not start"
+        assert time.monotonic() < deadline, "the agent did not start"
         time.sleep(0.02)
     try:
         yield stop
@@ -82,14 +91,14 @@ def running_worker(path: Path, **options):
         thread.join(30)
         assert not thread.is_alive()
         assert not errors, errors
-        assert not path.exists(), "the worker left its socket behind"
+        assert not path.exists(), "the agent left its socket behind"
 
 
 class Listener:
-    """A bare Unix-socket listener (an impostor 'worker') recording every byte it receives."""
+    """A bare Unix-socket listener (an impostor 'agent') recording every byte it receives."""
 
     def __init__(self, path: Path, hold: bool = False):
-        self.hold = hold  # keep every connection open, never answering (a silent worker)
+        self.hold = hold  # keep every connection open, never answering (a silent agent)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(4)
@@ -147,19 +156,17 @@ class Listener:
         self.sock.close()
 
 
-def _message_and_context():
-    from flwr.app import Context, Message, RecordDict
+def _message():
+    from flwr.app import Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    context = Context(run_id=1, node_id=100, node_config={"partition-id": 0},
-                      state=RecordDict(), run_config={}, series_id=0)
-    return Message(RecordDict(), 100, "query.warmup"), context
+    return Message(RecordDict(), 100, "query.warmup")
 
 
 def _exchange(path) -> None:
-    message, context = _message_and_context()
-    sw.exchange(str(path), message, context)
+    """The relay's side (the FAB's ClientApp process) of one message to the agent at ``path``."""
+    sa.relay(str(path), _message())
 
 
 def _raw(path: Path) -> socket.socket:
@@ -171,16 +178,16 @@ def _raw(path: Path) -> socket.socket:
 
 # -- the socket path ---------------------------------------------------------------------------
 def test_symlinked_socket_is_refused_and_gets_nothing(private_dir, tmp_path):
-    """A local attacker points the site's worker path at its own listener through a symlink:
-    the thin process refuses it (lstat) and sends not one byte (the Context holds the site's
-    SecAgg+ keys)."""
+    """A local attacker points the site's agent path at its own listener through a symlink:
+    the relay refuses it (lstat) and sends not one byte (the Message may carry a SecAgg+
+    stage's shares)."""
     evil_dir = tmp_path / "evil"
     evil_dir.mkdir(mode=0o700)
     evil = Listener(evil_dir / "evil.sock")
     try:
         link = private_dir / "site.sock"
         link.symlink_to(evil_dir / "evil.sock")
-        with pytest.raises(sw.SiteWorkerError, match=r"site\.sock.* is a symbolic link"):
+        with pytest.raises(ss.SiteSocketError, match=r"site\.sock.* is a symbolic link"):
             _exchange(link)
         assert evil.after_everything_before() == (0, b"")
     finally:
@@ -189,64 +196,78 @@ def test_symlinked_socket_is_refused_and_gets_nothing(private_dir, tmp_path):
 
 def test_symlinked_folder_is_refused_on_both_ends(private_dir, tmp_path):
     """The socket's folder is a symlink (to a folder the attacker can swap): refused by the
-    thin process (O_NOFOLLOW) and by the worker, naming the folder."""
+    relay (O_NOFOLLOW) and by the agent, naming the folder."""
     link = tmp_path / "linked"
     link.symlink_to(private_dir, target_is_directory=True)
     evil = Listener(private_dir / "site.sock")
     try:
-        with pytest.raises(sw.SiteWorkerError, match=r"folder .*linked is a symbolic link"):
+        with pytest.raises(ss.SiteSocketError, match=r"folder .*linked is a symbolic link"):
             _exchange(link / "site.sock")
         assert evil.connections == 0
     finally:
         evil.close()
         (private_dir / "site.sock").unlink()
-    with pytest.raises(sw.SiteWorkerError, match=r"folder .*linked is a symbolic link"):
-        sw._listen(str(link / "worker.sock"))
-    assert not (private_dir / "worker.sock").exists()
+    with pytest.raises(ss.SiteSocketError, match=r"folder .*linked is a symbolic link"):
+        ss._listen(str(link / "agent.sock"))
+    assert not (private_dir / "agent.sock").exists()
 
 
 def test_socket_in_world_writable_tmp_is_refused():
-    """``/tmp/site.sock``: anyone can create or replace a file in /tmp, so a worker or thin
-    process there could talk to another user's process: both refuse /tmp (mode 1777)."""
+    """``/tmp/site.sock``: anyone can create or replace a file in /tmp, so an agent or a relay
+    there could talk to another user's process: both refuse /tmp (mode 1777)."""
     path = f"/tmp/fedcompress-attack-{os.getpid()}.sock"
-    with pytest.raises(sw.SiteWorkerError, match=r"folder /tmp has mode 1777, expected 0700"):
-        sw._listen(path)
+    with pytest.raises(ss.SiteSocketError, match=r"folder /tmp has mode 1777, expected 0700"):
+        ss._listen(path)
     assert not os.path.exists(path)
-    with pytest.raises(sw.SiteWorkerError, match=r"folder /tmp has mode 1777, expected 0700"):
+    with pytest.raises(ss.SiteSocketError, match=r"folder /tmp has mode 1777, writable by group "
+                                                 r"or others"):
         _exchange(path)
 
 
 @pytest.mark.parametrize("mode", [0o755, 0o750, 0o711, 0o701])
-def test_folder_open_to_group_or_others_is_refused(tmp_path, mode):
+def test_folder_open_to_group_or_others_is_refused_by_the_agent(tmp_path, mode):
+    """An agent without a relay-uid keeps its socket in a folder of mode 0700."""
     folder = tmp_path / "open"
     folder.mkdir()
     folder.chmod(mode)
-    with pytest.raises(sw.SiteWorkerError, match=rf"mode {mode:04o}, expected 0700.*chmod 700"):
-        sw._listen(str(folder / "w.sock"))
-    with pytest.raises(sw.SiteWorkerError, match=rf"mode {mode:04o}, expected 0700"):
-        _exchange(folder / "w.sock")
+    with pytest.raises(ss.SiteSocketError, match=rf"mode {mode:04o}, expected 0700.*chmod 700"):
+        ss._listen(str(folder / "w.sock"))
     assert stat.S_IMODE(folder.stat().st_mode) == mode  # refused, not "fixed" behind our back
 
 
-def test_folder_of_another_owner_is_refused(private_dir, monkeypatch):
-    """A folder owned by another user (who could replace the socket): refused on both ends.
-    As root the folder really is chowned; otherwise the expected uid is patched."""
+@pytest.mark.parametrize("mode", [0o770, 0o777, 0o730, 0o703])
+def test_folder_others_may_write_is_refused_by_the_relay(tmp_path, mode):
+    """The relay (possibly of another uid, which may only traverse the agent's folder) refuses
+    a folder that group or others may write: they could replace the agent's socket."""
+    folder = tmp_path / "open"
+    folder.mkdir()
+    folder.chmod(mode)
+    with pytest.raises(ss.SiteSocketError, match=rf"mode {mode:04o}, writable by group or "
+                                                 "others"):
+        _exchange(folder / "w.sock")
+    assert stat.S_IMODE(folder.stat().st_mode) == mode
+
+
+def test_folder_of_another_owner_is_refused_by_the_agent(private_dir, monkeypatch):
+    """A folder owned by another user (who could replace the socket): the agent refuses to
+    listen there. As root the folder really is chowned; otherwise the expected uid is patched.
+    (The relay accepts a folder of another owner, the agent of a ``relay-uid``, and then only
+    that owner's socket and listener: test_relay_refuses_a_listener_that_is_not_the_folders_
+    owner.)"""
     if os.geteuid() == 0:
         os.chown(private_dir, OTHER_UID, OTHER_UID)
         owner, expected = OTHER_UID, 0
     else:
-        monkeypatch.setattr(sw, "expected_uid", lambda: OTHER_UID)
+        monkeypatch.setattr(ss, "expected_uid", lambda: OTHER_UID)
         owner, expected = os.geteuid(), OTHER_UID
-    pattern = rf"owned by uid {owner}, expected uid {expected}"
-    with pytest.raises(sw.SiteWorkerError, match=pattern):
-        sw._listen(str(private_dir / "w.sock"))
-    with pytest.raises(sw.SiteWorkerError, match=pattern):
-        _exchange(private_dir / "w.sock")
+    with pytest.raises(ss.SiteSocketError, match=rf"owned by uid {owner}, expected uid "
+                                                 rf"{expected}"):
+        ss._listen(str(private_dir / "w.sock"))
 
 
-def test_worker_creates_a_missing_folder_0700(tmp_path):
+def test_agent_creates_a_missing_folder_0700(tmp_path):
     path = tmp_path / "new-folder" / "w.sock"
-    with running_worker(path):
+    with running_agent(path):
         assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
@@ -261,21 +282,21 @@ def test_fifo_file_or_folder_at_the_socket_path_is_refused(private_dir, kind):
     else:
         path.mkdir()
     name = {"fifo": "a FIFO", "file": "a regular file", "folder": "a folder"}[kind]
-    with pytest.raises(sw.SiteWorkerError, match=f"is not a Unix socket \\({name}\\)"):
+    with pytest.raises(ss.SiteSocketError, match=f"is not a Unix socket \\({name}\\)"):
         _exchange(path)
-    with pytest.raises(sw.SiteWorkerError, match="is not a Unix socket"):
-        sw._listen(str(path))
+    with pytest.raises(ss.SiteSocketError, match="is not a Unix socket"):
+        ss._listen(str(path))
     assert os.path.lexists(path)  # never replaced
 
 
 def test_socket_of_another_owner_is_refused(private_dir):
-    """A socket file (in the site's folder) owned by another uid is not the site's worker."""
+    """A socket file (in the site's folder) owned by another uid is not the site's agent."""
     if os.geteuid() != 0:
         pytest.skip("needs root to chown the socket file")
     evil = Listener(private_dir / "w.sock")
     try:
         os.chown(private_dir / "w.sock", OTHER_UID, OTHER_UID)
-        with pytest.raises(sw.SiteWorkerError, match=rf"owned by uid {OTHER_UID}, expected"):
+        with pytest.raises(ss.SiteSocketError, match=rf"owned by uid {OTHER_UID}, expected"):
             _exchange(private_dir / "w.sock")
         assert evil.connections == 0
     finally:
@@ -283,7 +304,7 @@ def test_socket_of_another_owner_is_refused(private_dir):
 
 
 def test_folder_swapped_after_the_check_does_not_redirect(tmp_path, monkeypatch):
-    """Time-of-check/time-of-use: right after the thin process checked the socket's folder,
+    """Time-of-check/time-of-use: right after the relay checked the socket's folder,
     the folder is renamed away and an attacker's folder (with its own listener) takes its
     name. The connection goes through the checked folder's descriptor (/proc/self/fd/N/NAME),
     so it still reaches the genuine socket; the attacker gets nothing."""
@@ -295,16 +316,16 @@ def test_folder_swapped_after_the_check_does_not_redirect(tmp_path, monkeypatch)
     evil_dir = tmp_path / "evil"
     evil_dir.mkdir(mode=0o700)
     evil = Listener(evil_dir / "w.sock")
-    real_check = sw._check_socket_file
+    real_check = ss._check_socket_file
 
     def check_then_swap(fd, name, path, owner=None):
         real_check(fd, name, path, owner)
         os.rename(site, tmp_path / "moved")
         os.rename(evil_dir, site)
 
-    monkeypatch.setattr(sw, "_check_socket_file", check_then_swap)
+    monkeypatch.setattr(ss, "_check_socket_file", check_then_swap)
     try:
-        with sw._connect(str(site / "w.sock")) as sock:
+        with ss._connect(str(site / "w.sock")) as sock:
             sock.sendall(b"the context")
         deadline = time.monotonic() + 5
         while genuine.received != b"the context" and time.monotonic() < deadline:
@@ -316,26 +337,25 @@ def test_folder_swapped_after_the_check_does_not_redirect(tmp_path, monkeypatch)
         evil.close()
 
 
-def test_thin_process_does_not_hang_on_a_silent_worker(private_dir, monkeypatch):
-    """A 'worker' (of the right uid) that accepts and never answers the hello: the thin
+def test_relay_does_not_hang_on_a_silent_agent(private_dir, monkeypatch):
+    """A 'agent' (of the right uid) that accepts and never answers the hello: the thin
     process gives up after IO_TIMEOUT with a clear error, instead of hanging the SuperNode's
     ClientApp forever."""
-    monkeypatch.setattr(sw, "IO_TIMEOUT", 0.5)
+    monkeypatch.setattr(ss, "IO_TIMEOUT", 0.5)
     silent = Listener(private_dir / "w.sock", hold=True)
     try:
         start = time.monotonic()
-        with pytest.raises(sw.SiteWorkerError, match=r"did not answer within 0\.5 s"):
+        with pytest.raises(ss.SiteSocketError, match=r"did not answer within 0\.5 s"):
             _exchange(private_dir / "w.sock")
         assert time.monotonic() - start < 5
     finally:
         silent.close()
 
 
-def test_a_reply_frame_over_the_limit_is_refused_by_the_thin_process(private_dir,
+def test_a_reply_frame_over_the_limit_is_refused_by_the_relay(private_dir,
                                                                      monkeypatch):
-    """A worker answering its hello with a frame announcing more than MAX_HEADER_BYTES: the
-    thin process refuses it before allocating and sends nothing more (no Message, no
-    Context)."""
+    """An agent answering its hello with a frame announcing more than MAX_HEADER_BYTES: the
+    relay refuses it before allocating and sends nothing more (no Message)."""
     sock_path = private_dir / "w.sock"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(sock_path))
@@ -346,8 +366,8 @@ def test_a_reply_frame_over_the_limit_is_refused_by_the_thin_process(private_dir
         conn, _ = server.accept()
         with conn:
             conn.settimeout(5)
-            sw.read_json(conn)
-            conn.sendall(struct.pack(">4sQ", sw.MAGIC, 1 << 40))
+            ss.read_json(conn)
+            conn.sendall(struct.pack(">4sQ", ss.MAGIC, 1 << 40))
             with contextlib.suppress(OSError):
                 while chunk := conn.recv(65536):
                     got.extend(chunk)
@@ -355,24 +375,24 @@ def test_a_reply_frame_over_the_limit_is_refused_by_the_thin_process(private_dir
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     try:
-        with pytest.raises(sw.SiteWorkerError, match="MAX_HEADER_BYTES"):
+        with pytest.raises(ss.SiteSocketError, match="MAX_HEADER_BYTES"):
             _exchange(sock_path)
         thread.join(10)
-        assert not got  # neither the Message nor the Context left the thin process
+        assert not got  # the Message did not leave the relay
     finally:
         server.close()
 
 
 # -- the peer's uid (SO_PEERCRED) ------------------------------------------------------------------
-def test_thin_process_refuses_a_worker_of_another_uid(private_dir, monkeypatch):
-    """A worker (here an impostor listener) whose process runs as another uid: the thin
+def test_relay_refuses_an_agent_of_another_uid(private_dir, monkeypatch):
+    """An agent (here an impostor listener) whose process runs as another uid: the thin
     process checks SO_PEERCRED right after connecting and sends nothing."""
     evil = Listener(private_dir / "w.sock")
-    real = sw.peer_credentials
-    monkeypatch.setattr(sw, "peer_credentials",
+    real = ss.peer_credentials
+    monkeypatch.setattr(ss, "peer_credentials",
                         lambda sock: (real(sock)[0], OTHER_UID, OTHER_UID))
     try:
-        with pytest.raises(sw.SiteWorkerError,
+        with pytest.raises(ss.SiteSocketError,
                            match=rf"runs as uid {OTHER_UID} \(pid \d+\), expected uid "
                                  rf"{os.geteuid()}"):
             _exchange(private_dir / "w.sock")
@@ -385,18 +405,18 @@ def test_thin_process_refuses_a_worker_of_another_uid(private_dir, monkeypatch):
 def test_peer_credentials_come_from_the_kernel(private_dir):
     left, right = socket.socketpair(socket.AF_UNIX)
     with left, right:
-        pid, uid, gid = sw.peer_credentials(left)
+        pid, uid, gid = ss.peer_credentials(left)
     assert (pid, uid, gid) == (os.getpid(), os.geteuid(), os.getegid())
 
 
-def test_worker_refuses_a_client_of_another_uid(private_dir, monkeypatch, caplog):
-    """A local user of another uid connects to the worker: refused before its hello is read
-    (simulated by making the worker expect another uid once it listens)."""
+def test_agent_refuses_a_client_of_another_uid(private_dir, monkeypatch, caplog):
+    """A local user of another uid connects to the agent: refused before its hello is read
+    (simulated by making the agent expect another uid once it listens)."""
     path = private_dir / "w.sock"
-    with running_worker(path):
-        monkeypatch.setattr(sw, "expected_uid", lambda: OTHER_UID)
-        with caplog.at_level(logging.WARNING, "fedcompress.site_worker"), _raw(path) as sock:
-            answer = sw.read_json(sock)
+    with running_agent(path):
+        monkeypatch.setattr(ss, "expected_uid", lambda: OTHER_UID)
+        with caplog.at_level(logging.WARNING, "fedcompress"), _raw(path) as sock:
+            answer = ss.read_json(sock)
         assert not answer["ok"]
         assert f"runs as uid {os.geteuid()}" in answer["error"]
         assert f"expected uid {OTHER_UID}" in answer["error"]
@@ -411,9 +431,9 @@ def _serving_shared(path: Path, peer_uids: tuple[int, ...]):
     stop = threading.Event()
 
     def handle(conn, timeout):
-        sw.write_json(conn, {"ok": True, "uid": sw.peer_credentials(conn)[1]})
+        ss.write_json(conn, {"ok": True, "uid": ss.peer_credentials(conn)[1]})
 
-    thread = threading.Thread(target=sw.serve_socket, args=(str(path), "site agent", handle,
+    thread = threading.Thread(target=ss.serve_socket, args=(str(path), "site agent", handle,
                                                             lambda: 0, stop),
                               kwargs={"warm": False, "peer_uids": peer_uids}, daemon=True)
     thread.start()
@@ -485,13 +505,13 @@ def test_relay_refuses_an_agent_folder_others_may_write(tmp_path):
     folder.chmod(0o733)
     evil = Listener(folder / "agent.sock")
     try:
-        with pytest.raises(sw.SiteWorkerError, match=r"mode 0733, writable by group or others"):
-            sw._connect(str(folder / "agent.sock"), shared=True)
+        with pytest.raises(ss.SiteSocketError, match=r"mode 0733, writable by group or others"):
+            ss._connect(str(folder / "agent.sock"))
         assert evil.connections == 0
     finally:
         evil.close()
-    with pytest.raises(sw.SiteWorkerError, match=r"mode 0733, writable by group or others"):
-        sw._listen(str(folder / "agent.sock"), shared=True)
+    with pytest.raises(ss.SiteSocketError, match=r"mode 0733, writable by group or others"):
+        ss._listen(str(folder / "agent.sock"), shared=True)
 
 
 def test_relay_refuses_a_listener_that_is_not_the_folders_owner(tmp_path):
@@ -506,9 +526,9 @@ def test_relay_refuses_a_listener_that_is_not_the_folders_owner(tmp_path):
     try:
         os.chown(folder, OTHER_UID, OTHER_UID)
         os.chown(folder / "agent.sock", OTHER_UID, OTHER_UID)
-        with pytest.raises(sw.SiteWorkerError,
+        with pytest.raises(ss.SiteSocketError,
                            match=rf"runs as uid 0 .*expected uid {OTHER_UID} \(the owner"):
-            sw._connect(str(folder / "agent.sock"), shared=True)
+            ss._connect(str(folder / "agent.sock"))
     finally:
         evil.close()
 
@@ -532,7 +552,7 @@ def test_a_frame_announcing_1_gib_allocates_nothing_of_it():
 
     def feed():
         with left:
-            left.sendall(struct.pack(">4sQ", sw.MAGIC, sw.MAX_FRAME_BYTES))
+            left.sendall(struct.pack(">4sQ", ss.MAGIC, ss.MAX_FRAME_BYTES))
             left.sendall(b"x" * (1 << 20))
 
     feeder = threading.Thread(target=feed)
@@ -540,46 +560,46 @@ def test_a_frame_announcing_1_gib_allocates_nothing_of_it():
         def read():
             feeder.start()
             with pytest.raises(ConnectionResetError, match="after 1,048,576 of 1,073,741,824"):
-                sw.read_frame(right)
+                ss.read_frame(right)
         peak = _peak_while(read)
     feeder.join()
     assert peak < 16 << 20, f"peak {peak:,} bytes while reading a 1 GiB announcement"
 
     left, right = socket.socketpair()
     with left, right:
-        left.sendall(struct.pack(">4sQ", sw.MAGIC, (1 << 30) + 1))
+        left.sendall(struct.pack(">4sQ", ss.MAGIC, (1 << 30) + 1))
 
         def refuse():
-            with pytest.raises(sw.ProtocolError, match="over the site worker's limit"):
-                sw.read_frame(right)
+            with pytest.raises(ss.ProtocolError, match="over the site socket's limit"):
+                ss.read_frame(right)
         assert _peak_while(refuse) < 1 << 20
 
 
-def test_worker_refuses_a_1_gib_hello_without_allocating(private_dir):
-    """To the worker, a first frame (the JSON hello) announcing 1 GiB: refused at once
-    (MAX_HEADER_BYTES = 1 MiB), the worker's memory does not move, and it keeps serving."""
+def test_agent_refuses_a_1_gib_hello_without_allocating(private_dir):
+    """To the agent, a first frame (the JSON hello) announcing 1 GiB: refused at once
+    (MAX_HEADER_BYTES = 1 MiB), the agent's memory does not move, and it keeps serving."""
     path = private_dir / "w.sock"
-    with running_worker(path):
+    with running_agent(path):
         def attack():
             with _raw(path) as sock:
-                sock.sendall(struct.pack(">4sQ", sw.MAGIC, 1 << 30))
-                answer = sw.read_json(sock)
+                sock.sendall(struct.pack(">4sQ", ss.MAGIC, 1 << 30))
+                answer = ss.read_json(sock)
             assert not answer["ok"] and "MAX_HEADER_BYTES = 1,048,576" in answer["error"]
         assert _peak_while(attack) < 4 << 20
         with _raw(path) as sock:  # still serving
             sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
-            assert "not a site-worker frame" in sw.read_json(sock)["error"]
+            assert "not a site-agent frame" in ss.read_json(sock)["error"]
 
 
 # -- connections --------------------------------------------------------------------------------
 def test_connections_beyond_the_cap_are_refused_then_served_again(private_dir):
     path = private_dir / "w.sock"
-    with running_worker(path, max_connections=2, timeout=30):
+    with running_agent(path, max_connections=2, timeout=30):
         idle = [_raw(path), _raw(path)]  # hold both slots, send nothing
         time.sleep(0.5)
         try:
             with _raw(path) as third:
-                answer = sw.read_json(third)
+                answer = ss.read_json(third)
             assert not answer["ok"]
             assert "busy: 2 connections open already (--max-connections)" in answer["error"]
         finally:
@@ -590,25 +610,25 @@ def test_connections_beyond_the_cap_are_refused_then_served_again(private_dir):
             with _raw(path) as sock:
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused, closed
                     sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
-                error = sw.read_json(sock)["error"]
-            if "not a site-worker frame" in error:
+                error = ss.read_json(sock)["error"]
+            if "not a site-agent frame" in error:
                 break
             assert time.monotonic() < deadline, error
             time.sleep(0.1)
 
 
-def test_a_busy_worker_is_named_as_busy_to_the_supernode(private_dir):
-    """The SuperNode's side of the exchange: a worker with no free slot writes its refusal and
+def test_a_busy_agent_is_named_as_busy_to_the_supernode(private_dir):
+    """The SuperNode's side of the exchange: an agent with no free slot writes its refusal and
     closes without reading the hello, so the hello may meet a closed pipe; the error must still
-    say the worker is busy (not that it died mid-message), and nothing of the message is sent."""
+    say the agent is busy (not that it died mid-message), and nothing of the message is sent."""
     path = private_dir / "w.sock"
-    with running_worker(path, max_connections=1, timeout=30):
+    with running_agent(path, max_connections=1, timeout=30):
         idle = _raw(path)  # holds the one slot
         try:
             time.sleep(0.5)
             for _ in range(5):  # the closed pipe is a race (the close must beat the hello)
-                with pytest.raises(sw.SiteWorkerError, match="busy: 1 connections open"):
-                    sw.exchange(str(path), message=None, context=None)
+                with pytest.raises(ss.SiteSocketError, match="busy: 1 connections open"):
+                    sa.relay(str(path), None)
         finally:
             idle.close()
 
@@ -616,18 +636,18 @@ def test_a_busy_worker_is_named_as_busy_to_the_supernode(private_dir):
 @pytest.mark.parametrize("how", ["stall", "trickle"])
 def test_a_client_stalling_mid_frame_is_dropped(private_dir, caplog, how):
     """Slow-loris: a client sends a frame header and part of its hello, then stalls (or
-    trickles one byte every 0.2 s, which a per-read timeout would never catch): the worker
+    trickles one byte every 0.2 s, which a per-read timeout would never catch): the agent
     drops it once its request deadline passes (not before it; the log names that deadline),
     and its slot is free again. No upper bound on when: under load the drop may come late,
-    but a worker without a request deadline would never drop a trickling client (30 s)."""
+    but an agent without a request deadline would never drop a trickling client (30 s)."""
     path = private_dir / "w.sock"
-    with caplog.at_level(logging.WARNING, "fedcompress.site_worker"), \
-            running_worker(path, max_connections=1, timeout=1.0):
-        # before the connection: the worker's deadline counts from its accept, which a loaded
+    with caplog.at_level(logging.WARNING, "fedcompress"), \
+            running_agent(path, max_connections=1, timeout=1.0):
+        # before the connection: the agent's deadline counts from its accept, which a loaded
         # machine may delay from this thread's next step by more than the margin below
         start = time.monotonic()
         with _raw(path) as sock:
-            sock.sendall(struct.pack(">4sQ", sw.MAGIC, 1000) + b"{")
+            sock.sendall(struct.pack(">4sQ", ss.MAGIC, 1000) + b"{")
             closed = False
             while time.monotonic() - start < 30:
                 if how == "trickle":
@@ -645,28 +665,29 @@ def test_a_client_stalling_mid_frame_is_dropped(private_dir, caplog, how):
                     break
             elapsed = time.monotonic() - start
         assert closed and elapsed > 0.95, elapsed  # not before the deadline (timer slack: 50 ms)
-        # the one slot is free again (the worker frees it just after closing the socket: under
+        # the one slot is free again (the agent frees it just after closing the socket: under
         # load a connection may still find it busy for a moment, so retry for up to 30 s; a busy
-        # worker writes its refusal and closes at once, so the request may meet a closed pipe:
+        # agent writes its refusal and closes at once, so the request may meet a closed pipe:
         # the refusal is still there to read)
         deadline = time.monotonic() + 30
         while True:
             with _raw(path) as sock:
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                     sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
-                error = sw.read_json(sock)["error"]
+                error = ss.read_json(sock)["error"]
             if "busy" not in error or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert "not a site-worker frame" in error, error
+        assert "not a site-agent frame" in error, error
     assert "did not deliver its request within 1 s" in caplog.text
 
 
-def test_worker_options_are_checked(private_dir):
-    with pytest.raises(sw.SiteWorkerError, match="max_connections=0"):
-        sw.serve(str(private_dir / "w.sock"), threading.Event(), warm=False, max_connections=0)
-    with pytest.raises(sw.SiteWorkerError, match="timeout=0"):
-        sw.serve(str(private_dir / "w.sock"), threading.Event(), warm=False, timeout=0)
+def test_agent_options_are_checked(private_dir):
+    config = _agent_config(private_dir / "w.sock")
+    with pytest.raises(ss.SiteSocketError, match="max_connections=0"):
+        sa.serve(config, threading.Event(), warm=False, max_connections=0)
+    with pytest.raises(ss.SiteSocketError, match="timeout=0"):
+        sa.serve(config, threading.Event(), warm=False, timeout=0)
 
 
 # -- key files ------------------------------------------------------------------------------------
