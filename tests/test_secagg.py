@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from fedcompress.privacy.secagg import (
+    MASK_CHUNK_WORDS,
     SecAggConfig,
     SecAggError,
     SecAggServer,
     SecAggSite,
+    apply_mask,
     lane_bits,
+    mask_stream,
     pack_lanes,
     unpack_lanes,
 )
@@ -53,6 +56,33 @@ def _run(n=5, t=3, numel=777, drop_before_share=(), drop_before_mask=(),
               if node not in drop_before_unmask}
     counts = server.aggregate(masked, unmask)
     return counts, sum(votes[n] for n in survivors), masked, votes
+
+
+@pytest.mark.parametrize("n_words", [0, 1, MASK_CHUNK_WORDS - 1, MASK_CHUNK_WORDS,
+                                     MASK_CHUNK_WORDS + 1, 3 * MASK_CHUNK_WORDS + 5])
+def test_masks_added_in_place_equal_the_whole_stream(n_words):
+    """The protocol adds the keystream piece by piece into the words (no vector-sized
+    temporary): the result equals the whole stream added or subtracted modulo 2^64, at every
+    piece boundary."""
+    rng = np.random.default_rng(n_words)
+    words = rng.integers(0, 2**63, n_words, dtype=np.uint64) * np.uint64(2)
+    secret, vote = bytes(range(32)), bytes(32)
+    stream = mask_stream(secret, vote, b"pair", n_words)
+    added, subtracted = words.copy(), words.copy()
+    apply_mask(added, secret, vote, b"pair")
+    apply_mask(subtracted, secret, vote, b"pair", subtract=True)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(added, words + stream)
+        assert np.array_equal(subtracted, words - stream)
+    apply_mask(added, secret, vote, b"pair", subtract=True)
+    assert np.array_equal(added, words)
+
+
+def test_masks_in_place_refuse_what_they_cannot_write():
+    secret, vote = bytes(32), bytes(32)
+    for bad in (np.zeros(4, dtype=np.int64), np.zeros(8, dtype=np.uint64)[::2]):
+        with pytest.raises(SecAggError, match="writable contiguous uint64"):
+            apply_mask(bad, secret, vote, b"self")
 
 
 def test_the_server_recovers_exactly_the_sum():

@@ -223,17 +223,51 @@ def prg(seed: bytes, n_words: int) -> np.ndarray:
     return np.frombuffer(stream.update(bytes(8 * n_words)), dtype="<u8").astype(np.uint64)
 
 
+def _mask_key(secret: bytes, vote_id: bytes, purpose: bytes) -> bytes:
+    if len(secret) != SEED_BYTES or len(vote_id) != 32:
+        raise SecAggError(f"a mask secret of {len(secret)} bytes and a vote id of "
+                          f"{len(vote_id)}: expected {SEED_BYTES} and 32")
+    return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None,
+                info=DOMAIN + b"/mask/" + purpose + b"/" + vote_id).derive(secret)
+
+
 def mask_stream(secret: bytes, vote_id: bytes, purpose: bytes, n_words: int) -> np.ndarray:
     """The mask words of one purpose (``b"self"``: a self-mask seed; ``b"pair"``: a pairwise
     key) in one vote: :func:`prg` keyed by HKDF-SHA256 of ``secret`` with the protocol, the
     purpose and the vote id as info. Another vote (or purpose) gives an independent stream,
-    even from the same secret."""
-    if len(secret) != SEED_BYTES or len(vote_id) != 32:
-        raise SecAggError(f"a mask secret of {len(secret)} bytes and a vote id of "
-                          f"{len(vote_id)}: expected {SEED_BYTES} and 32")
-    key = HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None,
-               info=DOMAIN + b"/mask/" + purpose + b"/" + vote_id).derive(secret)
-    return prg(key, n_words)
+    even from the same secret. (The protocol adds the stream in place, :func:`apply_mask`;
+    this array is the same stream, for tests and references.)"""
+    return prg(_mask_key(secret, vote_id, purpose), n_words)
+
+
+#: Words of keystream generated per step of :func:`apply_mask` (256 KiB): the piece stays in the
+#: CPU's cache between its generation and its add, and no vector-sized stream is allocated.
+MASK_CHUNK_WORDS = 1 << 15
+_ZERO_CHUNK = bytes(8 * MASK_CHUNK_WORDS)
+
+
+def apply_mask(words: np.ndarray, secret: bytes, vote_id: bytes, purpose: bytes,
+               subtract: bool = False) -> None:
+    """``words`` (uint64, contiguous) plus (``subtract``: minus) :func:`mask_stream` of the same
+    secret, vote and purpose, modulo 2^64, in place: the AES-CTR keystream is written into one
+    preallocated piece of :data:`MASK_CHUNK_WORDS` words at a time (the encryptor's counter
+    runs on across pieces, so the stream is the same as one call's) and added to its slice of
+    ``words`` without a temporary."""
+    if words.dtype != np.uint64 or not words.flags.c_contiguous or not words.flags.writeable:
+        raise SecAggError(f"apply_mask needs writable contiguous uint64 words, got "
+                          f"{words.dtype} (contiguous {words.flags.c_contiguous})")
+    stream = Cipher(algorithms.AES(_mask_key(secret, vote_id, purpose)),
+                    modes.CTR(bytes(16))).encryptor()
+    piece = bytearray(8 * MASK_CHUNK_WORDS + 15)  # update_into wants block size - 1 spare
+    zeros = memoryview(_ZERO_CHUNK)
+    flat = words.reshape(-1)
+    op = np.subtract if subtract else np.add
+    with np.errstate(over="ignore"):
+        for start in range(0, flat.size, MASK_CHUNK_WORDS):
+            n = min(MASK_CHUNK_WORDS, flat.size - start)
+            stream.update_into(zeros[:8 * n], piece)
+            target = flat[start:start + n]
+            op(target, np.frombuffer(piece, dtype="<u8", count=n), out=target)
 
 
 def _public_bytes(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -745,14 +779,13 @@ class SecAggSite:
         if words.size != cfg.n_words:
             raise SecAggError(f"a vector of {np.asarray(values).size} coordinates: expected "
                               f"{cfg.numel}")
-        with np.errstate(over="ignore"):
-            words = words + mask_stream(self._seed, cfg.vote_id, b"self", words.size)
-            for node in u2:
-                if node == self.node:
-                    continue
-                pair = agree(self._s, _load_public(self._u1[node].s, f"node {node}"))
-                mask = mask_stream(pair, cfg.vote_id, b"pair", words.size)
-                words = words + mask if self.node < node else words - mask
+        words = np.ascontiguousarray(words, dtype=np.uint64)  # pack_lanes' own array
+        apply_mask(words, self._seed, cfg.vote_id, b"self")
+        for node in u2:
+            if node == self.node:
+                continue
+            pair = agree(self._s, _load_public(self._u1[node].s, f"node {node}"))
+            apply_mask(words, pair, cfg.vote_id, b"pair", subtract=self.node > node)
         self._received.update(received)
         self._u2 = u2
         return words
@@ -943,7 +976,7 @@ class SecAggServer:
                 if node in masked:
                     if len(secret) != SEED_BYTES:
                         raise SecAggError(f"node {node}'s rebuilt seed has {len(secret)} bytes")
-                    total -= mask_stream(secret, vote_id, b"self", cfg.n_words)
+                    apply_mask(total, secret, vote_id, b"self", subtract=True)
                     continue
                 key = _load_private(secret, f"node {node}'s rebuilt key")
                 if _public_bytes(key) != Advert(*self.public[node]).s:
@@ -951,8 +984,7 @@ class SecAggServer:
                 for other in survivors:  # undo the dropped site's pairwise masks
                     pair = agree(key, _load_public(Advert(*self.public[other]).s,
                                                    f"node {other}"))
-                    mask = mask_stream(pair, vote_id, b"pair", cfg.n_words)
-                    total = total + mask if node < other else total - mask
+                    apply_mask(total, pair, vote_id, b"pair", subtract=node > other)
         return unpack_lanes(total, cfg.bits, cfg.numel)
 
 
