@@ -16,8 +16,14 @@ message's ``flwr-clientapp`` process relays the Message:
 The same settings (``--model``, each site's first ``--site-docs`` wiki documents,
 ``--samples-per-client`` windows of ``--seqlen`` tokens, Wanda 50%, no saved model) run
 ``--runs`` times on each, alternating (loopback, containers, loopback, ...) so that a change of
-the machine's load hits both alike. Per run: the wall time of ``flwr run --stream`` (submit to
-end; in containers it includes starting the operator's ``cli`` container) and, per site and
+the machine's load hits both alike. ``--paths agent,fat`` also times, in each run and on both
+deployments, a process per message (``fat``: the layout the agent replaced, measured only:
+each message's ClientApp process runs the operation itself, as the site's uid with its data,
+keys and cache, ``site-mode="development"``; in containers ``Stack.use`` recreates the
+SuperNode and ClientApp containers so, with a ledger of their own); the SuperNodes are
+restarted between the paths, each keeping its key. Per run: the wall time of ``flwr run
+--stream`` (submit to end; in containers it includes starting the operator's ``cli``
+container) and, per site and
 message (the warm-up, the masks), the start-up its reply reports (Flower's runtime in the
 per-message process, imports, model and windows loaded, the exchange with the agent) and its
 compute. Run 1 is cold (a new app install, empty window caches) and is reported apart. A timing
@@ -46,10 +52,11 @@ STARTUP_KEYS = ("startup_runtime_seconds", "startup_import_seconds", "startup_lo
                 "startup_worker_seconds")
 
 
-PATHS = ("agent",)
+#: the agent (the shipped layout) and a process per message (``fat``, measured only)
+PATHS = ("agent", "fat")
 
 
-def _messages(report: dict, node_ids: list[int]) -> list[dict]:
+def _messages(report: dict, node_ids: list[int], path: str = "agent") -> list[dict]:
     """One record per site and message of a run's report.json (its ``client_startup``)."""
     site_of = {node: i for i, node in enumerate(node_ids)}
     out = []
@@ -57,7 +64,7 @@ def _messages(report: dict, node_ids: list[int]) -> list[dict]:
         site = site_of[r["node"]]
         startup = sum(float(r.get(k, 0.0)) for k in STARTUP_KEYS)
         out.append({"site": site, "message": r["stage"],
-                    "path": "agent",
+                    "path": path,
                     "startup_seconds": startup,
                     "compute_seconds": float(r.get("compute_seconds", 0.0)),
                     **{k: float(r[k]) for k in STARTUP_KEYS if k in r}})
@@ -80,7 +87,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="Documents of the bundled wiki train split in each site's data.")
     parser.add_argument("--samples-per-client", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=128)
+    parser.add_argument("--paths", default="agent",
+                        help="The sites' paths to time, comma-separated: agent (the shipped "
+                             "layout), fat (a process per message, the layout the agent "
+                             "replaced).")
     opts = parser.parse_args(argv)
+    paths = [p.strip() for p in opts.paths.split(",") if p.strip()]
+    if not paths or set(paths) - set(PATHS) or paths[0] != "agent":
+        parser.error(f"--paths {opts.paths!r}: expected agent first, then optionally fat")
     if opts.runs < 2:
         parser.error(f"--runs {opts.runs}: expected 2 or more (run 1 is cold)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -135,29 +149,39 @@ def main(argv: list[str] | None = None) -> int:
             sites.use("agent")
             with report.phase("containers up"):
                 stack.start()
-            for run in range(1, opts.runs + 1):
-                for kind in DEPLOYMENTS:
-                    name = f"run-{run}-{kind}"
-                    with report.phase(f"run {run} {kind}"):
+            using = {"loopback": "agent", "containers": "agent"}
+            for run, kind, path in ((r, k, p) for r in range(1, opts.runs + 1)
+                                    for k in DEPLOYMENTS for p in paths):
+                if using[kind] != path:  # restart the SuperNodes in the other layout
+                    with report.phase(f"switch {kind} to {path}"):
                         if kind == "loopback":
-                            started = time.perf_counter()
-                            record, log = dep.run({**settings, "out": str(work / name)})
-                            seconds = time.perf_counter() - started
-                            out, nodes = work / name, dep.node_ids
+                            sites.use(path)
                         else:
-                            record, log, seconds = stack.run(name, "fedprllm", settings)
-                            out, nodes = stack.root / "out" / name, stack.node_ids
-                    if record["status"] != "finished:completed":
-                        raise RuntimeError(f"{name}: {record}\n{log[-3000:]}")
-                    run_report = json.loads((out / "report.json").read_text())
-                    messages = _messages(run_report, nodes)
-                    report.add_result({"name": f"run {run} {kind}", "deployment": kind,
-                                       "run": run, "seconds": seconds,
-                                       "perplexity": run_report["results"][0].get("perplexity"),
-                                       "messages": messages,
-                                       "load_average_after": [round(x, 2)
-                                                              for x in os.getloadavg()]})
-                    logger.info("run %d %s: %.1f s", run, kind, seconds)
+                            stack.use(path)
+                    using[kind] = path
+                name = f"run-{run}-{kind}" + ("" if path == "agent" else f"-{path}")
+                with report.phase(f"run {run} {kind} {path}"):
+                    if kind == "loopback":
+                        started = time.perf_counter()
+                        record, log = dep.run({**settings, "out": str(work / name)})
+                        seconds = time.perf_counter() - started
+                        out, nodes = work / name, dep.node_ids
+                    else:
+                        record, log, seconds = stack.run(name, "fedprllm", settings)
+                        out, nodes = stack.root / "out" / name, stack.node_ids
+                if record["status"] != "finished:completed":
+                    raise RuntimeError(f"{name}: {record}\n{log[-3000:]}")
+                run_report = json.loads((out / "report.json").read_text())
+                messages = _messages(run_report, nodes, path)
+                report.add_result({"name": f"run {run} {kind}"
+                                   + ("" if path == "agent" else f" {path}"),
+                                   "deployment": kind, "path": path,
+                                   "run": run, "seconds": seconds,
+                                   "perplexity": run_report["results"][0].get("perplexity"),
+                                   "messages": messages,
+                                   "load_average_after": [round(x, 2)
+                                                          for x in os.getloadavg()]})
+                logger.info("run %d %s %s: %.1f s", run, kind, path, seconds)
         finally:
             left_containers = stack.stop()
             left = procs.stop_all()
@@ -170,12 +194,19 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         summary: dict = {}
         for kind in DEPLOYMENTS:
-            mine = [r for r in warm if r["deployment"] == kind]
-            cold = [r["seconds"] for r in report.results
-                    if r["deployment"] == kind and r["run"] == 1]
+            # the run's seconds: the agent's (the shipped layout); each path's apart
+            mine = [r for r in warm if r["deployment"] == kind
+                    and r.get("path", "agent") == "agent"]
+            cold = [r["seconds"] for r in report.results if r["deployment"] == kind
+                    and r["run"] == 1 and r.get("path", "agent") == "agent"]
             entry = {"warm_runs": len(mine), "run_seconds": _median([r["seconds"] for r in mine]),
                      "cold_run_seconds": cold[0] if cold else None}
-            for path in PATHS:
+            for path in paths[1:]:
+                entry[f"{path}/run_seconds"] = _median(
+                    [r["seconds"] for r in warm if r["deployment"] == kind
+                     and r.get("path") == path])
+            mine = [r for r in warm if r["deployment"] == kind]
+            for path in paths:
                 for message in ("warmup", "masks"):
                     values = [m for r in mine for m in r["messages"]
                               if m["path"] == path and m["message"] == message]
@@ -193,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(["cold run 1", *(f"{summary[k]['cold_run_seconds']:.1f}"
                                      for k in DEPLOYMENTS),
                      f"{summary['containers']['cold_run_seconds'] / summary['loopback']['cold_run_seconds']:.2f}"])  # noqa: E501
-        for path in PATHS:
+        for path in paths[1:]:
+            lb, ct = (summary[k][f"{path}/run_seconds"] for k in DEPLOYMENTS)
+            rows.append([f"run, {path} (median of warm runs)", f"{lb:.1f}", f"{ct:.1f}",
+                         f"{ct / lb:.2f}"])
+        for path in paths:
             for message in ("warmup", "masks"):
                 key = f"{path}/{message}"
                 lb, ct = (summary[k][key]["startup_seconds"] for k in DEPLOYMENTS)
@@ -203,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
             ["", "loopback", "containers", "containers / loopback"], rows) + (
             f"\n\n{deploy.CLIENTS} sites, TLS and SuperNode authentication, one-shot FedPrLLM "
             f"on {opts.model} (Wanda 50%, {opts.samples_per_client} x {opts.seqlen} tokens per "
-            f"site, {len(docs)} wiki documents of data per site); every site an agent. "
+            f"site, {len(docs)} wiki documents of data per site); every site an agent"
+            + ("" if paths == ["agent"] else ", and in the same runs (restarted between) a "
+               "process per message (fat: its ClientApp process runs the operation itself, as "
+               "the site's uid, the layout the agent replaced)") + ". "
             f"{opts.runs} runs per deployment, alternating; run 1 cold. Start-up per message: "
             "what its reply reports (Flower's runtime in the per-message process, imports, "
             "model and windows, the exchange with the agent), median over the warm runs' "

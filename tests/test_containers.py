@@ -149,21 +149,61 @@ class Stack:
             os.chown(path, SITE_UID + i, SITE_UID + i)
             path.chmod(0o600)
 
-    def write_override(self) -> None:
+    def write_override(self, process_per_message: bool = False) -> None:
+        """``compose.test.yml``: the public material mounted, no published port.
+        ``process_per_message``: the layout a measurement compares the agent with (never a
+        site's): each site's ClientApp container runs the operations itself, as the site's uid
+        with its data, keys, cache and state mounted, its SuperNode's node config the site's
+        own in ``site-mode="development"`` (:meth:`use`)."""
         import yaml
 
         base = yaml.safe_load((self.root / "compose.yml").read_text())["services"]
         lines = ["services:"]
         for name in base:
-            if name != "superlink" and not name.startswith("agent-"):
+            site = name.rsplit("-", 1)[-1]
+            fat = process_per_message and name.startswith(("supernode-", "clientapp-"))
+            if name != "superlink" and not name.startswith("agent-") and not fat:
                 continue
             lines.append(f"  {name}:")
-            if self.public is not None:
-                public = f"{self.public}:{self.public}:ro"
-                lines += ["    volumes:", f"      - {_yaml_string(public)}"]
+            mounts = [f"{self.public}:{self.public}:ro"] if self.public is not None and (
+                name == "superlink" or name.startswith(("agent-", "clientapp-"))) else []
+            if fat and name.startswith("supernode-"):
+                # a ledger of its own (the agent, idle meanwhile, keeps the volume's journal)
+                config = {**self.node_config(int(site)), "site-mode": "development",
+                          "state-dir": "/home/app/fat-state"}
+                command = [*base[name]["command"][:-1], "--node-config=" + " ".join(
+                    f"{k}={json.dumps(v)}" for k, v in config.items())]
+                lines += ["    command: !override", *(f"      - {_yaml_string(c)}"
+                                                     for c in command)]
+            if fat and name.startswith("clientapp-"):
+                i, uid = int(site), SITE_UID + int(site)
+                agent = base[f"agent-{i}"]
+                mounts += [m for m in agent["volumes"] if not m.startswith("./sites/")
+                           and not m.endswith((":/agent", ":/home/app/state"))]
+                lines += [f'    user: "{uid}:{uid}"',
+                          "    tmpfs: !override",
+                          f"      - /home/app:uid={uid},gid={uid},mode=0700",
+                          "    environment:",
+                          "      FEDCOMPRESS_CACHE: /home/app/.cache/fedcompress",
+                          "      FEDCOMPRESS_STATE: /home/app/state",
+                          "      HF_HOME: /home/app/.cache/fedcompress/huggingface"]
+            if mounts:
+                lines += ["    volumes:", *(f"      - {_yaml_string(m)}" for m in mounts)]
             if name == "superlink":
                 lines.append("    ports: !reset []")
         (self.root / "compose.test.yml").write_text("\n".join(lines) + "\n")
+
+    def use(self, path: str) -> None:
+        """The sites' SuperNode and ClientApp containers recreated for ``path``: ``agent``
+        (the shipped layout) or ``fat`` (a process per message at the site's uid,
+        :meth:`write_override`); each SuperNode keeps its key, so its node id."""
+        if path not in ("agent", "fat"):
+            raise ValueError(f"path={path!r}: expected 'agent' or 'fat'")
+        self.write_override(process_per_message=path == "fat")
+        self.compose("up", "-d", "--pull", "never",
+                     *(f"{kind}-{i}" for i in range(SITES) for kind in ("supernode", "clientapp")),
+                     timeout=STARTUP_TIMEOUT)
+        self.wait_online()
 
     # -- docker compose ----------------------------------------------------------------------
     def compose(self, *args: str, timeout: float = 300, check: bool = True
@@ -202,6 +242,10 @@ class Stack:
         self.compose("up", "-d", "--pull", "never",
                      *(f"{kind}-{i}" for i in range(SITES) for kind in ("supernode", "clientapp")),
                      timeout=STARTUP_TIMEOUT)
+        self.wait_online()
+
+    def wait_online(self) -> None:
+        """Until the SuperLink lists every site's SuperNode online."""
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while True:
             nodes = json.loads(self.flwr("supernode", "ls", "--format", "json").stdout)["nodes"]
