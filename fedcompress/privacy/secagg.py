@@ -779,7 +779,6 @@ class SecAggSite:
         if words.size != cfg.n_words:
             raise SecAggError(f"a vector of {np.asarray(values).size} coordinates: expected "
                               f"{cfg.numel}")
-        words = np.ascontiguousarray(words, dtype=np.uint64)  # pack_lanes' own array
         apply_mask(words, self._seed, cfg.vote_id, b"self")
         for node in u2:
             if node == self.node:
