@@ -260,10 +260,12 @@ def secagg_keys(message: Message, context: Context) -> Message:
     run, rnd, layer = _vote_of(message)
     sites = int(agg["sites"])
     config = SecAggConfig(tuple(range(sites)), int(agg["threshold"]), int(agg["numel"]),
-                          int(agg["bits"]), run, rnd, layer)
+                          int(agg["bits"]), run, rnd, layer, int(agg["neighbours"]))
+    federation = len(peers) if peers else sites
     site = SecAggSite.begin(int(agg["index"]), config, _previous_vote(context),
-                            min_threshold=policy.min_secagg_threshold(
-                                len(peers) if peers else sites),
+                            min_threshold=policy.min_secagg_threshold(federation),
+                            min_neighbours=policy.min_secagg_neighbours(max(federation, 2)),
+                            max_colluders=policy.secagg_max_colluders,
                             identity=identity, peers=peers)
     _keep_secagg(context, site)
     advert = site.advertise()

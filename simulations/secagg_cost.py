@@ -13,7 +13,12 @@ Every site computes its one-shot Wanda masks once (the same for every vote); the
 * **SecAgg+, authenticated**: every site signs its keys with a long-term P-384 key and checks
   every peer's signature, and the consistency round runs (each survivor signs the survivor set,
   each checks ``t`` signatures before unmasking): what a deployed site runs;
-* each of the two again with ``--drop`` sites lost before their masked votes.
+* each of the two again with ``--drop`` sites lost before their masked votes;
+* with ``--complete``, the authenticated vote again on the complete masking graph (every site
+  masks with every other, SecAgg rather than SecAgg+): what the sparse graph saves.
+
+The masking graph's degree is ``--neighbours`` (default ``FedPrLLMConfig``'s: ``2 ceil(log2
+n)``, 8 of 16 sites, 12 of 64).
 
 The counts of each secure vote must equal the plain counts of the same sites bit for bit (the
 script stops otherwise). Reported per stage: seconds per site (mean) and bytes per site up and
@@ -56,13 +61,27 @@ logger = logging.getLogger("secagg_cost")
 STAGES = ("keys", "share", "masked", "confirm", "unmask")
 
 
-def secure_vote(votes: dict[int, np.ndarray], threshold: int, lost: set[int],
-                authenticated: bool) -> dict:
+class PackedVotes(dict):
+    """Each site's 0/1 vote vector kept bit-packed (64 sites' uint8 vectors would take 7 GB on
+    SmolLM2); ``votes[i]`` unpacks one (outside the timed calls)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel = numel
+
+    def __getitem__(self, site: int) -> np.ndarray:
+        return np.unpackbits(super().__getitem__(site), count=self.numel)
+
+
+def secure_vote(votes: PackedVotes, threshold: int, lost: set[int], authenticated: bool,
+                neighbours: int = 0) -> dict:
     """The stages over ``votes`` (site -> 0/1 vector), sites in ``lost`` silent from the
-    masked stage on; ``authenticated``: signed keys and the consistency round. Per stage:
-    every site's seconds and bytes up and down; the server's seconds."""
-    numel = next(iter(votes.values())).size
-    config = SecAggConfig(tuple(sorted(votes)), threshold, numel, run=1, round=1)
+    masked stage on; ``authenticated``: signed keys and the consistency round; ``neighbours``:
+    the masking graph's degree (0: the default). Per stage: every site's seconds and bytes up
+    and down; the server's seconds."""
+    numel = votes.numel
+    config = SecAggConfig(tuple(sorted(votes)), threshold, numel, run=1, round=1,
+                          neighbours=neighbours)
     seconds = {st: {i: 0.0 for i in votes} for st in STAGES}
     up = {st: {i: 0 for i in votes} for st in STAGES}
     down = {st: {i: 0 for i in votes} for st in STAGES}
@@ -76,7 +95,7 @@ def secure_vote(votes: dict[int, np.ndarray], threshold: int, lost: set[int],
         return out
 
     sites = {i: timed("keys", i, SecAggSite, i, config, identity=identities.get(i),
-                      peers=peers) for i in votes}
+                      peers=peers, min_neighbours=config.neighbours) for i in votes}
     server = SecAggServer(config)
     server.public = {i: s.advertise() for i, s in sites.items()}
     advert_bytes = {i: sum(len(x) for x in a) for i, a in server.public.items()}
@@ -117,6 +136,7 @@ def secure_vote(votes: dict[int, np.ndarray], threshold: int, lost: set[int],
                  for st in STAGES}
     return {"counts": counts, "sites": len(votes), "survivors": len(survivors),
             "threshold": threshold, "bits": config.bits, "authenticated": authenticated,
+            "neighbours": config.neighbours,
             "consistency_round": authenticated, "stages": per_stage,
             "site_seconds": [sum(seconds[st][i] for st in STAGES) for i in survivors],
             "server_seconds": server_s,
@@ -148,18 +168,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--drop", type=int, default=2, help="sites lost before masking")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--neighbours", type=int, default=0,
+                        help="the masking graph's degree (0: 2 * ceil(log2 clients))")
+    parser.add_argument("--complete", action="store_true",
+                        help="also the authenticated vote on the complete graph")
     parser.add_argument("--out", default="simulations/results/secagg")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = FedPrLLMConfig(model=args.model, clients=args.clients, sparsity=args.sparsity,
                          samples_per_client=args.windows, seqlen=args.seqlen,
-                         batch_size=args.batch_size, secagg=True)
+                         batch_size=args.batch_size, secagg=True,
+                         secagg_neighbours=args.neighbours)
     with RunReport.for_script(__file__, args, seeds={"seed": cfg.seed}) as report:
         report.markdown_results = False  # the sections' tables show them
         with report.phase("load"):
             loaded = load_model(args.model, device="cpu")
             windows = federation_windows(loaded.tokenizer, cfg)[0]
-        client_s, payloads, votes = [], [], {}
+        client_s: list[float] = []
+        payloads: list[dict[str, np.ndarray]] = []
+        votes: PackedVotes | None = None
         with report.phase("site_masks"):
             for i, w in enumerate(windows):
                 start = time.perf_counter()
@@ -167,8 +194,10 @@ def main(argv: list[str] | None = None) -> None:
                 client_s.append(time.perf_counter() - start)
                 payloads.append(encode_masks(masks))
                 flat = flatten_masks(masks)
-                votes[i] = np.concatenate([flat[k].reshape(-1).numpy().astype(np.uint8)
-                                           for k in sorted(flat)])
+                vote = np.concatenate([flat[k].reshape(-1).numpy().astype(np.uint8)
+                                       for k in sorted(flat)])
+                votes = votes if votes is not None else PackedVotes(vote.size)
+                dict.__setitem__(votes, i, np.packbits(vote))
                 logger.info("site %d: masks in %.1f s", i, client_s[-1])
         keys = sorted(payloads[0])
 
@@ -187,18 +216,24 @@ def main(argv: list[str] | None = None) -> None:
         plain_counts, plain_s = plain(everyone)
         packed_bytes = sum(int(p.nbytes) for p in payloads[0].values())
         threshold = cfg.threshold_for(args.clients)
+        neighbours = cfg.neighbours_for(args.clients)
+        assert votes is not None
         runs = {}
         lost_set = set(everyone[:args.drop])
         with report.phase("secure_warmup"):  # first-touch allocations: not part of the timing
-            secure_vote(votes, threshold, set(), False)
+            secure_vote(votes, threshold, set(), False, neighbours)
         with report.phase("secure_votes"):
-            for name, lost, auth in (
-                    ("secagg, unauthenticated", set(), False),
-                    ("secagg, authenticated + consistency", set(), True),
-                    (f"secagg, unauthenticated, {args.drop} dropped", lost_set, False),
-                    (f"secagg, authenticated + consistency, {args.drop} dropped", lost_set,
-                     True)):
-                result = secure_vote(votes, threshold, lost, auth)
+            cells = [("secagg, unauthenticated", set(), False, neighbours),
+                     ("secagg, authenticated + consistency", set(), True, neighbours),
+                     (f"secagg, unauthenticated, {args.drop} dropped", lost_set, False,
+                      neighbours),
+                     (f"secagg, authenticated + consistency, {args.drop} dropped", lost_set,
+                      True, neighbours)]
+            if args.complete:
+                cells.append(("secagg, authenticated + consistency, complete graph", set(),
+                              True, args.clients - 1))
+            for name, lost, auth, degree in cells:
+                result = secure_vote(votes, threshold, lost, auth, degree)
                 expected = (plain_counts if not lost
                             else plain([i for i in everyone if i not in lost])[0])
                 identical = bool(np.array_equal(result.pop("counts"), expected))
@@ -221,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                                      "authenticated": protocol_ms(auth)},
             "model": args.model, "clients": args.clients, "windows": args.windows,
             "sparsity": args.sparsity, "weights": int(plain_counts.size),
-            "threshold": threshold, "client_mask_seconds": client_s,
+            "threshold": threshold, "neighbours": neighbours, "client_mask_seconds": client_s,
             "plain": {"bytes_up": packed_bytes, "server_seconds": plain_s,
                       "round_work_seconds": round_plain},
             "secure": runs})
@@ -240,7 +275,10 @@ def main(argv: list[str] | None = None) -> None:
         report.sections.append((
             "SecAgg+ vote vs the plain bit-packed vote",
             f"{args.model}, {args.clients} sites x {args.windows} windows, Wanda "
-            f"{args.sparsity}, {plain_counts.size:,} prunable weights; threshold {threshold}. "
+            f"{args.sparsity}, {plain_counts.size:,} prunable weights; threshold {threshold}; "
+            f"masking graph of degree {neighbours}"
+            f"{' (complete)' if neighbours >= args.clients - 1 else ''}: each site masks with "
+            f"{neighbours} others. "
             "The sites ran one after another on this machine; 'round work' is the sum of every "
             "site's and the server's seconds (in a federation the sites run in parallel).\n\n"
             + markdown_table(["vote", "counts = plain", "bytes up per site", "x packed",

@@ -380,12 +380,20 @@ def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):
     spec = importlib.util.spec_from_file_location("secagg_cost", "simulations/secagg_cost.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main(["--model", tiny_dir, "--clients", "4", "--windows", "2", "--seqlen", "16",
-                 "--drop", "1", "--batch-size", "2", "--out", str(tmp_path)])
+    module.main(["--model", tiny_dir, "--clients", "6", "--windows", "2", "--seqlen", "16",
+                 "--drop", "1", "--batch-size", "2", "--neighbours", "4", "--complete",
+                 "--out", str(tmp_path)])
     report = json.loads((tmp_path / "report.json").read_text())
     secure = report["secure"]
     assert all(r["identical_to_plain"] for r in secure.values())
-    assert secure["secagg, authenticated + consistency, 1 dropped"]["survivors"] == 3
+    assert secure["secagg, authenticated + consistency, 1 dropped"]["survivors"] == 5
+    assert report["neighbours"] == 4 == secure["secagg, unauthenticated"]["neighbours"]
+    complete = secure["secagg, authenticated + consistency, complete graph"]
+    assert complete["neighbours"] == 5
+    # a site uploads the same bytes on either graph and sends shares to its neighbours only
+    assert complete["masked_bytes"] == secure["secagg, unauthenticated"]["masked_bytes"]
+    assert complete["stages"]["share"]["bytes_up"] > secure[
+        "secagg, authenticated + consistency"]["stages"]["share"]["bytes_up"]
     auth, plain = secure["secagg, authenticated + consistency"], secure["secagg, unauthenticated"]
     assert auth["authenticated"] and not plain["authenticated"]
     assert auth["stages"]["confirm"]["bytes_up"] > 0 == plain["stages"]["confirm"]["bytes_up"]

@@ -265,7 +265,7 @@ def test_an_agent_without_keys_refuses_the_secure_vote_and_the_relay_keeps_nothi
     message = _message("query.secagg_keys", {
         "config": _fp(tiny_dir, secagg=True),
         "secagg": {"sites": 2, "threshold": 2, "numel": 64, "bits": 2, "index": 0,
-                   "group": "1", "layer": -1}}, run=3)
+                   "neighbours": 0, "group": "1", "layer": -1}}, run=3)
     reply = app(message, relay_context)
     assert reply.has_error() and "secagg-key" in reply.error.reason, reply.error.reason
     assert len(relay_context.state) == 0

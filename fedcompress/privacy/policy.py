@@ -34,6 +34,15 @@ key                                 default   meaning
                                               that no split view of the survivors can be
                                               confirmed twice (Bonawitz et al. 2017); 0 trusts
                                               every other site
+``secagg-min-neighbours``           0         the least degree k of SecAgg+'s masking graph
+                                              (each site masks with and shares its secrets
+                                              among k neighbours): 0 is 2 * ceil(log2 n) for n
+                                              sites (16: 8, 64: 12); k must also be at least
+                                              twice secagg-max-colluders. Privacy does not rest
+                                              on k (a site checks that no secagg-max-colluders
+                                              survivors cut the survivors' graph before it
+                                              reveals a share); k sets how many drops a vote
+                                              survives
 ``require-secagg``                  true      refuse to release masks or statistics in the clear
                                               (only their sum, under SecAgg+)
 ``custext-top-k``                   20        CusText's group size: the candidates each word may
@@ -180,6 +189,7 @@ class SitePolicy:
     dp_public_files: tuple[str, ...] = ()
     secagg_min_fraction: float = 0.5
     secagg_max_colluders: int = 1
+    secagg_min_neighbours: int = 0
     require_secagg: bool = True
     runs_per_input: int = 1
     non_dp_releases_per_run: int = 256
@@ -224,6 +234,11 @@ class SitePolicy:
                 or not isinstance(self.secagg_max_colluders, int) or self.secagg_max_colluders < 0:
             raise PolicyError(f"node config secagg-max-colluders={self.secagg_max_colluders!r} "
                               "is invalid: expected an integer >= 0")
+        if isinstance(self.secagg_min_neighbours, bool) \
+                or not isinstance(self.secagg_min_neighbours, int) \
+                or self.secagg_min_neighbours < 0:
+            raise PolicyError(f"node config secagg-min-neighbours={self.secagg_min_neighbours!r} "
+                              "is invalid: expected an integer >= 0 (0: 2 * ceil(log2 n))")
         if isinstance(self.custext_top_k, bool) or not isinstance(self.custext_top_k, int) \
                 or self.custext_top_k < 2:
             raise PolicyError(f"node config custext-top-k={self.custext_top_k!r} is invalid: "
@@ -248,6 +263,18 @@ class SitePolicy:
             raise PolicyError(f"sites={sites!r} is invalid: expected an int >= 1")
         return max(2, math.floor(self.secagg_min_fraction * sites) + 1,
                    (sites + self.secagg_max_colluders) // 2 + 1)
+
+    def min_secagg_neighbours(self, sites: int) -> int:
+        """The least degree of a SecAgg+ masking graph this site accepts among ``sites`` sites:
+        ``secagg-min-neighbours`` (0: :func:`~fedcompress.privacy.secagg_graph.default_neighbours`)
+        and twice ``secagg-max-colluders`` (so that a neighbourhood's share threshold, k/2 + 1,
+        exceeds the colluders)."""
+        from fedcompress.privacy.secagg_graph import default_neighbours
+
+        if isinstance(sites, bool) or not isinstance(sites, int) or sites < 2:
+            raise PolicyError(f"sites={sites!r} is invalid: expected an int >= 2")
+        return max(self.secagg_min_neighbours or default_neighbours(sites),
+                   2 * self.secagg_max_colluders)
 
     def check_epsilon(self, epsilon: float | None, what: str = "epsilon") -> float | None:
         """``epsilon`` if this policy allows it for one run: None or 0 (no DP) only with
@@ -416,6 +443,7 @@ POLICY_KEYS: dict[str, str] = {
     "dp-public-files": "dp_public_files",
     "secagg-min-fraction": "secagg_min_fraction",
     "secagg-max-colluders": "secagg_max_colluders", "require-secagg": "require_secagg",
+    "secagg-min-neighbours": "secagg_min_neighbours",
     "runs-per-input": "runs_per_input", "custext-top-k": "custext_top_k",
     "non-dp-releases-per-run": "non_dp_releases_per_run",
     "custext-keep-stopwords": "custext_keep_stopwords",

@@ -1,4 +1,5 @@
-"""Secure aggregation of vote counts (SecAgg+, Bell et al. 2020, on the complete graph, with the
+"""Secure aggregation of vote counts (SecAgg+, Bell et al. 2020, on a sparse masking graph
+derived from the sites' fresh keys (:mod:`fedcompress.privacy.secagg_graph`), with the
 authenticated key agreement and the consistency round of Bonawitz et al. CCS'17 §4): the server
 learns the SUM of the sites' integer vectors and nothing else, also when sites drop out (up to
 ``n - threshold``), and also when it deviates from the protocol. Plain functions and per-party
@@ -25,28 +26,34 @@ that refuses a repeated, out-of-order or other-vote stage; ``i``, ``j``: site in
    index and both keys; :class:`Advert`).
 2. *share* (U2): each site verifies every relayed advertisement against the federation's public
    keys that it holds itself (an unknown, unsigned, duplicated or swapped key refuses the
-   vote; its own must come back unchanged), splits ``b_i`` and its ``s`` private key into
-   Shamir shares of threshold ``t`` (:func:`create_shares`) and sends site ``j``'s pair
-   encrypted under the ECDH key of ``c_i`` and ``c_j`` (Fernet; the plaintext names the vote,
-   source and destination).
-3. *masked input* (U3): the sites whose shares reached a site form its U2 (a subset of U1 of at
-   least ``t`` sites, itself included); ``y_i = x_i + PRG(b_i) + sum_{j in U2, j > i}
+   vote; its own must come back unchanged), derives the masking graph from them (every site
+   derives the same one from the same advertisements), splits ``b_i`` and its ``s`` private key
+   into Shamir shares among itself and its ``k`` neighbours (threshold ``k / 2 + 1``; the
+   vote's ``t`` on the complete graph; :func:`create_shares`) and sends neighbour ``j``'s pair
+   encrypted under the ECDH key of ``c_i`` and ``c_j`` (Fernet; the plaintext names the graph's
+   seed, which binds the vote and the advertisements, the source and the destination).
+3. *masked input* (U3): the neighbours whose shares reached a site form its U2 (itself
+   included, at least the share threshold; shares from a site that is not a neighbour, or made
+   under another graph, are refused); ``y_i = x_i + PRG(b_i) + sum_{j in U2, j > i}
    PRG(s_ij) - sum_{j in U2, j < i} PRG(s_ij)`` mod 2^64 per word, every stream keyed by HKDF of
    its secret with the vote id and its purpose as info (:func:`mask_stream`), so no two
    uploads of any vote share a stream.
 4. *confirm* (consistency round): the server announces the survivor set U3 (the sites whose
-   ``y`` arrived); each survivor checks it (a subset of its U2, at least ``t``, itself in it)
-   and signs (vote id, U3).
+   ``y`` arrived); each survivor checks it (sites that advertised keys, its neighbours among
+   them in its U2, at least ``t``, itself in it, and no ``secagg-max-colluders`` survivors
+   whose removal cuts the survivors' masking graph: :func:`~.secagg_graph.cut_of`) and signs
+   (graph seed, U3).
 5. *unmask*: the server relays the signatures; a site reveals shares only after at least ``t``
    valid signatures on the SAME U3 from distinct authenticated survivors; it returns its share
-   of ``b_j`` for every ``j`` in U3 and of ``s_j``'s private key for every ``j`` in U2 \\ U3
-   (it computes U2 \\ U3 itself, so never both for one site); from ``t`` shares the server
+   of ``b_j`` for every neighbour ``j`` in U3 and of ``s_j``'s private key for every ``j`` in
+   U2 \\ U3 (it computes U2 \\ U3 itself, so never both for one site); from each
+   neighbourhood's threshold of shares the server
    rebuilds the seeds, removes ``PRG(b_j)`` of the survivors and the dropped sites' pairwise
    masks, and has the sum of the survivors' vectors.
 
 A site lost between *keys* and *share* is simply not in U2 (nobody masks with it); one lost
 between *share* and *masked* is in U2 \\ U3 (its pairwise masks undone from the others'
-shares); one lost after *masked* still counts (its seed rebuilt from ``t`` shares).
+shares); one lost after *masked* still counts (its seed rebuilt from its neighbours' shares).
 
 **Primitives.** The same constructions as Flower's secure-aggregation primitives
 (``flwr.common.secure_aggregation``), called on the libraries those wrap, since the library
@@ -97,10 +104,20 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from fedcompress.privacy.secagg_graph import (
+    check_neighbours,
+    cut_of,
+    default_neighbours,
+    effective_neighbours,
+    graph_seed,
+    masking_graph,
+    share_threshold,
+)
+
 CURVE = ec.SECP384R1()
 SEED_BYTES = 32
 #: The protocol's name and version, first in everything a site signs or derives
-DOMAIN = b"fedcompress-secagg+/2"
+DOMAIN = b"fedcompress-secagg+/3"
 #: The stages of one vote at a site, in order
 STAGES = ("keys", "share", "masked", "confirm", "unmask")
 
@@ -470,8 +487,10 @@ class Advert(NamedTuple):
 @dataclass(frozen=True)
 class SecAggConfig:
     """One vote: the sites (indices or node ids), the threshold ``t``, the vector length and
-    the lane width (default: enough for the sum of the sites' 0/1 votes), and the run, round
-    and layer it belongs to (``layer=-1``: every layer at once)."""
+    the lane width (default: enough for the sum of the sites' 0/1 votes), the run, round
+    and layer it belongs to (``layer=-1``: every layer at once), and the masking graph's degree
+    ``neighbours`` (default :func:`~fedcompress.privacy.secagg_graph.default_neighbours`;
+    ``>= n - 1``: the complete graph, stored as ``n - 1``)."""
 
     nodes: tuple[int, ...]
     threshold: int
@@ -480,6 +499,7 @@ class SecAggConfig:
     run: int = 0
     round: int = 0
     layer: int = -1
+    neighbours: int = 0
 
     def __post_init__(self) -> None:
         nodes = tuple(int(n) for n in self.nodes)
@@ -496,6 +516,11 @@ class SecAggConfig:
         if not (lane_bits(len(nodes)) <= self.bits <= 32 or self.bits == 64):
             raise SecAggError(f"bits={self.bits}: the sum of {len(nodes)} sites' votes needs "
                               f"{lane_bits(len(nodes))}..32 (or 64: fixed-point sums)")
+        k = default_neighbours(len(nodes)) if self.neighbours == 0 else self.neighbours
+        problem = check_neighbours(k, len(nodes))
+        if problem:
+            raise SecAggError(problem)
+        object.__setattr__(self, "neighbours", effective_neighbours(k, len(nodes)))
 
     @property
     def n_words(self) -> int:
@@ -510,7 +535,7 @@ class SecAggConfig:
     def vote_id(self) -> bytes:
         """32 bytes naming this vote (every field): in every signature, share and mask stream."""
         text = (f"{self.run}|{self.round}|{self.layer}|{','.join(map(str, self.nodes))}|"
-                f"{self.threshold}|{self.numel}|{self.bits}")
+                f"{self.threshold}|{self.numel}|{self.bits}|{self.neighbours}")
         return hashlib.sha256(DOMAIN + b"/vote/" + text.encode()).digest()
 
     @property
@@ -538,7 +563,11 @@ class SecAggSite:
     ``min_threshold``: the site's own floor (default :func:`majority` of the vote's sites);
     ``identity`` and ``peers`` (both or neither): its long-term P-384 key and the federation's
     public keys (:func:`load_identity`, :func:`load_peers`): the vote is then authenticated;
-    ``history``: the slots of the votes this site already began in this run."""
+    ``history``: the slots of the votes this site already began in this run;
+    ``min_neighbours``: the least degree of the masking graph it accepts (default
+    :func:`~fedcompress.privacy.secagg_graph.default_neighbours` of the federation);
+    ``max_colluders``: the sites it assumes may collude with the server (its neighbourhood's
+    share threshold must exceed it, and no that many survivors may cut the survivors' graph)."""
 
     node: int
     config: SecAggConfig
@@ -546,12 +575,17 @@ class SecAggSite:
     identity: ec.EllipticCurvePrivateKey | None = field(default=None, repr=False)
     peers: Mapping[bytes, str] | None = field(default=None, repr=False)
     history: tuple[bytes, ...] = ()
+    min_neighbours: int | None = None
+    max_colluders: int = 1
     _c: ec.EllipticCurvePrivateKey | None = field(init=False, repr=False, default=None)
     _s: ec.EllipticCurvePrivateKey | None = field(init=False, repr=False, default=None)
     _seed: bytes = field(init=False, repr=False, default=b"")
     _advert: Advert = field(init=False, repr=False, default=Advert(b"", b""))
     _u1: dict[int, Advert] = field(init=False, repr=False, default_factory=dict)
     _u2: tuple[int, ...] = field(init=False, default=())
+    #: the masking graph's seed and every site's neighbours (set by the share stage)
+    _view: bytes = field(init=False, repr=False, default=b"")
+    _graph: dict[int, frozenset[int]] = field(init=False, repr=False, default_factory=dict)
     _received: dict[int, tuple[bytes, bytes]] = field(init=False, repr=False,
                                                       default_factory=dict)
     _survivors: tuple[int, ...] = field(init=False, default=())
@@ -583,6 +617,7 @@ class SecAggSite:
                               f"{floor} for a federation of {federation} sites: refused (fewer "
                               "colluders could unmask a site; its policy: node config "
                               "secagg-min-fraction, secagg-max-colluders)")
+        self._check_graph(federation)
         if cfg.slot in self.history:
             raise SecAggError(f"{cfg.describe()}: this site already took part in a vote on "
                               "this input: refused (a second vote lets the server difference "
@@ -598,6 +633,25 @@ class SecAggSite:
             self._advert = Advert(c, s, _sign(self.identity, advert_payload(
                 cfg.vote_id, self.node, c, s)), identity_public(self.identity))
         self._done = ["keys"]
+
+    def _check_graph(self, federation: int) -> None:
+        """Refuse a masking graph of a degree below this site's floor, or whose neighbourhood
+        threshold the colluders it assumes could reach."""
+        cfg, sites = self.config, len(self.config.nodes)
+        floor = (default_neighbours(max(federation, 2)) if self.min_neighbours is None
+                 else int(self.min_neighbours))
+        self.min_neighbours = floor
+        if cfg.neighbours < min(floor, sites - 1):
+            raise SecAggError(f"a masking graph of degree {cfg.neighbours} is below this site's "
+                              f"minimum {min(floor, sites - 1)} for {sites} sites: refused "
+                              "(fewer sites would have to drop or collude to cut it; its "
+                              "policy: node config secagg-min-neighbours)")
+        colluders = int(self.max_colluders)
+        if cfg.neighbours < sites - 1 and cfg.neighbours // 2 + 1 <= colluders:
+            raise SecAggError(f"a masking graph of degree {cfg.neighbours} shares a site's "
+                              f"secrets with threshold {cfg.neighbours // 2 + 1}, which "
+                              f"{colluders} colluding sites could reach: refused (its policy: "
+                              "node config secagg-max-colluders)")
 
     @classmethod
     def begin(cls, node: int, config: SecAggConfig, previous: Mapping | None = None,
@@ -665,14 +719,27 @@ class SecAggSite:
         out = tuple(sorted(set(got)))
         if len(out) != len(got):
             raise SecAggError(f"{what}: a site named twice")
-        if set(out) - set(self._u2):
-            raise SecAggError(f"{what} names sites {sorted(set(out) - set(self._u2))} whose "
-                              "shares never reached this site (not in its U2)")
+        if set(out) - set(self._u1):
+            raise SecAggError(f"{what} names sites {sorted(set(out) - set(self._u1))} that "
+                              "advertised no keys")
+        missing = (set(out) & self._graph[self.node]) - set(self._u2)
+        if missing:
+            raise SecAggError(f"{what} names sites {sorted(missing)} whose shares never reached "
+                              "this site (not in its U2)")
         if self.node not in out or len(out) < self.config.threshold:
             raise SecAggError(f"{what}: {len(out)} sites (this site "
                               f"{'in' if self.node in out else 'not in'} them): expected at "
                               f"least the threshold {self.config.threshold}, this site among "
                               "them")
+        try:
+            cut = cut_of(self._graph, out, int(self.max_colluders))
+        except ValueError as err:
+            raise SecAggError(f"{what}: {err}") from None
+        if cut is not None:
+            raise SecAggError(f"{what}: without sites {list(cut)} ({len(cut)}, at most "
+                              f"secagg-max-colluders={self.max_colluders}) the survivors' "
+                              "masking graph falls apart, so the server could learn a partial "
+                              "sum: refused")
         return out
 
     # -- the stages ---------------------------------------------------------------------------
@@ -728,18 +795,36 @@ class SecAggSite:
                                       "(swapped or replayed keys)")
         assert self._c is not None and self._s is not None
         self._u1 = public
-        order = sorted(public)
-        seed_shares = create_shares(self._seed, cfg.threshold, len(order))
-        key_shares = create_shares(_private_bytes(self._s), cfg.threshold, len(order))
+        self._derive_graph()
+        order = sorted(self._graph[self.node] | {self.node})
+        threshold = self.share_threshold
+        seed_shares = create_shares(self._seed, threshold, len(order))
+        key_shares = create_shares(_private_bytes(self._s), threshold, len(order))
         out: dict[int, bytes] = {}
         for k, node in enumerate(order):
             if node == self.node:
                 self._received[node] = (seed_shares[k], key_shares[k])
                 continue
-            plain = _pack_shares(cfg.vote_id, self.node, node, seed_shares[k], key_shares[k])
+            plain = _pack_shares(self._view, self.node, node, seed_shares[k], key_shares[k])
             out[node] = _fernet(self._c, _load_public(public[node].c, f"node {node}")
                                 ).encrypt(plain)
         return out
+
+    def _derive_graph(self) -> None:
+        self._view = graph_seed(DOMAIN, self.config.vote_id,
+                                {n: (a.c, a.s) for n, a in self._u1.items()})
+        self._graph = masking_graph(self._view, self._u1, self.config.neighbours)
+
+    @property
+    def share_threshold(self) -> int:
+        """Shares that rebuild this site's seed or key (its neighbourhood's; the share stage
+        sets it)."""
+        return share_threshold(self.config.neighbours, len(self._u1), self.config.threshold)
+
+    @property
+    def neighbours(self) -> frozenset[int]:
+        """This site's neighbours in the masking graph (after the share stage)."""
+        return self._graph.get(self.node, frozenset())
 
     def masked(self, values: np.ndarray, ciphertexts: Mapping[int, bytes]) -> np.ndarray:
         """Stage 3: decrypt the shares addressed to this site (their senders and this site:
@@ -761,20 +846,23 @@ class SecAggSite:
             src = int(src)
             if src not in self._u1 or src == self.node:
                 raise SecAggError(f"shares from node {src}, which advertised no keys")
+            if src not in self._graph[self.node]:
+                raise SecAggError(f"shares from node {src}, which is not this site's neighbour "
+                                  "in the masking graph: refused")
             channel = _fernet(self._c, _load_public(self._u1[src].c, f"node {src}"))
             try:
                 vote, s, d, seed_share, key_share = _unpack_shares(
                     channel.decrypt(bytes(blob)))
             except (InvalidToken, ValueError, TypeError) as err:
                 raise SecAggError(f"shares from node {src} do not decrypt: {err!r}") from None
-            if (vote, s, d) != (cfg.vote_id, src, self.node):
-                raise SecAggError(f"shares from node {src} name ({s} -> {d}) of another vote "
-                                  "or pair: relayed wrongly")
+            if (vote, s, d) != (self._view, src, self.node):
+                raise SecAggError(f"shares from node {src} name ({s} -> {d}) of another vote, "
+                                  "pair or set of advertised keys: relayed wrongly, refused")
             received[src] = (seed_share, key_share)
         u2 = tuple(sorted({*received, self.node}))
-        if len(u2) < cfg.threshold:
+        if len(u2) < self.share_threshold:
             raise SecAggError(f"shares of {len(u2)} sites (U2, this site included) reached this "
-                              f"site, below the threshold {cfg.threshold}: refused")
+                              f"site, below the threshold {self.share_threshold}: refused")
         words = pack_lanes(np.asarray(values), cfg.bits)
         if words.size != cfg.n_words:
             raise SecAggError(f"a vector of {np.asarray(values).size} coordinates: expected "
@@ -800,7 +888,7 @@ class SecAggSite:
             raise
         if self.identity is None:
             return b""
-        return _sign(self.identity, survivors_payload(self.config.vote_id, self._survivors))
+        return _sign(self.identity, survivors_payload(self._view, self._survivors))
 
     def unmask(self, survivors: Sequence[int], signatures: Mapping[int, bytes] | None = None
                ) -> dict[int, bytes]:
@@ -830,7 +918,7 @@ class SecAggSite:
             if extra:
                 raise SecAggError(f"survivor-set signatures of nodes {extra}, which are not "
                                   "survivors: refused")
-            payload = survivors_payload(cfg.vote_id, announced)
+            payload = survivors_payload(self._view, announced)
             valid = set()
             for node, sig in signatures.items():
                 if not _verifies(self._u1[int(node)].signer, sig, payload):
@@ -843,7 +931,7 @@ class SecAggSite:
                                   "did not hold)")
         dropped = set(self._u2) - set(announced)
         out = {}
-        for node in (*announced, *sorted(dropped)):
+        for node in (*[n for n in announced if n in self._u2], *sorted(dropped)):
             seed_share, key_share = self._received[node]
             out[node] = seed_share if node in announced else key_share
         return out
@@ -861,6 +949,8 @@ class SecAggSite:
             "node": self.node, "nodes": pack_ints(cfg.nodes), "threshold": cfg.threshold,
             "numel": cfg.numel, "bits": cfg.bits, "run": cfg.run, "round": cfg.round,
             "layer": cfg.layer, "min_threshold": int(self.min_threshold or 0),
+            "neighbours": cfg.neighbours, "min_neighbours": int(self.min_neighbours or 0),
+            "max_colluders": int(self.max_colluders),
             "authenticated": self.authenticated,
             "history": pack_blobs(self.history),
             "c": _private_bytes(self._c) if self._c else b"-",
@@ -883,10 +973,13 @@ class SecAggSite:
         try:
             config = SecAggConfig(tuple(unpack_ints(state["nodes"])), int(state["threshold"]),
                                   int(state["numel"]), int(state["bits"]), int(state["run"]),
-                                  int(state["round"]), int(state["layer"]))
+                                  int(state["round"]), int(state["layer"]),
+                                  int(state["neighbours"]))
             site = cls.__new__(cls)
             site.node, site.config = int(state["node"]), config
             site.min_threshold = int(state["min_threshold"])
+            site.min_neighbours = int(state["min_neighbours"])
+            site.max_colluders = int(state["max_colluders"])
             site.identity, site.peers = identity, peers
             site.history = tuple(_unpack_history(state["history"]))
             site._c = (None if bytes(state["c"]) == b"-"
@@ -897,6 +990,9 @@ class SecAggSite:
             site._advert = Advert(*unpack_blobs(state["advert"]))
             site._u1 = {n: Advert(*unpack_blobs(a)) for n, a in zip(
                 unpack_ints(state["u1"]), unpack_blobs(state["u1_adverts"]), strict=True)}
+            site._view, site._graph = b"", {}
+            if site._u1:
+                site._derive_graph()
             site._u2 = tuple(unpack_ints(state["u2"]))
             site._survivors = tuple(unpack_ints(state["survivors"]))
             site._received = {n: (a, b) for n, a, b in zip(
@@ -958,18 +1054,21 @@ class SecAggServer:
                     or words.shape != (cfg.n_words,):
                 raise SecAggError(f"node {node}'s masked vector: expected {cfg.n_words} uint64 "
                                   "words")
+        keys = {int(n): (Advert(*a).c, Advert(*a).s) for n, a in self.public.items()}
+        graph = masking_graph(graph_seed(DOMAIN, vote_id, keys), keys, cfg.neighbours)
+        threshold = share_threshold(cfg.neighbours, len(keys), cfg.threshold)
         total = np.zeros(cfg.n_words, dtype=np.uint64)
         with np.errstate(over="ignore"):
             for node in survivors:
                 total += masked[node]
             for node in survivors + dropped:
                 got = [h[node] for h in shares.values() if node in h]
-                if len(got) < cfg.threshold:
+                if len(got) < threshold:
                     raise SecAggError(f"{len(got)} shares of node {node}'s "
                                       f"{'seed' if node in masked else 'key'}: below the "
-                                      f"threshold {cfg.threshold}")
+                                      f"threshold {threshold}")
                 try:
-                    secret = combine_shares(list(got[:cfg.threshold]))
+                    secret = combine_shares(list(got[:threshold]))
                 except (ValueError, TypeError) as err:  # SecAggError is a ValueError
                     raise SecAggError(f"node {node}'s shares do not combine: {err}") from None
                 if node in masked:
@@ -980,7 +1079,7 @@ class SecAggServer:
                 key = _load_private(secret, f"node {node}'s rebuilt key")
                 if _public_bytes(key) != Advert(*self.public[node]).s:
                     raise SecAggError(f"node {node}'s rebuilt key does not match its public key")
-                for other in survivors:  # undo the dropped site's pairwise masks
+                for other in sorted(graph[node] & set(survivors)):  # undo its pairwise masks
                     pair = agree(key, _load_public(Advert(*self.public[other]).s,
                                                    f"node {other}"))
                     apply_mask(total, pair, vote_id, b"pair", subtract=node > other)

@@ -112,7 +112,8 @@ class _SecureVote:
         nodes = sorted(nodes)
         index = {node: i for i, node in enumerate(nodes)}
         threshold = self.config.threshold_for(len(nodes))
-        agg_config = SecAggConfig(tuple(range(len(nodes))), threshold, numel, bits)
+        agg_config = SecAggConfig(tuple(range(len(nodes))), threshold, numel, bits,
+                                  neighbours=self.config.neighbours_for(len(nodes)))
         server = SecAggServer(agg_config)
         need = max(threshold, self.config.required_clients)
 
@@ -130,7 +131,7 @@ class _SecureVote:
                     bytes(rec["vote"]))
 
         base = {"sites": len(nodes), "threshold": threshold, "numel": numel,
-                "bits": agg_config.bits, "layer": layer}
+                "bits": agg_config.bits, "layer": layer, "neighbours": agg_config.neighbours}
         keyed = self._exchange(grid, "keys", "query.secagg_keys", {
             n: RecordDict({"secagg": ConfigRecord({**base, "index": index[n]})}) for n in nodes},
             timeout, advert_of, server_round)
@@ -208,6 +209,7 @@ class _SecureVote:
         summary["votes"] += 1
         summary["dropped"] += len(set(listed) - set(survivors))
         summary.update({"sites": len(masked), "threshold": threshold,
+                        "neighbours": agg_config.neighbours,
                         "authenticated": authenticated,
                         "consistency_round": authenticated,
                         "bits_per_weight_up": 64 / (64 // agg_config.bits)})

@@ -345,7 +345,7 @@ def test_forged_survivor_signatures_are_refused():
     survivors = fed.confirm()
     server_key = ec.generate_private_key(CURVE)
     forged = {**fed.signatures, 1: server_key.sign(
-        survivors_payload(fed.config.vote_id, survivors),
+        survivors_payload(fed.sites[1]._view, survivors),
         ec.ECDSA(hashes.SHA384()))}
     with pytest.raises(SecAggError, match="node 1's signature on the survivor set does not "
                                           "verify"):
@@ -440,6 +440,7 @@ def _keys_message(run=1, group="1", layer=-1, sites=5, threshold=4, index=0, num
 
     msg = Message(RecordDict({"secagg": ConfigRecord({
         "sites": sites, "threshold": threshold, "numel": numel, "bits": 0, "index": index,
+        "neighbours": 0,
         "layer": layer})}), 100, "query.secagg_keys", group_id=group)
     return msg
 
@@ -592,8 +593,8 @@ def _split_view_attack(t: int, min_threshold: int | None = None) -> bool:
     for group, out in ((group_a, seeds), (group_b, keys)):
         survivors = sorted([*group, colluder])
         signatures = {i: sites[i].confirm(survivors) for i in group}
-        signatures[colluder] = sa._sign(ids[colluder], sa.survivors_payload(cfg.vote_id,
-                                                                            survivors))
+        signatures[colluder] = sa._sign(ids[colluder], sa.survivors_payload(
+            sites[colluder]._view, survivors))
         out += [sites[i].unmask(survivors, signatures)[victim] for i in group]
     seeds.append(sites[colluder]._received[victim][0])
     keys.append(sites[colluder]._received[victim][1])
@@ -624,3 +625,105 @@ def test_split_view_with_one_colluder_needs_the_colluder_bound():
     with pytest.raises(SecAggError, match="below this site's minimum 4"):
         _split_view_attack(t=3, min_threshold=4)
     assert not _split_view_attack(t=4, min_threshold=4)
+
+
+# -- the sparse masking graph (Bell et al. 2020) ---------------------------------------------
+def _ring(n=8, t=5, colluders=1, seed=0):
+    """``n`` authenticated sites in a vote whose masking graph is a ring (degree 2; the sites'
+    floor lowered to 2 so that they take part), keys relayed and shares exchanged."""
+    ids = {i: ec.generate_private_key(CURVE) for i in range(n)}
+    peers = {identity_public(k): f"s{i}.pub" for i, k in ids.items()}
+    cfg = SecAggConfig(tuple(range(n)), t, NUMEL, run=9, round=1, layer=0, neighbours=2)
+    sites = {i: SecAggSite(i, cfg, identity=ids[i], peers=peers, min_neighbours=2,
+                           max_colluders=colluders) for i in range(n)}
+    public = {i: s.advertise() for i, s in sites.items()}
+    shares = {i: s.share(public) for i, s in sites.items()}
+    inbox = SecAggServer(cfg, dict(public)).relay(shares)
+    values = {i: np.random.default_rng(seed + i).integers(0, 2, NUMEL) for i in range(n)}
+    return cfg, ids, sites, public, inbox, values
+
+
+def _isolate(colluders: int) -> np.ndarray:
+    """The server isolates a victim behind a colluder: of the victim's two neighbours on the
+    ring, one is dropped before its masked votes and the other colludes (hands the server its
+    mask key). It announces the other 7 sites as survivors (at least t = 5), gathers their
+    signatures and shares, and unmasks the victim alone. Returns the victim's vector as the
+    server rebuilds it (SecAggError when the sites refuse)."""
+    cfg, ids, sites, public, inbox, values = _ring(colluders=colluders)
+    victim = 0
+    dropped, colluder = sorted(sites[victim].neighbours)
+    masked = {i: sites[i].masked(values[i], inbox.get(i, {})) for i in sites if i != dropped}
+    survivors = sorted(masked)
+    key_c = sites[colluder]._s  # the colluder's own mask key
+    signatures = {i: sites[i].confirm(survivors) for i in survivors}
+    unmask = {i: sites[i].unmask(survivors, signatures) for i in survivors}
+    seed = combine_shares([unmask[i][victim] for i in (victim, colluder)])
+    key_d = combine_shares([unmask[i][dropped] for i in sorted(sites[dropped].neighbours)])
+    key_d = serialization.load_der_private_key(key_d, None)
+    words = masked[victim].copy()
+    with np.errstate(over="ignore"):
+        words -= mask_stream(seed, cfg.vote_id, b"self", words.size)
+        for other, key in ((dropped, key_d), (colluder, key_c)):
+            pair = mask_stream(agree(key, ec.EllipticCurvePublicKey.from_encoded_point(
+                CURVE, public[victim].s)), cfg.vote_id, b"pair", words.size)
+            words = words - pair if victim < other else words + pair
+    out = unpack_lanes(words, cfg.bits, NUMEL)
+    assert np.array_equal(out, values[victim])
+    return out
+
+
+def test_a_victim_cut_off_by_a_colluder_and_a_drop_is_refused():
+    """The control: sites that trust every other site (secagg-max-colluders = 0) reveal their
+    shares and the server reads the victim's vector alone. With the default bound of one
+    colluder every site finds the cut (the colluder) before it signs the survivor set."""
+    _isolate(colluders=0)  # the attack is real
+    with pytest.raises(SecAggError, match=r"without sites \[\d\] .* falls apart"):
+        _isolate(colluders=1)
+
+
+def test_shares_from_a_site_that_is_not_a_neighbour_are_refused():
+    cfg, ids, sites, public, inbox, values = _ring()
+    stranger = next(i for i in sites if i != 0 and i not in sites[0].neighbours)
+    neighbour = min(sites[0].neighbours)
+    forged = {**inbox[0], stranger: inbox[0][neighbour]}
+    with pytest.raises(SecAggError, match=f"node {stranger}, which is not this site's "
+                                          "neighbour"):
+        sites[0].masked(values[0], forged)
+
+
+def test_too_few_neighbours_shares_are_refused():
+    """The server withholds all but one of a site's neighbours' shares (it would mask with one
+    site only): below its neighbourhood's threshold, refused."""
+    n = 12
+    cfg = SecAggConfig(tuple(range(n)), 8, NUMEL, neighbours=4)
+    sites = {i: SecAggSite(i, cfg, min_neighbours=4) for i in range(n)}
+    public = {i: s.advertise() for i, s in sites.items()}
+    inbox = SecAggServer(cfg, dict(public)).relay({i: s.share(public) for i, s in sites.items()})
+    one = dict(list(inbox[0].items())[:1])
+    with pytest.raises(SecAggError, match="shares of 2 sites .* below the threshold 3"):
+        sites[0].masked(np.zeros(NUMEL, int), one)
+
+
+def test_a_split_view_of_the_advertised_keys_is_refused():
+    """The server shows site 0 every advertisement but one (so site 0 derives another graph)
+    and the others all of them: the shares of site 0 name its graph's seed, which no other site
+    derived, and are refused wherever they land."""
+    n = 10
+    cfg = SecAggConfig(tuple(range(n)), 6, NUMEL, neighbours=4)
+    sites = {i: SecAggSite(i, cfg, min_neighbours=4) for i in range(n)}
+    public = {i: s.advertise() for i, s in sites.items()}
+    partial = {i: a for i, a in public.items() if i != 9}
+    shares = {0: sites[0].share(partial), **{i: sites[i].share(public) for i in range(1, n)}}
+    inbox = SecAggServer(cfg, dict(public)).relay(shares)
+    hit = [i for i in range(1, n) if 0 in inbox.get(i, {}) and 0 in sites[i].neighbours]
+    assert hit  # site 0's shares reach a site that also counts it as a neighbour
+    for i in hit:
+        with pytest.raises(SecAggError, match="another vote, pair or set of advertised keys"):
+            sites[i].masked(np.zeros(NUMEL, int), inbox[i])
+
+
+def test_a_survivor_set_that_names_a_site_without_keys_is_refused():
+    cfg, ids, sites, public, inbox, values = _ring()
+    masked = {i: sites[i].masked(values[i], inbox.get(i, {})) for i in sites}
+    with pytest.raises(SecAggError, match=r"names sites \[11\] that advertised no keys"):
+        sites[0].confirm([*sorted(masked), 11])

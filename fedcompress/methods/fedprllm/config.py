@@ -192,6 +192,13 @@ class FedPrLLMConfig(Settings):
                                     "config secagg-min-fraction, secagg-max-colluders: by "
                                     "default more than (n + 1) / 2, safe against one site "
                                     "colluding with the server).", ge=0)
+    secagg_neighbours: int = setting(0, "SecAgg+ masking graph (Bell et al. 2020): each site "
+                                     "masks with and shares its secrets among this many "
+                                     "neighbours of a Harary graph derived from the sites' "
+                                     "fresh keys (even; 0: 2 * ceil(log2 n), 16 sites: 8; "
+                                     "n - 1 or more: every other site). Each site refuses one "
+                                     "below its own minimum (node config "
+                                     "secagg-min-neighbours).", ge=0)
     secagg_frac_bits: int = setting(25, "SecAgg+ of statistics (aggregate stats): fractional "
                                     "bits of their fixed-point encoding in 64-bit lanes (a "
                                     "site's rounding error <= 2^-(f+1); its values must stay "
@@ -345,6 +352,10 @@ class FedPrLLMConfig(Settings):
                 raise self.invalid("clients", "at least 2 with secagg")
             if not 0 <= self.secagg_threshold <= self.clients or self.secagg_threshold == 1:
                 raise self.invalid("secagg_threshold", f"0 or 2..clients={self.clients}")
+            if self.secagg_neighbours and self.secagg_neighbours < self.clients - 1 \
+                    and self.secagg_neighbours % 2:
+                raise self.invalid("secagg_neighbours", "0, an even degree, or at least "
+                                   f"clients - 1 = {self.clients - 1} (every other site)")
         if self.dp_epsilon and self.aggregate != "stats":
             raise self.invalid("dp_epsilon", "0 with aggregate votes (a mask cannot be made "
                                "private cheaply: DP applies to statistics mode)")
@@ -409,6 +420,12 @@ class FedPrLLMConfig(Settings):
             if getattr(self, key) != default:
                 raise self.invalid(key, f"{default!r} with aggregate fedspallm (it applies to "
                                    "FedPrLLM's votes or statistics)")
+
+    def neighbours_for(self, sites: int) -> int:
+        """The SecAgg+ masking graph's degree over ``sites`` sites (``sites - 1``: complete)."""
+        from fedcompress.privacy.secagg_graph import default_neighbours
+
+        return min(sites - 1, self.secagg_neighbours or default_neighbours(sites))
 
     def threshold_for(self, sites: int) -> int:
         """The SecAgg+ threshold of an aggregation over ``sites`` sites."""

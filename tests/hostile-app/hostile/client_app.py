@@ -144,7 +144,7 @@ def try_agent(path: str, model: str, sites: int, node_id: int) -> dict[str, str]
             "query.secagg_keys", {
                 "config": _fp(model, sites, secagg=True),
                 "secagg": {"sites": sites, "threshold": 2, "numel": 64, "bits": 2, "index": 0,
-                           "group": "1", "layer": -1}}),
+                           "neighbours": 0, "group": "1", "layer": -1}}),
     }
     out = {}
     for name, (message_type, content) in attempts.items():
