@@ -135,7 +135,7 @@ def secure_vote(votes: PackedVotes, threshold: int, lost: set[int], authenticate
                       "bytes_down": float(np.mean([down[st][i] for i in survivors]))}
                  for st in STAGES}
     return {"counts": counts, "sites": len(votes), "survivors": len(survivors),
-            "threshold": threshold, "bits": config.bits, "authenticated": authenticated,
+            "threshold": threshold, "lanes": config.lanes, "authenticated": authenticated,
             "neighbours": config.neighbours,
             "consistency_round": authenticated, "stages": per_stage,
             "site_seconds": [sum(seconds[st][i] for st in STAGES) for i in survivors],
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{np.mean(r['site_seconds']):.3f} (+ masks)",
                          f"{r['server_seconds']:.2f}", f"{r['round_work_seconds']:.1f}",
                          f"{r['round_work_seconds'] / round_plain:.3f}"])
-        bits = unauth["bits"]
+        lanes = unauth["lanes"]
         report.sections.append((
             "SecAgg+ vote vs the plain bit-packed vote",
             f"{args.model}, {args.clients} sites x {args.windows} windows, Wanda "
@@ -290,8 +290,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{np.mean(auth['bytes_up']) - np.mean(unauth['bytes_up']):,.0f} more bytes up "
             f"and {np.mean(auth['bytes_down']) - np.mean(unauth['bytes_down']):,.0f} more "
             "down per site; masking (the same in both) dominates the vote.\n\n"
-            f"A masked vote takes {bits}-bit lanes ({64 // bits} weights per 64-bit word, "
-            f"{64 / (64 // bits):.2f} bits per weight): a masked value must be uniform over a "
+            f"A masked vote packs {lanes} weights per 64-bit word as digits of base "
+            f"{args.clients + 1} ({64 / lanes:.2f} bits per weight): a masked value must be "
+            "uniform over a "
             f"group that holds the sum of {args.clients} votes, so no masking scheme sends "
             f"fewer than log2({args.clients + 1}) = {np.log2(args.clients + 1):.2f} bits per "
             "weight, against 1 for the plain bit-packed mask."))

@@ -194,7 +194,7 @@ def test_flwr_run_fedprllm_over_secagg(tiny_model_dir, flwr_env, tmp_path):
     assert fed["valid_clients"] == CLIENTS and fed["rounds"] == 4
     assert abs(fed["sparsity"] - 0.5) < 1e-3
     assert (out / "model" / "config.json").exists()
-    # 3 sites: 2-bit lanes (32 weights per word) plus the keys and shares
+    # 3 sites: digits of base 4 (32 weights per word) plus the keys and shares
     assert report["secagg"]["sum"]["bits_per_weight_up"] == 2
     assert fed["bits_per_weight_up"] > 2
 

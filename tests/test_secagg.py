@@ -37,6 +37,33 @@ def test_lanes_round_trip_and_sum_without_carries():
         pack_lanes(np.array([16]), 4)
 
 
+@pytest.mark.parametrize("sites", [1, 2, 4, 16, 17, 64, 255, 1000])
+def test_radix_digits_round_trip_and_sum_without_carries(sites):
+    """The narrowest packing: digits of base n + 1 (15 per word for 16 sites, against 12 lanes
+    of 5 bits); the sum of n vectors of 0/1 votes, mod 2^64, unpacks to their exact sum, also
+    at every digit's maximum (all sites voting 1 everywhere)."""
+    from fedcompress.privacy.secagg import pack_radix, radix_lanes, unpack_radix
+
+    radix, lanes = sites + 1, radix_lanes(sites + 1)
+    assert radix ** lanes <= 1 << 64 < radix ** (lanes + 1)
+    rng = np.random.default_rng(sites)
+    numel = 3 * lanes + 2
+    votes = [rng.integers(0, 2, numel) for _ in range(min(sites, 20))]
+    votes += [np.ones(numel, int)] * (sites - len(votes))
+    packed = [pack_radix(v, radix, 1) for v in votes]
+    assert packed[0].size == -(-numel // lanes)
+    assert all(np.array_equal(unpack_radix(p, radix, numel), v) for p, v in zip(packed, votes))
+    with np.errstate(over="ignore"):
+        total = sum(packed[1:], packed[0].copy())
+    assert np.array_equal(unpack_radix(total, radix, numel), sum(votes))
+    with np.errstate(over="ignore"):
+        full = pack_radix(np.ones(numel, int), radix, 1) * np.uint64(sites)
+    assert np.array_equal(unpack_radix(full, radix, numel), np.full(numel, sites))
+    with pytest.raises(SecAggError, match=r"values must be a flat vector in \[0, 1\]"):
+        pack_radix(np.array([2]), radix, 1)
+    assert radix_lanes(17) == 15 and radix_lanes(65) == 10 and radix_lanes(2) == 64
+
+
 def _run(n=5, t=3, numel=777, drop_before_share=(), drop_before_mask=(),
          drop_before_unmask=(), seed=0):
     rng = np.random.default_rng(seed)
@@ -193,7 +220,8 @@ def test_secure_counts_equal_the_plain_vote_bit_for_bit(tiny_dir):
     counts = server.aggregate(masked, {s.node: s.unmask(config.nodes) for s in sites})
     expected = torch.cat([plain.counts()[k].reshape(-1) for k in sorted(plain.shapes)])
     assert np.array_equal(counts, expected.numpy().astype(np.int64))
-    assert config.upload_bytes == 8 * -(-flat[0].size // (64 // 3))
+    # 4 sites: digits of base 5, 27 per word (3-bit lanes would hold 21)
+    assert config.upload_bytes == 8 * -(-flat[0].size // 27)
 
 
 def test_a_site_resumes_from_its_stored_state():
@@ -277,8 +305,8 @@ def test_secure_vote_through_flower_equals_the_plain_vote(tiny_dir):
     stats = secure.secagg
     assert set(stats) == {"keys", "share", "masked", "unmask", "sum"}
     assert stats["sum"]["threshold"] == 4 and stats["sum"]["dropped"] == 0
-    # 5 sites: 3-bit lanes, 21 weights per word
-    assert stats["sum"]["bits_per_weight_up"] == pytest.approx(64 / 21)
+    # 5 sites: digits of base 6, 24 weights per word (3-bit lanes would hold 21)
+    assert stats["sum"]["bits_per_weight_up"] == pytest.approx(64 / 24)
 
 
 def test_authenticated_secure_vote_through_flower_runs_the_consistency_round(tiny_dir,

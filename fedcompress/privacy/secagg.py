@@ -6,12 +6,16 @@ learns the SUM of the sites' integer vectors and nothing else, also when sites d
 state, no Flower: the Flower layer carries the five stages' messages.
 
 **What is summed.** Each site's vector is small non-negative integers (a prune mask: 0/1 per
-weight). The sum of ``n`` sites fits in ``b = bit_length(n)`` bits per coordinate, so ``64 // b``
-coordinates are packed as lanes of one uint64 word (:func:`pack_lanes`) and every word is masked
-and summed mod 2^64: the masks cancel exactly and, since no lane's true sum reaches 2^b, no
-carry crosses lanes (:func:`unpack_lanes`). A site uploads ``b`` bits per weight, against 1 bit
-for the plain bit-packed mask: ``log2(n + 1)`` bits per coordinate is the least any masking
-scheme can send, since a masked value must be uniform over a group that holds the sum.
+weight). The sum of ``n`` sites' votes is at most ``n``, so each coordinate is a digit of base
+``n + 1`` and one uint64 word holds as many digits as ``(n + 1)^L <= 2^64`` allows
+(:func:`~fedcompress.privacy.secagg_lanes.pack_radix`: 15 for 16 sites, 10 for 64); every word
+is masked and summed mod 2^64: the masks cancel exactly and, since no digit's true sum reaches
+``n + 1``, no carry crosses digits (:func:`~fedcompress.privacy.secagg_lanes.unpack_radix`).
+A site uploads ``64 / L`` bits per weight (4.27 for 16 sites), against 1 bit for the plain
+bit-packed mask: ``log2(n + 1)`` bits per coordinate (4.09) is the least any masking scheme
+can send, since a masked value must be uniform over a group that holds the sum. Statistics
+(``bits=64``) take one fixed-point value per word; binary lanes of ``bits`` bits
+(:func:`pack_lanes`) remain for explicit widths.
 
 **One vote** (:class:`SecAggConfig`): the run, round and layer, the sites' number ``n`` (indices
 ``0..n-1``), the threshold ``t``, the vector length and lane width; its digest
@@ -101,7 +105,6 @@ import numpy as np
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedcompress.privacy.secagg_graph import (
@@ -113,178 +116,32 @@ from fedcompress.privacy.secagg_graph import (
     masking_graph,
     share_threshold,
 )
+from fedcompress.privacy.secagg_lanes import (  # noqa: F401 (the protocol's public names)
+    DOMAIN,
+    MASK_CHUNK_WORDS,
+    SEED_BYTES,
+    SecAggError,
+    apply_mask,
+    lane_bits,
+    mask_stream,
+    pack_blobs,
+    pack_ints,
+    pack_lanes,
+    pack_radix,
+    prg,
+    radix_lanes,
+    unpack_blobs,
+    unpack_ints,
+    unpack_lanes,
+    unpack_radix,
+    words_for,
+)
 
 CURVE = ec.SECP384R1()
-SEED_BYTES = 32
-#: The protocol's name and version, first in everything a site signs or derives
-DOMAIN = b"fedcompress-secagg+/3"
 #: The stages of one vote at a site, in order
 STAGES = ("keys", "share", "masked", "confirm", "unmask")
 
 logger = logging.getLogger(__name__)
-
-
-class SecAggError(ValueError):
-    """A SecAgg message or step is invalid (named)."""
-
-
-# -- lanes ----------------------------------------------------------------------------------------
-def lane_bits(n_sites: int) -> int:
-    """Bits per coordinate that hold a sum of ``n_sites`` 0/1 votes: ``bit_length(n)``."""
-    if isinstance(n_sites, bool) or not isinstance(n_sites, int) or n_sites < 1:
-        raise SecAggError(f"n_sites={n_sites!r}: expected an int >= 1")
-    return int(n_sites).bit_length()
-
-
-def _check_bits(bits: int) -> None:
-    if not (1 <= bits <= 32 or bits == 64):
-        raise SecAggError(f"bits={bits}: expected 1..32 (lanes of a 64-bit word) or 64")
-
-
-def pack_lanes(values: np.ndarray, bits: int) -> np.ndarray:
-    """Non-negative integers ``< 2^bits`` -> uint64 words of ``64 // bits`` lanes each (lane
-    ``l`` of word ``w`` is coordinate ``w * lanes + l``; zero-padded). ``bits=64``: one
-    coordinate per word, given as uint64 (a signed value in two's complement,
-    :func:`~fedcompress.methods.fedprllm.stats.encode_fixed`)."""
-    _check_bits(bits)
-    v = np.asarray(values)
-    if bits == 64:
-        if v.ndim != 1 or v.dtype != np.uint64:
-            raise SecAggError(f"64-bit lanes take a flat uint64 vector, got {v.dtype} "
-                              f"{v.shape}")
-        return v.copy()
-    if v.ndim != 1 or (v.size and (v.min() < 0 or int(v.max()) >= 1 << bits)):
-        raise SecAggError(f"values must be a flat vector in [0, 2^{bits})")
-    lanes = 64 // bits
-    padded = np.zeros(-(-v.size // lanes) * lanes, dtype=np.uint64)
-    padded[:v.size] = v
-    grid = padded.reshape(-1, lanes)
-    words = np.zeros(grid.shape[0], dtype=np.uint64)
-    for lane in range(lanes):
-        words |= grid[:, lane] << np.uint64(bits * lane)
-    return words
-
-
-def unpack_lanes(words: np.ndarray, bits: int, numel: int) -> np.ndarray:
-    """Inverse of :func:`pack_lanes`: the first ``numel`` coordinates (int64; ``bits=64``: the
-    words read as two's complement int64)."""
-    _check_bits(bits)
-    lanes = 64 // bits
-    if words.dtype != np.uint64 or words.ndim != 1 or words.size != -(-numel // lanes):
-        raise SecAggError(f"{words.size} words of {words.dtype} for {numel} coordinates in "
-                          f"{bits}-bit lanes: expected {-(-numel // lanes)} uint64 words")
-    if bits == 64:
-        return words.view(np.int64).copy()
-    mask = np.uint64((1 << bits) - 1)
-    out = np.empty((words.size, lanes), dtype=np.int64)
-    for lane in range(lanes):
-        out[:, lane] = (words >> np.uint64(bits * lane)) & mask
-    return out.reshape(-1)[:numel]
-
-
-def words_for(numel: int, bits: int) -> int:
-    return -(-numel // (64 // bits))
-
-
-# -- wire: lists as bytes (a record of scalars and bytes only) ---------------------------------
-#: First byte of a packed list: never an empty value (Flower's record size count refuses empty
-#: bytes and empty lists).
-_LIST_TAG = b"L"
-
-
-def _untag(data: bytes, what: str) -> bytes:
-    data = bytes(data)
-    if data[:1] != _LIST_TAG:
-        raise SecAggError(f"{what}: not a packed list")
-    return data[1:]
-
-
-def pack_ints(values: Sequence[int]) -> bytes:
-    """Non-negative ints as little-endian uint64 bytes (tagged)."""
-    return _LIST_TAG + np.asarray(list(values), dtype="<u8").tobytes()
-
-
-def unpack_ints(data: bytes, what: str = "ints") -> list[int]:
-    body = _untag(data, what)
-    if len(body) % 8:
-        raise SecAggError(f"{what}: {len(body)} bytes, expected a multiple of 8")
-    return [int(x) for x in np.frombuffer(body, dtype="<u8")]
-
-
-def pack_blobs(blobs: Sequence[bytes]) -> bytes:
-    """Byte strings, each prefixed by its uint32 length (tagged)."""
-    return _LIST_TAG + b"".join(len(b).to_bytes(4, "little") + bytes(b) for b in blobs)
-
-
-def unpack_blobs(data: bytes, what: str = "blobs") -> list[bytes]:
-    body, out, i = _untag(data, what), [], 0
-    while i < len(body):
-        if i + 4 > len(body):
-            raise SecAggError(f"{what}: truncated length at byte {i}")
-        n = int.from_bytes(body[i:i + 4], "little")
-        if i + 4 + n > len(body):
-            raise SecAggError(f"{what}: an item of {n} bytes runs past the end")
-        out.append(body[i + 4:i + 4 + n])
-        i += 4 + n
-    return out
-
-
-# -- primitives -----------------------------------------------------------------------------------
-def prg(seed: bytes, n_words: int) -> np.ndarray:
-    """``n_words`` pseudo-random uint64 from a 32-byte key: AES-256-CTR of zeros. Never called
-    on a raw seed or pairwise key, only on the per-vote, per-purpose key of
-    :func:`mask_stream` (so the zero nonce is never reused under one key)."""
-    if len(seed) != SEED_BYTES:
-        raise SecAggError(f"a PRG seed of {len(seed)} bytes: expected {SEED_BYTES}")
-    stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
-    return np.frombuffer(stream.update(bytes(8 * n_words)), dtype="<u8").astype(np.uint64)
-
-
-def _mask_key(secret: bytes, vote_id: bytes, purpose: bytes) -> bytes:
-    if len(secret) != SEED_BYTES or len(vote_id) != 32:
-        raise SecAggError(f"a mask secret of {len(secret)} bytes and a vote id of "
-                          f"{len(vote_id)}: expected {SEED_BYTES} and 32")
-    return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None,
-                info=DOMAIN + b"/mask/" + purpose + b"/" + vote_id).derive(secret)
-
-
-def mask_stream(secret: bytes, vote_id: bytes, purpose: bytes, n_words: int) -> np.ndarray:
-    """The mask words of one purpose (``b"self"``: a self-mask seed; ``b"pair"``: a pairwise
-    key) in one vote: :func:`prg` keyed by HKDF-SHA256 of ``secret`` with the protocol, the
-    purpose and the vote id as info. Another vote (or purpose) gives an independent stream,
-    even from the same secret. (The protocol adds the stream in place, :func:`apply_mask`;
-    this array is the same stream, for tests and references.)"""
-    return prg(_mask_key(secret, vote_id, purpose), n_words)
-
-
-#: Words of keystream generated per step of :func:`apply_mask` (256 KiB): the piece stays in the
-#: CPU's cache between its generation and its add, and no vector-sized stream is allocated.
-MASK_CHUNK_WORDS = 1 << 15
-_ZERO_CHUNK = bytes(8 * MASK_CHUNK_WORDS)
-
-
-def apply_mask(words: np.ndarray, secret: bytes, vote_id: bytes, purpose: bytes,
-               subtract: bool = False) -> None:
-    """``words`` (uint64, contiguous) plus (``subtract``: minus) :func:`mask_stream` of the same
-    secret, vote and purpose, modulo 2^64, in place: the AES-CTR keystream is written into one
-    preallocated piece of :data:`MASK_CHUNK_WORDS` words at a time (the encryptor's counter
-    runs on across pieces, so the stream is the same as one call's) and added to its slice of
-    ``words`` without a temporary."""
-    if words.dtype != np.uint64 or not words.flags.c_contiguous or not words.flags.writeable:
-        raise SecAggError(f"apply_mask needs writable contiguous uint64 words, got "
-                          f"{words.dtype} (contiguous {words.flags.c_contiguous})")
-    stream = Cipher(algorithms.AES(_mask_key(secret, vote_id, purpose)),
-                    modes.CTR(bytes(16))).encryptor()
-    piece = bytearray(8 * MASK_CHUNK_WORDS + 15)  # update_into wants block size - 1 spare
-    zeros = memoryview(_ZERO_CHUNK)
-    flat = words.reshape(-1)
-    op = np.subtract if subtract else np.add
-    with np.errstate(over="ignore"):
-        for start in range(0, flat.size, MASK_CHUNK_WORDS):
-            n = min(MASK_CHUNK_WORDS, flat.size - start)
-            stream.update_into(zeros[:8 * n], piece)
-            target = flat[start:start + n]
-            op(target, np.frombuffer(piece, dtype="<u8", count=n), out=target)
 
 
 def _public_bytes(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -511,11 +368,10 @@ class SecAggConfig:
                               "sites")
         if self.numel < 1:
             raise SecAggError(f"numel={self.numel}: expected >= 1")
-        if self.bits == 0:
-            object.__setattr__(self, "bits", lane_bits(len(nodes)))
-        if not (lane_bits(len(nodes)) <= self.bits <= 32 or self.bits == 64):
+        if self.bits and not (lane_bits(len(nodes)) <= self.bits <= 32 or self.bits == 64):
             raise SecAggError(f"bits={self.bits}: the sum of {len(nodes)} sites' votes needs "
-                              f"{lane_bits(len(nodes))}..32 (or 64: fixed-point sums)")
+                              f"{lane_bits(len(nodes))}..32 bits (binary lanes), 0 (digits "
+                              f"of base {len(nodes) + 1}) or 64 (fixed-point sums)")
         k = default_neighbours(len(nodes)) if self.neighbours == 0 else self.neighbours
         problem = check_neighbours(k, len(nodes))
         if problem:
@@ -523,8 +379,32 @@ class SecAggConfig:
         object.__setattr__(self, "neighbours", effective_neighbours(k, len(nodes)))
 
     @property
+    def radix(self) -> int:
+        """``bits=0``: the base of the lanes' digits, ``n + 1`` (a sum of ``n`` 0/1 votes is at
+        most ``n``); else 0 (binary lanes of ``bits``)."""
+        return len(self.nodes) + 1 if self.bits == 0 else 0
+
+    @property
+    def lanes(self) -> int:
+        """Coordinates per 64-bit word."""
+        return radix_lanes(self.radix) if self.radix else 64 // self.bits
+
+    @property
     def n_words(self) -> int:
-        return words_for(self.numel, self.bits)
+        return -(-self.numel // self.lanes)
+
+    def pack(self, values: np.ndarray) -> np.ndarray:
+        """One site's vector as this vote's words: 0/1 votes as base-``n + 1`` digits
+        (:func:`pack_radix`), else :func:`pack_lanes` of ``bits``."""
+        if self.radix:
+            return pack_radix(values, self.radix, 1)
+        return pack_lanes(np.asarray(values), self.bits)
+
+    def unpack(self, words: np.ndarray) -> np.ndarray:
+        """The summed words' ``numel`` coordinates (int64)."""
+        if self.radix:
+            return unpack_radix(words, self.radix, self.numel)
+        return unpack_lanes(words, self.bits, self.numel)
 
     @property
     def upload_bytes(self) -> int:
@@ -863,7 +743,7 @@ class SecAggSite:
         if len(u2) < self.share_threshold:
             raise SecAggError(f"shares of {len(u2)} sites (U2, this site included) reached this "
                               f"site, below the threshold {self.share_threshold}: refused")
-        words = pack_lanes(np.asarray(values), cfg.bits)
+        words = cfg.pack(values)
         if words.size != cfg.n_words:
             raise SecAggError(f"a vector of {np.asarray(values).size} coordinates: expected "
                               f"{cfg.numel}")
@@ -1083,7 +963,7 @@ class SecAggServer:
                     pair = agree(key, _load_public(Advert(*self.public[other]).s,
                                                    f"node {other}"))
                     apply_mask(total, pair, vote_id, b"pair", subtract=node > other)
-        return unpack_lanes(total, cfg.bits, cfg.numel)
+        return cfg.unpack(total)
 
 
 # -- a site's credentials, from its own configuration ------------------------------------------

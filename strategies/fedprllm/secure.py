@@ -212,7 +212,7 @@ class _SecureVote:
                         "neighbours": agg_config.neighbours,
                         "authenticated": authenticated,
                         "consistency_round": authenticated,
-                        "bits_per_weight_up": 64 / (64 // agg_config.bits)})
+                        "bits_per_weight_up": 64 / agg_config.lanes})
         summary["bytes_up_per_site"] = summary.get("bytes_up_per_site", 0) \
             + agg_config.upload_bytes
         if not authenticated:

@@ -124,7 +124,7 @@ def test_mask_streams_are_bound_to_the_vote():
     with np.errstate(over="ignore"):
         diff = ups[0] - ups[1]
     assert not np.array_equal(diff, np.zeros_like(diff))
-    assert not np.array_equal(unpack_lanes(diff, fed.config.bits, NUMEL), x)
+    assert not np.array_equal(fed.config.unpack(diff), x)
 
 
 # -- 2. split views (different survivor sets to different sites) -----------------------------
@@ -158,7 +158,7 @@ def _split_view(fed: Federation, victim: int):
             pair = mask_stream(agree(key, ec.EllipticCurvePublicKey.from_encoded_point(
                 CURVE, fed.public[j].s)), vote, b"pair", words.size)
             words = words - pair if victim < j else words + pair
-    return unpack_lanes(words, fed.config.bits, NUMEL)
+    return fed.config.unpack(words)
 
 
 def test_split_views_fail_with_the_consistency_round():
@@ -608,7 +608,7 @@ def _split_view_attack(t: int, min_threshold: int | None = None) -> bool:
                 pair = sa.mask_stream(sa.agree(key, ec.EllipticCurvePublicKey.from_encoded_point(
                     sa.CURVE, public[j].s)), cfg.vote_id, b"pair", words.size)
                 words = words - pair if victim < j else words + pair
-    return np.array_equal(sa.unpack_lanes(words, cfg.bits, numel), values[victim])
+    return np.array_equal(cfg.unpack(words), values[victim])
 
 
 def test_split_view_with_one_colluder_needs_the_colluder_bound():
@@ -667,7 +667,7 @@ def _isolate(colluders: int) -> np.ndarray:
             pair = mask_stream(agree(key, ec.EllipticCurvePublicKey.from_encoded_point(
                 CURVE, public[victim].s)), cfg.vote_id, b"pair", words.size)
             words = words - pair if victim < other else words + pair
-    out = unpack_lanes(words, cfg.bits, NUMEL)
+    out = cfg.unpack(words)
     assert np.array_equal(out, values[victim])
     return out
 
