@@ -379,26 +379,53 @@ def test_secagg_settings_are_checked(tiny_dir, kw, message):
         FedPrLLMConfig(model=tiny_dir, clients=4, secagg=True, **kw)
 
 
-def test_the_primitives_are_flowers():
-    """The library imports no Flower but builds the same primitives: its ECDH key is Flower's
-    shared key, and its Shamir shares combine with Flower's combine_shares (and back)."""
+def test_the_key_agreement_is_flowers():
+    """The library imports no Flower but agrees keys as Flower does: its ECDH key is Flower's
+    shared key."""
     import base64
 
     from cryptography.hazmat.primitives.asymmetric import ec
-    from flwr.common.secure_aggregation.crypto import shamir
     from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 
-    from fedcompress.privacy.secagg import CURVE, agree, combine_shares, create_shares
+    from fedcompress.privacy.secagg import CURVE, agree
 
     a, b = ec.generate_private_key(CURVE), ec.generate_private_key(CURVE)
     assert base64.urlsafe_b64encode(agree(a, b.public_key())) == generate_shared_key(
         a, b.public_key())
-    secret = bytes(range(70))
-    ours = create_shares(secret, 3, 5)
-    assert shamir.combine_shares(ours[1:4]) == secret
-    assert combine_shares(shamir.create_shares(secret, 3, 5)[:3]) == secret
+
+
+@pytest.mark.parametrize("length", [1, 32, 48, 65])
+def test_shamir_shares_rebuild_from_any_threshold_and_hide_below_it(length):
+    """Any t of n shares rebuild the secret, in any order; t - 1 shares of two different
+    secrets are distributed alike (the same share values are possible for both: for each
+    secret there is exactly one polynomial through them); bad shares are named."""
+    import itertools
+    import secrets as pysecrets
+
+    from fedcompress.privacy import shamir
+    from fedcompress.privacy.secagg import combine_shares, create_shares
+
+    secret = pysecrets.token_bytes(length)
+    shares = create_shares(secret, 3, 6)
+    for subset in itertools.combinations(shares, 3):
+        assert combine_shares(list(reversed(subset))) == secret
+    assert combine_shares(shares) == secret  # more than t: the same polynomial
+    assert create_shares(secret, 3, 6) != shares  # fresh coefficients every time
+    # t - 1 = 2 shares fit a degree-2 polynomial through ANY constant term: e.g. all zeros
+    x1, x2 = (int.from_bytes(s[:4], "little") for s in shares[:2])
+    y1, y2 = (int.from_bytes(s[5:], "big") for s in shares[:2])
+    p = shamir.PRIME
+    inv = pow(x1 * x2 * (x2 - x1) % p, -1, p)  # the 2 x 2 system's determinant
+    for c0 in (0, 12345, int.from_bytes(secret, "big")):
+        c1 = ((y1 - c0) * x2 * x2 - (y2 - c0) * x1 * x1) * inv % p
+        c2 = (x1 * (y2 - c0) - x2 * (y1 - c0)) * inv % p
+        assert all((c0 + c1 * x + c2 * x * x) % p == y for x, y in ((x1, y1), (x2, y2)))
     with pytest.raises(SecAggError, match="two shares with one index"):
-        combine_shares([ours[0], ours[0], ours[1]])
+        combine_shares([shares[0], shares[0], shares[1]])
+    with pytest.raises(SecAggError, match="a share of 3 bytes"):
+        combine_shares([b"abc"])
+    with pytest.raises(SecAggError, match="a secret of 66 bytes"):
+        create_shares(bytes(66), 2, 3)
 
 
 def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):

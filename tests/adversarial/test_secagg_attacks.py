@@ -36,6 +36,13 @@ from fedcompress.privacy.secagg import (
 NUMEL = 64
 
 
+def sa_key(scalar: bytes):
+    """A mask key rebuilt from its shares (its 48-byte scalar)."""
+    from fedcompress.privacy.secagg import _key_from_scalar
+
+    return _key_from_scalar(scalar, "a rebuilt key")
+
+
 class Federation:
     """``n`` authenticated sites (long-term P-384 keys, each holding the others' public keys)
     in one vote, and the values they sum; the server is the test."""
@@ -147,7 +154,7 @@ def _split_view(fed: Federation, victim: int):
     key_shares = [fed.sites[i].unmask(without_v, signed_without)[victim]
                   for i in without_v if i not in with_v]
     seed = combine_shares(seed_shares)
-    key = serialization.load_der_private_key(combine_shares(key_shares), None)
+    key = sa_key(combine_shares(key_shares))
     vote = fed.config.vote_id
     words = fed.masked[victim].copy()
     with np.errstate(over="ignore"):
@@ -568,7 +575,6 @@ def _split_view_attack(t: int, min_threshold: int | None = None) -> bool:
     that victim 0 survived and {2, 3, 4} that it dropped, and completes each group's signatures
     with the colluder's. True when the victim's vector comes out alone."""
     import numpy as np
-    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
     from fedcompress.privacy import secagg as sa
@@ -599,7 +605,7 @@ def _split_view_attack(t: int, min_threshold: int | None = None) -> bool:
     seeds.append(sites[colluder]._received[victim][0])
     keys.append(sites[colluder]._received[victim][1])
     seed = sa.combine_shares(seeds[:t])
-    key = serialization.load_der_private_key(sa.combine_shares(keys[:t]), None)
+    key = sa._key_from_scalar(sa.combine_shares(keys[:t]), "key")
     words = masked[victim].copy()
     with np.errstate(over="ignore"):
         words -= sa.mask_stream(seed, cfg.vote_id, b"self", words.size)
@@ -659,7 +665,7 @@ def _isolate(colluders: int) -> np.ndarray:
     unmask = {i: sites[i].unmask(survivors, signatures) for i in survivors}
     seed = combine_shares([unmask[i][victim] for i in (victim, colluder)])
     key_d = combine_shares([unmask[i][dropped] for i in sorted(sites[dropped].neighbours)])
-    key_d = serialization.load_der_private_key(key_d, None)
+    key_d = sa_key(key_d)
     words = masked[victim].copy()
     with np.errstate(over="ignore"):
         words -= mask_stream(seed, cfg.vote_id, b"self", words.size)
