@@ -31,8 +31,10 @@ per-site columns are what one site adds to its own round. Writes ``report.json``
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -73,15 +75,16 @@ class PackedVotes(dict):
         return np.unpackbits(super().__getitem__(site), count=self.numel)
 
 
-def secure_vote(votes: PackedVotes, threshold: int, lost: set[int], authenticated: bool,
-                neighbours: int = 0) -> dict:
-    """The stages over ``votes`` (site -> 0/1 vector), sites in ``lost`` silent from the
-    masked stage on; ``authenticated``: signed keys and the consistency round; ``neighbours``:
-    the masking graph's degree (0: the default). Per stage: every site's seconds and bytes up
-    and down; the server's seconds."""
-    numel = votes.numel
-    config = SecAggConfig(tuple(sorted(votes)), threshold, numel, run=1, round=1,
-                          neighbours=neighbours)
+def secure_vote(votes: Mapping[int, np.ndarray], threshold: int, lost: set[int],
+                authenticated: bool, neighbours: int = 0, bits: int = 0, layer: int = -1
+                ) -> dict:
+    """The stages over ``votes`` (site -> 0/1 vector; ``bits=64``: fixed-point uint64
+    statistics), sites in ``lost`` silent from the masked stage on; ``authenticated``: signed
+    keys and the consistency round; ``neighbours``: the masking graph's degree (0: the
+    default). Per stage: every site's seconds and bytes up and down; the server's seconds."""
+    numel = votes.numel if isinstance(votes, PackedVotes) else next(iter(votes.values())).size
+    config = SecAggConfig(tuple(sorted(votes)), threshold, numel, bits=bits, run=1, round=1,
+                          layer=layer, neighbours=neighbours)
     seconds = {st: {i: 0.0 for i in votes} for st in STAGES}
     up = {st: {i: 0 for i in votes} for st in STAGES}
     down = {st: {i: 0 for i in votes} for st in STAGES}
@@ -159,6 +162,88 @@ def stage_table(runs: dict[str, dict]) -> str:
                            "bytes down per site"], rows)
 
 
+def _secure_summer(method: str, votes: list[dict], threshold: int, neighbours: int):
+    """``stats_prune``'s ``sum_fixed``: an authenticated SecAgg+ vote over a layer's fixed-point
+    vectors, its sum checked against the plain modular sum, its costs appended to ``votes``."""
+    def secure_sum(layer: int, vectors: list[np.ndarray]) -> np.ndarray:
+        expected = np.zeros_like(vectors[0])
+        with np.errstate(over="ignore"):
+            for v in vectors:
+                expected += v
+        result = secure_vote(dict(enumerate(vectors)), threshold, set(), True, neighbours,
+                             bits=64, layer=layer)
+        total = result.pop("counts").view(np.uint64)
+        if not np.array_equal(total, expected):
+            raise SystemExit(f"{method}, layer {layer}: the secure sum differs from the plain "
+                             "sum")
+        votes.append(result)
+        return total
+    return secure_sum
+
+
+def stats_mode(args, model, windows, cfg: FedPrLLMConfig, report: RunReport) -> None:
+    """Statistics mode (one decoder layer per round) in the clear and over SecAgg+, per pruning
+    rule in ``args.stats``: the sites' and the server's work of each (two runs of
+    :func:`stats_prune`, the sites one after another), the secure run's per-layer sums made by
+    authenticated SecAgg+ votes with the consistency round over the sites' 64-bit fixed-point
+    vectors (each vote's sum checked equal to the plain sum of the same vectors, bit for bit)."""
+    from fedcompress.methods.fedprllm.stats import stats_prune
+
+    threshold = cfg.threshold_for(args.clients)
+    neighbours = cfg.neighbours_for(args.clients)
+    results = {}
+    for method in args.stats:
+        stats_cfg = cfg.replace(method=method, aggregate="stats", secagg=False)
+        plain = stats_prune(copy.deepcopy(model), windows, stats_cfg, args.batch_size)
+        votes: list[dict] = []
+        secure_sum = _secure_summer(method, votes, threshold, neighbours)
+        secure = stats_prune(copy.deepcopy(model), windows, stats_cfg, args.batch_size,
+                             frac_bits=cfg.secagg_frac_bits, sum_fixed=secure_sum)
+
+        def work(run) -> float:
+            return float(sum(s * args.clients for s in run.site_seconds)
+                         + sum(run.server_seconds))
+        site_vote = float(sum(np.mean(v["site_seconds"]) for v in votes))
+        server_vote = float(sum(v["server_seconds"] for v in votes))
+        secure_work = work(secure) + site_vote * args.clients + server_vote
+        protocol = float(sum(1e3 * sum(st["site_seconds"] for name, st in v["stages"].items()
+                                       if name != "masked") for v in votes) / len(votes))
+        results[method] = {
+            "layers": len(votes), "plain_round_work_seconds": work(plain),
+            "secure_round_work_seconds": secure_work,
+            "ratio": secure_work / work(plain),
+            "plain_site_seconds": float(sum(plain.site_seconds)),
+            "secure_site_seconds": float(sum(secure.site_seconds)),
+            "vote_site_seconds": site_vote, "vote_server_seconds": server_vote,
+            "protocol_ms_per_vote": protocol,
+            "vote_masked_seconds": float(sum(v["stages"]["masked"]["site_seconds"]
+                                             for v in votes)),
+            "bytes_up_per_site": float(sum(np.mean(v["bytes_up"]) for v in votes)),
+            "plain_bytes_up_per_site": float(sum(plain.bytes_up_per_site)),
+            "sums_identical": True, "neighbours": neighbours, "threshold": threshold}
+        logger.info("statistics mode, %s: %.3fx", method, results[method]["ratio"])
+    report.extra["stats_mode"] = results
+    rows = [[m, str(r["layers"]), f"{r['plain_site_seconds']:.2f}",
+             f"{r['vote_site_seconds']:.2f}", f"{r['protocol_ms_per_vote']:.1f}",
+             f"{r['vote_server_seconds']:.2f}", f"{r['plain_bytes_up_per_site'] / 1e6:.1f}",
+             f"{r['bytes_up_per_site'] / 1e6:.1f}", f"{r['plain_round_work_seconds']:.1f}",
+             f"{r['secure_round_work_seconds']:.1f}", f"{r['ratio']:.3f}"]
+            for m, r in results.items()]
+    report.sections.append((
+        "Statistics mode over SecAgg+ vs plain statistics mode",
+        f"{args.model}, {args.clients} sites x {args.windows} windows; one authenticated "
+        "SecAgg+ vote (signed keys, consistency round, masking graph of degree "
+        f"{neighbours}, threshold {threshold}) per decoder layer over each site's 64-bit "
+        "fixed-point statistics, every sum equal to the plain sum of the same vectors bit for "
+        "bit. 'round work' is every site's and the server's seconds over all layers (sites one "
+        "after another; the messages' latency is not in it).\n\n"
+        + markdown_table(["rule", "layers", "a site's statistics s (plain)",
+                          "a site's SecAgg+ s", "protocol ms per vote (not masking)",
+                          "server SecAgg+ s", "MB up per site (plain)",
+                          "MB up per site (SecAgg+)", "plain round work s",
+                          "SecAgg+ round work s", "x plain"], rows)))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -172,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="the masking graph's degree (0: 2 * ceil(log2 clients))")
     parser.add_argument("--complete", action="store_true",
                         help="also the authenticated vote on the complete graph")
+    parser.add_argument("--stats", nargs="*", default=[], choices=("wanda", "sparsegpt"),
+                        help="also statistics mode over SecAgg+ against plain statistics mode, "
+                             "for these pruning rules")
     parser.add_argument("--out", default="simulations/results/secagg")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -297,6 +385,9 @@ def main(argv: list[str] | None = None) -> None:
             f"fewer than log2({args.clients + 1}) = {np.log2(args.clients + 1):.2f} bits per "
             "weight, against 1 for the plain bit-packed mask."))
         report.sections.append(("Per stage", stage_table(runs)))
+        if args.stats:
+            with report.phase("stats_mode"):
+                stats_mode(args, loaded.model, windows, cfg, report)
     print(report.markdown())
 
 

@@ -437,7 +437,7 @@ def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):
     spec.loader.exec_module(module)
     module.main(["--model", tiny_dir, "--clients", "6", "--windows", "2", "--seqlen", "16",
                  "--drop", "1", "--batch-size", "2", "--neighbours", "4", "--complete",
-                 "--out", str(tmp_path)])
+                 "--stats", "wanda", "sparsegpt", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "report.json").read_text())
     secure = report["secure"]
     assert all(r["identical_to_plain"] for r in secure.values())
@@ -453,8 +453,15 @@ def test_cost_script_on_a_tiny_model(tiny_dir, tmp_path):
     assert auth["authenticated"] and not plain["authenticated"]
     assert auth["stages"]["confirm"]["bytes_up"] > 0 == plain["stages"]["confirm"]["bytes_up"]
     assert auth["stages"]["keys"]["bytes_up"] > plain["stages"]["keys"]["bytes_up"]  # signed
+    stats = report["stats_mode"]
+    assert set(stats) == {"wanda", "sparsegpt"}
+    for r in stats.values():  # one secure vote per decoder layer, its sum the plain one's
+        assert r["sums_identical"] and r["layers"] == 3 and r["neighbours"] == 4  # 3 layers
+        assert r["secure_round_work_seconds"] > r["vote_site_seconds"] > 0
+    assert stats["sparsegpt"]["bytes_up_per_site"] > stats["wanda"]["bytes_up_per_site"]
     text = (tmp_path / "report.md").read_text()
     assert "x packed" in text and "| confirm |" in text
+    assert "Statistics mode over SecAgg+" in text
     assert "python simulations/secagg_cost.py --model" in report["command_line"]
 
 

@@ -34,7 +34,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -580,7 +580,9 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
                 tokenizer=None, dp_sites: list[DpSite] | None = None, run_id: str = "local",
                 dp_seed: int | None = None, keep_release: bool = False,
                 dp_calibration: PublicCalibration | None = None,
-                prune: PruneConfig | None = None) -> StatsRun:
+                prune: PruneConfig | None = None,
+                sum_fixed: Callable[[int, list[np.ndarray]], np.ndarray] | None = None
+                ) -> StatsRun:
     """Statistics-mode federated pruning in one process (tests, benchmarks): the same site
     steps, wire round trip and server step as the Flower strategy, sites one after another.
     ``frac_bits``: the sites' statistics are summed as SecAgg+ sums them (fixed point, 64-bit
@@ -597,7 +599,9 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
     :func:`fedcompress.methods.fedprllm.dp.public_calibration`; default: computed here).
     ``prune``: the recipe, instead of ``config.prune`` (e.g. one that quantizes,
     :attr:`~fedcompress.pruning.local.PruneConfig.quant`; not with DP, whose request is built
-    from ``config``); the quantization's integers are in :attr:`StatsRun.quant`."""
+    from ``config``); the quantization's integers are in :attr:`StatsRun.quant`.
+    ``sum_fixed(layer, vectors)``: the sum of the sites' fixed-point vectors of a layer, mod
+    2^64 (default: added here; e.g. a SecAgg+ vote over them, which must give the same sum)."""
     from fedcompress.methods.fedprllm import dp as dpm
     from fedcompress.methods.fedprllm.federated import advance_to_layer, site_layer_stats
     from fedcompress.privacy.dp_stats import secret_rng
@@ -646,6 +650,7 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
         site_seconds = 0.0
         sent = 0
         fixed: np.ndarray | None = None
+        vectors: list[np.ndarray] = []
         for site, site_windows in enumerate(windows):
             start = time.perf_counter()
             hidden, kwargs = state[site]
@@ -675,9 +680,14 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
                                          rng(layer, site))
             else:
                 vector = encode_fixed(arrays, frac_bits, len(windows))
-            with np.errstate(over="ignore"):
-                fixed = vector if fixed is None else fixed + vector
+            if sum_fixed is not None:
+                vectors.append(vector)
+            else:
+                with np.errstate(over="ignore"):
+                    fixed = vector if fixed is None else fixed + vector
             layout, dtypes = fixed_point_layout(arrays), {k: a.dtype for k, a in arrays.items()}
+        if sum_fixed is not None and vectors:
+            fixed = sum_fixed(layer, vectors)
         if frac_bits is not None and fixed is not None:
             summed = decode_fixed(fixed.view(np.int64), layout, frac_bits, dtypes)
             aggregator.add(decode_stats(summed, shared, features, layer, hessian,
