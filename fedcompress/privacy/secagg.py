@@ -780,8 +780,10 @@ class SecAggSite:
                 raise SecAggError(f"survivor-set signatures of nodes {extra}, which are not "
                                   "survivors: refused")
             payload = survivors_payload(self._view, announced)
-            valid = set()
-            for node, sig in signatures.items():
+            valid: set[bytes] = set()
+            for node, sig in sorted(signatures.items()):
+                if len(valid) >= cfg.threshold:  # enough: the rest are not needed (nor read)
+                    break
                 if not _verifies(self._u1[int(node)].signer, sig, payload):
                     raise SecAggError(f"node {node}'s signature on the survivor set does not "
                                       "verify: refused (another set, or forged)")
