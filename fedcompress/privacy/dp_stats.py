@@ -125,25 +125,60 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
-import re
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from fedcompress.data.corpora import BUNDLED_CORPORA
 from fedcompress.privacy.accounting import (
     RDP_ALPHAS,
     BudgetError,
     check_budget,
     epsilon_spent,
     noise_multiplier,
+)
+from fedcompress.privacy.dp_calibration import (  # noqa: F401 (this module's public names)
+    _DIGEST,
+    CLIP_QUANTILE,
+    DIGEST_PREFIX,
+    NORMALIZATIONS,
+    PUBLIC_CORPORA,
+    PUBLIC_CORPUS,
+    PUBLIC_SPLIT,
+    PUBLIC_WINDOWS,
+    SCALE_FLOOR,
+    ClippedStats,
+    PublicCalibration,
+    _block_norms,
+    _layer_scales,
+    check_public_text,
+    clip_factors,
+    clipped_layer_stats,
+    file_digest,
+    is_digest,
+    layer_blocks,
+    public_calibration,
+    public_clip_bounds,
+    public_scales,
+    public_text_source,
+    public_windows,
+    window_inputs,
+    window_norms,
+    window_sums,
+)
+from fedcompress.privacy.dp_postprocess import (  # noqa: F401 (this module's public names)
+    FALSE_SIGNAL_RATE,
+    SPREAD_Z,
+    _distinct,
+    denormalize,
+    make_positive_definite,
+    normalized_prior,
+    postprocess,
+    shrink,
+    spread_z,
 )
 
 logger = logging.getLogger(__name__)
@@ -199,38 +234,11 @@ __all__ = [
 UNIT = "window"
 #: Where the noise is added.
 PLACEMENTS = ("central", "distributed")
-#: How input coordinates are scaled before a window's statistics are clipped: by their public
-#: per-token mean square (``public``), or not at all (``none``).
-NORMALIZATIONS = ("public", "none")
 #: What the server does with a normalized noisy release before it prunes: shrink it toward the
 #: public scales' flat shape (``shrink``, :func:`shrink`), toward public text's own statistics
 #: of the layer through the server's model (``public``, :func:`normalized_prior`), or take it
 #: as it is (``none``).
 PRIORS = ("shrink", "public", "none")
-#: Smallest public scale, relative to the block's largest (a coordinate that is (nearly) zero on
-#: public text is scaled as if it were this small: its private values are then clipped, not
-#: blown up to infinity).
-SCALE_FLOOR = 1e-6
-#: Quantile of the public per-window norms used as the default clip bound of each block.
-CLIP_QUANTILE = 0.95
-#: The public corpus the default bounds come from (bundled with the package), and its split
-#: (not the calibration split ``train`` nor the evaluation split ``test``).
-PUBLIC_CORPUS = "wiki"
-PUBLIC_SPLIT = "validation"
-#: The public texts a run may name instead (``dp_public_text``: the bundled corpora, their
-#: :data:`PUBLIC_SPLIT` split), or a pinned file (:data:`DIGEST_PREFIX`). Never a path: a file
-#: the server named could be a site's own data, and bounds or scales from it would make the
-#: mechanism depend on private text.
-PUBLIC_CORPORA = BUNDLED_CORPORA
-#: A pinned public text: ``sha256:`` and the 64 hex digits of the SHA-256 of a file (``.txt`` or
-#: ``.jsonl``, read as :func:`~fedcompress.data.corpora.load_corpus` reads a local file, the
-#: whole file) that the federation publishes and every party holds a copy of: each site finds
-#: it among the files its own operator listed as public (node config ``dp-public-files``),
-#: the server at its ``dp_public_file``; the digest makes every party's copy the same text.
-DIGEST_PREFIX = "sha256:"
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-#: Public windows the default bounds are measured on.
-PUBLIC_WINDOWS = 32
 #: Integer Renyi orders of the Skellam bound (it holds for integer alpha > 1): the integers of
 #: :data:`~fedcompress.privacy.accounting.RDP_ALPHAS`.
 SKELLAM_ORDERS = sorted({int(a) for a in RDP_ALPHAS if float(a).is_integer() and a >= 2})
@@ -448,7 +456,6 @@ class DpStatsPlan:
 
 
 def _digest(bounds: Sequence[Mapping[str, float]]) -> str:
-    import hashlib
     import json
 
     text = json.dumps([{k: float(v).hex() for k, v in sorted(b.items())} for b in bounds])
@@ -456,7 +463,6 @@ def _digest(bounds: Sequence[Mapping[str, float]]) -> str:
 
 
 def _scales_digest(scales: Sequence[Mapping[str, torch.Tensor]]) -> str:
-    import hashlib
 
     h = hashlib.sha256()
     for layer in scales:
@@ -555,358 +561,6 @@ def dp_frac_bits(plan_sigma: float, bounds: Sequence[Mapping[str, float]], n_win
     return max(0, min(52, bits, int(math.floor(room))))
 
 
-# -- per-window statistics and clipping ------------------------------------------------------
-
-
-def layer_blocks(layer: nn.Module, inputs: Any) -> dict[str, str]:
-    """``{linear name: owner}``: the owner (first in sorted order) of the distinct input tensor
-    each linear layer of ``layer`` reads (what one batch of ``inputs`` shows)."""
-    from fedcompress.models import ModelAdapter
-    from fedcompress.pruning.walker import _call_layer, input_owners
-
-    linears = ModelAdapter.linear_layers(layer)
-    seen: dict[str, torch.Tensor] = {}
-    handles = [m.register_forward_pre_hook(
-        lambda _m, args, name=name: seen.setdefault(name, args[0]))
-        for name, m in linears.items()]
-    try:
-        with torch.no_grad():
-            _call_layer(layer, inputs.hidden[:1], inputs.layer_kwargs[inputs.layer])
-    finally:
-        for handle in handles:
-            handle.remove()
-    missing = sorted(set(linears) - set(seen))
-    if missing:
-        raise RuntimeError(f"linear layers {missing} saw no input")
-    return input_owners(seen)
-
-
-@torch.no_grad()
-def window_inputs(layer: nn.Module, inputs: Any, batch_size: int = 8,
-                  scales: Mapping[str, torch.Tensor] | None = None
-                  ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """Per batch of windows: ``(first window index, {owner: X [b, t, d]})``, the float64
-    inputs of every distinct input of ``layer`` (one per owner, :func:`layer_blocks`); with
-    ``scales`` (``{owner: c}``, :func:`public_scales`), the normalized inputs
-    ``x_j / sqrt(c_j)``. The windows' statistics (:func:`window_sums`, :func:`window_norms`)
-    are computed from these."""
-    from fedcompress.models import ModelAdapter
-    from fedcompress.pruning.walker import _batches, _call_layer
-
-    owners = layer_blocks(layer, inputs)
-    linears = ModelAdapter.linear_layers(layer)
-    kwargs = inputs.layer_kwargs[inputs.layer]
-    xs: dict[str, torch.Tensor] = {}
-    inv = None
-    if scales is not None:
-        missing = sorted(set(owners.values()) - set(scales))
-        if missing:
-            raise ValueError(f"no public scales for blocks {missing}: expected one per "
-                             "distinct input")
-        inv = {k: torch.as_tensor(c, dtype=torch.float64).rsqrt() for k, c in scales.items()}
-
-    def hook(_m, args, name):
-        if owners[name] != name:
-            return
-        x = args[0].to(torch.float64)
-        x = x.reshape(x.shape[0], -1, x.shape[-1])
-        if inv is not None:
-            if inv[name].shape[0] != x.shape[-1]:
-                raise ValueError(f"public scales of {name}: {inv[name].shape[0]} coordinates, "
-                                 f"its input has {x.shape[-1]}")
-            x = x * inv[name].to(x.device)
-        xs[name] = x
-
-    for rows in _batches(len(inputs.hidden), batch_size):
-        xs.clear()
-        handles = [m.register_forward_pre_hook(lambda _m, a, name=name: hook(_m, a, name))
-                   for name, m in linears.items()]
-        try:
-            _call_layer(layer, inputs.hidden[rows], kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
-        yield rows.start, dict(xs)
-
-
-def window_sums(layer: nn.Module, inputs: Any, hessian: bool, batch_size: int = 8,
-                scales: Mapping[str, torch.Tensor] | None = None
-                ) -> Iterator[tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
-    """Per batch of windows: ``(first window index, {owner: square sums [b, d]},
-    {owner: 2 X_w^T X_w [b, d, d]})`` (float64; the Hessians only with ``hessian``), each
-    window's own statistics of every distinct input of ``layer``; with ``scales`` (``{owner:
-    c}``, :func:`public_scales`), of the normalized inputs ``x_j / sqrt(c_j)``. Each window's
-    Hessian is materialized: a site's release does not need them (:func:`clipped_layer_stats`
-    clips from :func:`window_norms`), an attacker scoring single windows does."""
-    for start, xs in window_inputs(layer, inputs, batch_size, scales):
-        sq = {k: x.pow(2).sum(1) for k, x in xs.items()}
-        hs = ({k: torch.einsum("bti,btj->bij", x, x).mul_(2.0) for k, x in xs.items()}
-              if hessian else {})
-        yield start, sq, hs
-
-
-def window_norms(xs: Mapping[str, torch.Tensor], hessian: bool,
-                 sq: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Each window's norm per block, what its contribution is clipped by: the L2 norm of its
-    square sums ``sq`` (``[b, d]``, computed from ``xs`` if not given), or with ``hessian`` the
-    Frobenius norm of ``H_w = 2 X_w^T X_w`` without forming it when the window has fewer
-    tokens ``t`` than inputs ``d``: ``||X^T X||_F^2 = tr((X^T X)^2) = tr((X X^T)^2)``, so
-    ``2 ||X_w X_w^T||_F`` from the ``t x t`` Gram matrix (``t^2 d`` instead of ``t d^2``
-    multiplications; the same number up to float64 rounding)."""
-    if not hessian:
-        if sq is None:
-            sq = {k: x.pow(2).sum(1) for k, x in xs.items()}
-        return {k: torch.linalg.vector_norm(v, dim=1) for k, v in sq.items()}
-    out = {}
-    for k, x in xs.items():
-        gram = (torch.einsum("bti,bsi->bts", x, x) if x.shape[1] < x.shape[2]
-                else torch.einsum("bti,btj->bij", x, x))
-        out[k] = torch.linalg.matrix_norm(gram, "fro").mul_(2.0)
-    return out
-
-
-def _block_norms(sq: Mapping[str, torch.Tensor], hs: Mapping[str, torch.Tensor],
-                 hessian: bool) -> dict[str, torch.Tensor]:
-    """Each window's norm per block from :func:`window_sums`' materialized statistics."""
-    if hessian:
-        return {k: torch.linalg.matrix_norm(h, "fro") for k, h in hs.items()}
-    return {k: torch.linalg.vector_norm(v, dim=1) for k, v in sq.items()}
-
-
-def clip_factors(norms: Mapping[str, torch.Tensor], bounds: Mapping[str, float]
-                 ) -> dict[str, torch.Tensor]:
-    """Per block, each window's scale ``min(1, C_j / norm)`` (1 for a zero norm)."""
-    missing = sorted(set(norms) - set(bounds))
-    if missing:
-        raise ValueError(f"no clip bound for blocks {missing}: expected one per distinct input")
-    return {k: torch.clamp(float(bounds[k]) / torch.clamp(n, min=1e-300), max=1.0)
-            for k, n in norms.items()}
-
-
-@dataclass
-class ClippedStats:
-    """A site's clipped sums of one layer: ``stats`` (``{linear: LayerStats}``, sharers hold the
-    same object), ``owners`` (``{linear: owner}``) and how many windows each block clipped."""
-
-    stats: dict[str, Any]
-    owners: dict[str, str]
-    clipped: dict[str, int]
-
-
-@torch.no_grad()
-def clipped_layer_stats(layer: nn.Module, inputs: Any, hessian: bool,
-                        bounds: Mapping[str, float], batch_size: int = 8,
-                        scales: Mapping[str, torch.Tensor] | None = None) -> ClippedStats:
-    """The sum over windows of each window's statistics, each window's block ``j`` clipped to
-    ``bounds[j]`` (L2 of its square sums; Frobenius of its Hessian with ``hessian``) before
-    summing. With ``hessian`` the square sums are ``diag(H) / 2`` of the clipped Hessian. With
-    ``scales``: of the normalized inputs (:func:`window_sums`; :func:`denormalize` maps the
-    sum back)."""
-    from fedcompress.pruning.walker import LayerStats
-
-    owners = layer_blocks(layer, inputs)
-    blocks = sorted(set(owners.values()))
-    extra = sorted(set(bounds) - set(blocks))
-    if extra:
-        raise ValueError(f"clip bounds for unknown blocks {extra}: the layer's blocks are "
-                         f"{blocks}")
-    sums: dict[str, LayerStats] = {}
-    clipped = {k: 0 for k in blocks}
-    for _start, xs in window_inputs(layer, inputs, batch_size, scales):
-        # with a Hessian the square sums are its diagonal: no separate square sums
-        sq = None if hessian else {k: x.pow(2).sum(1) for k, x in xs.items()}
-        factors = clip_factors(window_norms(xs, hessian, sq), bounds)
-        for k in blocks:
-            f = factors[k]
-            clipped[k] += int((f < 1).sum())
-            tokens = int(inputs.hidden.shape[1]) * int(f.shape[0])
-            if k not in sums:
-                sums[k] = LayerStats(xs[k].shape[-1], hessian=hessian)
-            if sq is None:
-                # sum_w f_w 2 X_w^T X_w as one product over the batch's tokens (no per-window
-                # d x d matrices): each window's rows of one factor scaled by its f_w
-                x = xs[k]
-                h = torch.einsum("bti,btj->ij", x * f[:, None, None], x).mul_(2.0)
-                sums[k].add_sums(tokens, torch.diagonal(h).clone() / 2, h)
-            else:
-                sums[k].add_sums(tokens, torch.einsum("b,bj->j", f, sq[k]), None)
-    return ClippedStats({name: sums[owner] for name, owner in owners.items()}, owners, clipped)
-
-
-def is_digest(spec: str) -> bool:
-    """Whether ``spec`` names a pinned public file (``sha256:`` and 64 lowercase hex digits)."""
-    return bool(_DIGEST.fullmatch(str(spec)))
-
-
-def check_public_text(spec: str) -> str:
-    """``spec`` if it is one of :data:`PUBLIC_CORPORA` or a pinned file's digest
-    (:data:`DIGEST_PREFIX`), else a ValueError naming it."""
-    if spec not in PUBLIC_CORPORA and not is_digest(spec):
-        hint = (" (the digest is 64 lowercase hex digits: sha256sum FILE)"
-                if str(spec).startswith(DIGEST_PREFIX) else "")
-        raise ValueError(f"public text {spec!r}: expected a bundled corpus, one of "
-                         f"{PUBLIC_CORPORA} (its {PUBLIC_SPLIT!r} split, shipped with the "
-                         "package: the same at every party, and no site's data), or "
-                         f"'{DIGEST_PREFIX}<hex digest>' of a public file every party holds"
-                         f"{hint}")
-    return spec
-
-
-#: ``{(resolved path, size, mtime_ns): digest}`` of the files hashed in this process.
-_DIGESTS: dict[tuple[str, int, int], str] = {}
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """``sha256:<hex>`` of the file at ``path`` (cached per path, size and modification time);
-    an OSError names the path."""
-    resolved = Path(path).expanduser().resolve()
-    stat = resolved.stat()
-    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
-    if key not in _DIGESTS:
-        h = hashlib.sha256()
-        with open(resolved, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        _DIGESTS[key] = DIGEST_PREFIX + h.hexdigest()
-    return _DIGESTS[key]
-
-
-def public_text_source(spec: str, files: Sequence[str] = ()) -> str:
-    """What :func:`~fedcompress.data.corpora.load_corpus` loads for the public text ``spec``:
-    the bundled corpus itself, or, for a digest, the one of ``files`` whose SHA-256 it is.
-
-    Raises:
-        ValueError: ``spec`` is neither (:func:`check_public_text`); no file of ``files`` has
-            the digest (each file's digest, or why it cannot be read, is named).
-    """
-    check_public_text(spec)
-    if not is_digest(spec):
-        return spec
-    seen = []
-    for path in files:
-        if not path:
-            continue
-        try:
-            digest = file_digest(path)
-        except OSError as err:
-            seen.append(f"{path}: unreadable ({err.strerror or err})")
-            continue
-        if digest == spec:
-            return str(path)
-        seen.append(f"{path}: {digest}")
-    raise ValueError(f"public text {spec}: no file here has that SHA-256 digest "
-                     f"({'; '.join(seen) or 'no public file given'}): expected a copy of the "
-                     "published file, byte for byte")
-
-
-def public_windows(tokenizer: Any, seqlen: int, n: int = PUBLIC_WINDOWS, seed: int = 0,
-                   corpus: str = PUBLIC_CORPUS, files: Sequence[str] = ()) -> torch.Tensor:
-    """``n`` windows of ``seqlen`` tokens of PUBLIC text: the bundled ``corpus``'s
-    :data:`PUBLIC_SPLIT` split (one of :data:`PUBLIC_CORPORA`, shipped with the package, the
-    same at every party), or the pinned file of ``files`` whose digest ``corpus`` is (the whole
-    file; :func:`public_text_source`); ``seed`` is public: nothing private depends on it."""
-    from fedcompress.data.calibration import calibration_windows
-    from fedcompress.data.corpora import load_corpus
-
-    return calibration_windows(tokenizer,
-                               load_corpus(public_text_source(corpus, files), PUBLIC_SPLIT),
-                               n, seqlen, seed)
-
-
-@dataclass(frozen=True)
-class PublicCalibration:
-    """What public text fixes of a DP statistics mechanism, per decoder layer: each block's
-    clip bound (in normalized units when ``scales`` is set) and, with normalization, each
-    block's public per-coordinate mean squares (:func:`public_scales`)."""
-
-    bounds: list[dict[str, float]]
-    scales: list[dict[str, torch.Tensor]] | None = None
-
-    @property
-    def normalize(self) -> str:
-        return "public" if self.scales is not None else "none"
-
-
-def _layer_scales(sq_parts: Mapping[str, list[torch.Tensor]], tokens: int, layer: int
-                  ) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, parts in sq_parts.items():
-        c = torch.cat(parts).sum(0) / tokens
-        top = float(c.max()) if c.numel() else 0.0
-        if not (math.isfinite(top) and top > 0):
-            raise ValueError(f"layer {layer} block {k}: public windows give no signal (largest "
-                             f"mean square {top}): expected > 0 (more or longer public windows)")
-        out[k] = torch.clamp(c, min=SCALE_FLOOR * top)
-    return out
-
-
-@torch.no_grad()
-def public_calibration(model: nn.Module, windows: torch.Tensor, hessian: bool,
-                       quantile: float = CLIP_QUANTILE, batch_size: int = 8,
-                       normalize: str = "public") -> PublicCalibration:
-    """The public part of the mechanism, from PUBLIC windows (e.g. the bundled
-    :data:`PUBLIC_CORPUS`) through the DENSE model, per decoder layer and block: with
-    ``normalize="public"``, the per-coordinate mean square over the windows' tokens (each
-    floored at :data:`SCALE_FLOOR` of the block's largest), then the clip bound, the
-    ``quantile`` of the per-window norms (as :func:`clipped_layer_stats` measures them, of the
-    normalized inputs when normalizing). Public data only: no privacy cost, and every party
-    computes the same values."""
-    from fedcompress.models import ModelAdapter
-    from fedcompress.pruning.walker import capture_layer_inputs, forward_layer
-
-    if not 0 < quantile <= 1:
-        raise ValueError(f"quantile={quantile!r}: expected a number in (0, 1]")
-    if normalize not in NORMALIZATIONS:
-        raise ValueError(f"normalize={normalize!r}: expected one of {NORMALIZATIONS}")
-    adapter = ModelAdapter(model)
-    inputs = capture_layer_inputs(model, windows, batch_size)
-    tokens = int(windows.shape[0]) * int(windows.shape[1])
-    out: list[dict[str, float]] = []
-    scales: list[dict[str, torch.Tensor]] = []
-    for i in range(len(adapter)):
-        with adapter.onloaded(i) as layer:
-            layer_scales = None
-            if normalize == "public":
-                sq_parts: dict[str, list[torch.Tensor]] = {}
-                for _s, sq, _hs in window_sums(layer, inputs, False, batch_size):
-                    for k, v in sq.items():
-                        sq_parts.setdefault(k, []).append(v)
-                layer_scales = _layer_scales(sq_parts, tokens, i)
-                scales.append(layer_scales)
-            norms: dict[str, list[torch.Tensor]] = {}
-            for _s, xs in window_inputs(layer, inputs, batch_size, layer_scales):
-                for k, n in window_norms(xs, hessian).items():
-                    norms.setdefault(k, []).append(n)
-            bounds = {}
-            for k, parts in norms.items():
-                value = float(torch.quantile(torch.cat(parts), quantile))
-                if not value > 0:
-                    raise ValueError(f"layer {i} block {k}: public windows give a clip bound of "
-                                     f"{value}: expected > 0 (more or longer public windows)")
-                bounds[k] = value
-            out.append(bounds)
-            if i + 1 < len(adapter):
-                inputs = forward_layer(layer, inputs, batch_size)
-    return PublicCalibration(out, scales if normalize == "public" else None)
-
-
-def public_clip_bounds(model: nn.Module, windows: torch.Tensor, hessian: bool,
-                       quantile: float = CLIP_QUANTILE, batch_size: int = 8
-                       ) -> list[dict[str, float]]:
-    """Default clip bounds of un-normalized statistics from PUBLIC windows:
-    :func:`public_calibration` with ``normalize="none"``."""
-    return public_calibration(model, windows, hessian, quantile, batch_size, "none").bounds
-
-
-def public_scales(model: nn.Module, windows: torch.Tensor, batch_size: int = 8
-                  ) -> list[dict[str, torch.Tensor]]:
-    """Per decoder layer and block, each input coordinate's public per-token mean square
-    (:func:`public_calibration`'s normalization)."""
-    calib = public_calibration(model, windows, False, 1.0, batch_size, "public")
-    assert calib.scales is not None
-    return calib.scales
-
-
 # -- noise -----------------------------------------------------------------------------------
 
 
@@ -917,17 +571,6 @@ def _sym_noise(n: int, std: float, rng: np.random.Generator) -> torch.Tensor:
     noise[rows, cols] = values
     noise[cols, rows] = values
     return noise
-
-
-def _distinct(stats: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-    """``(owner name, statistics)`` once per distinct object of ``stats`` (sharers hold their
-    owner's object; the first name in sorted order is the owner)."""
-    done: set[int] = set()
-    for name in sorted(stats):
-        st = stats[name]
-        if id(st) not in done:
-            done.add(id(st))
-            yield name, st
 
 
 def add_gaussian(stats: Mapping[str, Any], std: Mapping[str, float], hessian: bool,
@@ -962,213 +605,3 @@ def skellam_noise(shape: int | tuple[int, ...], variance: float,
         out += rng.poisson(mu / parts, size=shape).astype(np.int64)
         out -= rng.poisson(mu / parts, size=shape).astype(np.int64)
     return out
-
-
-# -- post-processing -------------------------------------------------------------------------
-
-
-def make_positive_definite(h: torch.Tensor, noise_std: float) -> torch.Tensor:
-    """A symmetric positive-definite version of a noisy Hessian (post-processing): eigenvalues
-    floored at ``2 sqrt(d) noise_std`` (the spectral norm a symmetric Gaussian noise matrix of
-    entry std ``noise_std`` stays below with high probability), and at least ``1e-8`` of the
-    largest eigenvalue's magnitude."""
-    if h.dim() != 2 or h.shape[0] != h.shape[1]:
-        raise ValueError(f"a Hessian of shape {tuple(h.shape)}: expected a square matrix")
-    sym = (h.double() + h.double().T) / 2
-    vals, vecs = torch.linalg.eigh(sym)
-    top = float(vals.abs().max()) if vals.numel() else 0.0
-    floor = max(2.0 * math.sqrt(h.shape[0]) * float(noise_std), 1e-8 * top, 1e-12)
-    vals = torch.clamp(vals, min=floor)
-    out = (vecs * vals) @ vecs.T
-    return ((out + out.T) / 2).to(h.dtype)
-
-
-def _block_scales(scales: Mapping[str, torch.Tensor], name: str, dim: int) -> torch.Tensor:
-    """Block ``name``'s public scales (float64), checked against its ``dim`` coordinates."""
-    if name not in scales:
-        raise ValueError(f"no public scales for {name}: expected one per block")
-    c = torch.as_tensor(scales[name], dtype=torch.float64)
-    if c.shape[0] != dim:
-        raise ValueError(f"public scales of {name}: {c.shape[0]} coordinates, its "
-                         f"statistics have {dim}")
-    return c
-
-
-def denormalize(stats: Mapping[str, Any], scales: Mapping[str, torch.Tensor],
-                hessian: bool) -> None:
-    """Map a sum of normalized statistics back to the inputs' units (post-processing with public
-    values, free): square sums times ``c``; a Hessian ``R H R`` with ``R = diag(sqrt(c))`` (its
-    square sums ``diag / 2``). In place, once per distinct statistics object (``scales`` by its
-    owner's name)."""
-    for name, st in _distinct(stats):
-        c = _block_scales(scales, name, st.in_features)
-        if hessian:
-            r = c.sqrt().to(st.hessian_sum)
-            st.hessian_sum = st.hessian_sum * r[:, None] * r[None, :]
-            st.sq_sum = torch.diagonal(st.hessian_sum).double().clone() / 2
-        else:
-            st.sq_sum = st.sq_sum * c.to(st.sq_sum)
-
-
-#: Standard errors of the noise's sample variance that the coordinates' spread must pass before
-#: the shrinkage credits any of it to the signal (pure noise passes 2 about 2% of the time).
-SPREAD_Z = 2.0
-
-
-#: Chance that any block of a run releases pure noise as signal under ``prior="public"``
-#: (:func:`spread_z`).
-FALSE_SIGNAL_RATE = 0.01
-
-
-def spread_z(tests: int, rate: float = FALSE_SIGNAL_RATE) -> float:
-    """The standard errors a noise-only spread must pass in ``tests`` tests (a run's blocks
-    times its releases, diagonal and off-diagonal apart) for the chance that any one passes to
-    be at most ``rate`` (Bonferroni, normal approximation of the sample variance)."""
-    from statistics import NormalDist
-
-    if tests < 1 or not 0 < rate < 1:
-        raise ValueError(f"tests={tests}, rate={rate}: expected tests >= 1 and 0 < rate < 1")
-    return NormalDist().inv_cdf(1.0 - rate / tests)
-
-
-def _js_weight(residual: torch.Tensor, noise_std: float, square: float | None = None,
-               z: float = SPREAD_Z) -> float:
-    """The James-Stein weight ``w = tau^2 / (tau^2 + s^2)`` of residuals from a prior under
-    noise ``s = noise_std``: the signal's spread ``tau^2`` is what the residuals' mean square
-    (over ``n - 1``; ``square`` when already computed) has beyond the noise's ``s^2`` and
-    beyond ``z`` standard errors of a noise-only sample variance (``s^2 sqrt(2 / (n - 1))``):
-    a spread the noise alone could give is not credited to the signal."""
-    n = residual.numel()
-    if square is None:
-        square = float(residual.pow(2).sum()) / (n - 1)
-    noise = float(noise_std) ** 2
-    spread = square - noise * (1.0 + z * math.sqrt(2.0 / (n - 1)))
-    return spread / (spread + noise) if spread > 0 else 0.0
-
-
-def _js(values: torch.Tensor, noise_std: float) -> tuple[torch.Tensor, float]:
-    """``values`` shrunk toward their mean with the James-Stein weight (:func:`_js_weight`)
-    for noise ``noise_std``; and that weight."""
-    if values.numel() < 2:
-        return values, 1.0
-    mean = values.mean()
-    weight = _js_weight(values - mean, noise_std, float(values.var()))
-    return mean + weight * (values - mean), weight
-
-
-def _level(values: torch.Tensor, prior: torch.Tensor, tokens: int) -> float:
-    """The least-squares level ``a`` of ``values ~ a * prior``; where the noise makes it not
-    positive, ``tokens`` (the release's public token count: the level of a per-token prior
-    without clipping)."""
-    norm = float(prior.pow(2).sum())
-    if not (math.isfinite(norm) and norm > 0):
-        raise ValueError(f"a prior of squared norm {norm}: expected a finite number > 0")
-    level = float((values * prior).sum()) / norm
-    if level > 0:
-        return level
-    logger.warning("the noisy release's level toward the public prior is %.3g: taking its "
-                   "token count %d instead", level, tokens)
-    return float(tokens)
-
-
-def normalized_prior(stats: Mapping[str, Any], scales: Mapping[str, torch.Tensor],
-                     hessian: bool) -> dict[str, torch.Tensor]:
-    """Public text's own statistics of a layer as a prior of :func:`shrink`: per block (the
-    owners of ``scales``; ``stats`` by linear name, as the walker gives them), the square sums
-    (with ``hessian``: the Hessian sum) in the units of the normalized release (``v / c``;
-    ``R^-1 H R^-1``) and per token. Computed from public data only (no privacy cost)."""
-    out = {}
-    for name in sorted(scales):
-        if name not in stats:
-            raise ValueError(f"no public statistics of {name}: expected one per block")
-        st = stats[name]
-        if not st.tokens > 0:
-            raise ValueError(f"public statistics of {name} over {st.tokens} tokens: expected > 0")
-        c = _block_scales(scales, name, st.in_features)
-        if hessian:
-            inv = c.rsqrt()
-            out[name] = st.hessian_sum.double() * inv[:, None] * inv[None, :] / st.tokens
-        else:
-            out[name] = st.sq_sum.double() / c / st.tokens
-    return out
-
-
-def shrink(stats: Mapping[str, Any], std: Mapping[str, float], hessian: bool,
-           prior: Mapping[str, torch.Tensor] | None = None, z: float | None = None
-           ) -> dict[str, float]:
-    """Shrink each block's noisy NORMALIZED release toward a public prior (module docstring;
-    post-processing), in place, once per distinct statistics object (``std``: each block's
-    total noise std, by its owner's name):
-
-    * without ``prior`` (``prior="shrink"``): the square sums toward their mean; a Hessian's
-      diagonal and off-diagonal entries each toward its own mean;
-    * with ``prior`` (``prior="public"``; :func:`normalized_prior`: public text's own
-      statistics of the layer, by owner): toward ``a * prior``, ``a`` the release's
-      least-squares level (clipping lowers it; a Hessian's one level over its upper triangle,
-      so that a drowned release is a multiple of the public Hessian; the release's token count
-      where the noise makes that level not positive), the residuals of a
-      Hessian's diagonal and off-diagonal entries each with its own weight.
-
-    A Hessian's square sums are then ``diag / 2``. ``z``: the standard errors a spread must
-    pass to be credited to the signal with a prior (default :data:`SPREAD_Z`; a run's
-    :func:`spread_z`: a false pass lets noise through and lifts the positive-definite floor).
-    Returns each block's noise std left after the shrinkage (the largest weight times
-    ``std``), the floor of :func:`postprocess` after a shrinkage toward public statistics."""
-    z = SPREAD_Z if z is None else float(z)
-    left = {}
-    for name, st in _distinct(stats):
-        if name not in std:
-            raise ValueError(f"no noise scale for {name}: expected one per block")
-        p = None
-        if prior is not None:
-            if name not in prior:
-                raise ValueError(f"no prior for {name}: expected one per block")
-            p = prior[name].double()
-            want = (st.in_features,) * (2 if hessian else 1)
-            if tuple(p.shape) != want:
-                raise ValueError(f"prior of {name}: shape {tuple(p.shape)}, expected {want}")
-        if not hessian:
-            values = st.sq_sum.double()
-            if p is None:
-                st.sq_sum, weight = _js(values, std[name])
-            else:
-                target = _level(values, p, st.tokens) * p
-                weight = _js_weight(values - target, std[name], z=z)
-                st.sq_sum = target + weight * (values - target)
-            left[name] = weight * float(std[name])
-            continue
-        h = st.hessian_sum.double()
-        n = h.shape[0]
-        rows, cols = torch.triu_indices(n, n, offset=1)
-        diag, off = torch.diagonal(h).clone(), h[rows, cols].clone()
-        if p is None:
-            diag, w_diag = _js(diag, std[name])
-            off, w_off = _js(off, std[name]) if n > 1 else (off, 0.0)
-        else:
-            urows, ucols = torch.triu_indices(n, n)
-            level = _level(h[urows, ucols], p[urows, ucols], st.tokens)
-            t_diag, t_off = level * torch.diagonal(p), level * p[rows, cols]
-            w_diag = _js_weight(diag - t_diag, std[name], z=z) if n > 1 else 1.0
-            w_off = _js_weight(off - t_off, std[name], z=z) if n > 2 else 1.0
-            diag = t_diag + w_diag * (diag - t_diag)
-            off = t_off + w_off * (off - t_off)
-        out = torch.diag(diag)
-        out[rows, cols] = off
-        out[cols, rows] = off
-        st.hessian_sum = out.to(st.hessian_sum.dtype)
-        st.sq_sum = torch.diagonal(out).clone() / 2
-        left[name] = max(w_diag, w_off) * float(std[name])
-    return left
-
-
-def postprocess(stats: Mapping[str, Any], std: Mapping[str, float], hessian: bool) -> None:
-    """After the noise (post-processing, free): Wanda's square sums floored at 0; SparseGPT's
-    Hessian sum made positive definite (:func:`make_positive_definite`) and its square sums
-    set to ``diag / 2``. In place, once per distinct statistics object; ``std``: each block's
-    noise std (its owner's name): the total, or what :func:`shrink` left of it."""
-    for name, st in _distinct(stats):
-        if hessian:
-            st.hessian_sum = make_positive_definite(st.hessian_sum, std[name])
-            st.sq_sum = torch.diagonal(st.hessian_sum).double().clone() / 2
-        else:
-            st.sq_sum = torch.clamp(st.sq_sum, min=0.0)

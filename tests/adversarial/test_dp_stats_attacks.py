@@ -109,11 +109,11 @@ def _files(tmp_path):
 def _watch_reads(monkeypatch):
     """Every path the site hashes or loads as text."""
     from fedcompress.data import corpora
-    from fedcompress.privacy import dp_stats as dps
+    from fedcompress.privacy import dp_calibration as dpc  # file_digest's home
 
     seen: list[str] = []
-    digest, load = dps.file_digest, corpora.load_corpus
-    monkeypatch.setattr(dps, "file_digest", lambda p: seen.append(str(p)) or digest(p))
+    digest, load = dpc.file_digest, corpora.load_corpus
+    monkeypatch.setattr(dpc, "file_digest", lambda p: seen.append(str(p)) or digest(p))
     monkeypatch.setattr(corpora, "load_corpus", lambda n, *a: seen.append(str(n)) or load(n, *a))
     return seen
 
