@@ -348,53 +348,143 @@ def select_rows(counts, key, use_key, k, n_values, mask):
     return k * rows
 
 
-_KEY_SHIFT = 20  # a tied key's bucket: its float32 bits >> 20 (8 buckets per binade)
-_KEY_BUCKETS = 256  # buckets per column: 32 binades below the column's largest |key|
+_COL_SHIFT = 18  # a tied key's bucket: its float32 bits >> 18 (32 buckets per binade)
+_UNTIED = 255  # the bucket of an entry not tied at a partial threshold; tied ones are 0..254
+_SAMPLE_ROWS = 64  # about this many rows' keys set the range of a column's buckets
+_BLOCK_ROWS = 248  # rows counted into one-byte partial counts (8 at a time, at most 255)
 
 
 @numba.njit(**_JIT)
-def _key_buckets(counts, kb, tie, lo, bkt, khist):
-    """Every weight's key bucket into ``bkt`` (uint8: ``(|key| bits >> _KEY_SHIFT) - lo[c]``,
-    clamped to ``0.._KEY_BUCKETS-1``, a monotone map of ``|key|``), and the histogram
-    ``khist[bucket, c]`` of the entries tied at their column's threshold (``count == tie[c]``).
-    Row by row: the buckets without a branch (vectorised) into a row of flat indices, then one
-    increment per weight (0 for an untied one: a branch per weight would mispredict)."""
+def _count_below(values, cand, out, acc):
+    """``out[c] = #(values[:, c] < cand[c])`` for every column of ``values`` ``[rows, cols]``
+    (C-contiguous): one row-major pass, 8 rows at a time into one-byte partial counts ``acc``
+    (``[cols]`` uint8, flushed every ``_BLOCK_ROWS`` rows), which the compiler vectorises, 64
+    one-byte values to an instruction. No branch, no scatter: cheaper than a histogram."""
+    rows, cols = values.shape
+    for c in range(cols):
+        out[c] = 0
+    r = 0
+    while r < rows:
+        stop = min(r + _BLOCK_ROWS, rows)
+        for c in range(cols):
+            acc[c] = 0
+        while r + 8 <= stop:
+            v0, v1, v2, v3 = values[r], values[r + 1], values[r + 2], values[r + 3]
+            v4, v5, v6, v7 = values[r + 4], values[r + 5], values[r + 6], values[r + 7]
+            for c in range(cols):
+                x = cand[c]
+                acc[c] += (np.uint8(v0[c] < x) + np.uint8(v1[c] < x) + np.uint8(v2[c] < x)
+                           + np.uint8(v3[c] < x) + np.uint8(v4[c] < x) + np.uint8(v5[c] < x)
+                           + np.uint8(v6[c] < x) + np.uint8(v7[c] < x))
+            r += 8
+        while r < stop:
+            v0 = values[r]
+            for c in range(cols):
+                acc[c] += np.uint8(v0[c] < cand[c])
+            r += 1
+        for c in range(cols):
+            out[c] += acc[c]
+
+
+@numba.njit(**_JIT)
+def _column_thresholds(counts, k, n_values, acc, below):
+    """Every column's threshold count ``t`` (the largest with ``#(count >= t) >= k``, ``k >=
+    1``), how many of its entries tied at ``t`` it selects (``need``) and whether that is all of
+    them (``full``): a bitwise search of ``t`` from the top bit of ``n_values - 1`` down, one
+    :func:`_count_below` pass per bit, then one for ``#(count > t)``."""
     rows, cols = counts.shape
-    flat = khist.reshape(-1)
-    idx = np.empty(cols, dtype=np.int64)
-    inc = np.empty(cols, dtype=khist.dtype)
-    top = np.int32(_KEY_BUCKETS - 1)
+    dt = counts.dtype.type
+    t = np.zeros(cols, dtype=counts.dtype)
+    at_least = np.full(cols, rows, dtype=np.int64)  # #(count >= t)
+    cand = np.empty(cols, dtype=counts.dtype)
+    nbits = 0
+    while (1 << nbits) < n_values:
+        nbits += 1
+    for bit in range(nbits - 1, -1, -1):
+        for c in range(cols):
+            cand[c] = t[c] | dt(1 << bit)  # at most 2 ** nbits - 1: fits the counts' dtype
+        _count_below(counts, cand, below, acc)
+        for c in range(cols):
+            if rows - below[c] >= k and cand[c] < n_values:
+                t[c] = cand[c]
+                at_least[c] = rows - below[c]
+    top = dt(n_values - 1)
+    for c in range(cols):
+        cand[c] = t[c] + dt(1) if t[c] < top else t[c]
+    _count_below(counts, cand, below, acc)
+    need = np.empty(cols, dtype=np.int64)
+    full = np.empty(cols, dtype=np.bool_)
+    for c in range(cols):
+        above = rows - below[c] if t[c] < top else 0
+        need[c] = k - above
+        full[c] = need[c] == at_least[c] - above
+    return t, need, full
+
+
+@numba.njit(**_JIT)
+def _column_buckets(counts, kb, t, part, buckets):
+    """Each entry's bucket into ``buckets`` (uint8, the counts' shape): ``_UNTIED`` unless it
+    is tied at its column's partial threshold (``part``), else 0..254 by its ``|key|`` bits
+    (``kb``: the keys as int32) >> ``_COL_SHIFT``, less the column's ``lo``, clamped (a
+    monotone map, exact ties kept: an order on buckets that the keys refine). ``lo`` puts the
+    column's largest finite tied key of about ``_SAMPLE_ROWS`` rows (any key when none ties
+    there) at the top bucket: 8 binades of 32 buckets below it; the keys of the other rows only
+    clamp. False when a tied key is NaN or infinite."""
+    rows, cols = counts.shape
+    finite = np.int32(_NON_FINITE)
+    top = np.zeros(cols, dtype=np.int32)
+    top_any = np.zeros(cols, dtype=np.int32)
+    for r in range(0, rows, max(rows // _SAMPLE_ROWS, 1)):
+        crow = counts[r]
+        krow = kb[r]
+        for c in range(cols):
+            b = krow[c] & np.int32(0x7FFFFFFF)
+            b = b if b < finite else np.int32(0)
+            top_any[c] = max(top_any[c], b)
+            top[c] = max(top[c], b if crow[c] == t[c] else np.int32(0))
+    lo = np.empty(cols, dtype=np.int32)
+    for c in range(cols):
+        hi = top[c] if top[c] > 0 else top_any[c]
+        lo[c] = max((hi >> np.int32(_COL_SHIFT)) - np.int32(_UNTIED - 1), np.int32(0))
+    bad = np.zeros(cols, dtype=np.bool_)
     for r in range(rows):
         crow = counts[r]
         krow = kb[r]
-        brow = bkt[r]
-        for c in range(cols):
+        brow = buckets[r]
+        for c in range(cols):  # vectorised
+            tied = (crow[c] == t[c]) & part[c]
             b = krow[c] & np.int32(0x7FFFFFFF)
-            bk = min(max((b >> np.int32(_KEY_SHIFT)) - lo[c], np.int32(0)), top)
-            brow[c] = bk
-            idx[c] = bk * cols + c
-            inc[c] = crow[c] == tie[c]
-        for c in range(cols):
-            flat[idx[c]] += inc[c]
+            bad[c] |= tied & (b >= finite)
+            q = min(max((b >> np.int32(_COL_SHIFT)) - lo[c], np.int32(0)), np.int32(_UNTIED - 1))
+            brow[c] = np.uint8(q) if tied else np.uint8(_UNTIED)
+    return not bad.any()
 
 
 @numba.njit(**_JIT)
-def _cut_buckets(khist, tie, need, cut, start):
-    """Per column with a tie: the bucket ``cut[c]`` of ``khist`` ``[buckets, cols]`` holding its
-    ``need[c]``-th smallest tied key; ``need[c]`` becomes the number the column takes of that
-    bucket's entries, ``start`` the per-column segments (prefix sums) of those entries."""
-    for c in range(tie.shape[0]):
-        start[c + 1] = start[c]
-        if tie[c] >= 0:
-            below = 0
-            for b in range(khist.shape[0]):
-                h = np.int64(khist[b, c])
-                if below + h >= need[c]:
-                    cut[c] = b
-                    need[c] -= below
-                    start[c + 1] += h
-                    break
-                below += h
+def _cut_buckets(buckets, need, acc, below):
+    """Per column, the bucket ``cut`` holding its ``need``-th smallest tied key (the largest
+    with ``#(bucket < cut) < need``; ``need >= 1`` where a column ties, untied entries are in
+    ``_UNTIED``, above every cut), ``lower = #(bucket < cut)`` and ``at = #(bucket == cut)``:
+    a bitwise search, one :func:`_count_below` pass per bit, then one for ``at``."""
+    cols = buckets.shape[1]
+    cut = np.zeros(cols, dtype=np.uint8)
+    lower = np.zeros(cols, dtype=np.int64)
+    cand = np.empty(cols, dtype=np.uint8)
+    for bit in range(7, -1, -1):
+        for c in range(cols):
+            cand[c] = cut[c] | np.uint8(1 << bit)
+        _count_below(buckets, cand, below, acc)
+        for c in range(cols):
+            if cand[c] < _UNTIED and below[c] < need[c]:
+                cut[c] = cand[c]
+                lower[c] = below[c]
+    for c in range(cols):
+        cand[c] = cut[c] + np.uint8(1)  # at most _UNTIED
+    _count_below(buckets, cand, below, acc)
+    at = np.empty(cols, dtype=np.int64)
+    for c in range(cols):
+        at[c] = below[c] - lower[c]
+    return cut, lower, at
 
 
 @numba.njit(**_JIT)
@@ -405,19 +495,20 @@ def select_columns(counts, key, use_key, k, n_values, mask):
     weights, or -1 when a tied key is NaN or infinite.
 
     A column group ties on about half its entries (its threshold count is often 0 or the site
-    count), so the tie-break is most of the work; it runs on row-major passes, none of them
-    gathering the tied entries:
+    count), so the tie-break is most of the work. Every step is a row-major pass over the
+    whole layer, vectorised across the columns, without a histogram (a scatter of one
+    increment per weight) and without a branch per weight:
 
-    1. every column's count histogram (``[n_values, cols]``, in cache) and largest ``|key|``,
-       which give its threshold count (``count >= thr``: selected outright), the count tied at
-       the threshold and how many of the tied entries it takes (``need``);
-    2. each tied entry's key bucket (:func:`_key_buckets`: 8 per binade, the column's 32
-       binades below its largest key) and every column's histogram of its tied entries'
-       buckets, which gives the bucket holding the ``need``-th smallest tied key: tied entries
-       in a lower bucket are selected, in a higher one not;
-    3. the mask, row by row, and the few tied entries in the cut bucket (about 1% of a column)
-       gathered into per-column segments, where a radix select (:func:`_take_tied`) marks the
-       first ones by (``|key|``, row).
+    1. the threshold counts (:func:`_column_thresholds`): a bitwise search, a counting pass per
+       bit of the largest count (5 for 16 sites) over the one-byte counts, which stay in cache;
+    2. each tied entry's key bucket (:func:`_column_buckets`: the one pass over the keys);
+    3. the bucket holding each column's cut (:func:`_cut_buckets`: 9 counting passes over the
+       one-byte buckets): tied entries in a lower bucket are selected, in a higher one not;
+    4. the mask, row by row, and the few tied entries in the cut bucket (about 1% of a
+       column) gathered into per-column segments, where :func:`_take_tied` marks the first ones
+       by (``|key|``, row).
+
+    Without a key (index order), step 1 then the mask: a column's first ``need`` tied rows.
     """
     rows, cols = counts.shape
     if k < 0 or k > rows:
@@ -425,70 +516,33 @@ def select_columns(counts, key, use_key, k, n_values, mask):
     if k == 0:
         mask[:, :] = 0
         return 0
-    hist = np.zeros((n_values, cols), dtype=np.int32)
-    kb = key.view(np.int32)
-    top = np.zeros(cols, dtype=np.int32)  # the column's largest |key| bits
-    for r in range(rows):
-        crow = counts[r]
-        for c in range(cols):
-            hist[crow[c], c] += 1
-        if use_key:
-            krow = kb[r]
-            for c in range(cols):
-                top[c] = max(top[c], krow[c] & np.int32(0x7FFFFFFF))
-    thr = np.empty(cols, dtype=np.int32)  # count >= thr[c]: selected outright
-    tie = np.full(cols, -1, dtype=np.int32)  # the count tied at the threshold (-1: none)
-    need = np.zeros(cols, dtype=np.int64)
-    for c in range(cols):
-        ge = 0
-        for v in range(n_values - 1, -1, -1):
-            h = hist[v, c]
-            ge += h
-            if ge >= k:
-                nd = k - (ge - h)
-                if nd == h:
-                    thr[c] = v
-                else:
-                    thr[c] = v + 1
-                    tie[c] = v
-                    need[c] = nd
-                break
-    if not use_key:  # index order: a column's first ``need`` tied rows, as they come
+    acc = np.empty(cols, dtype=np.uint8)
+    below = np.empty(cols, dtype=np.int64)
+    t, need, full = _column_thresholds(counts, k, n_values, acc, below)
+    part = ~full
+    if not use_key or not part.any():  # index order: a column's first ``need`` tied rows
         taken = np.zeros(cols, dtype=np.int64)
         for r in range(rows):
-            for c in range(cols):
-                x = counts[r, c]
-                sel = x >= thr[c]
-                if x == tie[c] and taken[c] < need[c]:
-                    sel = True
-                    taken[c] += 1
-                mask[r, c] = sel
+            crow = counts[r]
+            mrow = mask[r]
+            for c in range(cols):  # vectorised
+                x = crow[c]
+                tied = x == t[c]
+                mrow[c] = (x > t[c]) | (tied & (full[c] | (taken[c] < need[c])))
+                taken[c] += tied
         return k * cols
-    finite = np.int32(_NON_FINITE)
-    for c in range(cols):
-        if top[c] >= finite:  # a NaN or infinite key in the column (rare): an error when tied,
-            top[c] = 0  # else the column's largest finite key sets its buckets
-            for r in range(rows):
-                b = kb[r, c] & np.int32(0x7FFFFFFF)
-                if b >= finite:
-                    if counts[r, c] == tie[c]:
-                        return -1
-                else:
-                    top[c] = max(top[c], b)
-    lo = np.empty(cols, dtype=np.int32)
-    for c in range(cols):
-        lo[c] = max((top[c] >> np.int32(_KEY_SHIFT)) - np.int32(_KEY_BUCKETS - 1), np.int32(0))
-    bkt = np.empty((rows, cols), dtype=np.uint8)
-    cut = np.full(cols, -1, dtype=np.int32)  # the bucket holding the need-th smallest tied key
+    buckets = np.empty((rows, cols), dtype=np.uint8)
+    if not _column_buckets(counts, key.view(np.int32), t, part, buckets):
+        return -1
+    cut, lower, at = _cut_buckets(buckets, need, acc, below)
     start = np.zeros(cols + 1, dtype=np.int64)  # segments of the cut buckets' entries
-    if rows < 65536:  # a bucket's count fits 16 bits: half the histogram's cache
-        khist16 = np.zeros((_KEY_BUCKETS, cols), dtype=np.uint16)
-        _key_buckets(counts, kb, tie, lo, bkt, khist16)
-        _cut_buckets(khist16, tie, need, cut, start)
-    else:
-        khist = np.zeros((_KEY_BUCKETS, cols), dtype=np.int64)
-        _key_buckets(counts, kb, tie, lo, bkt, khist)
-        _cut_buckets(khist, tie, need, cut, start)
+    for c in range(cols):
+        if part[c]:
+            need[c] -= lower[c]  # of the cut bucket's entries
+            start[c + 1] = start[c] + at[c]
+        else:
+            start[c + 1] = start[c]
+            cut[c] = 0  # no entry below, none flagged (its entries are all _UNTIED)
     pos = start[:-1].copy()
     seg_keys = np.empty(start[cols], dtype=np.float32)
     seg_rows = np.empty(start[cols], dtype=np.int64)
@@ -497,17 +551,16 @@ def select_columns(counts, key, use_key, k, n_values, mask):
     flag_words = flag.view(np.uint64)
     for r in range(rows):
         crow = counts[r]
-        brow = bkt[r]
+        brow = buckets[r]
         mrow = mask[r]
         for c in range(cols):  # vectorised
             x = crow[c]
-            bk = np.int32(brow[c])
-            t = x == tie[c]
-            mrow[c] = (x >= thr[c]) | (t & (bk < cut[c]))
-            flag[c] = t & (bk == cut[c])
-        for q in range(nwords):  # a branch per word; one per entry only where a word has one
-            if flag_words[q]:
-                for c in range(q * 8, q * 8 + 8):
+            q = brow[c]
+            mrow[c] = (x > t[c]) | ((x == t[c]) & full[c]) | (q < cut[c])
+            flag[c] = (q == cut[c]) & part[c]
+        for w in range(nwords):  # a branch per word; one per entry only where a word has one
+            if flag_words[w]:
+                for c in range(w * 8, w * 8 + 8):
                     if flag[c]:
                         p = pos[c]
                         seg_keys[p] = abs(key[r, c])
@@ -515,9 +568,9 @@ def select_columns(counts, key, use_key, k, n_values, mask):
                         pos[c] = p + 1
     flat = mask.reshape(-1)
     for c in range(cols):
-        if tie[c] >= 0 and not _take_tied(seg_keys[start[c]:start[c + 1]],
-                                          seg_rows[start[c]:start[c + 1]], need[c], True,
-                                          flat, cols, c):
+        if part[c] and not _take_tied(seg_keys[start[c]:start[c + 1]],
+                                      seg_rows[start[c]:start[c + 1]], need[c], True,
+                                      flat, cols, c):
             return -1
     return k * cols
 

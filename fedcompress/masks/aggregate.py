@@ -194,9 +194,9 @@ def _top_counts_rows(counts: np.ndarray, key: np.ndarray | None, k: int,
     index ascending), computed without sorting (a threshold count per row from a histogram,
     then a radix select of only the tied keys: :func:`fedcompress.masks._kernels.select_rows`).
     ``by_column``: the same for every *column*, on the row-major counts without a transposed
-    copy (:func:`fedcompress.masks._kernels.select_columns`: row-major passes for the
-    per-column count histograms, then the tied keys' bucket histograms, then the mask; only the
-    tied entries in each column's cut bucket are gathered).
+    copy (:func:`fedcompress.masks._kernels.select_columns`: vectorised row-major counting
+    passes find each column's threshold count and the bucket of its tied keys' cut, then the
+    mask; only the tied entries in each column's cut bucket are gathered).
     """
     rows, n = counts.shape[::-1] if by_column else counts.shape
     if not 0 <= k <= n:
