@@ -256,6 +256,54 @@ def test_radix_select_of_tied_keys_equals_sorting():
             assert _kernels._kth_smallest_radix(bits, kth) == ordered[kth], (len(bits), kth)
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16])
+def test_counting_pass_equals_numpy(dtype):
+    """``_count_below`` (the column select's counting pass: 8 rows at a time into one-byte
+    partial counts, flushed every 248 rows) equals numpy's count on every row count around its
+    blocks (a partial 8-row step, a partial block, one-byte sums that would wrap) and odd
+    column counts, with candidates from below every value to above every value."""
+    from fedcompress.masks import _kernels
+
+    rng = np.random.default_rng(21)
+    for rows in (1, 7, 8, 9, 247, 248, 249, 255, 256, 257, 500, 1001):
+        for cols in (1, 3, 64, 65, 130):
+            values = rng.integers(0, 17, (rows, cols)).astype(dtype)
+            values[:, 0] = 0  # a column all below any positive candidate: sums past 255
+            cand = rng.integers(0, 18, cols).astype(dtype)
+            cand[0] = 16
+            out = np.empty(cols, dtype=np.int64)
+            _kernels._count_below(values, cand, out, np.empty(cols, dtype=np.uint8))
+            assert np.array_equal(out, (values < cand).sum(0)), (rows, cols)
+
+
+def test_column_group_whatever_its_sampled_rows_hold():
+    """The column select sets each column's range of key buckets from the tied keys of about
+    64 sampled rows (every 10th of these 640); that range changes the work, never the mask:
+    columns whose sampled rows hold no tied entry, a tied key far above the sampled ones (the
+    cut in the top bucket), tied keys far below them (the cut in the bottom bucket), all keys
+    equal, all keys zero; equal to the sorting reference for every k."""
+    from fedcompress.masks.aggregate import _top_counts_rows
+
+    rng = np.random.default_rng(22)
+    rows, cols = 640, 6
+    counts = np.where(rng.random((rows, cols)) < 0.5, 16, 0).astype(np.uint8)
+    key = np.abs(rng.standard_normal((rows, cols))).astype(np.float32)
+    sampled = np.arange(rows) % 10 == 0
+    counts[sampled, 0] = 16  # column 0: no sampled entry ties at 0
+    counts[~sampled, 0] = 0
+    key[~sampled & (counts[:, 1] == 0), 1] *= 1e6  # column 1: the unsampled ties far above
+    key[~sampled & (counts[:, 2] == 0), 2] *= 1e-30  # column 2: far below (and subnormal)
+    key[:, 3] = 0.5
+    key[:, 4] = 0.0
+    counts[:, 5] = 7  # column 5: every entry tied, keys as drawn
+    for k in sorted({1, 2, 63, 64, 65, 100, 319, 320, 321, 500, 575, 576, 577, 639, 640}):
+        got = _top_counts_rows(counts, key, k, by_column=True)
+        want = ref_top(counts.T.astype(np.int64), key.T, k).T
+        assert np.array_equal(got, want), k
+        assert np.array_equal(_top_counts_rows(counts, None, k, by_column=True),
+                              ref_top(counts.T.astype(np.int64), np.zeros_like(key.T), k).T), k
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 128, 255, 256])
 def test_counts_equal_reference(m):
     """Every number of count planes (1 to 8 in bytes, 9 wide), inputs of one word, of part of a

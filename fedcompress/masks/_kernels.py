@@ -352,6 +352,8 @@ _COL_SHIFT = 18  # a tied key's bucket: its float32 bits >> 18 (32 buckets per b
 _UNTIED = 255  # the bucket of an entry not tied at a partial threshold; tied ones are 0..254
 _SAMPLE_ROWS = 64  # about this many rows' keys set the range of a column's buckets
 _BLOCK_ROWS = 248  # rows counted into one-byte partial counts (8 at a time, at most 255)
+# times 2 ** (8 j), its top byte is j: the byte index of a word's lowest set flag byte
+_BYTE_INDEX = np.uint64(0x0001020304050607)
 
 
 @numba.njit(**_JIT)
@@ -488,6 +490,22 @@ def _cut_buckets(buckets, need, acc, below):
 
 
 @numba.njit(**_JIT)
+def _mask_first_tied(counts, t, full, need, taken, mask):
+    """The mask of every column that selects its counts above ``t`` and, of those equal to
+    ``t``, all (``full``) or the first ``need`` in row order (``taken``: zeros, ``need``'s
+    dtype), in one row-major pass, vectorised across the columns."""
+    rows, cols = counts.shape
+    for r in range(rows):
+        crow = counts[r]
+        mrow = mask[r]
+        for c in range(cols):
+            x = crow[c]
+            tied = x == t[c]
+            mrow[c] = (x > t[c]) | (tied & (full[c] | (taken[c] < need[c])))
+            taken[c] += tied
+
+
+@numba.njit(**_JIT)
 def select_columns(counts, key, use_key, k, n_values, mask):
     """:func:`select_rows` for every *column* of the row-major ``counts`` ``[rows, cols]``
     (``k`` per column), without a transposed copy. Equal to a stable sort of each column by
@@ -521,15 +539,11 @@ def select_columns(counts, key, use_key, k, n_values, mask):
     t, need, full = _column_thresholds(counts, k, n_values, acc, below)
     part = ~full
     if not use_key or not part.any():  # index order: a column's first ``need`` tied rows
-        taken = np.zeros(cols, dtype=np.int64)
-        for r in range(rows):
-            crow = counts[r]
-            mrow = mask[r]
-            for c in range(cols):  # vectorised
-                x = crow[c]
-                tied = x == t[c]
-                mrow[c] = (x > t[c]) | (tied & (full[c] | (taken[c] < need[c])))
-                taken[c] += tied
+        if rows < 2 ** 31:  # int32 counters, 16 to a vector (int64: 8)
+            _mask_first_tied(counts, t, full, need.astype(np.int32),
+                             np.zeros(cols, dtype=np.int32), mask)
+        else:
+            _mask_first_tied(counts, t, full, need, np.zeros(cols, dtype=np.int64), mask)
         return k * cols
     buckets = np.empty((rows, cols), dtype=np.uint8)
     if not _column_buckets(counts, key.view(np.int32), t, part, buckets):
@@ -558,14 +572,16 @@ def select_columns(counts, key, use_key, k, n_values, mask):
             q = brow[c]
             mrow[c] = (x > t[c]) | ((x == t[c]) & full[c]) | (q < cut[c])
             flag[c] = (q == cut[c]) & part[c]
-        for w in range(nwords):  # a branch per word; one per entry only where a word has one
-            if flag_words[w]:
-                for c in range(w * 8, w * 8 + 8):
-                    if flag[c]:
-                        p = pos[c]
-                        seg_keys[p] = abs(key[r, c])
-                        seg_rows[p] = r
-                        pos[c] = p + 1
+        for w in range(nwords):  # a branch per word, then one per flagged entry: the flags
+            x = flag_words[w]  # are bytes 0 or 1, so the lowest set bit of x is 8 * its byte
+            while x:
+                low = x & (~x + np.uint64(1))
+                c = w * 8 + np.int64((low * _BYTE_INDEX) >> np.uint64(56))
+                p = pos[c]
+                seg_keys[p] = abs(key[r, c])
+                seg_rows[p] = r
+                pos[c] = p + 1
+                x ^= low
     flat = mask.reshape(-1)
     for c in range(cols):
         if part[c] and not _take_tied(seg_keys[start[c]:start[c + 1]],
