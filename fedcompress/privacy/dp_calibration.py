@@ -55,23 +55,11 @@ def layer_blocks(layer: nn.Module, inputs: Any) -> dict[str, str]:
     """``{linear name: owner}``: the owner (first in sorted order) of the distinct input tensor
     each linear layer of ``layer`` reads (what one batch of ``inputs`` shows)."""
     from fedcompress.models import ModelAdapter
-    from fedcompress.pruning.walker import _call_layer, input_owners
+    from fedcompress.pruning.walker import _call_layer, observed_input_owners
 
-    linears = ModelAdapter.linear_layers(layer)
-    seen: dict[str, torch.Tensor] = {}
-    handles = [m.register_forward_pre_hook(
-        lambda _m, args, name=name: seen.setdefault(name, args[0]))
-        for name, m in linears.items()]
-    try:
-        with torch.no_grad():
-            _call_layer(layer, inputs.hidden[:1], inputs.layer_kwargs[inputs.layer])
-    finally:
-        for handle in handles:
-            handle.remove()
-    missing = sorted(set(linears) - set(seen))
-    if missing:
-        raise RuntimeError(f"linear layers {missing} saw no input")
-    return input_owners(seen)
+    return observed_input_owners(
+        ModelAdapter.linear_layers(layer),
+        lambda: _call_layer(layer, inputs.hidden[:1], inputs.layer_kwargs[inputs.layer]))
 
 
 @torch.no_grad()

@@ -218,6 +218,27 @@ def input_sums(x: torch.Tensor, hessian: bool
     return int(x.shape[0]), sq, hess
 
 
+def observed_input_owners(linears: Mapping[str, nn.Module], run: Callable[[], object],
+                          what: str = "") -> dict[str, str]:
+    """:func:`input_owners` of the input tensor each of ``linears`` reads during ``run()``
+    (a forward pass), seen by forward pre-hooks removed afterwards; a linear that reads nothing
+    is an error naming it (``what``: the layer, for the message)."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = [m.register_forward_pre_hook(
+        lambda _m, args, name=name: seen.setdefault(name, args[0]))
+        for name, m in linears.items()]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = sorted(set(linears) - set(seen))
+    if missing:
+        raise RuntimeError(f"{what}linear layers {missing} saw no input")
+    return input_owners(seen)
+
+
 def input_owners(seen: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """``{linear name: owner}`` from the input tensor each linear layer was called with
     (``seen``, e.g. gathered by forward pre-hooks): linears fed the very same tensor object

@@ -46,7 +46,7 @@ from fedcompress.privacy.dp_stats import PublicCalibration
 from fedcompress.privacy.ledger import Ledger
 from fedcompress.privacy.policy import SitePolicy
 from fedcompress.pruning.local import STATS_METHODS, PruneConfig
-from fedcompress.pruning.walker import LayerStats, input_owners
+from fedcompress.pruning.walker import LayerStats, observed_input_owners
 from fedcompress.quant.solver import QuantResult
 
 logger = logging.getLogger(__name__)
@@ -406,25 +406,12 @@ def layer_sharing(model: nn.Module, layer: int) -> dict[str, str]:
     :func:`encode_stats` names it. Found from the architecture, by one forward of four tokens
     with a pre-hook on each linear layer (what the statistics of any data would show)."""
     adapter = ModelAdapter(model)
-    linears = ModelAdapter.linear_layers(adapter.layers[layer])
-    seen: dict[str, torch.Tensor] = {}
-
-    def grab(name: str):
-        def hook(_module, args):
-            seen.setdefault(name, args[0])
-        return hook
-
-    handles = [m.register_forward_pre_hook(grab(n)) for n, m in linears.items()]
-    try:
-        device = next(model.parameters()).device
-        model(torch.zeros(1, 4, dtype=torch.long, device=device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    missing = sorted(set(linears) - set(seen))
-    if missing:
-        raise RuntimeError(f"layer {layer}: linear layers {missing} saw no input")
-    return {name: owner for name, owner in input_owners(seen).items() if owner != name}
+    device = next(model.parameters()).device
+    owners = observed_input_owners(
+        ModelAdapter.linear_layers(adapter.layers[layer]),
+        lambda: model(torch.zeros(1, 4, dtype=torch.long, device=device), use_cache=False),
+        f"layer {layer}: ")
+    return {name: owner for name, owner in owners.items() if owner != name}
 
 
 def stats_layout(in_features: Mapping[str, int], shared: Mapping[str, str], hessian: bool,
