@@ -234,3 +234,39 @@ def test_sites_prune_on_a_skeleton_with_the_same_vote(llama_dir, mode):
     for plain, onloaded in zip(counts[False], counts[True], strict=True):
         assert plain.keys() == onloaded.keys()
         assert all(torch.equal(plain[k], onloaded[k]) for k in plain)
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_server_prunes_a_skeleton_layer_by_layer_as_the_whole_model(llama_dir, scale):
+    """MaskAggregator.prune of an onloaded skeleton (one decoder layer read, pruned, handed on
+    and freed at a time) gives the same pruned weights and fractions as pruning a whole copy."""
+    from fedcompress.masks.codec import mask_key
+    from fedcompress.methods.fedprllm.config import ServerConfig
+    from fedcompress.methods.fedprllm.federated import MaskAggregator, encode_masks
+
+    full = load_model(llama_dir, device="cpu").model
+    skeleton = load_model(llama_dir, device="cpu", onload=True).model
+    config = PruneConfig("wanda", 0.5, "row")
+    payloads = [encode_masks(local_masks(full, _windows(2, seed=s), config, batch_size=2).masks)
+                for s in range(3)]
+    server = ServerConfig("row", scale, "magnitude", 0)
+    whole, onloaded = MaskAggregator(full, 3), MaskAggregator(skeleton, 3)
+    for payload in payloads:
+        whole.add_packed(payload)
+        onloaded.add_packed(payload)
+    expected = whole.prune(full, server, 0.5)  # the whole model, pruned in place
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    got = onloaded.prune(skeleton, server, 0.5, each_layer=lambda i, layer: seen.__setitem__(
+        i, {k: v.clone() for k, v in layer.state_dict().items()}))
+    assert got == expected
+    adapter = ModelAdapter(full)
+    assert sorted(seen) == list(range(len(adapter)))
+    for index, state in seen.items():
+        reference = adapter.layers[index].state_dict()
+        assert state.keys() == reference.keys()
+        assert all(torch.equal(state[k], reference[k]) for k in state), index
+    assert all(p.is_meta for p in ModelAdapter(skeleton).layers.parameters())  # all freed
+    assert mask_key(0, "self_attn.q_proj") in got
+    with pytest.raises(ValueError, match="expected the aggregator's own model"):
+        MaskAggregator(skeleton, 3).prune(load_model(llama_dir, device="cpu", onload=True).model,
+                                          server, 0.5)

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ from fedcompress.masks.robust import (
 )
 from fedcompress.masks.stats import flatten_masks
 from fedcompress.methods.fedprllm.config import PARTITIONS, FedPrLLMConfig, ServerConfig
-from fedcompress.models import ModelAdapter, weight_matrix
+from fedcompress.models import ModelAdapter, onloader_of, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan
 
 logger = logging.getLogger(__name__)
@@ -514,27 +514,72 @@ class MaskAggregator:
 
     @torch.no_grad()
     def prune(self, model: nn.Module, server: ServerConfig, sparsity: float | SparsityPlan,
-              nm: tuple[int, int] | None = None) -> dict[str, float]:
+              nm: tuple[int, int] | None = None,
+              each_layer: Callable[[int, nn.Module], None] | None = None) -> dict[str, float]:
         """Prune ``model`` (a copy of the global model) in place, one linear layer at a time
         per worker (no mask or count of another layer is kept); return each layer's pruned
         fraction. The server's defence first decides which sites count (:meth:`defended`; the
-        decision is kept in ``rejection``)."""
+        decision is kept in ``rejection``).
+
+        ``model`` may be an onloaded skeleton (:func:`~fedcompress.models.onload.onload_model`):
+        then each decoder layer is read, pruned (ties by its own dense weights when ``model``
+        is this aggregator's model, the same global weights), handed to ``each_layer(index,
+        layer)`` (e.g. to save it) and freed, so the server holds one decoder layer, not the
+        model: the same masks and pruned weights as pruning the whole model."""
         agg, self.rejection = self.defended(server)
         if agg is not self:
             return agg.prune(model, server.replace_defence("trim" if server.trims else "none"),
-                             sparsity, nm)
-
+                             sparsity, nm, each_layer)
+        if onloader_of(model) is not None:
+            return self._prune_onloaded(model, server, sparsity, nm, each_layer)
         globals_, targets = self._weights(self.model), self._weights(model)
+        fractions = self._map(lambda k: self._prune_one(k, server, sparsity, nm, globals_[k],
+                                                        targets[k]), list(self.shapes))
+        if each_layer is not None:
+            for index, layer in enumerate(ModelAdapter(model).layers):
+                each_layer(index, layer)
+        return dict(zip(self.shapes, fractions))
 
-        def one(key: str) -> float:
-            counts = self.layer_counts(key)
-            mask = self.global_mask(key, server, sparsity, nm, counts, globals_[key])
-            apply_global_mask(targets[key], mask, counts, self.clients, server.scale)
-            # numpy's count, not torch's bool sum: the latter took 4 of 8 s for 64 clients.
-            return int(np.count_nonzero(mask.numpy())) / mask.numel()
+    def _prune_one(self, key: str, server: ServerConfig, sparsity: float | SparsityPlan,
+                   nm: tuple[int, int] | None, dense: torch.Tensor, target: torch.Tensor
+                   ) -> float:
+        """Linear layer ``key``'s global mask (ties by ``dense``, computed before ``target`` is
+        touched: the two may be one tensor) applied to ``target``; its pruned fraction."""
+        counts = self.layer_counts(key)
+        mask = self.global_mask(key, server, sparsity, nm, counts, dense)
+        apply_global_mask(target, mask, counts, self.clients, server.scale)
+        # numpy's count, not torch's bool sum: the latter took 4 of 8 s for 64 clients.
+        return int(np.count_nonzero(mask.numpy())) / mask.numel()
 
-        keys = list(self.shapes)
-        return dict(zip(keys, self._map(one, keys)))
+    def _prune_onloaded(self, model: nn.Module, server: ServerConfig,
+                        sparsity: float | SparsityPlan, nm: tuple[int, int] | None,
+                        each_layer: Callable[[int, nn.Module], None] | None
+                        ) -> dict[str, float]:
+        """:meth:`prune` of an onloaded skeleton, one decoder layer at a time."""
+        shared = model is self.model
+        if not shared and onloader_of(self.model) is not None:
+            raise ValueError("pruning an onloaded skeleton: expected the aggregator's own model "
+                             "(ties by its dense weights, read with each layer) or a whole "
+                             "global model, not another skeleton")
+        by_layer: dict[int, list[str]] = {}
+        for key in self.shapes:
+            by_layer.setdefault(int(key.split(".", 2)[1]), []).append(key)
+        adapter = ModelAdapter(model)
+        fractions: dict[str, float] = {}
+        for index in range(len(adapter)):
+            keys = by_layer.get(index, [])
+            if not keys and each_layer is None:
+                continue
+            with adapter.onloaded(index) as layer:
+                linears = ModelAdapter.linear_layers(layer)
+                targets = {k: weight_matrix(linears[k.split(".", 2)[2]]) for k in keys}
+                globals_ = targets if shared else {k: self._weight(k) for k in keys}
+                fractions.update(zip(keys, self._map(
+                    lambda k, g=globals_, t=targets: self._prune_one(k, server, sparsity, nm,
+                                                                     g[k], t[k]), keys)))
+                if each_layer is not None:
+                    each_layer(index, layer)
+        return {k: fractions[k] for k in self.shapes}
 
 
 def masks_by_layer(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
