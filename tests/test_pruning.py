@@ -84,6 +84,25 @@ def test_linear_time_selection_is_the_stable_sort_rule(values):
                        _stable_sort_selection(runs, 2, 2).reshape(24, 40))
 
 
+@pytest.mark.parametrize("threads", [2, 3, 64])
+def test_selection_in_blocks_of_groups_on_threads_is_the_same(monkeypatch, threads):
+    """Large score matrices are selected in blocks of groups on torch's threads: the same
+    masks as one block (more threads than groups included), with ties, N:M and every group."""
+    from fedcompress.pruning import select
+
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randint(0, 6, (24, 40), generator=g).float()
+    serial = [select._lowest_k_along(scores, k, d) for d in (0, 1) for k in (1, 9, 20)]
+    serial += [select.select_prune_mask(scores, 0.0, nm=(2, 4)),
+               select.select_prune_mask(scores, 0.4, "layer")]
+    monkeypatch.setattr(select, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(select.torch, "get_num_threads", lambda: threads)
+    blocks = [select._lowest_k_along(scores, k, d) for d in (0, 1) for k in (1, 9, 20)]
+    blocks += [select.select_prune_mask(scores, 0.0, nm=(2, 4)),
+               select.select_prune_mask(scores, 0.4, "layer")]
+    assert all(torch.equal(a, b) for a, b in zip(serial, blocks, strict=True))
+
+
 def test_torch_selection_path_equals_the_numpy_path(monkeypatch):
     """Devices other than the CPU select with torch.kthvalue: the same masks."""
     from fedcompress.pruning import select
@@ -110,6 +129,8 @@ def test_nan_scores_are_refused():
     scores[1, 2] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         select_prune_mask(scores, 0.5, "row")
+    scores[1, 2], scores[2, 3] = float("inf"), -float("inf")  # a NaN sum, no NaN score
+    assert select_prune_mask(scores, 0.5, "row")[2, 3]
 
 
 @pytest.mark.parametrize("nm", ["4:4", "3:2", "0:4", "2-4", "a:b"])

@@ -19,12 +19,19 @@ itself is linear-time (:func:`_lowest_k_along`). This rule is deterministic and 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 
 from fedcompress.models import CALC_DTYPE
 
 GROUPS = ("layer", "row", "column")
+#: A CPU selection of at least this many scores runs in blocks of groups on torch's threads
+#: (numpy's partition and comparisons release the GIL); each group's choice is its own, so
+#: the mask is the same however the groups are split.
+PARALLEL_MIN = 1 << 18
+NAN_SCORES = "scores contain NaN: pruning needs finite or infinite scores"
 
 
 def check_sparsity(sparsity: float) -> float:
@@ -71,10 +78,10 @@ def _lowest_k_along(scores: torch.Tensor, k: int, dim: int) -> torch.Tensor:
     size = scores.shape[dim]
     if k >= size:
         return torch.ones_like(scores, dtype=torch.bool)
-    if torch.isnan(scores).any():
-        raise ValueError("scores contain NaN: pruning needs finite or infinite scores")
-    if scores.device.type == "cpu":
+    if scores.device.type == "cpu":  # refuses NaN itself
         return torch.from_numpy(_lowest_k_numpy(scores.detach().numpy(), k, dim))
+    if torch.isnan(scores).any():
+        raise ValueError(NAN_SCORES)
     kth = torch.kthvalue(scores, k, dim=dim, keepdim=True).values
     below = scores < kth
     equal = scores == kth
@@ -83,17 +90,40 @@ def _lowest_k_along(scores: torch.Tensor, k: int, dim: int) -> torch.Tensor:
 
 
 def _lowest_k_numpy(scores: np.ndarray, k: int, dim: int) -> np.ndarray:
-    """:func:`_lowest_k_along` of a CPU array, groups along the last axis of a contiguous copy."""
-    a = np.moveaxis(scores, dim, -1)
-    a = np.ascontiguousarray(a)
-    kth = np.partition(a, k - 1, axis=-1)[..., k - 1:k]
-    below = a < kth
+    """:func:`_lowest_k_along` of a CPU array, groups along the last axis of a contiguous copy,
+    in blocks of groups on torch's threads when there are at least :data:`PARALLEL_MIN`
+    scores."""
+    a = np.ascontiguousarray(np.moveaxis(scores, dim, -1))
+    groups = a.reshape(-1, a.shape[-1])
+    out = np.empty(groups.shape, dtype=bool)
+    workers = min(torch.get_num_threads(), len(groups)) if a.size >= PARALLEL_MIN else 1
+    bounds = [len(groups) * i // workers for i in range(workers + 1)]
+    blocks = [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
+    if workers > 1:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(lambda b: _lowest_k_groups(groups[b], k, out[b]), blocks))
+    else:
+        _lowest_k_groups(groups, k, out)
+    return np.ascontiguousarray(np.moveaxis(out.reshape(a.shape), -1, dim))
+
+
+def _lowest_k_groups(a: np.ndarray, k: int, out: np.ndarray) -> None:
+    """The k lowest entries of each row of ``a`` (lower index first on ties) into ``out``.
+    The partition also puts each row's largest entry last, where numpy orders a NaN: the
+    check for NaN reads one entry per row, not a second pass over the scores."""
+    last = a.shape[-1] - 1
+    part = np.partition(a, (k - 1, last) if k - 1 < last else k - 1, axis=-1)
+    if part.dtype.kind == "f" and np.isnan(part[..., last]).any():
+        raise ValueError(NAN_SCORES)
+    kth = part[..., k - 1:k]
+    del part
+    np.less(a, kth, out=out)
     equal = a == kth
     ties = np.count_nonzero(equal, axis=-1) > 1
     if ties.any():  # take the first (k - below) of the entries equal to kth, in index order
-        need = k - np.count_nonzero(below, axis=-1)[..., None]
+        need = k - np.count_nonzero(out, axis=-1)[..., None]
         equal &= np.cumsum(equal, axis=-1, dtype=np.int64) <= need
-    return np.ascontiguousarray(np.moveaxis(below | equal, -1, dim))
+    out |= equal
 
 
 def select_prune_mask(scores: torch.Tensor, sparsity: float, group: str = "row",
