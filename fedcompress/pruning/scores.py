@@ -38,7 +38,9 @@ def wanda_scores(weight: torch.Tensor, sq_norm: torch.Tensor) -> torch.Tensor:
     if sq_norm.shape != (weight.shape[1],):
         raise ValueError(f"input statistics of length {tuple(sq_norm.shape)} do not match a "
                          f"weight with {weight.shape[1]} input features")
-    return weight.detach().to(CALC_DTYPE).abs() * sq_norm.to(CALC_DTYPE).sqrt().unsqueeze(0)
+    # abs() is a new tensor (to() may return the weight itself): scaled in place, one
+    # allocation of the matrix's size, the same products.
+    return weight.detach().to(CALC_DTYPE).abs().mul_(sq_norm.to(CALC_DTYPE).sqrt().unsqueeze(0))
 
 
 def ria_scores(weight: torch.Tensor, sq_norm: torch.Tensor, alpha: float = RIA_ALPHA

@@ -330,7 +330,9 @@ def pruned_parameters(layer: nn.Module, masks: dict[str, torch.Tensor],
         module = linears[name]
         w = weight_matrix(module)
         source = weights[name].to(w.dtype) if weights is not None and name in weights else w
-        pruned = source.detach().masked_fill(mask.to(w.device), 0)
+        # where(), not masked_fill(): the same values (+0.0 where pruned) in one pass, about
+        # twice as fast (masked_fill copies, then fills)
+        pruned = torch.where(mask.to(w.device), 0.0, source.detach())
         # weight_matrix is a transposed view for Conv1D: give the parameter its own layout.
         params[f"{name}.weight"] = pruned if w is module.weight else pruned.T
     return params
