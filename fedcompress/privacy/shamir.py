@@ -12,7 +12,7 @@ its index (4 bytes, little-endian, from 1), the secret's length (1 byte) and its
 Flower's shares (``flwr.common.secure_aggregation.crypto.shamir``, pycryptodome's
 ``Shamir`` over GF(2^128) on 16-byte chunks) are the same construction in another field; this
 one costs a few big-integer products per share instead of hundreds of bitwise GF(2^128)
-multiplications per chunk (rebuilding a seed took 6 ms there, under 0.1 ms here): the sites of
+multiplications per chunk: the sites of
 one vote all run this code, so nothing needs Flower's encoding.
 """
 
