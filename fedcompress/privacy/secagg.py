@@ -65,7 +65,8 @@ no Flower (a test checks that the keys agree with Flower's): ECDH on P-384 then 
 32 bytes (:func:`agree`); Fernet for the channel. **Shares**: Shamir's scheme over the prime
 field GF(2^521 - 1), one field element per secret (:mod:`fedcompress.privacy.shamir`; the mask
 key shared as its 48-byte scalar), NOT Flower's pycryptodome shares over GF(2^128) on 16-byte
-chunks, whose pure-Python field arithmetic made rebuilding the seeds (one per survivor and vote) most of the server's unmasking.
+chunks, whose pure-Python field arithmetic made rebuilding the seeds (one per survivor and
+vote) most of the server's unmasking.
 **PRG**: AES-256 in counter mode keyed by an HKDF-SHA256 expansion of the seed or pairwise key
 with the vote id as info, NOT Flower's ``pseudo_rand_gen``, whose numpy generator is seeded
 with 32 bits folded from the key (2^32 candidate masks: searchable).
