@@ -3,22 +3,13 @@ centralized pruning): reading a setting and what the server prunes. No model is 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-from conftest import build_tiny_model
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import build_tiny_model, load_tool
 
 
 @pytest.fixture(scope="module")
 def sim():
-    spec = importlib.util.spec_from_file_location("sim_oneshot_cost",
-                                                  ROOT / "simulations" / "oneshot_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("oneshot_cost", "simulations")
 
 
 def test_settings_name_model_sites_windows_and_onload(sim):
