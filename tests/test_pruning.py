@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,6 +83,52 @@ def test_linear_time_selection_is_the_stable_sort_rule(values):
     runs = scores.reshape(24, 10, 4)
     assert torch.equal(select.select_prune_mask(scores, 0.0, nm=(2, 4)),
                        _stable_sort_selection(runs, 2, 2).reshape(24, 40))
+
+
+@pytest.mark.parametrize("values", ["wanda", "ties", "zeros", "tiny-range", "inf",
+                                    "negative", "signed-zero"])
+def test_compiled_row_select_is_the_stable_sort_rule(values):
+    """Groups of at least KERNEL_MIN float32 scores go through the compiled radix select
+    (several histogram steps where a bucket stays large): exactly the stable sort's set, at
+    every k; rows with a negative score or -0.0 fall back to the partition, the same set."""
+    from fedcompress.pruning import select
+
+    g = torch.Generator().manual_seed(3)
+    shape = (6, 1000)
+    if values == "wanda":  # |W| * ||X||: half-normal magnitudes spread over many binades
+        scores = torch.randn(shape, generator=g).abs() * torch.rand(shape[1], generator=g) ** 4
+    elif values == "ties":
+        scores = torch.randint(0, 7, shape, generator=g).float()
+    elif values == "zeros":  # a pruned model's scores: a third exactly 0
+        scores = torch.rand(shape, generator=g) * (torch.rand(shape, generator=g) > 0.33)
+    elif values == "tiny-range":  # keys a few units apart: every step's bucket is large
+        scores = 1.0 + torch.randint(0, 300, shape, generator=g).float() * 2.0 ** -23
+    elif values == "inf":
+        scores = torch.rand(shape, generator=g)
+        scores[torch.rand(shape, generator=g) < 0.2] = float("inf")
+    elif values == "negative":
+        scores = torch.randn(shape, generator=g)
+    else:
+        scores = torch.rand(shape, generator=g)
+        scores[2, 5] = -0.0
+    assert shape[1] >= select.KERNEL_MIN
+    for k in (1, 2, 250, 499, 500, 501, 999):
+        expected = _stable_sort_selection(scores, k, 1)
+        assert torch.equal(select._lowest_k_along(scores, k, 1), expected), k
+
+
+def test_radix_select_steps_find_every_kth():
+    """The radix select's steps (down to a one-value bucket or a few keys) give every k-th
+    smallest of keys that need one, two or several steps."""
+    from fedcompress.masks import _kernels
+
+    rng = np.random.default_rng(4)
+    for keys in (rng.integers(0, 2**31, 5000), rng.integers(0, 300, 5000),
+                 1 << 20 | rng.integers(0, 1 << 12, 5000), np.full(100, 7)):
+        bits = keys.astype(np.uint32)
+        ordered = np.sort(bits)
+        for kth in (0, 1, len(bits) // 2, len(bits) - 2, len(bits) - 1):
+            assert _kernels._kth_smallest_radix(bits, kth) == ordered[kth]
 
 
 @pytest.mark.parametrize("threads", [2, 3, 64])
