@@ -120,7 +120,7 @@ def test_compiled_row_select_is_the_stable_sort_rule(values):
 def test_radix_select_steps_find_every_kth():
     """The radix select's steps (down to a one-value bucket or a few keys) give every k-th
     smallest of keys that need one, two or several steps."""
-    from fedcompress.masks import _kernels
+    from fedcompress.pruning import radix
 
     rng = np.random.default_rng(4)
     for keys in (rng.integers(0, 2**31, 5000), rng.integers(0, 300, 5000),
@@ -128,7 +128,7 @@ def test_radix_select_steps_find_every_kth():
         bits = keys.astype(np.uint32)
         ordered = np.sort(bits)
         for kth in (0, 1, len(bits) // 2, len(bits) - 2, len(bits) - 1):
-            assert _kernels._kth_smallest_radix(bits, kth) == ordered[kth]
+            assert radix.kth_smallest_radix(bits, kth) == ordered[kth]
 
 
 @pytest.mark.parametrize("threads", [2, 3, 64])

@@ -33,7 +33,7 @@ GROUPS = ("layer", "row", "column")
 PARALLEL_MIN = 1 << 18
 NAN_SCORES = "scores contain NaN: pruning needs finite or infinite scores"
 #: Groups of float32 scores at least this long are selected by the compiled radix select
-#: (:func:`fedcompress.masks._kernels.lowest_k_rows`), shorter ones (N:M runs) by numpy's
+#: (:func:`fedcompress.pruning.radix.lowest_k_rows`), shorter ones (N:M runs) by numpy's
 #: partition, whose per-group cost is lower there.
 KERNEL_MIN = 64
 
@@ -118,9 +118,9 @@ def _lowest_k_groups(a: np.ndarray, k: int, out: np.ndarray) -> None:
     block by the partition, which also puts each row's largest entry last, where numpy orders
     a NaN: the check for NaN reads one entry per row, not a second pass over the scores."""
     if a.dtype == np.float32 and a.shape[-1] >= KERNEL_MIN and a.flags.c_contiguous:
-        from fedcompress.masks import _kernels  # numba: loaded by the first large selection
+        from fedcompress.pruning import radix  # numba: loaded by the first large selection
 
-        if _kernels.lowest_k_rows(a.view(np.uint32), k, out):
+        if radix.lowest_k_rows(a.view(np.uint32), k, out):
             return
     last = a.shape[-1] - 1
     part = np.partition(a, (k - 1, last) if k - 1 < last else k - 1, axis=-1)
