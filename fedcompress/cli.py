@@ -663,6 +663,55 @@ def _add_method_commands() -> None:
 _add_method_commands()
 
 
+def _compress_command() -> None:
+    """``fedcompress compress --recipe FILE``: FedPrLLM's options less the ones a recipe owns."""
+    from fedcompress.api import COMPRESS_BASELINES
+    from fedcompress.methods import get_method
+    from fedcompress.recipe import DEFAULT_AGGREGATE, RECIPE_KEYS
+
+    method = get_method("fedprllm")
+    defaults = {k: v for k, v in method_defaults(method).items() if k not in RECIPE_KEYS}
+    defaults.update(aggregate=DEFAULT_AGGREGATE, baselines=COMPRESS_BASELINES, recipe=None)
+    params = [p for p in _method_parameters(method)
+              if p.name not in RECIPE_KEYS and not p.name.startswith("alias_")]
+    recipe_opt = typer.Option("--recipe", help="Recipe file (llm-compressor's format, YAML or "
+                              "JSON): the compression steps, in stages.", show_default=False)
+    params.insert(0, inspect.Parameter("recipe", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                       annotation=Annotated[Optional[str], recipe_opt]))
+
+    def command(**options: Any) -> None:
+        from fedcompress.api import stage_runner
+        from fedcompress.recipe import load_recipe, run_recipe
+        from fedcompress.recipe.targets import check_recipe
+
+        _setup_logging(options.pop("log_level"))
+        settings = resolve_settings("compress", options.pop("config"), options, defaults)
+        source = settings.pop("recipe")
+        if not source:
+            raise ConfigError("--recipe: expected a recipe file (or recipe in --config)")
+        cpus, ray_address = float(settings.pop("cpus_per_client")), settings.pop("ray_address")
+        out = settings.pop("out") or default_out("compress")
+        run = run_recipe(load_recipe(source), settings, stage_runner(cpus, ray_address), out,
+                         check_model=check_recipe)
+        _print_summary(run.report, "compress: " + ", ".join(
+            f"{s['stage']}: {'+'.join(s['modifiers'])}" for s in run.report["stages"]),
+            ["stage", "name", "perplexity", "sparsity", "prune s"],
+            [[r["stage"], r["name"], f"{r['perplexity']:.3f}", f"{r['sparsity']:.3f}",
+              f"{r.get('prune_seconds', r.get('federated_seconds', 0)):.1f}"]
+             for r in run.report["results"]], [f"model: {run.model_dir}"])
+
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__doc__ = ("Run a recipe (llm-compressor's format: SparseGPT, Wanda, GPTQ, "
+                       "round-to-nearest; fedcompress's RIA and FedPrLLM vote modifiers) over "
+                       "the simulated federation, stage by stage; federation and privacy are "
+                       "the options beside it (statistics mode by default: exact).")
+    app.command("compress")(command)
+
+
+_compress_command()
+
+
 @app.command("ledger")
 def ledger_command(
     state_dir: Annotated[Path, typer.Option(

@@ -215,9 +215,12 @@ class LayerPruner:
             raise ValueError(f"{label}: {quant.method} with {config.method} needs the inputs' "
                              "Hessian: expected statistics gathered with hessian=True")
         if config.method == NO_PRUNING:
+            # this step prunes nothing (an empty mask); a weight pruned before keeps its zeros
             mask = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
-            result = (gptq_quantize(w, hessian, quant, scale_dtype=sd, name=label) if gptq
-                      else rtn_quantize(w, quant, scale_dtype=sd, name=label))
+            zeros = preserved_zeros(w)
+            result = (gptq_quantize(w, hessian, quant, scale_dtype=sd, mask=zeros, name=label)
+                      if gptq else rtn_quantize(w, quant, scale_dtype=sd, mask=zeros,
+                                                name=label))
         elif config.method == "sparsegpt" and gptq:
             mask, result = sparsegpt_quantize(w, hessian, quant, ratio, config.group, self.nm,
                                               scale_dtype=sd, name=label)
@@ -234,6 +237,22 @@ class LayerPruner:
                       else rtn_quantize(w, quant, scale_dtype=sd, mask=mask, name=label))
         self.quantized[index][name] = result
         return mask, result.weight
+
+
+#: Quantization alone keeps a weight's zeros when at least this share of it is 0 (a model
+#: pruned before, e.g. by a recipe's earlier stage): llm-compressor 0.14's ``SPARSITY_THRESHOLD``.
+PRESERVE_ZEROS_SPARSITY = 0.05
+
+
+def preserved_zeros(w: torch.Tensor) -> torch.Tensor | None:
+    """The fixed mask quantization alone keeps at 0 (True = stays 0): where ``w`` is 0 (within
+    ``torch.isclose``'s 1e-8) when at least :data:`PRESERVE_ZEROS_SPARSITY` of ``w`` is exactly
+    0, else None (a dense weight: the sweep as before), as llm-compressor's GPTQ preserves a
+    pruned model's zeros (no error is pushed into them). A zero's own error is 0, so the sweep
+    is otherwise unchanged."""
+    if int(torch.count_nonzero(w == 0)) < PRESERVE_ZEROS_SPARSITY * w.numel():
+        return None
+    return w.abs() <= 1e-8
 
 
 def layer_prune_fn(config: PruneConfig,

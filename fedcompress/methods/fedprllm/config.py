@@ -31,6 +31,8 @@ MODES = ("oneshot", "iterative")
 AGGREGATES = ("votes", "stats", "fedspallm")
 WIRES = ("packed", "compressed")
 PARTITIONS = ("iid", "dirichlet")
+#: FedPrLLM's partitions: also one text per site (``sources``).
+SITE_PARTITIONS = (*PARTITIONS, "sources")
 DTYPES = ("float32", "bfloat16", "float16")
 #: rtn: with --quant, the same recipe with round-to-nearest in place of GPTQ (no data)
 BASELINES = ("dense", "centralized", "local-only", "rtn")
@@ -161,7 +163,9 @@ class FedPrLLMConfig(Settings):
     clients: int = setting(16, "Number of clients.", ge=1)
     samples_per_client: int = setting(4, "Calibration windows per client.", ge=1)
     seqlen: int = setting(256, "Tokens per calibration window.", ge=2)
-    partition: str = setting("iid", "iid or dirichlet.", choices=PARTITIONS)
+    partition: str = setting("iid", "iid or dirichlet (of one corpus, or label skew over "
+                             "'+'-joined corpora), or sources (one text per site: --calib-text "
+                             "joins --clients texts with '+').", choices=SITE_PARTITIONS)
     alpha: float = setting(1.0, "Dirichlet concentration.", gt=0.0)
     seed: int = setting(0, "Seed of every random choice.", ge=0)
     calib_text: str = setting("wiki", "Calibration corpus: bundled name, hub name or "

@@ -115,6 +115,24 @@ def split_windows(pool: torch.Tensor, clients: int, partition: str = "iid", alph
     return [pool[torch.as_tensor(np.sort(p), dtype=torch.long)] for p in parts]
 
 
+def _source_windows(tokenizer, config: FedPrLLMConfig, names: list[str],
+                    cache: str | Path | None) -> list[torch.Tensor]:
+    """Site ``i``'s windows from the ``i``-th text (the ``sources`` partition)."""
+    from fedcompress.data.calibration import mixed_calibration_windows
+    from fedcompress.data.corpora import load_corpus
+
+    if len(names) != config.clients:
+        raise ValueError(f"partition sources: {len(names)} text(s) for clients="
+                         f"{config.clients}: expected one text per site, joined by '+'")
+    if len(set(names)) != len(names):
+        raise ValueError(f"partition sources: the texts {names} name a text twice")
+    sources = {n: load_corpus(n, config.calib_split) for n in names}
+    pool, labels = mixed_calibration_windows(tokenizer, sources, config.samples_per_client,
+                                             config.seqlen, config.seed, cache)
+    return [pool[torch.tensor([j for j, label in enumerate(labels) if label == n])]
+            for n in names]
+
+
 def federation_windows(tokenizer, config: FedPrLLMConfig, calib_text: str | None = None,
                        cache: str | Path | None = None
                        ) -> tuple[list[torch.Tensor], list[list[str]] | None]:
@@ -122,6 +140,8 @@ def federation_windows(tokenizer, config: FedPrLLMConfig, calib_text: str | None
     ``cache``: a folder of tokenized corpora (a site's: the same windows, without tokenizing its
     data again at every message; :func:`~fedcompress.data.calibration.tokenize_corpus`).
 
+    ``partition = "sources"``: one text per site (``+`` joins ``clients`` texts; site ``i``
+    reads its ``samples_per_client`` windows from the ``i``-th, seeded as every source is).
     One corpus: :func:`client_windows`. Several corpora joined by ``+`` (e.g.
     ``wiki+shakespeare+code``): the pool has an equal share of windows from each (the first
     sources take the remainder), each source sampled with its own seeded generator
@@ -133,6 +153,8 @@ def federation_windows(tokenizer, config: FedPrLLMConfig, calib_text: str | None
     from fedcompress.data.corpora import load_corpus
 
     names = [n for n in (calib_text or config.calib_text).split("+") if n]
+    if config.partition == "sources":
+        return _source_windows(tokenizer, config, names, cache), [[n] for n in names]
     if len(names) <= 1:
         tokens = tokenize_corpus(tokenizer, load_corpus(names[0] if names else "",
                                                         config.calib_split), cache)

@@ -1,0 +1,104 @@
+"""A recipe as FedPrLLM runs: one run per stage, federation and privacy chosen beside it.
+
+The recipe owns what is compressed and how (:data:`RECIPE_KEYS`); the run's other settings
+(sites, windows, the text, the aggregation: ``stats`` by default, exact, or ``votes`` or
+``fedspallm``; SecAgg+, DP) come beside it, from the command line, a TOML config or the Python
+API, and must not name a key the recipe owns. :func:`recipe_of` goes the other way: the
+compression settings of a ``fedcompress prune`` run as the recipe they are a shorthand for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fedcompress.recipe.errors import RecipeError
+from fedcompress.recipe.modifiers import (
+    FedPrLLMVoteModifier,
+    GPTQModifier,
+    QuantizationModifier,
+    RIAPruningModifier,
+    SparseGPTModifier,
+    WandaPruningModifier,
+)
+from fedcompress.recipe.parse import Recipe, Stage
+from fedcompress.recipe.schemes import WeightScheme
+
+#: FedPrLLM settings a recipe owns: given beside it, they are refused.
+RECIPE_KEYS = ("method", "sparsity", "nm", "local_group", "sparsity_profile", "owl_m",
+               "owl_lambda", "layer_sparsity", "quant", "quant_method", "quant_group_size",
+               "quant_symmetric", "quant_block_size", "quant_dampening", "quant_actorder",
+               "group", "scale", "tie_break", "mode")
+#: The aggregation a recipe runs with unless told otherwise: the exact one (the sites' summed
+#: statistics; the server computes what centralized compression on the pooled windows would).
+DEFAULT_AGGREGATE = "stats"
+_PRUNING = {"wanda": WandaPruningModifier, "ria": RIAPruningModifier,
+            "sparsegpt": SparseGPTModifier}
+
+
+def stage_settings(recipe: Recipe, beside: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The flat FedPrLLM settings of each stage's run: ``beside`` (keys with ``-`` or ``_``)
+    and the stage's modifiers. Refuses a key of :data:`RECIPE_KEYS` beside the recipe, a vote
+    modifier without ``aggregate votes`` and a stage after a quantizing one (fedcompress
+    compresses float models)."""
+    beside = {str(k).replace("-", "_"): v for k, v in beside.items()}
+    owned = sorted(k for k in beside if k in RECIPE_KEYS)
+    if owned:
+        raise RecipeError(f"{', '.join('--' + k.replace('_', '-') for k in owned)}: set by the "
+                          "recipe: expected it in the recipe's modifiers, not beside it")
+    beside.setdefault("aggregate", DEFAULT_AGGREGATE)
+    runs = []
+    for i, stage in enumerate(recipe.stages):
+        if i and recipe.stages[i - 1].of_kind("quantization") is not None:
+            raise RecipeError(f"stage {stage.name!r} follows the quantizing stage "
+                              f"{recipe.stages[i - 1].name!r}: fedcompress compresses float "
+                              "models: expected quantization in the last stage")
+        if stage.of_kind("aggregation") is not None and beside["aggregate"] != "votes":
+            raise RecipeError(f"stage {stage.name!r}: FedPrLLMVoteModifier sets FedPrLLM's "
+                              f"vote, and the aggregation is {beside['aggregate']!r}: expected "
+                              "--aggregate votes, or no vote modifier")
+        runs.append({**beside, **stage.settings()})
+    return runs
+
+
+def recipe_of(settings: Mapping[str, Any]) -> Recipe | None:
+    """The one-stage recipe a FedPrLLM run's compression settings (flat, a
+    ``FedPrLLMConfig``'s or a subset with its defaults) are a shorthand for; None when they
+    have none (magnitude or gradient pruning, a per-layer plan, or a comparison group other
+    than the modifier's own)."""
+    s = {str(k).replace("-", "_"): v for k, v in settings.items()}
+    modifiers: list = []
+    method = s.get("method", "wanda")
+    nm = str(s.get("nm", "none"))
+    if method in _PRUNING:
+        cls = _PRUNING[method]
+        if s.get("local_group", "row") != cls.COMPARISON or s.get("layer_sparsity"):
+            return None
+        owl = s.get("sparsity_profile", "uniform") == "owl"
+        structure = "0:0" if nm in ("", "none") else nm
+        modifiers.append(cls(
+            sparsity=float(s.get("sparsity", 0.5)), mask_structure=structure,
+            sparsity_profile="owl" if owl else None,
+            owl_m=float(s.get("owl_m", 5.0)) if owl else None,
+            owl_lmbda=float(s.get("owl_lambda", 0.08)) if owl else None))
+    elif method != "none":
+        return None
+    quant = s.get("quant", "none")
+    if quant != "none":
+        scheme = WeightScheme(int(str(quant)[1]), bool(s.get("quant_symmetric", True)),
+                              int(s.get("quant_group_size", 128)))
+        ignore = ("lm_head",)
+        if s.get("quant_method", "gptq") == "gptq":
+            modifiers.append(GPTQModifier(
+                ignore=ignore, scheme=scheme, block_size=int(s.get("quant_block_size", 128)),
+                dampening_frac=float(s.get("quant_dampening", 0.01)),
+                actorder=str(s.get("quant_actorder", "static"))))
+        else:
+            modifiers.append(QuantizationModifier(ignore=ignore, scheme=scheme))
+    if s.get("aggregate", "votes") == "votes":
+        modifiers.append(FedPrLLMVoteModifier(
+            comparison=str(s.get("group", "layer")), scale=bool(s.get("scale", False)),
+            tie_break=str(s.get("tie_break", "magnitude")), mode=str(s.get("mode", "oneshot"))))
+    if not any(m.KIND != "aggregation" for m in modifiers):
+        return None
+    return Recipe((Stage("default", tuple(modifiers)),))
