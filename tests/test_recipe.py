@@ -52,8 +52,8 @@ def test_the_three_recipes_as_runs():
     (quant,) = stage_settings(load_recipe(GPTQ), {"clients": 4})
     assert quant == {"clients": 4, "aggregate": "stats", "method": "none", "sparsity": 0.0,
                      "quant": "w4a16", "quant_method": "gptq", "quant_group_size": 128,
-                     "quant_symmetric": True, "quant_block_size": 128, "quant_dampening": 0.01,
-                     "quant_actorder": "static"}
+                     "quant_symmetric": True, "quant_preserve_zeros": True,
+                     "quant_block_size": 128, "quant_dampening": 0.01, "quant_actorder": "static"}
     both = stage_settings(load_recipe(BOTH), {"clients": 4})
     assert both == [{"clients": 4, **prune}, quant]
     assert [s.name for s in load_recipe(BOTH).stages] == ["sparsity", "quant"]
@@ -224,7 +224,7 @@ def test_quantization_alone_keeps_a_pruned_weight_at_zero(monkeypatch):
     monkeypatch.setattr(local, "gptq_quantize", lambda *a, **k: seen.append(k["mask"])
                         or real(*a, **k))
     pruner = local.layer_prune_fn(local.PruneConfig(
-        "none", 0.0, quant=QuantConfig("w4a16", group_size=16)))
+        "none", 0.0, quant=QuantConfig("w4a16", group_size=16, preserve_zeros=True)))
     pruner.quantized = {0: {}}
     stats = {"w": LayerStats(32, hessian=True)}
     stats["w"].add(x)
@@ -233,6 +233,11 @@ def test_quantization_alone_keeps_a_pruned_weight_at_zero(monkeypatch):
         assert not mask.any()
         assert bool((kept[weight == 0] == 0).all())
     assert seen[0] is None and torch.equal(seen[1], pruned == 0)
+    plain = local.layer_prune_fn(local.PruneConfig(  # fedcompress prune's default: no rule
+        "none", 0.0, quant=QuantConfig("w4a16", group_size=16)))
+    plain.quantized = {0: {}}
+    plain._quantize(0, "w", pruned, stats, 0.0)
+    assert seen[2] is None
 
 
 def test_one_text_per_site(tiny):

@@ -217,7 +217,7 @@ class LayerPruner:
         if config.method == NO_PRUNING:
             # this step prunes nothing (an empty mask); a weight pruned before keeps its zeros
             mask = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
-            zeros = preserved_zeros(w)
+            zeros = preserved_zeros(w) if quant.preserve_zeros else None
             result = (gptq_quantize(w, hessian, quant, scale_dtype=sd, mask=zeros, name=label)
                       if gptq else rtn_quantize(w, quant, scale_dtype=sd, mask=zeros,
                                                 name=label))
@@ -245,11 +245,11 @@ PRESERVE_ZEROS_SPARSITY = 0.05
 
 
 def preserved_zeros(w: torch.Tensor) -> torch.Tensor | None:
-    """The fixed mask quantization alone keeps at 0 (True = stays 0): where ``w`` is 0 (within
-    ``torch.isclose``'s 1e-8) when at least :data:`PRESERVE_ZEROS_SPARSITY` of ``w`` is exactly
-    0, else None (a dense weight: the sweep as before), as llm-compressor's GPTQ preserves a
-    pruned model's zeros (no error is pushed into them). A zero's own error is 0, so the sweep
-    is otherwise unchanged."""
+    """With ``QuantConfig.preserve_zeros``: the fixed mask quantization alone keeps at 0
+    (True = stays 0): where ``w`` is 0 (within ``torch.isclose``'s 1e-8) when at least
+    :data:`PRESERVE_ZEROS_SPARSITY` of ``w`` is exactly 0, else None (a dense weight: the sweep
+    as before), as llm-compressor's GPTQ preserves a pruned model's zeros (no error is pushed
+    into them). A zero's own error is 0, so the sweep is otherwise unchanged."""
     if int(torch.count_nonzero(w == 0)) < PRESERVE_ZEROS_SPARSITY * w.numel():
         return None
     return w.abs() <= 1e-8

@@ -40,7 +40,10 @@ class QuantConfig:
     depend on it beyond float rounding). ``scale_dtype``: the dtype of the scales, whatever the
     dtype the model runs in: the dequantized weights are computed in it, so a model saved with
     its scales in that dtype (or a wider one) loads back with exactly the weights the run
-    evaluated (bfloat16 by default: what W4A16 kernels take).
+    evaluated (bfloat16 by default: what W4A16 kernels take). ``preserve_zeros``: quantization
+    alone keeps the zeros of a weight at least 5% zero (llm-compressor's GPTQ rule, for a model
+    pruned before: no error is pushed into them; :func:`fedcompress.pruning.local.preserved_zeros`);
+    recipes set it, as llm-compressor always applies it.
     """
 
     scheme: str = "w4a16"
@@ -52,6 +55,7 @@ class QuantConfig:
     block_size: int = 128
     observer: str = "minmax"
     scale_dtype: str = "bfloat16"
+    preserve_zeros: bool = False
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -78,6 +82,8 @@ class QuantConfig:
         if self.observer not in OBSERVERS:
             raise ValueError(f"unknown scale observer {self.observer!r}: expected one of "
                              f"{', '.join(OBSERVERS)}")
+        if not isinstance(self.preserve_zeros, bool):
+            raise ValueError(f"preserve_zeros={self.preserve_zeros!r}: expected true or false")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale dtype {self.scale_dtype!r}: expected one of "
                              f"{', '.join(SCALE_DTYPES)}")

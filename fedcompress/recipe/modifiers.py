@@ -260,7 +260,8 @@ class _Quantization(Modifier):
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"quant": self.scheme.name, "quant_method": self.SOLVER,
                                "quant_group_size": self.scheme.group_size,
-                               "quant_symmetric": self.scheme.symmetric}
+                               "quant_symmetric": self.scheme.symmetric,
+                               "quant_preserve_zeros": True}
         if self.scheme.scale_dtype is not None:
             out["quant_scale_dtype"] = self.scheme.scale_dtype
         return out

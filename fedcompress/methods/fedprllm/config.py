@@ -280,6 +280,11 @@ class FedPrLLMConfig(Settings):
     quant_dampening: float = setting(0.01, "GPTQ: fraction of the Hessian's mean diagonal "
                                      "added to its diagonal.", gt=0.0, lt=1.0)
     quant_block_size: int = setting(128, "GPTQ: columns updated together.", ge=1)
+    quant_preserve_zeros: bool = setting(
+        False, "Quantization alone (method none): keep the zeros of a weight at least 5% zero "
+        "(llm-compressor's GPTQ rule, for a model pruned before: no error is pushed into "
+        "them; a recipe's quantization sets it, as llm-compressor always applies it; a "
+        "checkpoint converted from a quantized GGUF may hold such zeros unpruned).")
     quant_scale_dtype: str = setting("bfloat16", "Quantization: dtype of the scales (the "
                                      "dequantized weights are computed in it, as runtimes do "
                                      "from the saved scales).", choices=SCALE_DTYPES)
@@ -446,7 +451,8 @@ class FedPrLLMConfig(Settings):
             return None
         return QuantConfig(self.quant, self.quant_method, self.quant_group_size,
                            self.quant_symmetric, self.quant_actorder, self.quant_dampening,
-                           self.quant_block_size, scale_dtype=self.quant_scale_dtype)
+                           self.quant_block_size, scale_dtype=self.quant_scale_dtype,
+                           preserve_zeros=self.quant_preserve_zeros)
 
     @property
     def prune(self):
