@@ -15,12 +15,13 @@ their ``text`` (a bundled corpus, a .txt/.jsonl file, or a list of them, one per
 keyword (``secagg=True``, ``dp_epsilon=4.0``, ...).
 
 Like the CLI, this module is a composition root: it starts the Flower apps on the Simulation
-Engine (through ``fedcompress.cli.run_method``, the path of every ``fedcompress`` method
-command); the library below it never does.
+Engine (:func:`simulate`, the path of every ``fedcompress`` method command); the library below
+it never does.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,6 +31,8 @@ from typing import Any
 from fedcompress.recipe import Recipe, RecipeRun, load_recipe, run_recipe
 from fedcompress.recipe.targets import check_recipe
 from fedcompress.report import default_out
+
+logger = logging.getLogger(__name__)
 
 #: What ``compress`` runs with unless told otherwise (beside the FedPrLLM defaults): the
 #: baselines a recipe is measured against.
@@ -75,15 +78,43 @@ def site_texts(text: str | Path | Sequence[str | Path]) -> tuple[str, str | None
     return "+".join(texts), "sources"
 
 
+def method_defaults(method) -> dict[str, Any]:
+    """What ``fedcompress METHOD.command`` accepts (its --config keys) and their defaults."""
+    return {**method.defaults(), "cpus_per_client": 1.0, "ray_address": ""}
+
+
+def simulate(name: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate every setting of method ``name`` (flat, with ``cpus_per_client`` and
+    ``ray_address``), run its Flower apps on the Simulation Engine and return its report."""
+    import json
+
+    from fedcompress.methods import get_method
+    from server.simulation import simulate_method
+
+    method = get_method(name)
+    settings = dict(settings)
+    cpus = float(settings.pop("cpus_per_client"))
+    if not cpus > 0:
+        raise ValueError(f"--cpus-per-client {cpus}: expected a positive number")
+    ray_address = str(settings.pop("ray_address", "") or "")
+    settings["out"] = settings.get("out") or str(default_out(method.command))
+    simulate_method(name, settings, num_cpus_per_client=cpus, ray_address=ray_address)
+    return json.loads((Path(settings["out"]) / "report.json").read_text())
+
+
 def stage_runner(cpus_per_site: float = 1.0, ray_address: str = ""):
-    """A stage's run on the Simulation Engine: ``fedcompress prune``'s path."""
+    """A stage's run on the Simulation Engine: ``fedcompress prune``'s path (its summary
+    table printed, as the command prints it)."""
     def run(settings: dict[str, Any]) -> dict[str, Any]:
-        from fedcompress.cli import method_defaults, run_method
         from fedcompress.methods import get_method
 
-        full = {**method_defaults(get_method("fedprllm")), **settings,
-                "cpus_per_client": cpus_per_site, "ray_address": ray_address}
-        return run_method("fedprllm", full)
+        method = get_method("fedprllm")
+        report = simulate("fedprllm", {**method_defaults(method), **settings,
+                                       "cpus_per_client": cpus_per_site,
+                                       "ray_address": ray_address})
+        logger.info("stage done: %s", ", ".join(
+            f"{r['name']} perplexity {r['perplexity']:.3f}" for r in report["results"]))
+        return report
 
     return run
 

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fedcompress import models
+from fedcompress.api import method_defaults, simulate
 from fedcompress.report import default_out
 
 app = typer.Typer(
@@ -246,11 +247,6 @@ RAY_ADDRESS_HELP = ("Ray cluster to run the virtual clients on: 'auto' or HOST:P
                     "`ray start --head`; empty: a private Ray instance for this run.")
 
 
-def method_defaults(method) -> dict[str, Any]:
-    """What ``fedcompress METHOD.command`` accepts (its --config keys) and their defaults."""
-    return {**method.defaults(), "cpus_per_client": 1.0, "ray_address": ""}
-
-
 def _method_parameters(method) -> list[inspect.Parameter]:
     params = []
     for cls in method.settings:
@@ -302,21 +298,12 @@ def _add_method_command(method) -> None:
 
 
 def run_method(name: str, settings: dict[str, Any]) -> dict:
-    """Validate every setting of method ``name``, run its Flower apps on the Simulation Engine,
-    print its summary table and return the report."""
-    # The CLI is the composition root: it may start the Flower apps; no library module does.
+    """Validate every setting of method ``name``, run its Flower apps on the Simulation Engine
+    (:func:`fedcompress.api.simulate`), print its summary table and return the report."""
     from fedcompress.methods import get_method
-    from server.simulation import simulate_method
 
+    report = simulate(name, settings)
     method = get_method(name)
-    settings = dict(settings)
-    cpus = float(settings.pop("cpus_per_client"))
-    if not cpus > 0:
-        raise ConfigError(f"--cpus-per-client {cpus}: expected a positive number")
-    ray_address = str(settings.pop("ray_address", "") or "")
-    settings["out"] = settings.get("out") or str(default_out(method.command))
-    simulate_method(name, settings, num_cpus_per_client=cpus, ray_address=ray_address)
-    report = json.loads((Path(settings["out"]) / "report.json").read_text())
     if method.summary is not None:
         _print_summary(report, *method.summary(report))
     return report

@@ -267,7 +267,7 @@ def _in_process_stage(settings: dict) -> dict:
     """A stage's FedPrLLM run with the ClientApp's handlers in this process (no Ray)."""
     from pathlib import Path
 
-    from fedcompress.cli import method_defaults
+    from fedcompress.api import method_defaults
     from fedcompress.methods import get_method
     from server.fedprllm import run
 

@@ -2,6 +2,7 @@
 
     <venv>/bin/python simulations/anchor/llmc_runner.py solve REQUEST.safetensors OUT.safetensors
     <venv>/bin/python simulations/anchor/llmc_runner.py oneshot REQUEST.safetensors OUT_DIR
+    <venv>/bin/python simulations/anchor/llmc_runner.py recipe REQUEST.safetensors OUT_DIR
     <venv>/bin/python simulations/anchor/llmc_runner.py versions OUT.json
 
 llm-compressor is not a dependency of fedcompress (its pins differ): ``simulations/gptq_anchor.py``
@@ -30,6 +31,12 @@ dequantized weights the solver returns, exactly: checked), ``scale``, ``zero_poi
 before rounding, ``w / scale + zero_point``, recorded from inside the solver's quantizer, in the
 original column order: how close a differing integer was to a rounding boundary), ``perm`` (the
 activation order, when there is one); the header holds the losses, RTN fallbacks and seconds.
+
+``recipe``: ``oneshot`` with the request's recipe (llm-compressor's YAML, as given, parsed by
+llm-compressor itself) on the model folder of the request, calibrated on its ``input_ids`` as
+``oneshot`` below, saved with ``save_compressed=True`` to ``OUT_DIR/model`` (what
+llm-compressor writes for that recipe: compressed-tensors when quantized); timings in
+``OUT_DIR/oneshot.json``.
 
 ``oneshot``: ``oneshot`` with a ``GPTQModifier`` on the model folder of the request, calibrated
 on the request's ``input_ids`` (one sample per window, in order, not shuffled), saved with
@@ -277,6 +284,38 @@ def oneshot_run(request: Path, out_dir: Path) -> None:
          "recipe": str(recipe)}, indent=2) + "\n")
 
 
+def recipe_run(request: Path, out_dir: Path) -> None:
+    """llm-compressor's ``oneshot`` with the request's recipe (YAML text) on its windows."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tensors, meta = load_exchange(request)
+    ids = tensors["input_ids"].to(torch.long)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(meta["model_path"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(meta["model_path"])
+    timings["load"] = time.perf_counter() - start
+    dataset = Dataset.from_dict({"input_ids": ids.tolist(),
+                                 "attention_mask": torch.ones_like(ids).tolist()})
+    recipe_file = out_dir / "recipe.yaml"
+    recipe_file.write_text(meta["recipe"])
+    start = time.perf_counter()
+    oneshot(model=model, tokenizer=tokenizer, dataset=dataset, recipe=str(recipe_file),
+            num_calibration_samples=int(ids.shape[0]), max_seq_length=int(ids.shape[1]),
+            shuffle_calibration_samples=False, batch_size=1)
+    timings["oneshot"] = time.perf_counter() - start
+    start = time.perf_counter()
+    model.save_pretrained(out_dir / "model", save_compressed=True)
+    tokenizer.save_pretrained(out_dir / "model")
+    timings["save"] = time.perf_counter() - start
+    (out_dir / "oneshot.json").write_text(json.dumps(
+        {"timings": timings, "versions": versions(), "windows": list(ids.shape),
+         "recipe": meta["recipe"]}, indent=2) + "\n")
+
+
 def versions() -> dict[str, str]:
     found = {"python": sys.version.split()[0]}
     for name in PACKAGES:
@@ -296,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("oneshot", help="oneshot + GPTQModifier on the request's windows")
     p.add_argument("request", type=Path)
     p.add_argument("out_dir", type=Path)
+    p = sub.add_parser("recipe", help="oneshot with the request's recipe on its windows")
+    p.add_argument("request", type=Path)
+    p.add_argument("out_dir", type=Path)
     p = sub.add_parser("versions", help="the versions of this venv's packages, as JSON")
     p.add_argument("out", type=Path)
     opts = parser.parse_args(argv)
@@ -305,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         solve(opts.request, opts.answer)
     elif opts.task == "oneshot":
         oneshot_run(opts.request, opts.out_dir)
+    elif opts.task == "recipe":
+        recipe_run(opts.request, opts.out_dir)
     else:
         opts.out.write_text(json.dumps(versions(), indent=2) + "\n")
     return 0
