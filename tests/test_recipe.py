@@ -52,8 +52,8 @@ def test_the_three_recipes_as_runs():
     (quant,) = stage_settings(load_recipe(GPTQ), {"clients": 4})
     assert quant == {"clients": 4, "aggregate": "stats", "method": "none", "sparsity": 0.0,
                      "quant": "w4a16", "quant_method": "gptq", "quant_group_size": 128,
-                     "quant_symmetric": True, "quant_preserve_zeros": True,
-                     "quant_block_size": 128, "quant_dampening": 0.01, "quant_actorder": "static"}
+                     "quant_symmetric": True, "quant_block_size": 128, "quant_dampening": 0.01,
+                     "quant_actorder": "static"}
     both = stage_settings(load_recipe(BOTH), {"clients": 4})
     assert both == [{"clients": 4, **prune}, quant]
     assert [s.name for s in load_recipe(BOTH).stages] == ["sparsity", "quant"]
@@ -283,8 +283,9 @@ def _in_process_stage(settings: dict) -> dict:
 
 def test_two_stage_recipe_over_a_federation(tiny_dir, tmp_path):
     """SparseGPT 50% then GPTQ W4A16 (group 16): the second stage starts from the first's
-    model and keeps its zeros; the output folder is llm-compressor's (compressed-tensors, the
-    recipe beside it) and the report holds both stages' results."""
+    model and keeps its zeros (asked beside the recipe); the output folder is
+    llm-compressor's (compressed-tensors, the recipe beside it) and the report holds both
+    stages' results."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     recipe = load_recipe(SPARSEGPT + GPTQ.replace("scheme: W4A16", """config_groups:
@@ -293,7 +294,8 @@ def test_two_stage_recipe_over_a_federation(tiny_dir, tmp_path):
           weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 16}
 """))
     beside = dict(model=tiny_dir, clients=2, samples_per_client=2, seqlen=16, batch_size=2,
-                  eval_seqlen=16, eval_windows=2, device="cpu", baselines="centralized")
+                  eval_seqlen=16, eval_windows=2, device="cpu", baselines="centralized",
+                  quant_preserve_zeros=True)  # beside the recipe: keep the first stage's zeros
     check_recipe(recipe, tiny_dir)
     run = run_recipe(recipe, beside, _in_process_stage, tmp_path / "out")
     report = run.report

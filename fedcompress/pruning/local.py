@@ -239,8 +239,9 @@ class LayerPruner:
         return mask, result.weight
 
 
-#: Quantization alone keeps a weight's zeros when at least this share of it is 0 (a model
-#: pruned before, e.g. by a recipe's earlier stage): llm-compressor 0.14's ``SPARSITY_THRESHOLD``.
+#: With ``preserve_zeros``, quantization alone keeps a weight's zeros when at least this share
+#: of it is 0 (a model pruned before): the ``SPARSITY_THRESHOLD`` of earlier llm-compressor
+#: releases' GPTQ (0.14 keeps none).
 PRESERVE_ZEROS_SPARSITY = 0.05
 
 
@@ -248,8 +249,8 @@ def preserved_zeros(w: torch.Tensor) -> torch.Tensor | None:
     """With ``QuantConfig.preserve_zeros``: the fixed mask quantization alone keeps at 0
     (True = stays 0): where ``w`` is 0 (within ``torch.isclose``'s 1e-8) when at least
     :data:`PRESERVE_ZEROS_SPARSITY` of ``w`` is exactly 0, else None (a dense weight: the sweep
-    as before), as llm-compressor's GPTQ preserves a pruned model's zeros (no error is pushed
-    into them). A zero's own error is 0, so the sweep is otherwise unchanged."""
+    as before), as earlier llm-compressor releases' GPTQ kept a pruned model's zeros (no error
+    pushed into them). A zero's own error is 0, so the sweep is otherwise unchanged."""
     if int(torch.count_nonzero(w == 0)) < PRESERVE_ZEROS_SPARSITY * w.numel():
         return None
     return w.abs() <= 1e-8

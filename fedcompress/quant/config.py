@@ -41,9 +41,9 @@ class QuantConfig:
     dtype the model runs in: the dequantized weights are computed in it, so a model saved with
     its scales in that dtype (or a wider one) loads back with exactly the weights the run
     evaluated (bfloat16 by default: what W4A16 kernels take). ``preserve_zeros``: quantization
-    alone keeps the zeros of a weight at least 5% zero (llm-compressor's GPTQ rule, for a model
-    pruned before: no error is pushed into them; :func:`fedcompress.pruning.local.preserved_zeros`);
-    recipes set it, as llm-compressor always applies it.
+    alone keeps the zeros of a weight at least 5% zero (a model pruned before: no error is
+    pushed into them; :func:`fedcompress.pruning.local.preserved_zeros`): earlier llm-compressor
+    releases did so; 0.14's GPTQ does not, and neither does a recipe unless asked.
     """
 
     scheme: str = "w4a16"

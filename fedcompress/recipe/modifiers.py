@@ -119,7 +119,8 @@ class _Pruning(Modifier):
     KIND: ClassVar[str] = "pruning"
     METHOD: ClassVar[str]
     COMPARISON: ClassVar[str] = "row"
-    DEFAULT_ONLY: ClassVar[Mapping[str, tuple]] = {"sequential_targets": (None,)}
+    DEFAULT_ONLY: ClassVar[Mapping[str, tuple]] = {"sequential_targets": (None,),
+                                                   "sequential_update": (False,)}
 
     sparsity: float = 0.5
     mask_structure: str = "0:0"
@@ -212,8 +213,8 @@ class SparseGPTModifier(_Pruning):
     METHOD: ClassVar[str] = "sparsegpt"
     COMPARISON: ClassVar[str] = "layer"
     DEFAULT_ONLY: ClassVar[Mapping[str, tuple]] = {
-        "sequential_targets": (None,), "preserve_sparsity_mask": (False,),
-        "offload_hessians": (False,)}
+        "sequential_targets": (None,), "sequential_update": (False,),
+        "preserve_sparsity_mask": (False,), "offload_hessians": (False,)}
 
     block_size: int = 128
     dampening_frac: float = 0.01
@@ -260,8 +261,7 @@ class _Quantization(Modifier):
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"quant": self.scheme.name, "quant_method": self.SOLVER,
                                "quant_group_size": self.scheme.group_size,
-                               "quant_symmetric": self.scheme.symmetric,
-                               "quant_preserve_zeros": True}
+                               "quant_symmetric": self.scheme.symmetric}
         if self.scheme.scale_dtype is not None:
             out["quant_scale_dtype"] = self.scheme.scale_dtype
         return out

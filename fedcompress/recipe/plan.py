@@ -28,7 +28,6 @@ from fedcompress.recipe.schemes import WeightScheme
 RECIPE_KEYS = ("method", "sparsity", "nm", "local_group", "sparsity_profile", "owl_m",
                "owl_lambda", "layer_sparsity", "quant", "quant_method", "quant_group_size",
                "quant_symmetric", "quant_block_size", "quant_dampening", "quant_actorder",
-               "quant_preserve_zeros",
                "group", "scale", "tie_break", "mode")
 #: The aggregation a recipe runs with unless told otherwise: the exact one (the sites' summed
 #: statistics; the server computes what centralized compression on the pooled windows would).

@@ -282,9 +282,9 @@ class FedPrLLMConfig(Settings):
     quant_block_size: int = setting(128, "GPTQ: columns updated together.", ge=1)
     quant_preserve_zeros: bool = setting(
         False, "Quantization alone (method none): keep the zeros of a weight at least 5% zero "
-        "(llm-compressor's GPTQ rule, for a model pruned before: no error is pushed into "
-        "them; a recipe's quantization sets it, as llm-compressor always applies it; a "
-        "checkpoint converted from a quantized GGUF may hold such zeros unpruned).")
+        "(a model pruned before, e.g. by a recipe's earlier stage: no error is pushed into "
+        "them, as earlier llm-compressor releases did; 0.14's GPTQ fills some in. A checkpoint "
+        "converted from a quantized GGUF may hold such zeros unpruned).")
     quant_scale_dtype: str = setting("bfloat16", "Quantization: dtype of the scales (the "
                                      "dequantized weights are computed in it, as runtimes do "
                                      "from the saved scales).", choices=SCALE_DTYPES)
