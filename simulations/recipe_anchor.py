@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                   "seed": opts.seed, "calib_text": opts.calib_text,
                   "batch_size": opts.batch_size, "eval_windows": opts.eval_windows,
                   "eval_seqlen": opts.eval_seqlen, "baselines": "centralized",
-                  "device": "cpu", "save_dtype": "float32"}
+                  "device": "cpu", "save_dtype": "float32",
+                  # llm-compressor's scales take the model's dtype, float32 in its runner
+                  "quant_scale_dtype": "float32"}
         (out / "recipes").mkdir(parents=True, exist_ok=True)
         for name in opts.recipes:
             text = recipe_text(name, opts.group_size)
