@@ -178,7 +178,9 @@ def _loads(found: dict[str, Any]) -> str:
     return text
 
 
-def _fmt(value: Any) -> str:
+def format_cell(value: Any) -> str:
+    """A value as report.md's tables show it: floats to four significant digits (tiny ones
+    in e-notation), None as ``-``."""
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
@@ -197,7 +199,7 @@ def results_table(results: list[dict], columns: list[str] | None = None) -> tupl
             for key, value in record.items():
                 if key not in columns and not isinstance(value, (dict, list)):
                     columns.append(key)
-    rows = [[_fmt(record.get(col)) for col in columns] for record in results]
+    rows = [[format_cell(record.get(col)) for col in columns] for record in results]
     return columns, rows
 
 
@@ -364,7 +366,7 @@ class RunReport:
             "",
             "## Config",
             "",
-            markdown_table(["key", "value"], [[k, _fmt(v)] for k, v in self.config.items()]),
+            markdown_table(["key", "value"], [[k, format_cell(v)] for k, v in self.config.items()]),
             "",
             "## Versions",
             "",

@@ -16,6 +16,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from fedcompress.report_page import (
+    bench_cell_settings,
+    human_bytes,
+    result_strategy,
+    result_time,
+)
+
 #: Quality metrics a result may hold: (field, lower is better, label).
 QUALITY = (("perplexity", True, "perplexity"), ("accuracy", False, "accuracy"),
            ("acc_client", False, "accuracy at the sites"),
@@ -104,9 +111,7 @@ def _ok(record: dict) -> bool:
 
 
 def _label(record: dict) -> str:
-    from fedcompress.report_html import _strategy
-
-    return _strategy(record)
+    return result_strategy(record)
 
 
 def _role(command: str, record: dict) -> str:
@@ -156,9 +161,7 @@ def _quality(found: list[Entry]) -> tuple[str, bool, str] | None:
 
 
 def _seconds(record: dict) -> tuple[float | None, str]:
-    from fedcompress.report_html import _time
-
-    seconds, measure = _time(record)
+    seconds, measure = result_time(record)
     if seconds is None and _num(record.get("round2_seconds")) is not None:  # PPC-GPT
         seconds, measure = float(record["round2_seconds"]), "round 2"
     return (None, "") if seconds is None or not math.isfinite(seconds) else (seconds, measure)
@@ -202,8 +205,6 @@ def panels(found: list[Entry], quality: tuple[str, bool, str] | None) -> list[Pa
     if any(v is not None for v in up):
         per_round = any("bytes_up_per_site_round" in e.values for e in found)
         title = "bytes up / site" + (" / round" if per_round else "")
-        from fedcompress.report_html import human_bytes
-
         out.append(Panel("bytes_up", title, up, human_bytes, True, title))
     return out
 
@@ -484,9 +485,7 @@ _STRATEGY_KEYS = ("kind", "mode", "group", "scale", "tie_break", "defence", "tri
 
 def _comparable(method: dict, other: dict) -> bool:
     """Whether two bench cells agree on every setting both have but their strategy's."""
-    from fedcompress.report_html import _cell_settings
-
-    mine, theirs = _cell_settings(method), _cell_settings(other)
+    mine, theirs = bench_cell_settings(method), bench_cell_settings(other)
     return all(mine[k] == theirs[k] for k in mine.keys() & theirs.keys()
                if k not in _STRATEGY_KEYS)
 
