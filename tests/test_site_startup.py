@@ -22,7 +22,7 @@ from fedcompress.data.corpora import Document
 
 REPO = Path(__file__).resolve().parents[1]
 #: Never needed by a FedPrLLM site's messages: none may be imported on its path.
-NOT_ON_THE_SITE_PATH = ("lm_eval", "datasets", "peft", "opacus", "matplotlib", "numba",
+NOT_ON_THE_SITE_PATH = ("lm_eval", "datasets", "peft", "opacus", "matplotlib",
                         "fedcompress.masks._kernels")
 
 # One site in a fresh process, as a SuperNode's flwr-clientapp runs it: the ClientApp module,
@@ -74,12 +74,14 @@ def site(tiny_dir, tmp_path_factory):
 
 def test_clientapp_path_imports_nothing_a_site_does_not_need(site):
     """The ClientApp module imports neither transformers (a SecAgg stage needs no model) nor
-    numba (the server's vote kernels); a site's FedPrLLM messages import none of the evaluation,
-    data-hub, fine-tuning or plotting libraries."""
+    numba; a site's FedPrLLM messages import none of the evaluation, data-hub, fine-tuning or
+    plotting libraries nor the server's vote kernels (numba comes with the site's own compiled
+    selection, fedcompress.pruning.radix, at its first mask)."""
     for run in (site["first"], site["second"]):
         after_app, after = set(run["after_app"]), set(run["after"])
         assert "transformers" not in after_app and "numba" not in after_app
         assert "transformers" in after  # the model's messages load it
+        assert "fedcompress.pruning.radix" in after
         assert not after & set(NOT_ON_THE_SITE_PATH), sorted(after & set(NOT_ON_THE_SITE_PATH))
 
 

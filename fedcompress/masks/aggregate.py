@@ -7,8 +7,8 @@ the global prune mask takes the ``k`` *highest* counts within the server's compa
 weight by ``(m - count) / m``, the fraction of clients that kept it.
 
 The compiled kernels (numba, :mod:`fedcompress.masks._kernels`) are imported on first use: a
-site's ClientApp, which imports this module for its constants and codecs, never loads numba for
-its masks.
+site's ClientApp, which imports this module for its constants and codecs, never loads the
+server's kernels (its own selection loads numba for :mod:`fedcompress.pruning.radix` alone).
 
 Tie-break among equal vote counts (``tie_break``):
 
