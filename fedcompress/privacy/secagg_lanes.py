@@ -38,7 +38,7 @@ def pack_lanes(values: np.ndarray, bits: int) -> np.ndarray:
     """Non-negative integers ``< 2^bits`` -> uint64 words of ``64 // bits`` lanes each (lane
     ``l`` of word ``w`` is coordinate ``w * lanes + l``; zero-padded). ``bits=64``: one
     coordinate per word, given as uint64 (a signed value in two's complement,
-    :func:`~fedcompress.methods.fedprllm.stats.encode_fixed`)."""
+    :func:`~fedcompress.methods.fedprllm.stats_wire.encode_fixed`)."""
     _check_bits(bits)
     v = np.asarray(values)
     if bits == 64:

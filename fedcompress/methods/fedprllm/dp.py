@@ -132,7 +132,7 @@ def public_calibration(model: nn.Module, tokenizer: Any, request: DpRequest, hes
     :func:`~fedcompress.privacy.dp_stats.public_windows` (public text only: every party
     computes the same values; ``request.public_text`` is checked to be a bundled corpus, or a
     digest one of ``files`` matches byte for byte)."""
-    from fedcompress.methods.fedprllm.stats import layer_in_features, layer_sharing
+    from fedcompress.methods.fedprllm.stats_wire import layer_in_features, layer_sharing
     from fedcompress.models import ModelAdapter
 
     if request.normalize not in dps.NORMALIZATIONS:
@@ -162,7 +162,7 @@ def public_calibration(model: nn.Module, tokenizer: Any, request: DpRequest, hes
 def block_dims(model: nn.Module, bounds: Sequence[Mapping[str, float]], hessian: bool
                ) -> list[dict[str, int]]:
     """Noised coordinates of each block: ``d`` square sums, or the Hessian's ``d (d+1) / 2``."""
-    from fedcompress.methods.fedprllm.stats import layer_in_features
+    from fedcompress.methods.fedprllm.stats_wire import layer_in_features
 
     out = []
     for layer, blocks in enumerate(bounds):
@@ -268,7 +268,7 @@ def noisy_fixed(arrays: Mapping[str, np.ndarray], layer: int, the_plan: DpStatsP
     t = int(threshold or the_plan.threshold)
     if t < 1:
         raise ValueError(f"threshold={t}: expected >= 1")
-    from fedcompress.methods.fedprllm.stats import encode_fixed, stat_key
+    from fedcompress.methods.fedprllm.stats_wire import encode_fixed, stat_key
 
     noise: dict[str, np.ndarray] = {}
     derived: dict[str, str] = {}

@@ -26,6 +26,11 @@ symmetric); linear layers fed by the same tensor (q/k/v, gate/up) are sent once,
 name it (``shared``). Every received statistic is validated (names, shapes, dtypes, finite,
 non-negative squares, a positive token count, the Hessian's diagonal equal to twice the square
 sums) before it counts.
+
+The wire's keys, the layers' widths and shared inputs and SecAgg+'s fixed-point lanes
+(:func:`encode_fixed`, :func:`decode_fixed`) are defined in
+:mod:`fedcompress.methods.fedprllm.stats_wire`, which the mode's DP
+(:mod:`fedcompress.methods.fedprllm.dp`) imports too; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -41,12 +46,29 @@ import torch
 from torch import nn
 
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
-from fedcompress.models import HESSIAN_DTYPE, ModelAdapter, weight_matrix
+
+# the wire, a module of its own (dp.py imports it too); its public names re-exported here,
+# where they were first defined
+from fedcompress.methods.fedprllm.stats_wire import (  # noqa: F401 (this module's public names)
+    FRAC_BITS,
+    InvalidStatsError,
+    decode_fixed,
+    encode_fixed,
+    fixed_point_layout,
+    fixed_point_limit,
+    fixed_point_range,
+    layer_in_features,
+    layer_sharing,
+    stat_key,
+    tokens_key,
+    triu_indices,
+)
+from fedcompress.models import HESSIAN_DTYPE, ModelAdapter
 from fedcompress.privacy.dp_stats import PublicCalibration
 from fedcompress.privacy.ledger import Ledger
 from fedcompress.privacy.policy import SitePolicy
 from fedcompress.pruning.local import STATS_METHODS, PruneConfig
-from fedcompress.pruning.walker import LayerStats, observed_input_owners
+from fedcompress.pruning.walker import LayerStats
 from fedcompress.quant.solver import QuantResult
 
 logger = logging.getLogger(__name__)
@@ -58,40 +80,6 @@ DIAG_TOLERANCE = 1e-3
 
 #: dtype of a site's Hessian sum on the wire (the upper triangle): HESSIAN_DTYPE's
 _WIRE_HESSIAN = torch.empty(0, dtype=HESSIAN_DTYPE).numpy().dtype
-
-
-class InvalidStatsError(ValueError):
-    """A site's statistics are unusable (missing or extra layer, shape, dtype, values)."""
-
-
-def _key(layer: int, name: str, part: str) -> str:
-    return f"stats.{layer}.{name}.{part}"
-
-
-def stat_key(layer: int, name: str, part: str) -> str:
-    """The wire key of linear ``name``'s statistic ``part`` (``sq`` or ``h``) of ``layer``."""
-    return _key(layer, name, part)
-
-
-def tokens_key(layer: int) -> str:
-    return f"stats.{layer}.tokens"
-
-
-def layer_in_features(model: nn.Module, layer: int) -> dict[str, int]:
-    """Input features of every prunable linear layer of decoder layer ``layer``."""
-    adapter = ModelAdapter(model)
-    if not 0 <= layer < len(adapter):
-        raise ValueError(f"layer {layer} out of range: the model has {len(adapter)} layers")
-    return {name: int(weight_matrix(m).shape[1])
-            for name, m in ModelAdapter.linear_layers(adapter.layers[layer]).items()}
-
-
-@functools.lru_cache(maxsize=32)
-def _triu(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and column of each entry of an ``n x n`` upper triangle in wire order (row-major);
-    cached (a model has a handful of widths): callers index with them and never write them."""
-    rows, cols = torch.triu_indices(n, n)
-    return rows, cols
 
 
 @functools.lru_cache(maxsize=32)
@@ -106,7 +94,7 @@ def _unpack_hessian(h: np.ndarray, n: int) -> torch.Tensor:
     """The symmetric ``n x n`` matrix whose upper triangle is ``h`` (the values copied, not
     recomputed: both triangles hold the same floats)."""
     full = torch.zeros(n, n, dtype=torch.from_numpy(h[:0]).dtype)
-    rows, cols = _triu(n)
+    rows, cols = triu_indices(n)
     values = torch.from_numpy(np.ascontiguousarray(h))
     full[rows, cols] = values
     full[cols, rows] = values
@@ -129,7 +117,7 @@ class PackedStats:
     def from_layer_stats(cls, st: LayerStats) -> PackedStats:
         h = None
         if st.hessian_sum is not None:
-            rows, cols = _triu(st.in_features)
+            rows, cols = triu_indices(st.in_features)
             h = st.hessian_sum[rows, cols].cpu().numpy()
         return cls(st.in_features, st.tokens, st.sq_sum.cpu().numpy().astype(np.float64), h)
 
@@ -176,9 +164,9 @@ def encode_stats(stats: Mapping[str, LayerStats], layer: int
             continue
         sent.append(name)
         packed = PackedStats.from_layer_stats(st)
-        arrays[_key(layer, name, "sq")] = packed.sq_sum
+        arrays[stat_key(layer, name, "sq")] = packed.sq_sum
         if packed.hessian_upper is not None:
-            arrays[_key(layer, name, "h")] = packed.hessian_upper
+            arrays[stat_key(layer, name, "h")] = packed.hessian_upper
     return arrays, shared
 
 
@@ -216,9 +204,9 @@ def validate_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
         raise InvalidStatsError(f"layer {layer}: shared statistics of unknown linear layers "
                                 f"{unknown[:3]}")
     sent = sorted(names - set(shared))
-    expected = {tokens_key(layer)} | {_key(layer, n, "sq") for n in sent}
+    expected = {tokens_key(layer)} | {stat_key(layer, n, "sq") for n in sent}
     if hessian:
-        expected |= {_key(layer, n, "h") for n in sent}
+        expected |= {stat_key(layer, n, "h") for n in sent}
     got = set(arrays)
     if got != expected:
         missing, extra = sorted(expected - got), sorted(got - expected)
@@ -232,26 +220,26 @@ def validate_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
     out: dict[str, PackedStats] = {}
     for name in sent:
         n = in_features[name]
-        sq = np.asarray(arrays[_key(layer, name, "sq")])
+        sq = np.asarray(arrays[stat_key(layer, name, "sq")])
         if sq.dtype != np.float64 or sq.shape != (n,):
-            raise InvalidStatsError(f"{_key(layer, name, 'sq')}: {sq.dtype} {sq.shape}, "
+            raise InvalidStatsError(f"{stat_key(layer, name, 'sq')}: {sq.dtype} {sq.shape}, "
                                     f"expected float64 ({n},)")
         if not np.isfinite(sq).all() or (not dp and (sq < 0).any()):
-            raise InvalidStatsError(f"{_key(layer, name, 'sq')}: square sums must be finite "
+            raise InvalidStatsError(f"{stat_key(layer, name, 'sq')}: square sums must be finite "
                                     "and non-negative")
         h = None
         if hessian:
-            h = np.asarray(arrays[_key(layer, name, "h")])
+            h = np.asarray(arrays[stat_key(layer, name, "h")])
             size = n * (n + 1) // 2
             if h.dtype != _WIRE_HESSIAN or h.shape != (size,):
-                raise InvalidStatsError(f"{_key(layer, name, 'h')}: {h.dtype} {h.shape}, "
+                raise InvalidStatsError(f"{stat_key(layer, name, 'h')}: {h.dtype} {h.shape}, "
                                         f"expected {_WIRE_HESSIAN} ({size},) (upper triangle)")
             if not np.isfinite(h).all():
-                raise InvalidStatsError(f"{_key(layer, name, 'h')}: not finite")
+                raise InvalidStatsError(f"{stat_key(layer, name, 'h')}: not finite")
             diag = h[_triu_diagonal(n)].astype(np.float64)
             gap = np.abs(diag - 2 * sq).max() / max(float(np.abs(diag).max()), 1e-30)
             if float(gap) > DIAG_TOLERANCE:
-                raise InvalidStatsError(f"{_key(layer, name, 'h')}: the Hessian's diagonal "
+                raise InvalidStatsError(f"{stat_key(layer, name, 'h')}: the Hessian's diagonal "
                                         "is not twice the square sums (relative gap "
                                         f"{float(gap):.3g})")
             h = h.copy()
@@ -267,153 +255,6 @@ def validate_stats(arrays: Mapping[str, np.ndarray], shared: Mapping[str, str],
     return out
 
 
-#: Fractional bits of the fixed-point statistics summed by SecAgg+ (``--secagg-frac-bits``
-#: default): a site's value ``v`` travels as ``q = round(v * 2^f)`` in a 64-bit lane, so each
-#: site's rounding error is at most ``2^-(f+1)`` (1.5e-8 at f = 25) and a sum of ``n`` sites'
-#: at most ``n 2^-(f+1)``; a site refuses to send a value unless ``n |q| <= 2^63 - 1``
-#: (:func:`fixed_point_limit`; ``|v|`` below about 1.7e10 for 16 sites at f = 25), so that
-#: neither its own lane nor the sum of all ``n`` sites' lanes can wrap.
-FRAC_BITS = 25
-_INT64_MAX = 2**63 - 1
-
-
-def fixed_point_layout(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, int]]:
-    """``(key, size)`` of each statistic in the order of a fixed-point vector (sorted keys)."""
-    return [(key, int(np.asarray(arrays[key]).size)) for key in sorted(arrays)]
-
-
-def _check_fixed_args(frac_bits: int, n_sites: int) -> None:
-    if isinstance(frac_bits, bool) or not isinstance(frac_bits, (int, np.integer)) \
-            or not 0 <= frac_bits <= 52:
-        raise ValueError(f"frac_bits={frac_bits!r}: expected an integer 0..52")
-    if isinstance(n_sites, bool) or not isinstance(n_sites, (int, np.integer)) or n_sites < 1:
-        raise ValueError(f"n_sites={n_sites!r}: expected an integer >= 1 (the number of sites "
-                         "whose fixed-point vectors are summed)")
-
-
-def fixed_point_limit(n_sites: int) -> int:
-    """The largest magnitude of one site's fixed-point integer ``q`` (a lane): ``n_sites``
-    such lanes sum to at most ``2^63 - 1`` in magnitude, so no sum wraps (negative ones
-    included: the sum stays above ``-2^63``)."""
-    _check_fixed_args(0, n_sites)
-    return _INT64_MAX // int(n_sites)
-
-
-def fixed_point_range(frac_bits: int, n_sites: int) -> float:
-    """The largest magnitude a site's float statistic may have (:data:`FRAC_BITS`), as a float
-    (rounded down): :func:`fixed_point_limit` ``/ 2^frac_bits``, less half a unit of the last
-    place for the rounding to the integer lane. The check itself is exact, on the integers."""
-    _check_fixed_args(frac_bits, n_sites)
-    limit = fixed_point_limit(n_sites)
-    value = float(limit)
-    while int(value) > limit:  # float(limit) may round up
-        value = float(np.nextafter(value, 0.0))
-    return float(np.ldexp(value - 0.5, -frac_bits))
-
-
-def _check_lanes(key: str, lanes: list[int], limit: int, frac_bits: int, n_sites: int,
-                 integer: bool) -> None:
-    for lane in lanes:
-        if abs(lane) > limit:
-            # The value itself is private (a site's exact statistic, which the server would
-            # read in the error reply, outside SecAgg+): logged here only, never raised.
-            shown = str(lane) if integer else f"{np.ldexp(float(lane), -frac_bits):.6g}"
-            logger.error("%s: a value of %s (%d in its 64-bit lane) exceeds the fixed-point "
-                         "range", key, shown, lane)
-            raise ValueError(
-                f"{key}: a value exceeds the fixed-point range of {frac_bits} fractional "
-                f"bits for {n_sites} sites: |lane| <= {limit} = (2^63 - 1) // {n_sites}, "
-                f"|value| <= {fixed_point_range(frac_bits, n_sites):.6g} (a sum could "
-                "overflow 64 bits): lower secagg-frac-bits (the value is in this site's "
-                "log, not in this message)")
-
-
-def encode_fixed(arrays: Mapping[str, np.ndarray], frac_bits: int, n_sites: int,
-                 noise: Mapping[str, np.ndarray] | None = None,
-                 sq_from_diag: Mapping[str, str] | None = None) -> np.ndarray:
-    """One site's statistics (:func:`encode_stats`) as one fixed-point vector for SecAgg+'s
-    64-bit lanes: token counts as integers, float values as ``round(v * 2^frac_bits)``, both
-    in two's complement (uint64), in :func:`fixed_point_layout` order. A lane whose magnitude
-    exceeds :func:`fixed_point_limit` (``n_sites`` of them could sum past 64 bits) is refused,
-    never clipped: the check is on the rounded integers, exactly, for the largest positive and
-    the most negative value of each statistic.
-
-    DP (:func:`fedcompress.methods.fedprllm.dp.noisy_fixed`): ``noise`` (int64 per key) is
-    added to the rounded lanes before the check; ``sq_from_diag`` (``{square-sum key: Hessian
-    key}``) replaces those square-sum lanes by half the (noisy) Hessian's diagonal lanes."""
-    _check_fixed_args(frac_bits, n_sites)
-    limit = fixed_point_limit(n_sites)
-    lanes: dict[str, np.ndarray] = {}
-    integers: dict[str, bool] = {}
-    for key, _ in fixed_point_layout(arrays):
-        value = np.asarray(arrays[key]).reshape(-1)
-        if value.dtype.kind in "iu":
-            integer = True
-        elif value.dtype.kind == "f":
-            value = value.astype(np.float64)
-            if not np.isfinite(value).all():
-                raise ValueError(f"{key}: not finite")
-            value = np.rint(np.ldexp(value, frac_bits))  # exact integers in float64
-            integer = False
-        else:
-            raise ValueError(f"{key}: dtype {value.dtype} is neither integer nor float")
-        ends = [int(value.max()), int(value.min())] if value.size else []
-        _check_lanes(key, ends, limit, frac_bits, n_sites, integer)
-        lanes[key], integers[key] = value.astype(np.int64), integer
-    for key, extra in (noise or {}).items():
-        extra = np.asarray(extra).reshape(-1)
-        if key not in lanes or extra.dtype != np.int64 or extra.shape != lanes[key].shape:
-            raise ValueError(f"noise for {key}: expected int64 of the statistic's shape")
-        if np.abs(extra).max(initial=0) > limit:
-            raise ValueError(f"noise for {key} exceeds the fixed-point range")
-        lanes[key] = lanes[key] + extra  # both within (2^63 - 1) / n: no wrap
-    for sq_key, h_key in (sq_from_diag or {}).items():
-        n = lanes[sq_key].shape[0]
-        rows, cols = _triu(n)
-        diag = lanes[h_key][(rows == cols).numpy()]
-        lanes[sq_key] = np.floor_divide(diag, 2)
-    parts = []
-    for key, _ in fixed_point_layout(arrays):
-        value = lanes[key]
-        if noise and key in noise:
-            ends = [int(value.max()), int(value.min())] if value.size else []
-            _check_lanes(key, ends, limit, frac_bits, n_sites, integers[key])
-        parts.append(value)
-    return np.concatenate(parts).view(np.uint64) if parts else np.zeros(0, np.uint64)
-
-
-def decode_fixed(total: np.ndarray, layout: list[tuple[str, int]], frac_bits: int,
-                 dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
-    """The summed statistics from the sum of the sites' :func:`encode_fixed` vectors (int64,
-    as SecAgg+ returns it): integer statistics as int64, float ones as float64."""
-    total = np.asarray(total)
-    if total.dtype != np.int64 or total.shape != (sum(size for _, size in layout),):
-        raise InvalidStatsError(f"a fixed-point sum of {total.dtype} {total.shape}: expected "
-                                f"int64 ({sum(size for _, size in layout)},)")
-    out, offset = {}, 0
-    for key, size in layout:
-        chunk = total[offset:offset + size]
-        offset += size
-        out[key] = (chunk.copy() if np.dtype(dtypes[key]).kind in "iu"
-                    else np.ldexp(chunk.astype(np.float64), -frac_bits))
-    return out
-
-
-@torch.no_grad()
-def layer_sharing(model: nn.Module, layer: int) -> dict[str, str]:
-    """Which linear layers of decoder layer ``layer`` read the very same input tensor (q/k/v,
-    gate/up): ``{name: owner}``, the owner the first such name in sorted order, as
-    :func:`encode_stats` names it. Found from the architecture, by one forward of four tokens
-    with a pre-hook on each linear layer (what the statistics of any data would show)."""
-    adapter = ModelAdapter(model)
-    device = next(model.parameters()).device
-    owners = observed_input_owners(
-        ModelAdapter.linear_layers(adapter.layers[layer]),
-        lambda: model(torch.zeros(1, 4, dtype=torch.long, device=device), use_cache=False),
-        f"layer {layer}: ")
-    return {name: owner for name, owner in owners.items() if owner != name}
-
-
 def stats_layout(in_features: Mapping[str, int], shared: Mapping[str, str], hessian: bool,
                  layer: int) -> tuple[list[tuple[str, int]], dict[str, np.dtype]]:
     """The :func:`fixed_point_layout` of a layer's statistics as :func:`encode_stats` sends
@@ -423,11 +264,11 @@ def stats_layout(in_features: Mapping[str, int], shared: Mapping[str, str], hess
     for name, n in in_features.items():
         if name in shared:
             continue
-        sizes[_key(layer, name, "sq")] = n
-        dtypes[_key(layer, name, "sq")] = np.dtype(np.float64)
+        sizes[stat_key(layer, name, "sq")] = n
+        dtypes[stat_key(layer, name, "sq")] = np.dtype(np.float64)
         if hessian:
-            sizes[_key(layer, name, "h")] = n * (n + 1) // 2
-            dtypes[_key(layer, name, "h")] = _WIRE_HESSIAN
+            sizes[stat_key(layer, name, "h")] = n * (n + 1) // 2
+            dtypes[stat_key(layer, name, "h")] = _WIRE_HESSIAN
     return [(key, sizes[key]) for key in sorted(sizes)], dtypes
 
 
