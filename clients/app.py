@@ -2,8 +2,9 @@
 
 Each method of the registry (:mod:`fedcompress.methods`) names its actions (``train.masks``,
 ``query.perturb``, ...) and the handler of each in its ClientApp module (``clients/<method>.py``);
-the registry is read at a process's first message (:func:`local_app`: it imports every method's
-settings module, and torch), and a handler's module when a message of its method first arrives.
+the registry is read at a process's first message (:func:`local_app`, of :mod:`clients.local`,
+re-exported here: it imports every method's settings module, and torch), and a handler's module
+when a message of its method first arrives.
 
 A deployed site's SuperNode names its site agent (``site-agent="/path/to.sock"``,
 :mod:`clients.site_agent`): :data:`app` relays each message to the agent, which alone holds the
@@ -33,7 +34,6 @@ from __future__ import annotations
 from clients import startup  # first: the imports below are timed
 
 with startup.timed(startup.IMPORT):
-    import functools
     import logging
 
     from flwr.app import Context, Message
@@ -41,43 +41,16 @@ with startup.timed(startup.IMPORT):
 
     from clients import site_agent
 
+    # the in-process ClientApp, a module of its own (the site agent's warm-up imports it);
+    # re-exported here, where it was first defined
+    from clients.local import (  # noqa: F401 (this module's public names)
+        build_client_app,
+        is_simulated,
+        local_app,
+    )
+    from clients.operations import error_reply
+
 logger = logging.getLogger(__name__)
-
-
-def _operation(op: site_agent.Operation):
-    def handle(message: Message, context: Context) -> Message:
-        if _simulated(context):  # the same operation, wrapped in the simulation's faults
-            from clients import simulated  # and attacks (never at a deployed site)
-
-            return simulated.run(op, message, context)
-        return site_agent.run_operation(op, message, context)
-
-    handle.__name__ = op.function
-    return handle
-
-
-def build_client_app() -> ClientApp:
-    """A ClientApp serving the actions of every registered method."""
-    from fedcompress.methods import methods
-
-    client_app = ClientApp()
-    for method in methods().values():
-        for action, function in method.actions.items():
-            kind, _, name = action.partition(".")
-            register = {"train": client_app.train, "evaluate": client_app.evaluate,
-                        "query": client_app.query}[kind]
-            register(name)(_operation(site_agent.Operation(
-                method.name, action, method.client_module, function,
-                method.clear_releases.get(action, ""))))
-    return client_app
-
-
-@functools.cache
-def local_app() -> ClientApp:
-    """This process's ClientApp of every method's actions, built at its first message (the
-    registry imports every method's settings module, and torch: timed as imports)."""
-    with startup.timed(startup.IMPORT):
-        return build_client_app()
 
 
 class SiteClientApp(ClientApp):
@@ -98,27 +71,21 @@ class SiteClientApp(ClientApp):
         if "site-worker" in context.node_config:
             logger.error("refused %s: the node config names the retired site worker",
                          message.metadata.message_type)
-            return site_agent._error(message, (
+            return error_reply(message, (
                 "refused by the site: this SuperNode's node config names a site worker "
                 "(site-worker), which fedcompress no longer has; start `fedcompress site-agent "
                 f"--config FILE` and name its socket as {site_agent.NODE_CONFIG_KEY}=\"PATH\""))
         mode = str(context.node_config.get("site-mode", "") or "")
-        if mode != "development" and not _simulated(context):
+        if mode != "development" and not is_simulated(context):
             logger.error("refused %s: no site agent (node config %s)",
                          message.metadata.message_type, site_agent.NODE_CONFIG_KEY)
-            return site_agent._error(message, (
+            return error_reply(message, (
                 f"refused by the site: this SuperNode's node config names no site agent "
                 f"({site_agent.NODE_CONFIG_KEY}=\"PATH\" of `fedcompress site-agent`'s "
                 "socket), and a deployed site runs the server's code only beside its agent; "
                 "site-mode=\"development\" runs the operations in the SuperNode's ClientApp "
                 "process instead (a test bench, never a site with private data)"))
         return local_app()(message, context)
-
-
-def _simulated(context: Context) -> bool:
-    from fedcompress.privacy import site
-
-    return site.is_simulated(context.node_config)
 
 
 app = SiteClientApp()

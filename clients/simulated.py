@@ -2,8 +2,8 @@
 
 A simulated site (a virtual site of the Simulation Engine, or a harness whose node config says
 ``site-mode="simulation"``) runs the very operations a deployed site's agent runs
-(:func:`clients.site_agent.run_operation`); this module wraps them, and only them
-(:func:`run`, called by :mod:`clients.app` for a simulated site):
+(:func:`clients.operations.run_operation`); this module wraps them, and only them
+(:func:`run`, called by the in-process ClientApp, :mod:`clients.local`, for a simulated site):
 
 * **attack models** (FedPrLLM's ``attackers``/``attack``): the operation's mask pass is handed
   an attack (:data:`clients.fedprllm.SIMULATED_MASKS`, a hook that is unset everywhere else), so
@@ -40,7 +40,7 @@ def run(op: Any, message: Message, context: Any) -> Message:
     """``op`` on ``message`` at a simulated site, with the attack and the fault its settings
     ask for (module docstring)."""
     from clients import fedprllm
-    from clients.site_agent import run_operation
+    from clients.operations import run_operation
 
     config = _fedprllm_config(op, message)
     token = None

@@ -16,7 +16,8 @@ keeps everything a guarantee depends on out of that code's reach:
 * the agent runs only the operations of its own registry (:func:`operations`: every method's
   actions, :data:`OPERATIONS_VERSION`), each through :func:`run_operation`, which the
   in-process ClientApp of a simulation runs too: the site's policy first, the ledger, the
-  release, and an error that names settings and bounds but no private value.
+  release, and an error that names settings and bounds but no private value (both defined in
+  :mod:`clients.operations`, re-exported here).
 
 Protocol, one connection per message, every frame ``MAGIC + 8-byte length + payload`` (the
 frames of :mod:`clients.site_socket`):
@@ -53,6 +54,15 @@ from typing import Any
 from clients import site_socket as frames
 from clients import startup
 
+# the operations, a module of their own (the in-process ClientApp runs them too); re-exported
+# here, where they were first defined
+from clients.operations import (  # noqa: F401 (this module's public names)
+    Operation,
+    error_reply,
+    operations,
+    run_operation,
+)
+
 logger = logging.getLogger("fedcompress.site_agent")
 
 #: The relay's ``--node-config`` key naming the agent's socket.
@@ -69,82 +79,6 @@ CONTEXTS_KEPT = 8
 
 class SiteAgentError(frames.SiteSocketError):
     """The agent cannot serve this message, or its config is invalid (named)."""
-
-
-# -- the operations ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Operation:
-    """One site operation: a method's action and its handler in the site's installed code."""
-
-    method: str
-    action: str
-    module: str
-    function: str
-    clear: str = ""  # what it releases in the clear (the method's clear_releases)
-
-
-def operations() -> dict[str, Operation]:
-    """Every site operation of the registry, by message type."""
-    from fedcompress.methods import methods
-
-    return {action: Operation(m.name, action, m.client_module, function,
-                              m.clear_releases.get(action, ""))
-            for m in methods().values() for action, function in m.actions.items()}
-
-
-def _error(message: Any, reason: str) -> Any:
-    from flwr.app import Error, Message
-    from flwr.common.constant import ErrorCode
-
-    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
-                   reply_to=message)
-
-
-def run_operation(op: Operation, message: Any, context: Any) -> Any:
-    """``op`` on ``message`` at the site whose node config and state ``context`` holds: the
-    site's policy first (:func:`fedcompress.privacy.site.admit`), then the handler; a release
-    that is not DP is recorded in the ledger, every reply with metrics carries what the ledger
-    says and this process's start-up split. A refusal names the value, the bound and the key;
-    any other error of a deployed site names the action and the error's class only
-    (:func:`fedcompress.privacy.site.public_error`; in simulation it propagates)."""
-    import importlib
-
-    started = startup.message_started()
-    with startup.timed(startup.IMPORT):
-        handler = getattr(importlib.import_module(op.module), op.function)
-        from fedcompress.privacy import site
-        from fedcompress.privacy.ledger import LedgerError
-        from fedcompress.privacy.policy import PolicyError
-    simulated = site.is_simulated(context.node_config)
-    try:
-        config = message.content["config"] if "config" in message.content else None
-        policy = site.admit(context.node_config, config, op.action, op.clear)
-        with site.admitted(context.node_config, policy):  # read once per message
-            reply = handler(message, context)
-        if not reply.has_error() and "metrics" in reply.content:
-            metrics = reply.content["metrics"]
-            if "ledger_dp" not in metrics:  # a DP release records itself before it happens
-                for key, value in site.record_release(policy, context.run_id, op.method,
-                                                      op.action).items():
-                    metrics[key] = value
-            for key, value in startup.message_metrics(started).items():
-                metrics[key] = value
-    except PolicyError as err:
-        logger.warning("%s refused by this site's policy: %s", op.action, err)
-        return _error(message, f"refused by the site's policy: {err}")
-    except LedgerError as err:
-        logger.error("%s refused: %s", op.action, err)
-        return _error(message, "refused by the site's policy: " + (
-            str(err) if simulated else "its privacy ledger refuses every release (damaged, "
-            "truncated or rolled back); the site's log names the file"))
-    except Exception as err:
-        if simulated:  # the server runs the sites: its error, as the runtime reports it
-            raise
-        # a deployed site says what failed, not why: an exception's text may quote the site's
-        # data (a record's field, a path); the site's own log has it
-        logger.exception("%s failed at this site", op.action)
-        return _error(message, site.public_error(op.action, err))
-    return reply
 
 
 # -- the agent's config ----------------------------------------------------------------------------
@@ -263,9 +197,10 @@ class SiteAgent:
         op = self.operations.get(action)
         if op is None:
             logger.warning("refused an unknown operation %r", action)
-            return _error(message, f"refused by the site's policy: operation {action!r} is not "
-                          f"one of this site's operations (fedcompress site operations "
-                          f"v{OPERATIONS_VERSION}: {', '.join(sorted(self.operations))})")
+            return error_reply(message, f"refused by the site's policy: operation {action!r} "
+                               f"is not one of this site's operations (fedcompress site "
+                               f"operations v{OPERATIONS_VERSION}: "
+                               f"{', '.join(sorted(self.operations))})")
         self.served += 1
         logger.info("message %d: %s (run %d)", self.served, action, message.metadata.run_id)
         return run_operation(op, message, self.context_for(message))

@@ -441,7 +441,7 @@ def warm_up() -> float:
     import importlib
 
     start = time.perf_counter()
-    from clients.app import local_app
+    from clients.local import local_app
     from fedcompress.methods import methods
 
     local_app()
