@@ -64,8 +64,9 @@ from fedcompress.privacy import dp_attacks as da
 from fedcompress.privacy import leakage as lk
 
 if TYPE_CHECKING:
-    from fedcompress.bench.sweep import BenchRunner, Cell, Study
-    from fedcompress.bench.tables import StudyTable
+    from fedcompress.bench.cells import Cell, Study
+    from fedcompress.bench.labels import StudyTable
+    from fedcompress.bench.sweep import BenchRunner
 
 logger = logging.getLogger(__name__)
 
@@ -435,8 +436,8 @@ def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
                _overrides: Mapping[str, Any] | None = None) -> Study:
     """A dp-leakage study: one cell per point of its swept settings (``[bench]`` settings of
     the same name apply too)."""
+    from fedcompress.bench.cells import Study
     from fedcompress.bench.studies import check_keys, settings_cells
-    from fedcompress.bench.sweep import Study
 
     names = DpLeakageConfig.names()
     check_keys(name, KIND, table, names)
@@ -487,7 +488,7 @@ def _se(value: Any, se: Any) -> str:
 def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
     """One table: a row per cell and attack (attacker, view), with AUC within / pooled /
     neighbour, top-1 (chance) and the ceilings."""
-    from fedcompress.bench.tables import StudyTable, _fmt
+    from fedcompress.bench.labels import StudyTable, format_value
 
     header = ["method", "placement", "epsilon", "attacker", "view", "AUC within",
               "AUC pooled", "neighbour AUC", "top-1 (chance)", "GDP ceiling AUC / choice",
@@ -523,7 +524,7 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
             "forced choice between the member and a non-member on one release (ceiling: "
             "'choice'); neighbour AUC = the ROC AUC of the test between neighbouring datasets "
             "(ceiling: 'AUC'); ± a bootstrap standard error over the releases (trials). "
-            "Fixed: " + ", ".join(f"{k}={_fmt(v)}"
+            "Fixed: " + ", ".join(f"{k}={format_value(v)}"
                                                     for k, v in sorted(fixed.items())) + ".")
     return [StudyTable("Membership attacks on the DP release", note, header, body,
                        first_value=5, best=None)]

@@ -72,8 +72,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedcompress.bench.studies import check_keys, stored_cell
-from fedcompress.bench.sweep import (
+from fedcompress.bench.cells import (
     ATTACK_KEYS,
     CLIENT_KEYS,
     EVAL_KEYS,
@@ -81,17 +80,18 @@ from fedcompress.bench.sweep import (
     BenchConfigError,
     Cell,
     Study,
-    _cells,
-    _data_key,
-    _digest,
-    _eval_items,
+    data_key,
+    digest,
+    eval_items,
+    fedprllm_cells,
 )
+from fedcompress.bench.studies import check_keys, stored_cell
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from fedcompress.bench.labels import StudyTable
     from fedcompress.bench.sweep import BenchRunner
-    from fedcompress.bench.tables import StudyTable
     from fedcompress.methods.fedprllm.config import FedPrLLMConfig
     from fedcompress.methods.fedprllm.experiment import Experiment
     from fedcompress.methods.fedprllm.stats import StatsRun
@@ -285,7 +285,7 @@ def plan_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
             # the baselines: ordinary bench cells (no DP settings: shared with other studies)
             votes = {k: v for k, v in budget.items() if not k.startswith("dp_")}
             votes.update(mode="oneshot", group=options["vote_group"], **evals)
-            for cell in _cells(name, votes, fed_baselines):
+            for cell in fedprllm_cells(name, votes, fed_baselines):
                 if cell.kind != "fedprllm" or "votes" in options["baselines"]:
                     cells.setdefault(cell.id, cell)
     fixed = {k: v for k, v in settings.items() if k not in swept}
@@ -310,13 +310,13 @@ def dp_cell(name: str, point: Mapping[str, Any], evals: Mapping[str, Any], epsil
         values = {k: v for k, v in values.items() if not k.startswith("dp_")}
     try:
         config = FedPrLLMConfig.from_dict(values)
-        eval_items = _eval_items(EvalConfig(**evals))
+        items = eval_items(EvalConfig(**evals))
     except (SettingsError, TypeError, ValueError) as err:
         raise BenchConfigError(f"study {name!r}: {err}") from err
     full = config.to_dict()
     if full["partition"] == "iid":  # alpha has no effect (as the bench's cells)
         full["alpha"] = FedPrLLMConfig.alpha
-    return Cell(DP_CELL, tuple((k, full[k]) for k in CLIENT_KEYS), (), eval_items)
+    return Cell(DP_CELL, tuple((k, full[k]) for k in CLIENT_KEYS), (), items)
 
 
 def with_draw(cell: Cell, draw: int) -> Cell:
@@ -354,7 +354,7 @@ def dp_seed(cell: Cell) -> int:
     client = {k: v for k, v in cell.client if k not in ATTACK_KEYS and k not in SEED_EXCLUDED
               and (k, v) not in SEED_ADDED_LATER.items()}
     draw = draw_of(cell)
-    return int(np.random.SeedSequence([int(client.get("seed", 0)), int(_digest(client), 16),
+    return int(np.random.SeedSequence([int(client.get("seed", 0)), int(digest(client), 16),
                                        *([draw] if draw else [])]).generate_state(1)[0])
 
 
@@ -461,7 +461,7 @@ def run_cells(runner: BenchRunner, cells: list[Cell]) -> None:
             continue
         by_data: dict[str, list[Cell]] = {}
         for cell in group:
-            by_data.setdefault(_data_key(cell), []).append(cell)
+            by_data.setdefault(data_key(cell), []).append(cell)
         for same in by_data.values():
             try:
                 exp = prepare_experiment(fed_config(same[0]), same[0].eval_config(),
@@ -598,7 +598,7 @@ def _same_as_centralized(values: Mapping[str, Mapping[str, Any] | None]) -> str:
 def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
     """Perplexity per epsilon beside the baselines (one row per setting, budget and
     placement), then each DP cell's noise, spent epsilon, seconds and bytes."""
-    from fedcompress.bench.tables import StudyTable, _fmt, human_bytes
+    from fedcompress.bench.labels import StudyTable, format_value, human_bytes
 
     options = study.options
     keys = [*options["rows"], "budget", "placement"]
@@ -614,13 +614,13 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
     for row in _rows(study):
         values = row_values(study, results, row)
         drawn = row_draws(study, results, row)
-        line = [*(_fmt(row[k]) for k in keys),
+        line = [*(format_value(row[k]) for k in keys),
                 *(_draws_value(drawn[c]) if c in drawn else
                   _value(values.get(c)) if c in values else "-" for c in columns)]
         if header[-1] == "no DP = centralized":
             line.append(_same_as_centralized(values))
         body.append(line)
-    fixed = ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(study.settings.items()))
+    fixed = ", ".join(f"{k}={format_value(v)}" for k, v in sorted(study.settings.items()))
     note = ("Perplexity (lower is better) of statistics mode with DP at each epsilon per site "
             "(delta and the clip bounds as fixed below; the noise multiplier and the epsilon "
             "the accountant spent over every layer's release are in the next table), beside "
@@ -645,7 +645,7 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
         s = cell.settings()
         eps = float(s["dp_epsilon"])
         record = results.get(cell.id)
-        line = [*(_fmt(s.get(k)) for k in options["rows"]), budget_label(s),
+        line = [*(format_value(s.get(k)) for k in options["rows"]), budget_label(s),
                 s["dp_placement"] if eps else "-", epsilon_label(eps),
                 *([str(draw_of(cell))] if draws > 1 else [])]
         if record is None or record.get("status") != "ok":
@@ -685,7 +685,7 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
     when it is below the axis). The title wraps."""
     import textwrap
 
-    from fedcompress.bench.plots import _pyplot
+    from fedcompress.bench.plots import pyplot
 
     options = study.options
     panels: dict[str, list[tuple[dict, dict]]] = {}
@@ -706,7 +706,7 @@ def study_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Pa
         panels.setdefault(method, []).append((row, {"points": points, "refs": refs}))
     if not panels:
         return []
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6.8), squeeze=False)
     styles = {"centralized": "--", "no DP": (0, (1, 1)), "local-only": ":", "votes": "-.",
               "dense": "-", "public": (0, (5, 1, 1, 1))}

@@ -44,13 +44,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedcompress.bench.cells import BenchConfigError, Cell, Study
 from fedcompress.bench.studies import check_keys, settings_cells, stored_cell
-from fedcompress.bench.sweep import BenchConfigError, Cell, Study
 from fedcompress.report import atomic_write
 
 if TYPE_CHECKING:
+    from fedcompress.bench.labels import StudyTable
     from fedcompress.bench.sweep import BenchRunner
-    from fedcompress.bench.tables import StudyTable
 
 logger = logging.getLogger(__name__)
 
@@ -375,7 +375,7 @@ def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
     """A summary (one row per cell: mean (median) held-out perplexity over the sites per
     method, the sites where personalized beats uniform FedPrLLM, mean units per class), then
     each finished cell's per-site table."""
-    from fedcompress.bench.tables import StudyTable
+    from fedcompress.bench.labels import StudyTable
 
     fixed = {k: v for k, v in study.settings.items() if k not in study.swept}
     names = ["dense", *METHODS, "kept"]

@@ -8,14 +8,16 @@ from __future__ import annotations
 import logging
 import textwrap
 from pathlib import Path
+from typing import Any
 
-from fedcompress.bench.sweep import Study
-from fedcompress.bench.tables import strategy_label
+from fedcompress.bench.cells import Study
+from fedcompress.bench.labels import strategy_label
 
 logger = logging.getLogger(__name__)
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,7 +38,7 @@ def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str,
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     fig.clf()
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -86,7 +88,7 @@ def perplexity_lines(lines: dict[str, list[tuple[float, float]]], dense: float |
     if not lines:
         return None
     many = len(lines) > 8  # the legend under the plot, the figure taller for it
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8 + (0.15 * (len(lines) + 1) if many else 0)))
     styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
     for i, (label, points) in enumerate(sorted(lines.items())):
@@ -107,7 +109,7 @@ def vote_histograms(stats: dict[str, dict], labels: dict[str, str], path: Path) 
     """Fraction of weights pruned by ``c`` of ``m`` clients, one line per client setting."""
     if not stats:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for client_id, item in stats.items():
         hist = item["vote_histogram"]
@@ -126,7 +128,7 @@ def layer_agreement(stats: dict[str, dict], labels: dict[str, str], path: Path) 
     items = {k: v for k, v in stats.items() if "agreement_per_layer" in v}
     if not items:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for client_id, item in items.items():
         layers = sorted(item["agreement_per_layer"], key=int)
@@ -137,17 +139,16 @@ def layer_agreement(stats: dict[str, dict], labels: dict[str, str], path: Path) 
                  "decoder layer", "mean pairwise Hamming distance")
 
 
-def network_times(study: Study, results: dict[str, dict], path: Path) -> Path | None:
+def network_times(study: Study, rows: list[dict[str, Any]], path: Path) -> Path | None:
     """Simulated end-to-end seconds per network profile of a network study, one line per row
-    of its table (strategy, other settings, straggler fraction)."""
-    from fedcompress.bench.studies import network_rows
-
-    rows = [r for r in network_rows(study, results) if r["status"] == "ok"]
+    of its table (strategy, other settings, straggler fraction): ``rows`` are
+    :func:`fedcompress.bench.studies.network_rows` of the study's results."""
+    rows = [r for r in rows if r["status"] == "ok"]
     if not rows:
         return None
     profiles = study.options["profiles"]
     several = len(study.options["stragglers"]) > 1
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8 + 0.12 * len(rows)))
     styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]
     values = []
@@ -167,16 +168,14 @@ def network_times(study: Study, results: dict[str, dict], path: Path) -> Path | 
                  "simulated end-to-end time (s)", legend_below=True)
 
 
-def leakage_distances(study: Study, results: dict[str, dict], path: Path) -> Path | None:
+def leakage_distances(study: Study, summary: dict[str, dict], path: Path) -> Path | None:
     """A leakage study's Hamming distances between masks by how much data they share (bars,
     mean and sample std), and per decoder layer (disjoint data and one window replaced), one
-    colour per cell."""
-    from fedcompress.bench.studies import leakage_summary
-
-    summary = leakage_summary(study, results)
+    colour per cell: ``summary`` is :func:`fedcompress.bench.studies.leakage_summary` of the
+    study's results."""
     if not summary:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, (bars, layers) = plt.subplots(1, 2, figsize=(10, 4.5))
     width = 0.8 / len(summary)
     for i, (label, item) in enumerate(summary.items()):

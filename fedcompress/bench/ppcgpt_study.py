@@ -57,16 +57,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedcompress.bench.cells import BenchConfigError, Cell, Study, bench_record
 from fedcompress.bench.studies import check_keys, stored_cell
-from fedcompress.bench.sweep import BenchConfigError, Cell, Study, bench_record
 from fedcompress.methods import ppcgpt
 from fedcompress.methods.ppcgpt import PPCGPTConfig
 from fedcompress.models import num_layers
 from fedcompress.report import atomic_write, markdown_table
 
 if TYPE_CHECKING:
+    from fedcompress.bench.labels import StudyTable
     from fedcompress.bench.sweep import BenchRunner
-    from fedcompress.bench.tables import StudyTable
 
 logger = logging.getLogger(__name__)
 
@@ -413,7 +413,7 @@ def majority_share(data: Sequence[ppcgpt.ClientData]) -> float:
 def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
     """The paper-shaped tables of a PPC-GPT study; Table 1 has the majority-label accuracy of
     the test examples as a reference row once :func:`study_sections` has computed it."""
-    from fedcompress.bench.tables import StudyTable
+    from fedcompress.bench.labels import StudyTable
 
     layout = Layout.from_options(study.options)
     base = layout.base

@@ -46,15 +46,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedcompress.bench.cells import BenchConfigError, Cell, Study, bench_record
 from fedcompress.bench.studies import check_keys, stored_cell
-from fedcompress.bench.sweep import BenchConfigError, Cell, Study, bench_record
 from fedcompress.layers.redundancy import CosineMatrix, plot_cosine_matrix
 from fedcompress.layers.removal import lowest_score_plan
 from fedcompress.methods import privytune as ppt
 
 if TYPE_CHECKING:
+    from fedcompress.bench.labels import StudyTable
     from fedcompress.bench.sweep import BenchRunner
-    from fedcompress.bench.tables import StudyTable
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ def _task_label(task: tuple[str, str]) -> str:
 
 def study_tables(study: Study, results: Mapping[str, dict]) -> list[StudyTable]:
     """The paper's tables (accuracy in %), from the finished cells."""
-    from fedcompress.bench.tables import StudyTable
+    from fedcompress.bench.labels import StudyTable
 
     layout = Layout.from_options(study.options)
     tasks = [_task_label(t) for t in layout.tasks]

@@ -62,18 +62,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedcompress.bench.sweep import (
+from fedcompress.bench.cells import (
     EVAL_KEYS,
     SERVER_KEYS,
     BenchConfigError,
     Cell,
     Study,
-    _study,
+    fedprllm_study,
 )
 
 if TYPE_CHECKING:
+    from fedcompress.bench.labels import StudyTable
     from fedcompress.bench.sweep import BenchRunner
-    from fedcompress.bench.tables import StudyTable
 
 NETWORK_DEFAULTS: dict[str, Any] = {
     "profiles": ["datacenter", "lan", "wan", "edge"], "stragglers": [0.2],
@@ -96,7 +96,7 @@ class StudyKind:
     ``record_cell(record)`` -> the :class:`Cell` a stored record belongs to, under today's
     settings (how a rerun finds what finished); ``run(runner, cells)`` runs pending cells, each
     through :meth:`~fedcompress.bench.sweep.BenchRunner.run_cell` (stored at once, a failure
-    recorded); ``tables(study, results)`` -> its :class:`~fedcompress.bench.tables.StudyTable`
+    recorded); ``tables(study, results)`` -> its :class:`~fedcompress.bench.labels.StudyTable`
     list (report.md and the HTML page); ``sections(study, out)`` -> extra report sections
     ``(title, markdown)``; ``plots(study, results, out)`` -> PNG paths; ``legacy(record)``: a
     cell of the kind's former store (``OUT/cells/<id>.json``) as a bench record, or None."""
@@ -178,14 +178,16 @@ def _network_tables(study: Study, results: Mapping[str, dict]) -> list:
 def _network_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Path]:
     from fedcompress.bench import plots
 
-    path = plots.network_times(study, results, out / f"network-{study.name}.png")
+    path = plots.network_times(study, network_rows(study, results),
+                               out / f"network-{study.name}.png")
     return [path] if path else []
 
 
 def _leakage_plots(study: Study, results: Mapping[str, dict], out: Path) -> list[Path]:
     from fedcompress.bench import plots
 
-    path = plots.leakage_distances(study, results, out / f"leakage-{study.name}.png")
+    path = plots.leakage_distances(study, leakage_summary(study, results),
+                                   out / f"leakage-{study.name}.png")
     return [path] if path else []
 
 
@@ -269,7 +271,7 @@ def network_study(name: str, base: Mapping[str, Any], table: Mapping[str, Any],
         if "baselines" in rest:
             raise BenchConfigError(f"study {name!r}: a network study has no baselines (they "
                                    "send nothing)")
-        own = _study(name, {**base, **rest, **overrides})
+        own = fedprllm_study(name, {**base, **rest, **overrides})
         cells, settings = own.cells, own.settings
     unique: dict[str, Cell] = {}
     for cell in cells:
@@ -310,8 +312,8 @@ def network_rows(study: Study, results: Mapping[str, dict]) -> list[dict[str, An
     """One row per (cell, straggler fraction): the cell's settings, its status, and when it
     finished its measured quantities and each profile's simulated seconds
     (:func:`fedcompress.bench.network.simulate` of its measured schedule)."""
+    from fedcompress.bench.labels import strategy_label
     from fedcompress.bench.network import schedule_from_bench_record, simulate
-    from fedcompress.bench.tables import strategy_label
 
     options = study.options
     shown = [k for k in study.swept if k not in SERVER_KEYS and k != "mode"]
@@ -352,8 +354,8 @@ def network_rows(study: Study, results: Mapping[str, dict]) -> list[dict[str, An
 def network_table(study: Study, results: Mapping[str, dict]):
     """The study's table: rows (cell x straggler fraction), columns the measured quantities and
     each profile's simulated seconds."""
+    from fedcompress.bench.labels import StudyTable, format_value
     from fedcompress.bench.network import PROFILES, format_bits_per_second
-    from fedcompress.bench.tables import StudyTable, _fmt
 
     options = study.options
     rows = network_rows(study, results)
@@ -364,7 +366,7 @@ def network_table(study: Study, results: Mapping[str, dict]):
               *(f"{p} s" for p in options["profiles"])]
     body = []
     for row in rows:
-        line = [*(_fmt(row["settings"][k]) for k in shown), row["strategy"],
+        line = [*(format_value(row["settings"][k]) for k in shown), row["strategy"],
                 *([f"{row['stragglers']:g}"] if several else [])]
         if row["status"] != "ok":
             body.append(line + [row["status"]] + [""] * (len(header) - len(line) - 1))
@@ -452,8 +454,8 @@ def leakage_tables(study: Study, results: Mapping[str, dict]) -> list:
     """One table per part of the analysis (information, Hamming distances, sensitivity,
     membership): a row per quantity, a column per cell (its swept settings), the paper's
     value last."""
+    from fedcompress.bench.labels import StudyTable, format_value
     from fedcompress.bench.leakage import PAPER, PARTS, quantities, scope_text
-    from fedcompress.bench.tables import StudyTable, _fmt
 
     columns, values, labels = [], [], {}
     first = None
@@ -473,7 +475,7 @@ def leakage_tables(study: Study, results: Mapping[str, dict]) -> list:
             values.append(rows)
     settings = dict(study.cells[0].client) if study.cells else study.settings
     fixed = {k: v for k, v in settings.items() if k not in study.swept}
-    note = ("Fixed: " + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(fixed.items())) + ". "
+    note = ("Fixed: " + ", ".join(f"{k}={format_value(v)}" for k, v in sorted(fixed.items())) + ". "
             + (scope_text(first) if first else "No cell has finished yet."))
     tables = []
     for part, caption in PARTS.items():

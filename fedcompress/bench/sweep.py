@@ -34,29 +34,48 @@ failed ones; a failing cell is recorded with its error and the sweep goes on.
 
 Client masks are computed in-process by the same library functions the Flower ClientApp calls
 (their equality with a Flower federation is tested), so a sweep needs no simulation engine.
+
+This module plans (:func:`plan`), runs (:class:`BenchRunner`) and resumes (:func:`load_results`)
+a sweep; the cells and studies themselves, the settings' keys and the expansion of a FedPrLLM
+study into cells are in :mod:`fedcompress.bench.cells` (their names are importable from here
+too).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import itertools
 import json
 import logging
 import time
 import tomllib
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
+from fedcompress.bench.cells import (  # noqa: F401 (this module's public names)
+    ATTACK_KEYS,
+    BASELINES,
+    BENCH_KEYS,
+    CLIENT_KEYS,
+    EVAL_KEYS,
+    SERVER_KEYS,
+    STUDY_KEYS,
+    STUDY_KINDS,
+    TASK_KEYS,
+    WIRE_KEYS,
+    BenchConfigError,
+    Cell,
+    Study,
+    baseline_drop,
+    bench_record,
+    data_key,
+    fedprllm_study,
+)
 from fedcompress.masks.aggregate import load_kernels
-from fedcompress.methods.evaluation import TaskEvalSettings
-from fedcompress.methods.fedprllm.experiment import EvalConfig, Experiment, prepare_experiment
+from fedcompress.methods.fedprllm.experiment import Experiment, prepare_experiment
 from fedcompress.methods.fedprllm.federated import (
-    FedPrLLMConfig,
     InvalidMaskError,
     MaskAggregator,
     encode_masks,
@@ -66,87 +85,6 @@ from fedcompress.methods.fedprllm.federated import (
 )
 
 logger = logging.getLogger(__name__)
-
-SERVER_KEYS = ("group", "scale", "tie_break", "defence", "trim", "reject_z")
-#: Client settings that do not change an honest site's masks (a simulated attack replaces the
-#: attackers' masks after the cache): left out of the mask cache's key.
-ATTACK_KEYS = ("attack", "attackers")
-EVAL_KEYS = tuple(EvalConfig.names())
-#: Evaluation settings of the zero-shot tasks (they matter only when ``tasks`` names some).
-TASK_KEYS = tuple(TaskEvalSettings.names())
-CLIENT_KEYS = tuple(k for k in FedPrLLMConfig.names() if k not in SERVER_KEYS)
-STUDY_KEYS = ("title", "baselines", "total_windows", "columns", "kind")
-#: Kinds of study (``[study.NAME] kind = ...``): a FedPrLLM sweep, or the studies of
-#: :data:`fedcompress.bench.studies.KINDS` (arithmetic on other cells' records, or their own
-#: cells).
-STUDY_KINDS = ("fedprllm", "network", "leakage", "ppcgpt", "privytune", "personalize", "dp",
-               "dp-leakage")
-#: The wire-format settings: the client masks are the same in every format (only the bytes
-#: differ), so one-shot cells of any format share the cached bit-packed masks.
-WIRE_KEYS = ("wire", "wire_reference")
-BENCH_KEYS = ("device", "out", "cache")
-BASELINES = ("dense", "centralized", "local-only")
-
-
-class BenchConfigError(ValueError):
-    """A bench config names an unknown setting or an impossible value."""
-
-
-# ------------------------------------------------------------------------------------------
-# Config -> cells
-# ------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Cell:
-    """One evaluated model: ``kind`` is ``fedprllm``, ``centralized``, ``local-only`` or
-    ``dense``; ``client`` the client-side settings, ``server`` the server variant."""
-
-    kind: str
-    client: tuple[tuple[str, Any], ...]
-    server: tuple[tuple[str, Any], ...] = ()
-    evals: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def id(self) -> str:
-        return _digest({"kind": self.kind, "client": dict(self.client),
-                        "server": dict(self.server), "eval": dict(self.evals)})
-
-    @property
-    def client_id(self) -> str:
-        """What the cached client masks depend on (the server variant too, when iterative);
-        not the wire format (the same masks, bit-packed in the cache)."""
-        client = {k: v for k, v in self.client if k not in ATTACK_KEYS}
-        if "wire" in client:
-            client.update((k, FedPrLLMConfig.defaults()[k]) for k in WIRE_KEYS)
-        extra = dict(self.server) if client.get("mode") == "iterative" else {}
-        return _digest({"client": client, "server": extra})
-
-    @property
-    def vote_id(self) -> str:
-        """What the vote depends on: the cached honest masks, the simulated attackers and the
-        wire format (the cells of one vote differ only in the server variant)."""
-        client = dict(self.client)
-        attack = {k: v for k, v in client.items() if k in ATTACK_KEYS}
-        wire = {k: client[k] for k in WIRE_KEYS if k in client}
-        return (self.client_id + (f"-{_digest(attack)}" if attack.get("attackers") else "")
-                + (f"-{_digest(wire)}" if wire.get("wire", "packed") != "packed" else ""))
-
-    def config(self) -> FedPrLLMConfig:
-        return FedPrLLMConfig.from_dict({**dict(self.client), **dict(self.server)})
-
-    def eval_config(self) -> EvalConfig:
-        return EvalConfig(**dict(self.evals))
-
-    def settings(self) -> dict:
-        return {"kind": self.kind, **dict(self.client), **dict(self.server)}
-
-
-def bench_record(cell: Cell, fields: dict) -> dict:
-    """A stored record: the cell's id and settings (between ``client_id`` and ``eval``, where
-    ``fedcompress report`` reads them), then what it measured."""
-    return {"id": cell.id, "client_id": cell.client_id, **cell.settings(),
-            "eval": dict(cell.evals), **fields}
-
 
 #: What a record's ``made_at`` holds: the source and the float kernels it ran on. A run resumed
 #: at another commit or on another CPU keeps its finished cells, so each cell says where it
@@ -174,26 +112,6 @@ def provenance(records: list[dict]) -> list[dict[str, Any]]:
         group = groups.setdefault(key, {**dict(zip(MADE_AT_KEYS, key)), "cells": []})
         group["cells"].append(record["id"])
     return list(groups.values())
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
-
-
-@dataclass
-class Study:
-    name: str
-    title: str
-    settings: dict[str, Any]
-    swept: list[str]
-    baselines: list[str]
-    columns: str | None
-    cells: list[Cell] = field(default_factory=list)
-    #: :data:`STUDY_KINDS`; ``options`` are the settings of a study of another kind that are
-    #: not cell settings (profiles, stragglers, the studies it reads, a PPC-GPT study's
-    #: ablation axes, ...; JSON, stored in report.json for its tables).
-    kind: str = "fedprllm"
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 def load_bench(path: str | Path) -> dict:
@@ -227,7 +145,8 @@ def plan(config: dict, overrides: dict | None = None) -> list[Study]:
             raise BenchConfigError(f"study {name!r}: unknown kind {kind!r}: expected one of "
                                    f"{', '.join(STUDY_KINDS)}")
         if kind == "fedprllm":
-            planned[name] = _study(name, {**base, **table, **kind_overrides(kind, overrides)})
+            planned[name] = fedprllm_study(name, {**base, **table,
+                                                  **kind_overrides(kind, overrides)})
         elif kind != "network":
             make = kinds.KINDS[kind].plan
             assert make is not None
@@ -246,98 +165,6 @@ def kind_overrides(kind: str, overrides: dict) -> dict:
 
     keys = EVAL_KEYS if kind == "fedprllm" else KINDS[kind].overrides
     return {k: v for k, v in overrides.items() if k in keys and v is not None}
-
-
-def _study(name: str, settings: dict) -> Study:
-    known = set(CLIENT_KEYS) | set(SERVER_KEYS) | set(EVAL_KEYS) | set(STUDY_KEYS) | set(
-        BENCH_KEYS)
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise BenchConfigError(f"study {name!r}: unknown setting(s) {unknown}; expected some of "
-                               f"{sorted(known)}")
-    meta = {k: settings.pop(k) for k in STUDY_KEYS if k in settings}
-    meta.pop("kind", None)
-    for key in BENCH_KEYS:
-        settings.pop(key, None)
-    baselines = meta.get("baselines", [])
-    baselines = [baselines] if isinstance(baselines, str) else list(baselines)
-    bad = sorted(set(baselines) - set(BASELINES))
-    if bad:
-        raise BenchConfigError(f"study {name!r}: unknown baseline(s) {bad}: expected some of "
-                               f"{', '.join(BASELINES)}")
-    swept = [k for k, v in settings.items() if isinstance(v, list)]
-    for key in swept:
-        if not settings[key]:
-            raise BenchConfigError(f"study {name!r}: {key} is an empty list")
-    columns = meta.get("columns") or next(
-        (k for k in swept if k in CLIENT_KEYS and k != "samples_per_client"),
-        swept[0] if swept else None)
-    if columns is not None and columns not in settings:
-        raise BenchConfigError(f"study {name!r}: columns {columns!r} is not one of its settings")
-    study = Study(name, meta.get("title", name), settings, swept, baselines, columns)
-    seen = set()
-    for values in itertools.product(*(settings[k] for k in swept)):
-        point = {**settings, **dict(zip(swept, values))}
-        if "total_windows" in meta:
-            total, clients = int(meta["total_windows"]), int(point.get("clients", 16))
-            if total % clients:
-                raise BenchConfigError(f"study {name!r}: total_windows {total} is not a "
-                                       f"multiple of clients {clients}")
-            point["samples_per_client"] = total // clients
-        for cell in _cells(name, point, baselines):
-            if cell.id not in seen:
-                seen.add(cell.id)
-                study.cells.append(cell)
-    return study
-
-
-def _eval_items(eval_config: EvalConfig) -> tuple[tuple[str, Any], ...]:
-    """The evaluation settings a cell's id depends on: the task settings only when tasks are
-    named (so the cells of sweeps without tasks keep their ids, and their results resume)."""
-    items = eval_config.to_dict()
-    if not items.get("tasks"):
-        items = {k: v for k, v in items.items() if k not in TASK_KEYS}
-    return tuple(sorted(items.items()))
-
-
-def _cells(study: str, point: dict, baselines: list[str]) -> Iterator[Cell]:
-    evals = {k: point[k] for k in EVAL_KEYS if k in point}
-    try:
-        config = FedPrLLMConfig.from_dict({k: v for k, v in point.items() if k not in EVAL_KEYS})
-        eval_config = EvalConfig(**evals)
-    except (TypeError, ValueError) as err:
-        raise BenchConfigError(f"study {study!r}: {err}") from err
-    if config.dp:
-        raise BenchConfigError(f"study {study!r}: dp_epsilon={config.dp_epsilon}: DP statistics "
-                               "cells belong to a study of kind dp (seeded noise, its "
-                               "baselines and plot)")
-    if config.wire != "packed" and config.mode != "oneshot":
-        raise BenchConfigError(f"study {study!r}: wire={config.wire!r} with mode="
-                               f"{config.mode!r}: the bench measures the {config.wire} wire "
-                               "format of one-shot cells only")
-    full = config.to_dict()
-    if full["partition"] == "iid":  # alpha has no effect: one cell, not one per alpha
-        full["alpha"] = FedPrLLMConfig.alpha
-    client = tuple((k, full[k]) for k in CLIENT_KEYS)
-    server = tuple((k, full[k]) for k in SERVER_KEYS)
-    ev = _eval_items(eval_config)
-    yield Cell("fedprllm", client, server, ev)
-    for baseline in baselines:
-        if baseline == "dense":
-            keep = ("model", "dtype", "batch_size")
-            yield Cell("dense", tuple((k, v) for k, v in client if k in keep), (), ev)
-        else:
-            # Baselines do not depend on the federation's server side or mode; centralized
-            # pruning sees the union of the windows, the same for every partition.
-            drop = _baseline_drop(baseline)
-            yield Cell(baseline, tuple((k, v) for k, v in client if k not in drop), (), ev)
-
-
-def _baseline_drop(kind: str) -> tuple[str, ...]:
-    """The client settings a baseline does not depend on (no federation, no attackers;
-    centralized pruning sees the union of the windows, the same for every partition)."""
-    return ("mode", "min_clients", *ATTACK_KEYS) + (
-        ("partition", "alpha") if kind == "centralized" else ())
 
 
 # ------------------------------------------------------------------------------------------
@@ -474,7 +301,7 @@ class BenchRunner:
             return
         groups: dict[str, list[Cell]] = {}
         for cell in cells:
-            groups.setdefault(_data_key(cell), []).append(cell)
+            groups.setdefault(data_key(cell), []).append(cell)
         for group in groups.values():
             try:
                 exp = prepare_experiment(group[0].config(), group[0].eval_config(),
@@ -806,17 +633,6 @@ class BenchRunner:
                             layer_server_seconds=timings["server_seconds"])
 
 
-def _data_key(cell: Cell) -> str:
-    """Cells with the same model, calibration windows and evaluation text share an Experiment."""
-    client = dict(cell.client)
-    keys = ("model", "dtype", "clients", "samples_per_client", "seqlen", "partition", "alpha",
-            "seed", "calib_text", "calib_split")
-    if cell.kind == "dense":
-        return _digest({"dense": [client.get("model"), client.get("dtype")],
-                        "eval": dict(cell.evals)})
-    return _digest({"data": {k: client.get(k) for k in keys}, "eval": dict(cell.evals)})
-
-
 def _raise(err: BaseException):
     raise err
 
@@ -856,7 +672,7 @@ def record_cell(record: dict) -> Cell:
     if kind == "fedprllm":
         server.update({k: v for k, v in SERVER_ADDED_LATER.items() if k not in server})
     elif kind != "dense":
-        client = {k: v for k, v in client.items() if k not in _baseline_drop(kind)}
+        client = {k: v for k, v in client.items() if k not in baseline_drop(kind)}
     return Cell(kind, tuple((k, client[k]) for k in CLIENT_KEYS if k in client),
                 tuple((k, server[k]) for k in SERVER_KEYS if k in server),
                 tuple(sorted(record.get("eval", {}).items())))

@@ -1,65 +1,28 @@
 """Paper-shaped tables of a bench sweep: one per study; rows are strategies (and the other
 swept settings), columns the study's ``columns`` setting (sparsity, model, clients, ...). A
 study of another kind has its own tables (:mod:`fedcompress.bench.studies`);
-:func:`study_tables` gives every study's."""
+:func:`study_tables` gives every study's. The strategy labels, value formats and the
+:class:`StudyTable` type are in :mod:`fedcompress.bench.labels` (importable from here too)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-from fedcompress.bench.sweep import SERVER_KEYS, Cell, Study
+from fedcompress.bench.cells import SERVER_KEYS, Cell, Study
+from fedcompress.bench.labels import (  # noqa: F401 (this module's public names)
+    KIND_LABEL,
+    StudyTable,
+    format_value,
+    human_bytes,
+    strategy_label,
+)
 from fedcompress.report import markdown_table
 
+#: :func:`~fedcompress.bench.labels.format_value` (this module's name for it; imported from
+#: here by ``fedcompress.report_html``).
+_fmt = format_value
+
 KIND_ORDER = {"dense": 0, "centralized": 1, "local-only": 2, "fedprllm": 3}
-KIND_LABEL = {"dense": "Dense", "centralized": "Centralized", "local-only": "Local-only"}
-
-
-def strategy_label(settings: dict, omit: tuple[str, ...] = ()) -> str:
-    """``FedPrLLM one-shot, server row, scaling`` / ``Centralized`` / ...; settings named in
-    ``omit`` (e.g. the table's column setting) are left out of the label."""
-    kind = settings["kind"]
-    if kind != "fedprllm":
-        return KIND_LABEL[kind]
-    aggregate = settings.get("aggregate", "votes")
-    if aggregate == "stats":  # no vote: its comparison group is the sites' local group
-        return f"FedPrLLM statistics mode, {settings.get('local_group', 'row')}"
-    if aggregate == "fedspallm":
-        budget = settings.get("fedspallm_layers") or "all"
-        return (f"FedSpaLLM{'' if 'group' in omit else ', server ' + settings['group']}, "
-                f"{budget} layers per site")
-    parts = []
-    if "mode" not in omit:
-        parts.append(f"FedPrLLM {'one-shot' if settings.get('mode') == 'oneshot' else 'iterative'}")
-    else:
-        parts.append("FedPrLLM")
-    if "group" not in omit:
-        parts.append(f"server {settings['group']}")
-    if settings.get("scale") and "scale" not in omit:
-        parts.append("scaling")
-    if settings.get("tie_break", "magnitude") != "magnitude" and "tie_break" not in omit:
-        parts.append(f"ties {settings['tie_break']}")
-    defence = settings.get("defence", "none")
-    if defence != "none" and "defence" not in omit:
-        trim = f"trim {settings.get('trim')}"
-        parts.append({"trim": trim, "hamming": "Hamming defence",
-                      "both": f"Hamming defence + {trim}"}[defence])
-    return ", ".join(parts)
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
-def human_bytes(n: float) -> str:
-    """``163774464`` -> ``164 MB`` (decimal units, three significant digits)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def cell_cost(record: dict) -> str:
@@ -113,20 +76,6 @@ def study_table(study: Study, results: dict[str, dict], metric: str = "perplexit
     body = [[*key, *(rows[key].get(v, "") for v in col_values)]
             for key in sorted(rows, key=lambda k: order[k])]
     return header, body
-
-
-@dataclass
-class StudyTable:
-    """One table of a study: an optional caption, the text before it (markdown), its header
-    and rows; values start at column ``first_value``; ``best`` is ``"min"`` when the lowest
-    value of each column is the best (highlighted on the report page), else None."""
-
-    caption: str
-    note: str
-    header: list[str]
-    body: list[list[str]]
-    first_value: int
-    best: str | None = "min"
 
 
 def study_tables(study: Study, results: dict[str, dict]) -> list[StudyTable]:
