@@ -246,19 +246,14 @@ def solve(request: Path, answer: Path) -> None:
     save_exchange(answer, results, info)
 
 
-def oneshot_run(request: Path, out_dir: Path) -> None:
-    """llm-compressor's whole pipeline: ``oneshot`` + ``GPTQModifier`` on the request's
-    windows, saved compressed."""
-    from compressed_tensors.quantization import QuantizationScheme
+def _oneshot(meta: dict, ids: torch.Tensor, out_dir: Path, recipe, label: str) -> None:
+    """``oneshot`` of ``recipe`` (a modifier or a recipe file) on the model folder of ``meta``,
+    calibrated on ``ids`` (one sample per window, in order, not shuffled), saved with
+    ``save_compressed=True`` to ``out_dir/model``; timings in ``out_dir/oneshot.json``."""
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.gptq import GPTQModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tensors, meta = load_exchange(request)
-    quant = meta["quant"]
-    ids = tensors["input_ids"].to(torch.long)
-    out_dir.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(meta["model_path"], dtype=torch.float32)
@@ -266,10 +261,6 @@ def oneshot_run(request: Path, out_dir: Path) -> None:
     timings["load"] = time.perf_counter() - start
     dataset = Dataset.from_dict({"input_ids": ids.tolist(),
                                  "attention_mask": torch.ones_like(ids).tolist()})
-    scheme = QuantizationScheme(targets=["Linear"], weights=_quant_args(quant))
-    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=meta.get("ignore",
-                          ["lm_head"]), block_size=int(quant["block_size"]),
-                          dampening_frac=float(quant["dampening"]))
     start = time.perf_counter()
     oneshot(model=model, tokenizer=tokenizer, dataset=dataset, recipe=recipe,
             num_calibration_samples=int(ids.shape[0]), max_seq_length=int(ids.shape[1]),
@@ -281,39 +272,33 @@ def oneshot_run(request: Path, out_dir: Path) -> None:
     timings["save"] = time.perf_counter() - start
     (out_dir / "oneshot.json").write_text(json.dumps(
         {"timings": timings, "versions": versions(), "windows": list(ids.shape),
-         "recipe": str(recipe)}, indent=2) + "\n")
+         "recipe": label}, indent=2) + "\n")
+
+
+def oneshot_run(request: Path, out_dir: Path) -> None:
+    """llm-compressor's whole pipeline: ``oneshot`` + ``GPTQModifier`` on the request's
+    windows, saved compressed."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    tensors, meta = load_exchange(request)
+    quant = meta["quant"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=_quant_args(quant))
+    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=meta.get("ignore",
+                          ["lm_head"]), block_size=int(quant["block_size"]),
+                          dampening_frac=float(quant["dampening"]))
+    _oneshot(meta, tensors["input_ids"].to(torch.long), out_dir, recipe, str(recipe))
 
 
 def recipe_run(request: Path, out_dir: Path) -> None:
     """llm-compressor's ``oneshot`` with the request's recipe (YAML text) on its windows."""
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tensors, meta = load_exchange(request)
-    ids = tensors["input_ids"].to(torch.long)
     out_dir.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(meta["model_path"], dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(meta["model_path"])
-    timings["load"] = time.perf_counter() - start
-    dataset = Dataset.from_dict({"input_ids": ids.tolist(),
-                                 "attention_mask": torch.ones_like(ids).tolist()})
     recipe_file = out_dir / "recipe.yaml"
     recipe_file.write_text(meta["recipe"])
-    start = time.perf_counter()
-    oneshot(model=model, tokenizer=tokenizer, dataset=dataset, recipe=str(recipe_file),
-            num_calibration_samples=int(ids.shape[0]), max_seq_length=int(ids.shape[1]),
-            shuffle_calibration_samples=False, batch_size=1)
-    timings["oneshot"] = time.perf_counter() - start
-    start = time.perf_counter()
-    model.save_pretrained(out_dir / "model", save_compressed=True)
-    tokenizer.save_pretrained(out_dir / "model")
-    timings["save"] = time.perf_counter() - start
-    (out_dir / "oneshot.json").write_text(json.dumps(
-        {"timings": timings, "versions": versions(), "windows": list(ids.shape),
-         "recipe": meta["recipe"]}, indent=2) + "\n")
+    _oneshot(meta, tensors["input_ids"].to(torch.long), out_dir, str(recipe_file),
+             meta["recipe"])
 
 
 def versions() -> dict[str, str]:
