@@ -17,7 +17,8 @@ the preset's 128 does not divide SmolLM2's 576), written in llm-compressor's for
    ``simulations/gptq_anchor.py``: ``--venv``, created on first use), saved with
    ``save_compressed=True``;
 3. **compared**, over every linear layer of the decoder layers: the share of weights where both
-   models are zero or both are not (the masks), and, of quantized recipes, the share of equal
+   models are zero or both are not (the masks), where both kept a weight the share of equal
+   values and their median relative difference, and, of quantized recipes, the share of equal
    integers and equal scales (read from both folders' ``weight_packed`` / ``weight_scale``);
    both models' perplexity by our evaluator on the first ``--eval-windows`` windows of
    ``--eval-seqlen`` tokens of the wiki test split, and the relative gap (target: within 0.5%
@@ -141,12 +142,17 @@ def compare_folders(ours: Path, theirs: Path, bits: int) -> dict[str, Any]:
         raise ValueError(f"the two models hold different linear layers: only ours "
                          f"{sorted(set(a) - set(b))[:3]}, only theirs "
                          f"{sorted(set(b) - set(a))[:3]}")
-    total = same_mask = same_int = ints = same_scale = scales = 0
+    total = same_mask = same_int = ints = same_scale = scales = kept = same_kept = 0
+    relative: list[torch.Tensor] = []
     worst = {"layer": None, "mask_share": 1.0}
     for name in sorted(a):
         wa, qa = dense_of(a[name], bits)
         wb, qb = dense_of(b[name], bits)
         same = int(((wa == 0) == (wb == 0)).sum())
+        both = (wa != 0) & (wb != 0)
+        kept += int(both.sum())
+        same_kept += int(((wa == wb) & both).sum())
+        relative.append(((wa - wb).abs() / wb.abs())[both])
         total += wa.numel()
         same_mask += same
         if same / wa.numel() < worst["mask_share"]:
@@ -160,6 +166,11 @@ def compare_folders(ours: Path, theirs: Path, bits: int) -> dict[str, Any]:
     return {"layers": len(a), "weights": total, "masks_identical": same_mask / total,
             "integers_identical": same_int / ints if ints else None,
             "scales_identical": same_scale / scales if scales else None,
+            # where both kept a weight: the share of equal values, and the median of their
+            # relative difference (float arithmetic that differs shows here first)
+            "kept_values_identical": same_kept / kept if kept else None,
+            "kept_median_relative_difference": float(torch.cat(relative).median())
+            if kept else None,
             "least_identical_mask": worst}
 
 
