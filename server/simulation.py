@@ -3,10 +3,12 @@ instance started in-process, or a running Ray cluster the run attaches to."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import sys
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +57,47 @@ def simulate(server_app, client_app, num_supernodes: int, num_cpus_per_client: f
     try:
         if not attached:  # Flower's RayBackend finds Ray initialized and uses this instance
             start_private_ray(backend_config["init_args"])
-        run_simulation(server_app=server_app, client_app=client_app,
-                       num_supernodes=num_supernodes, backend_config=backend_config,
-                       verbose_logging=verbose)
+        with actors_killed_at_the_end():
+            run_simulation(server_app=server_app, client_app=client_app,
+                           num_supernodes=num_supernodes, backend_config=backend_config,
+                           verbose_logging=verbose)
     finally:
         if not attached:  # an attached run starts no Ray process: all belong to the cluster
             import ray
 
             ray.shutdown()  # Flower shuts its backend's Ray down; not if it failed before
             reap_ray_orphans(before)
+
+
+@contextlib.contextmanager
+def actors_killed_at_the_end() -> Iterator[None]:
+    """Within this block, Flower's Ray backend ends its virtual clients' actors with
+    ``ray.kill`` (no restart) instead of their ``terminate`` task.
+
+    Flower 1.42 ends a run by submitting every actor's ``terminate`` task and calling
+    ``ray.shutdown()`` at once. That task ends its actor with ``exit_actor``, which Ray reports
+    as a failed task; with ``max_task_retries`` (set above, for actors restarted after a
+    ClientApp killed its process) Ray resubmits it, and a resubmission that reaches the raylet
+    while ``ray.shutdown()`` stops it makes Ray's core worker end the whole driver process
+    ("Exiting because the Raylet IPC connection failed and the local Raylet is dead"): the
+    process that ran the ServerApp dies after the run, silently, with whatever it had still to
+    do (seen: a script's second simulation never started). ``ray.kill`` submits no task."""
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
+
+    original = BasicActorPool.terminate_all_actors
+
+    def terminate_all_actors(pool) -> None:
+        import ray
+
+        for actor in pool.pool:
+            ray.kill(actor, no_restart=True)
+        logger.debug("killed %d actor(s)", len(pool.pool))
+
+    BasicActorPool.terminate_all_actors = terminate_all_actors  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        BasicActorPool.terminate_all_actors = original  # type: ignore[method-assign]
 
 
 #: What Ray raises when its local node did not register with its GCS within Ray's fixed 30 s

@@ -138,3 +138,35 @@ def test_a_simulation_whose_first_ray_start_times_out_runs_and_leaves_nothing(
             and (p in ours or psutil.Process(p).ppid() == 1)]
     assert left == [], [psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]
     assert not ray.is_initialized()
+
+
+class _Actor:
+    """An actor handle whose ``terminate`` task must not be submitted."""
+
+    class _Task:
+        def remote(self):
+            raise AssertionError("the terminate task was submitted")
+
+    terminate = _Task()
+
+
+def test_a_runs_actors_are_killed_without_a_task_and_the_pool_is_restored(monkeypatch):
+    """Flower's end of a run submits each actor's terminate task, whose retry can reach a
+    stopping raylet and end the driver process: within the block the actors are killed with
+    ``ray.kill`` (no restart, no task) instead; after it, Flower's own method is back."""
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
+
+    from server.simulation import actors_killed_at_the_end
+
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append((actor,
+                                                                              no_restart)))
+    pool = type("Pool", (), {})()
+    pool.pool = [_Actor(), _Actor()]
+    original = BasicActorPool.terminate_all_actors
+    with actors_killed_at_the_end():
+        BasicActorPool.terminate_all_actors(pool)
+    assert killed == [(pool.pool[0], True), (pool.pool[1], True)]
+    assert BasicActorPool.terminate_all_actors is original
+    with pytest.raises(AssertionError, match="terminate task was submitted"):
+        BasicActorPool.terminate_all_actors(pool)
