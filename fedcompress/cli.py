@@ -254,7 +254,9 @@ def _method_parameters(method) -> list[inspect.Parameter]:
             kind, spec = cls.types()[name], cls.spec(name)
             flag = name.replace("_", "-")
             decl = f"--{flag}/--no-{flag}" if kind is bool else f"--{flag}"
-            option = _option(cls.defaults(), decl, spec.help)
+            panel = cls.owner(name).label
+            option = _option(cls.defaults(), decl, spec.help,
+                             rich_help_panel=panel[:1].upper() + panel[1:])
             params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                             annotation=Annotated[Optional[kind], option]))
     for old, new in method.aliases.items():

@@ -10,6 +10,20 @@ runs) are frozen dataclasses derived from :class:`Settings`, each field declared
         clients: int = setting(16, "Number of clients.", ge=1)
         method: str = setting("wanda", "Local pruning.", choices=("magnitude", "wanda"))
 
+A method's settings may be composed of *pieces*: a class that declares no field of its own and
+derives from two or more settings classes is their composition (the pieces keep their fields,
+their checks and their help group; the composition takes every piece's flat keys and adds the
+checks across pieces)::
+
+    @dataclass(frozen=True)
+    class RunConfig(FederationSettings, PruningSettings):   # the fields of both, flat
+        label: ClassVar[str] = "my method"
+
+        def validate(self) -> None:                         # checks across the pieces
+            ...
+
+    RunConfig(clients=8, sparsity=0.6).piece(PruningSettings)   # the pruning piece alone
+
 The field's type, default, help text and checks live in that one place: the CLI options, the
 ServerApp settings and the Flower run-config table are derived from it. :meth:`Settings.from_dict`
 takes flat values from any source (CLI, TOML, a Flower run config or ``ConfigRecord``; keys
@@ -31,6 +45,7 @@ from typing import Any, ClassVar, TypeVar
 __all__ = ["ServerSettings", "Settings", "SettingsError", "Spec", "convert", "setting"]
 
 S = TypeVar("S", bound="Settings")
+P = TypeVar("P", bound="Settings")
 
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
@@ -158,10 +173,14 @@ class Settings:
             if not (typed and spec.ok(value)):
                 raise SettingsError(f"{f.name}={value!r} is invalid: expected "
                                     f"{spec.expected(kind)}")
+        for piece in self.pieces():
+            if piece is not type(self):
+                piece.validate(self)  # each piece's own checks, then the composition's
         self.validate()
 
     def validate(self) -> None:
-        """Checks across fields (override; raise :class:`SettingsError`)."""
+        """Checks across fields (override; raise :class:`SettingsError`). A piece checks its
+        own fields; a composition, the fields of several pieces."""
 
     def invalid(self, name: str, expected: str) -> SettingsError:
         """The error for field ``name`` of this object: its value and what was expected."""
@@ -179,8 +198,40 @@ class Settings:
         return cached
 
     @classmethod
+    def pieces(cls) -> tuple[type[Settings], ...]:
+        """The settings classes this one is composed of, in the order of its bases (``(cls,)``
+        for a class that declares fields of its own: it is one piece)."""
+        bases = tuple(b for b in cls.__bases__ if issubclass(b, Settings) and b is not Settings)
+        if len(bases) < 2 or cls._declares_fields():
+            return (cls,)
+        return tuple(p for b in bases for p in b.pieces())
+
+    @classmethod
+    def _declares_fields(cls) -> bool:
+        own = cls.__dict__.get("__annotations__", {})
+        return any(f.name in own for f in dataclasses.fields(cls))
+
+    @classmethod
+    def owner(cls, name: str) -> type[Settings]:
+        """The piece that declares setting ``name``."""
+        for piece in cls.pieces():
+            if name in piece.names():
+                return piece
+        raise KeyError(name)
+
+    def piece(self, piece: type[P]) -> P:
+        """This object's settings of ``piece`` (one of :meth:`pieces`), as that class."""
+        if piece not in self.pieces():
+            raise TypeError(f"{piece.__name__} is not a piece of {type(self).__name__}: "
+                            f"expected one of {[p.__name__ for p in self.pieces()]}")
+        return piece(**{name: getattr(self, name) for name in piece.names()})
+
+    @classmethod
     def names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        """The settings' names: each piece's in its declaration order."""
+        if cls.pieces() == (cls,):
+            return [f.name for f in dataclasses.fields(cls)]
+        return [name for piece in cls.pieces() for name in piece.names()]
 
     @classmethod
     def from_dict(cls: type[S], values: Mapping[str, Any]) -> S:
@@ -195,7 +246,7 @@ class Settings:
         return cls(**{k: convert(types[k], k, v) for k, v in flat.items()})
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in self.names()}
 
     def replace(self: S, **changes: Any) -> S:
         return dataclasses.replace(self, **changes)
@@ -203,7 +254,8 @@ class Settings:
     # -- description -------------------------------------------------------------------------
     @classmethod
     def defaults(cls) -> dict[str, Any]:
-        return {f.name: f.default for f in dataclasses.fields(cls)}
+        fields = {f.name: f.default for f in dataclasses.fields(cls)}
+        return {name: fields[name] for name in cls.names()}
 
     @classmethod
     def spec(cls, name: str) -> Spec:

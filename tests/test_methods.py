@@ -92,6 +92,62 @@ def test_defaults_and_help_come_from_the_fields():
     assert Toy.names() == ["clients", "ratio", "mode", "flag", "minimum"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Budget(Settings):
+    label: ClassVar[str] = "budget"
+
+    seconds: float = setting(1.0, "Seconds.", gt=0.0)
+    retries: int = setting(0, "Retries (none without seconds above 1).", ge=0)
+
+    def validate(self) -> None:
+        if self.retries and self.seconds <= 1:
+            raise self.invalid("retries", "0 with seconds <= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyRun(Toy, Budget):
+    label: ClassVar[str] = "toy run"
+
+    def validate(self) -> None:
+        if self.retries > self.clients:
+            raise self.invalid("retries", f"at most clients={self.clients}")
+
+
+def test_a_composition_of_pieces_keeps_their_keys_checks_and_order():
+    assert ToyRun.pieces() == (Toy, Budget)
+    assert Toy.pieces() == (Toy,)
+    assert ToyRun.names() == [*Toy.names(), *Budget.names()]
+    assert list(ToyRun.defaults()) == ToyRun.names() == list(ToyRun().to_dict())
+    run = ToyRun.from_dict({"clients": "8", "seconds": 2, "retries": 3})
+    assert run.piece(Budget) == Budget(seconds=2.0, retries=3)
+    assert run.piece(Toy) == Toy(clients=8)
+    assert ToyRun.owner("retries") is Budget and ToyRun.owner("mode") is Toy
+    with pytest.raises(TypeError, match="Settings is not a piece of ToyRun"):
+        run.piece(Settings)
+    # each piece's own checks, then the composition's checks across pieces
+    with pytest.raises(SettingsError, match="minimum=5 is invalid: expected at most clients=4"):
+        ToyRun(minimum=5)
+    with pytest.raises(SettingsError, match="retries=1 is invalid: expected 0 with seconds"):
+        ToyRun(retries=1)
+    with pytest.raises(SettingsError, match="retries=5 is invalid: expected at most clients=4"):
+        ToyRun(seconds=2.0, retries=5)
+    with pytest.raises(SettingsError, match=r"unknown toy run setting\(s\) \['colour'\]"):
+        ToyRun.from_dict({"colour": "red"})
+
+
+def test_fedprllms_settings_are_pieces_of_at_most_25():
+    """FedPrLLM's 60-odd settings, each declared once in a piece of its subject; the
+    composition adds no field of its own."""
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+
+    pieces = FedPrLLMConfig.pieces()
+    assert len(pieces) == 8
+    names = [n for piece in pieces for n in piece.names()]
+    assert sorted(names) == sorted(f.name for f in dataclasses.fields(FedPrLLMConfig))
+    assert len(names) == len(set(names))
+    assert max(len(piece.names()) for piece in pieces) <= 25
+
+
 # -- the registry -----------------------------------------------------------------------------
 def test_registry_knows_every_method_once():
     known = methods()

@@ -9,6 +9,7 @@ import torch
 import yaml
 from conftest import InProcessFederation
 
+from fedcompress.config import SettingsError
 from fedcompress.recipe import (
     FedPrLLMVoteModifier,
     GPTQModifier,
@@ -30,7 +31,7 @@ sparsity_stage:
       sparsity: 0.5
       mask_structure: "0:0"
       targets: [Linear]
-      ignore: [lm_head]
+      ignore: ["re:.*lm_head"]
 """
 GPTQ = """
 quant_stage:
@@ -48,7 +49,8 @@ def test_the_three_recipes_as_runs():
     its modifiers' settings, llm-compressor's defaults where the recipe is silent."""
     (prune,) = stage_settings(load_recipe(SPARSEGPT), {})
     assert prune == {"aggregate": "stats", "method": "sparsegpt", "sparsity": 0.5, "nm": "none",
-                     "local_group": "layer", "sparsity_profile": "uniform", "quant": "none"}
+                     "local_group": "layer", "sparsity_profile": "uniform", "quant": "none",
+                     "sparsegpt_block_size": 128, "sparsegpt_dampening": 0.01}
     (quant,) = stage_settings(load_recipe(GPTQ), {"clients": 4})
     assert quant == {"clients": 4, "aggregate": "stats", "method": "none", "sparsity": 0.0,
                      "quant": "w4a16", "quant_method": "gptq", "quant_group_size": 128,
@@ -115,8 +117,11 @@ def test_owl_n_m_ria_and_the_vote_modifier():
     ({"s_stage": {"m_modifiers": {"SparseGPTModifier": {"sparsity": 0.5, "lr": 1}}}}, "lr"),
     ({"s_stage": {"m_modifiers": {"SparseGPTModifier": {
         "sparsity": 0.5, "preserve_sparsity_mask": True}}}}, "preserve_sparsity_mask"),
-    ({"s_stage": {"m_modifiers": {"SparseGPTModifier": {"sparsity": 0.5, "block_size": 64}}}},
+    ({"s_stage": {"m_modifiers": {"SparseGPTModifier": {"sparsity": 0.5, "block_size": 0}}}},
      "block_size"),
+    ({"s_stage": {"m_modifiers": {"SparseGPTModifier": {"sparsity": 0.5,
+                                                        "dampening_frac": 1.5}}}},
+     "dampening_frac"),
     ({"s_stage": {"m_modifiers": {"WandaPruningModifier": {"sparsity": [0.4, 0.6]}}}},
      "list of per-layer"),
     ({"s_stage": {"m_modifiers": {"WandaPruningModifier": {
@@ -184,7 +189,29 @@ def test_targets_and_ignore_against_the_model(tiny):
         check_targets(GPTQModifier(), modules, linears, "GPTQModifier")
     with pytest.raises(RecipeError, match="leave out 3"):
         check_targets(GPTQModifier(ignore=("lm_head", "re:.*down_proj")), modules, linears, "q")
-    check_targets(WandaPruningModifier(), modules, linears, "w")  # never reads lm_head
+    check_targets(WandaPruningModifier(ignore=("re:.*lm_head",)), modules, linears, "w")
+
+
+@pytest.mark.parametrize("ignore, exact", [((), False), (("lm_head",), True)])
+def test_a_pruning_recipe_llmcompressor_would_apply_to_lm_head_is_refused(tiny, ignore, exact):
+    """llm-compressor 0.14's pruning modifiers match ``ignore`` against ``lm_head.`` (a
+    targeted linear layer's own name, with a trailing dot): ``ignore: [lm_head]`` leaves
+    lm_head (and the embeddings tied to it) pruned there. fedcompress, which prunes the decoder
+    layers only, would make another model: refused, naming the regular expression that
+    llm-compressor's own recipes use."""
+    from fedcompress.recipe.targets import check_targets, pruned_by_llmcompressor
+
+    modules, linears = model_modules(tiny.model)
+    modifier = SparseGPTModifier(sparsity=0.5, ignore=ignore)
+    assert pruned_by_llmcompressor(modifier, modules) == {*linears, "lm_head"}
+    message = r"would also prune lm_head.*re:\.\*lm_head" + (".*trailing dot" if exact else "")
+    with pytest.raises(RecipeError, match=message):
+        check_targets(modifier, modules, linears, "s")
+    kept_out = SparseGPTModifier(sparsity=0.5, ignore=("re:.*lm_head",))
+    assert pruned_by_llmcompressor(kept_out, modules) == set(linears)
+    # a decoder layer targeted as a whole: its linear layers inside it, by their own names
+    layers = SparseGPTModifier(sparsity=0.5, targets=("re:model.layers.\\d+$",))
+    assert pruned_by_llmcompressor(layers, modules) == set(linears)
 
 
 def test_prune_settings_are_shorthands_for_recipes():
@@ -340,3 +367,20 @@ def test_compress_command(tmp_path):
     assert not (tmp_path / "o").exists()
     owned = runner.invoke(app, ["compress", "--recipe", str(bad), "--sparsity", "0.5"])
     assert owned.exit_code == 2 and "No such option" in owned.output
+
+
+def test_sparsegpts_block_size_and_dampening_are_settings_of_the_run():
+    """A recipe's SparseGPT block size and dampening reach the run; in one stage with GPTQ
+    (one joint sweep) they must be GPTQ's, and a rule other than SparseGPT refuses them."""
+    from fedcompress.methods.fedprllm.config import FedPrLLMConfig
+
+    recipe = load_recipe({"s_stage": {"m_modifiers": {"SparseGPTModifier": {
+        "sparsity": 0.5, "block_size": 64, "dampening_frac": 0.05}}}})
+    (run,) = stage_settings(recipe, {})
+    assert (run["sparsegpt_block_size"], run["sparsegpt_dampening"]) == (64, 0.05)
+    prune = FedPrLLMConfig.from_dict(run).prune
+    assert (prune.sparsegpt_block_size, prune.sparsegpt_dampening) == (64, 0.05)
+    with pytest.raises(SettingsError, match="sparsegpt_block_size=64.*quant_block_size=128"):
+        FedPrLLMConfig.from_dict({**run, "quant": "w4a16"})
+    with pytest.raises(SettingsError, match="sparsegpt_dampening=0.05.*method wanda"):
+        FedPrLLMConfig(method="wanda", sparsegpt_dampening=0.05)

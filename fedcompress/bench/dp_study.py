@@ -132,7 +132,8 @@ _BUDGET = re.compile(r"\s*(\d+)\s*x\s*(\d+)\s*")
 #: Settings added after DP results were stored, with the value those results had: left out of
 #: a cell's noise seed at that value, so that a stored cell draws the noise it drew.
 SEED_ADDED_LATER = {"dp_public_text": "wiki", "secagg_neighbours": 0,
-                    "quant_preserve_zeros": False}
+                    "quant_preserve_zeros": False, "sparsegpt_block_size": 128,
+                    "sparsegpt_dampening": 0.01}
 #: Settings never in a noise seed: a path (the digest in ``dp_public_text`` pins the file's
 #: text, wherever a machine keeps its copy).
 SEED_EXCLUDED = ("dp_public_file",)

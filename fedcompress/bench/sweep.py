@@ -650,7 +650,8 @@ def _progress(items, enabled: bool, description: str):
 # record was made with: a record without the key is the cell at that value.
 ADDED_LATER = {"wire": "packed", "wire_reference": "wiki", "sparsity_profile": "uniform",
                "owl_lambda": 0.08, "owl_m": 5.0, "layer_sparsity": "", "attack": "none",
-               "attackers": 0, "dp_public_text": "wiki", "dp_public_file": ""}
+               "attackers": 0, "dp_public_text": "wiki", "dp_public_file": "",
+               "sparsegpt_block_size": 128, "sparsegpt_dampening": 0.01}
 #: Server settings added after results were stored, with the value those results had.
 SERVER_ADDED_LATER = {"defence": "none", "trim": 0, "reject_z": 3.5}
 

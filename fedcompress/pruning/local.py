@@ -16,6 +16,8 @@ from torch import nn
 from fedcompress.models import CALC_DTYPE, ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan, outlier_ratio
 from fedcompress.pruning.scores import (
+    SPARSEGPT_BLOCKSIZE,
+    SPARSEGPT_PERCDAMP,
     magnitude_scores,
     ria_scores,
     sparsegpt_prune,
@@ -59,6 +61,9 @@ class PruneConfig:
     ``onload``: sequential onloading (:func:`local_masks` walks a skeleton that reads one decoder
     layer at a time from the model's safetensors files; the same masks with a fraction of the
     memory); the ``gradient`` method needs the whole model and refuses it.
+    ``sparsegpt_block_size`` and ``sparsegpt_dampening``: SparseGPT's columns per block (a
+    block's mask is chosen over the block) and the fraction of the Hessian's mean diagonal added
+    to its diagonal (with GPTQ, the one sweep takes the quantization's, which must be equal).
 
     ``quant``: quantize every linear layer of the decoder layers too, in the same pass
     (:func:`layer_prune_fn`): GPTQ or round-to-nearest of the kept weights (pruned weights stay
@@ -75,6 +80,8 @@ class PruneConfig:
     layer_sparsity: str = ""
     onload: bool = False
     quant: QuantConfig | None = None
+    sparsegpt_block_size: int = SPARSEGPT_BLOCKSIZE
+    sparsegpt_dampening: float = SPARSEGPT_PERCDAMP
 
     def __post_init__(self):
         if self.method not in METHODS and self.method != NO_PRUNING:
@@ -95,6 +102,22 @@ class PruneConfig:
                              "wanda or sparsegpt (the quantization runs in the sequential pass "
                              "over the layers, the gradient scores need the whole model)")
         check_group(self.group)
+        if isinstance(self.sparsegpt_block_size, bool) or not isinstance(
+                self.sparsegpt_block_size, int) or self.sparsegpt_block_size < 1:
+            raise ValueError(f"sparsegpt_block_size={self.sparsegpt_block_size!r}: expected an "
+                             "integer >= 1")
+        if not (isinstance(self.sparsegpt_dampening, (int, float))
+                and 0 < self.sparsegpt_dampening < 1):
+            raise ValueError(f"sparsegpt_dampening={self.sparsegpt_dampening!r}: expected a "
+                             "number in (0, 1)")
+        if (self.method == "sparsegpt" and self.quant is not None and self.quant.method == "gptq"
+                and (self.sparsegpt_block_size, self.sparsegpt_dampening)
+                != (self.quant.block_size, self.quant.dampening)):
+            raise ValueError(f"sparsegpt_block_size {self.sparsegpt_block_size} and "
+                             f"sparsegpt_dampening {self.sparsegpt_dampening} with GPTQ's "
+                             f"{self.quant.block_size} and {self.quant.dampening}: SparseGPT "
+                             "with GPTQ is one sweep, with one block size and one dampening: "
+                             "expected the same")
         if self.nm_pattern is None:
             check_sparsity(self.sparsity)
         elif self.layer_sparsity:
@@ -183,7 +206,8 @@ class LayerPruner:
                 continue
             if config.method == "sparsegpt":
                 masks[name], weights[name] = sparsegpt_prune(
-                    w, stats[name].hessian, ratio, config.group, nm, name=name)
+                    w, stats[name].hessian, ratio, config.group, nm,
+                    config.sparsegpt_block_size, config.sparsegpt_dampening, name=name)
                 continue
             masks[name] = select_prune_mask(self._scores(index, name, w, stats), ratio,
                                             config.group, nm)
@@ -226,7 +250,8 @@ class LayerPruner:
                                               scale_dtype=sd, name=label)
         elif config.method == "sparsegpt":
             mask, updated = sparsegpt_prune(w, hessian, ratio, config.group, self.nm,
-                                            name=label)
+                                            config.sparsegpt_block_size,
+                                            config.sparsegpt_dampening, name=label)
             result = rtn_quantize(updated, quant, scale_dtype=sd, mask=mask, dense=w,
                                   name=label)
         else:

@@ -12,7 +12,9 @@ Where the arithmetic is llm-compressor's and where it differs:
 
 * ``WandaPruningModifier``: Wanda's scores ``|W| * ||X_j||``, the ``floor(sparsity * in)``
   lowest of every output row, ties in index order (a stable sort, as Wanda's code sorts);
-* ``SparseGPTModifier``: the OBS sweep in blocks of ``block_size`` columns; a block's mask is
+* ``SparseGPTModifier``: the OBS sweep in blocks of ``block_size`` columns (and
+  ``dampening_frac``, as GPTQ's; in one stage with ``GPTQModifier``, one joint sweep: the two
+  must agree); a block's mask is
   chosen over the whole block (``layer`` comparison within the block, as SparseGPT's reference
   and llm-compressor do); fedcompress prunes ``floor(sparsity * size)`` of each matrix in
   running totals over its blocks where llm-compressor prunes every score at or below the
@@ -33,8 +35,8 @@ from fedcompress.recipe.schemes import WeightScheme, check_linear_targets, weigh
 
 #: Lifecycle fields every llm-compressor modifier has: a one-shot recipe leaves them unset.
 _LIFECYCLE = {"index": (None,), "start": (None, -1), "end": (None, -1), "update": (None,)}
-#: fedcompress's SparseGPT dampening and block size, the values a recipe may ask for.
-SPARSEGPT_DEFAULTS = {"block_size": 128, "dampening_frac": 0.01}
+#: The OBS sweep's defaults (SparseGPT's and GPTQ's, llm-compressor's as fedcompress's).
+SWEEP_DEFAULTS = {"block_size": 128, "dampening_frac": 0.01}
 
 
 def _float(value: Any, where: str, low: float, high: float, what: str) -> float:
@@ -42,6 +44,17 @@ def _float(value: Any, where: str, low: float, high: float, what: str) -> float:
             or not low <= float(value) < high:
         raise RecipeError(f"{where}: {value!r}: expected {what}")
     return float(value)
+
+
+def _block_and_dampening(args: dict[str, Any], where: str) -> dict[str, Any]:
+    """An OBS sweep's ``block_size`` (columns per block) and ``dampening_frac`` (of the
+    Hessian's mean diagonal), taken out of ``args``."""
+    block = args.pop("block_size", SWEEP_DEFAULTS["block_size"])
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise RecipeError(f"{where}.block_size: {block!r}: expected a positive integer")
+    damp = _float(args.pop("dampening_frac", SWEEP_DEFAULTS["dampening_frac"]),
+                  f"{where}.dampening_frac", 1e-12, 1.0, "a fraction in (0, 1)")
+    return {"block_size": block, "dampening_frac": damp}
 
 
 def _names(value: Any, where: str) -> tuple[str, ...]:
@@ -221,12 +234,11 @@ class SparseGPTModifier(_Pruning):
 
     @classmethod
     def _parse_more(cls, args: dict[str, Any], where: str) -> dict[str, Any]:
-        for key, default in SPARSEGPT_DEFAULTS.items():
-            value = args.pop(key, default)
-            if value != default:
-                raise RecipeError(f"{where}.{key}: {value!r}: fedcompress's SparseGPT runs with "
-                                  f"{key} {default} (llm-compressor's default): expected that")
-        return dict(SPARSEGPT_DEFAULTS)
+        return _block_and_dampening(args, where)
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "sparsegpt_block_size": self.block_size,
+                "sparsegpt_dampening": self.dampening_frac}
 
 
 @dataclass(frozen=True)
@@ -300,11 +312,7 @@ class GPTQModifier(_Quantization):
     @classmethod
     def _parse_more(cls, args: dict[str, Any], where: str, scheme: WeightScheme
                     ) -> dict[str, Any]:
-        block = args.pop("block_size", 128)
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise RecipeError(f"{where}.block_size: {block!r}: expected a positive integer")
-        damp = _float(args.pop("dampening_frac", 0.01), f"{where}.dampening_frac", 1e-12, 1.0,
-                      "a fraction in (0, 1)")
+        sweep = _block_and_dampening(args, where)
         order = args.pop("actorder", "static")
         names = {"static": "static", "weight": "static", None: "none", "none": "none",
                  "group": "group"}
@@ -315,7 +323,7 @@ class GPTQModifier(_Quantization):
         if order == "group":
             raise RecipeError(f"{where}.actorder: group needs a g_idx in the saved model, which "
                               "compressed-tensors 0.19 no longer writes: expected static or none")
-        return {"block_size": block, "dampening_frac": damp, "actorder": order}
+        return {**sweep, "actorder": order}
 
     def settings(self) -> dict[str, Any]:
         return {**super().settings(), "quant_block_size": self.block_size,

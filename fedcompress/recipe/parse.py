@@ -7,7 +7,7 @@ The format (``llmcompressor.recipe.Recipe.from_dict``)::
         SparseGPTModifier:          # a modifier and its arguments
           sparsity: 0.5
           mask_structure: "0:0"
-          ignore: [lm_head]
+          ignore: ["re:.*lm_head"]      # (llm-compressor 0.14 prunes lm_head under [lm_head])
     quantization_stage:
       quantization_modifiers:
         GPTQModifier: {scheme: W4A16, targets: Linear, ignore: [lm_head]}

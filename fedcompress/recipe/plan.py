@@ -76,11 +76,16 @@ def recipe_of(settings: Mapping[str, Any]) -> Recipe | None:
             return None
         owl = s.get("sparsity_profile", "uniform") == "owl"
         structure = "0:0" if nm in ("", "none") else nm
+        sweep = ({"block_size": int(s.get("sparsegpt_block_size", 128)),
+                  "dampening_frac": float(s.get("sparsegpt_dampening", 0.01))}
+                 if cls is SparseGPTModifier else {})
         modifiers.append(cls(
             sparsity=float(s.get("sparsity", 0.5)), mask_structure=structure,
             sparsity_profile="owl" if owl else None,
             owl_m=float(s.get("owl_m", 5.0)) if owl else None,
-            owl_lmbda=float(s.get("owl_lambda", 0.08)) if owl else None))
+            owl_lmbda=float(s.get("owl_lambda", 0.08)) if owl else None,
+            # what keeps lm_head out of llm-compressor's pruning (fedcompress.recipe.targets)
+            ignore=("re:.*lm_head",), **sweep))
     elif method != "none":
         return None
     quant = s.get("quant", "none")
