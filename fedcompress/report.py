@@ -150,6 +150,22 @@ def machine() -> dict[str, Any]:
     return found
 
 
+#: The texts :func:`_jsonable` writes for the floats JSON has no number for.
+NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def nonfinite_restored(value: Any) -> Any:
+    """``value`` read back from a report, its non-finite floats (stored as the texts of
+    :data:`NONFINITE`) floats again."""
+    if isinstance(value, str):
+        return NONFINITE.get(value, value)
+    if isinstance(value, dict):
+        return {k: nonfinite_restored(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [nonfinite_restored(v) for v in value]
+    return value
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no inf/nan

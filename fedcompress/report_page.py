@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable
 
-from fedcompress.report import format_cell
+from fedcompress.report import format_cell, nonfinite_restored
 
 #: Image files a page embeds (suffix: MIME type).
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
@@ -56,6 +56,8 @@ def load_report(folder: str | Path) -> dict[str, Any]:
     if not isinstance(report, dict) or "command" not in report:
         raise ReportError(f"{path}: not a fedcompress report (expected an object with "
                           "'command', 'config', 'results', ...)")
+    # a result's nan or inf was stored as text (JSON has no number for it): a float again
+    report["results"] = nonfinite_restored(report.get("results", []))
     return report
 
 

@@ -730,3 +730,21 @@ def test_several_server_variants_lead_with_the_configured_one(tmp_path):
             "against dense 22.00 (122.7% higher, worse). This is the configured server "
             "variant; the 2 FedPrLLM results range 47.00-49.00.") in text
     assert "best" not in text.replace(str(tmp_path), "").lower()
+
+
+def test_a_results_nan_and_inf_are_floats_again_when_read_back(tmp_path):
+    """JSON has no nan or inf: a report stores them as text; read back, a result's are floats
+    (a personalized site whose plan failed has perplexity nan: its study's table compares it)."""
+    import math
+
+    from fedcompress.report import RunReport
+
+    report = RunReport(tmp_path / "run", "bench", {})
+    with report:
+        report.add_result({"name": "p", "perplexity": {"personalized": [12.5, math.nan]},
+                           "worst": math.inf})
+    stored = json.loads((tmp_path / "run" / "report.json").read_text())["results"][0]
+    assert stored["perplexity"]["personalized"][1] == "nan" and stored["worst"] == "inf"
+    (result,) = load_report(tmp_path / "run")["results"]
+    assert math.isnan(result["perplexity"]["personalized"][1])
+    assert result["perplexity"]["personalized"][0] == 12.5 and result["worst"] == math.inf
