@@ -40,9 +40,10 @@ import math
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-__all__ = ["ServerSettings", "Settings", "SettingsError", "Spec", "convert", "setting"]
+__all__ = ["FederationBase", "ServerSettings", "Settings", "SettingsError", "Spec", "convert",
+           "setting"]
 
 S = TypeVar("S", bound="Settings")
 P = TypeVar("P", bound="Settings")
@@ -296,3 +297,22 @@ class ServerSettings(Settings):
         """The baselines asked for, in order."""
         names = [b.strip() for b in self.baselines.split(",") if b.strip()]
         return [] if names == ["none"] else names
+
+
+class FederationBase(Settings):
+    """Base of a method's federation piece, which declares ``clients`` (the sites) and
+    ``min_clients`` (the fewest valid sites to go on with; 0: all): the check between them and
+    :attr:`required_clients`, once for every method. It declares no setting itself."""
+
+    if TYPE_CHECKING:
+        clients: int
+        min_clients: int
+
+    def validate(self) -> None:
+        if self.min_clients > self.clients:
+            raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
+
+    @property
+    def required_clients(self) -> int:
+        """Fewest valid client replies a round may go on with."""
+        return self.min_clients or self.clients

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
-from fedcompress.config import ServerSettings, Settings, setting
+from fedcompress.config import FederationBase, ServerSettings, Settings, setting
 from fedcompress.masks.aggregate import TIE_BREAKS
 from fedcompress.masks.robust import DEFAULT_Z, check_defence
 from fedcompress.masks.settings import MODES, WIRES, VoteSettings  # noqa: F401 (public names)
@@ -91,7 +91,7 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
-class FederationSettings(Settings):
+class FederationSettings(FederationBase):
     """The federation: the model, the sites and their calibration windows."""
 
     label: ClassVar[str] = "federation"
@@ -119,14 +119,6 @@ class FederationSettings(Settings):
                            ".gguf, a folder, or a hub id in the local cache); not with the "
                            "gradient method.")
     min_clients: int = setting(0, "Fewest valid clients to go on with (0: all).", ge=0)
-
-    def validate(self) -> None:
-        if self.min_clients > self.clients:
-            raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
-
-    @property
-    def required_clients(self) -> int:
-        return self.min_clients or self.clients
 
 
 @dataclass(frozen=True)
