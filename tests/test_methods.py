@@ -148,6 +148,41 @@ def test_fedprllms_settings_are_pieces_of_at_most_25():
     assert max(len(piece.names()) for piece in pieces) <= 25
 
 
+@pytest.mark.parametrize("name", ["fedprllm", "ppcgpt", "privytune", "personalize"])
+def test_every_flat_setting_parses_from_every_source(name):
+    """Every flat key of a method's settings (each piece's, for a composition), with ``_`` or
+    ``-``, from a command line's text, a run config's value or the pyproject table; a
+    composition's flat keys are its pieces' and its defaults theirs."""
+    method = get_method(name)
+    for cls in method.settings:
+        assert cls.names() == [n for piece in cls.pieces() for n in piece.names()]
+        assert cls.defaults() == {n: v for piece in cls.pieces()
+                                  for n, v in piece.defaults().items()}
+        for key, default in cls.defaults().items():
+            text = str(default).lower() if isinstance(default, bool) else str(default)
+            for flat in (key, key.replace("_", "-")):
+                assert getattr(cls.from_dict({flat: text}), key) == default, (flat, text)
+                assert getattr(cls.from_dict({flat: default}), key) == default
+    parsed = method.parse(method.run_config_defaults())
+    assert [p.to_dict() for p in parsed] == [cls().to_dict() for cls in method.settings]
+
+
+@pytest.mark.parametrize("name", ["fedprllm", "ppcgpt", "privytune", "personalize"])
+def test_cli_lists_each_pieces_options_under_its_heading(name):
+    import typer.main
+
+    from fedcompress import cli
+
+    method = get_method(name)
+    command = next(c for c in typer.main.get_command(cli.app).commands.values()
+                   if c.name == method.command)
+    options = {p.name: p for p in command.params}
+    for cls in method.settings:
+        for piece in cls.pieces():
+            heading = piece.label[:1].upper() + piece.label[1:]
+            assert {options[n].rich_help_panel for n in piece.names()} == {heading}
+
+
 # -- the registry -----------------------------------------------------------------------------
 def test_registry_knows_every_method_once():
     known = methods()

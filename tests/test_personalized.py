@@ -747,3 +747,28 @@ def test_bad_adaptation_settings_are_named(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=f"{name}=.* is invalid"):
         ClassifyConfig(**bad)
+
+
+def test_settings_are_composed_of_pieces():
+    """Four pieces (the federation, Alg. 1, Eq. 4's plan, the masks and vote) with the 27 flat
+    settings in piece order; the plan's bound check runs alone and in the composition."""
+    from fedcompress.layers.settings import PersonalizedPlanSettings, UnitClassSettings
+    from fedcompress.methods import personalize as pz
+
+    pieces = (pz.PersonalizeFederationSettings, UnitClassSettings, PersonalizedPlanSettings,
+              pz.PersonalizeMaskSettings)
+    assert pz.PersonalizeConfig.pieces() == pieces
+    assert pz.PersonalizeConfig.names() == [n for p in pieces for n in p.names()]
+    assert len(pz.PersonalizeConfig.names()) == 27 and max(len(p.names()) for p in pieces) <= 20
+    config = pz.PersonalizeConfig(sparsity=0.6, ratio_bound=1.0, k=2, clients=3, min_clients=2)
+    plan = config.piece(PersonalizedPlanSettings)
+    assert plan.bound is config.bound is None and plan.factors == config.factors
+    assert config.piece(UnitClassSettings) == UnitClassSettings(k=2)
+    assert config.classify_config(1).k == 2 and config.required_clients == 2
+    for make in (PersonalizedPlanSettings, pz.PersonalizeConfig):
+        with pytest.raises(ValueError, match="ratio_bound=0.05 is invalid: expected below 1 - "
+                                             "sparsity = 0.04"):
+            make(sparsity=0.96)
+    for make in (pz.PersonalizeFederationSettings, pz.PersonalizeConfig):
+        with pytest.raises(ValueError, match="min_clients=9 is invalid"):
+            make(min_clients=9)

@@ -71,6 +71,35 @@ def test_settings_from_flat_dict():
         PPCGPTConfig.from_dict({"epsilon": 3})
 
 
+def test_settings_are_composed_of_pieces():
+    """Five pieces, each where its subject lives, with the 45 flat settings of the run in piece
+    order; each piece's own checks run with the composition; old imports keep working."""
+    from fedcompress.distill.settings import CoTDistillSettings
+    from fedcompress.layers.settings import BlockInfluenceSettings
+    from fedcompress.privacy.settings import TextDPSettings
+    from fedcompress.synth.settings import SynthSettings
+
+    pieces = (ppcgpt.PPCGPTFederationSettings, TextDPSettings, SynthSettings,
+              BlockInfluenceSettings, CoTDistillSettings)
+    assert PPCGPTConfig.pieces() == pieces
+    assert PPCGPTConfig.names() == [n for p in pieces for n in p.names()]
+    assert len(PPCGPTConfig.names()) == 45 and max(len(p.names()) for p in pieces) <= 20
+    assert PPCGPTConfig.owner("top_k") is TextDPSettings
+    assert PPCGPTConfig.owner("synth_url") is SynthSettings
+    assert PPCGPTConfig.owner("rationales") is CoTDistillSettings
+    config = PPCGPTConfig(eps=1.0, lora_r=4, prune_policy="seq", min_clients=2)
+    assert config.piece(TextDPSettings) == TextDPSettings(eps=1.0)
+    assert config.piece(BlockInfluenceSettings) == BlockInfluenceSettings(prune_policy="seq")
+    assert config.piece(CoTDistillSettings).lora() == config.lora() and config.lora().r == 4
+    assert config.required_clients == 2
+    for make in (ppcgpt.PPCGPTFederationSettings, PPCGPTConfig):  # the piece's own check
+        with pytest.raises(ValueError, match="min_clients=5 is invalid: expected at most "
+                                             "clients=3"):
+            make(clients=3, min_clients=5)
+    assert ppcgpt.PRUNE_POLICIES == ("bi", "seq") and ppcgpt.MECHANISMS == ("santext", "custext")
+    assert PPCGPTConfig.top_k == 20  # a default as a class attribute, as before
+
+
 # -- client data and perturbation ----------------------------------------------------------------
 @pytest.mark.parametrize("partition", ["iid", "dirichlet"])
 def test_client_data_is_disjoint_and_seeded(tiny_dir, partition):

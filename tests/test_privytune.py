@@ -156,6 +156,55 @@ def test_bad_settings_are_named(tiny_task):
             ppt.PrivyTuneConfig.from_dict({"task": tiny_task, **values})
 
 
+def test_settings_are_composed_of_pieces():
+    """Five pieces (the federation, redundancy removal, DP-SGD, the rounds with central DP, the
+    audit) with the 42 flat settings in piece order; the DP-SGD piece makes the fine-tuning
+    settings on its own; old imports keep working."""
+    from fedcompress.layers.settings import RedundancySettings
+    from fedcompress.privacy.settings import DPSGDSettings, ExtractionAttackSettings
+
+    pieces = (ppt.PrivyTuneFederationSettings, RedundancySettings, DPSGDSettings,
+              ppt.FederatedDPSettings, ExtractionAttackSettings)
+    assert ppt.PrivyTuneConfig.pieces() == pieces
+    assert ppt.PrivyTuneConfig.names() == [n for p in pieces for n in p.names()]
+    assert len(ppt.PrivyTuneConfig.names()) == 42 and max(len(p.names()) for p in pieces) <= 20
+    assert ppt.PrivyTuneConfig.owner("dp_noise_seed") is DPSGDSettings
+    assert ppt.PrivyTuneConfig.owner("central_clip") is ppt.FederatedDPSettings
+    config = ppt.PrivyTuneConfig(epsilon=2.0, dp_noise_seed=7, mode="full", labels="b,a")
+    dp = config.piece(DPSGDSettings)
+    assert dp == DPSGDSettings(epsilon=2.0, dp_noise_seed=7, mode="full")
+    assert dp.private and dp.noise_note() == config.noise_note()
+    assert "dp_noise_seed=7" in dp.noise_note()
+    assert config.finetune_config(1.0, 3).lr == dp.full_lr and config.label_subset() == ("b", "a")
+    assert not ppt.PrivyTuneConfig(epsilon=0.0).private
+    assert ppt.REMOVALS == ("ratio", "greedy", "none") and ppt.SOURCES == ("sites", "public")
+
+
+@pytest.mark.parametrize("values, match, piece", [
+    ({"clients": 2, "min_clients": 3}, "min_clients=3 is invalid: expected at most clients=2",
+     "PrivyTuneFederationSettings"),
+    ({"central_dp": "server"}, "central_noise=0.0 is invalid", "FederatedDPSettings"),
+    ({"central_dp": "client", "central_noise": 1.0, "server_momentum": 0.5},
+     "server_lr=1.0 is invalid: expected 1", "FederatedDPSettings"),
+])
+def test_each_piece_checks_its_settings_alone_and_in_the_composition(values, match, piece):
+    with pytest.raises(ValueError, match=match):
+        getattr(ppt, piece)(**values)
+    with pytest.raises(ValueError, match=match):
+        ppt.PrivyTuneConfig.from_dict(values)
+
+
+def test_the_composition_checks_across_its_pieces():
+    """Central DP counts every site: a check across the federation and the rounds' pieces,
+    which each accept their half."""
+    ppt.PrivyTuneFederationSettings(clients=4, min_clients=3)
+    ppt.FederatedDPSettings(central_dp="client", central_noise=1.0)
+    with pytest.raises(ValueError, match="min_clients=3 is invalid: expected 0 or clients=4"):
+        ppt.PrivyTuneConfig(clients=4, min_clients=3, central_dp="client", central_noise=1.0)
+    assert ppt.PrivyTuneConfig(clients=4, min_clients=4, central_dp="client",
+                               central_noise=1.0).central
+
+
 PRIVYTUNE_STUDY = """
 [bench]
 model = "{model}"

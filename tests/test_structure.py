@@ -1,10 +1,12 @@
-"""The code's shape, kept: no file of the library or the Flower app above 800 lines, and no
+"""The code's shape, kept: no file of the library or the Flower app above 800 lines, no
 import cycle between its modules (an import inside a function counts: it holds a cycle
-together as much as one at the top; one for the type checker alone does not). The graph is
-read by ``tools/structure.py``, which also draws it in ``docs/architecture.md``."""
+together as much as one at the top; one for the type checker alone does not), and no settings
+class above 25 settings (a larger one is split into pieces that a composition joins). The
+graph is read by ``tools/structure.py``, which also draws it in ``docs/architecture.md``."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -16,6 +18,8 @@ _spec = importlib.util.spec_from_file_location("fedcompress_structure",
 structure = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(structure)
 MAX_LINES = structure.MAX_LINES
+#: The most settings one settings class (a piece) may declare.
+MAX_SETTINGS = 25
 
 
 def test_no_file_above_the_limit():
@@ -59,3 +63,33 @@ def test_the_drawing_orders_parts_by_height():
     assert lines[2].split()[2:] == ["strategies,", "masks"]
     assert structure.part("fedcompress.report_page") == "fedcompress/report"
     assert structure.part("clients.local") == "clients"
+
+
+def settings_classes() -> set[type]:
+    """Every settings class of the library: each module of ``fedcompress`` imported, then the
+    subclasses of :class:`fedcompress.config.Settings` that its modules define."""
+    from fedcompress.config import Settings
+
+    for name in structure.sources():
+        if name.split(".")[0] == "fedcompress":
+            importlib.import_module(name)
+    found, todo = set(), [Settings]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    return {c for c in found if c.__module__.split(".")[0] == "fedcompress"}
+
+
+def test_no_settings_class_above_the_limit():
+    """A piece (a class that is its own piece) declares at most MAX_SETTINGS settings; a
+    composition (of several pieces) may hold more, each of its pieces within the limit."""
+    classes = settings_classes()
+    assert {"PPCGPTConfig", "PrivyTuneConfig", "PersonalizeConfig", "FedPrLLMConfig",
+            "TaskEvalSettings"} <= {c.__name__ for c in classes}
+    pieces = {piece for cls in classes for piece in cls.pieces()}
+    assert all(piece.pieces() == (piece,) for piece in pieces)
+    large = {f"{c.__module__}.{c.__qualname__}": len(c.names()) for c in pieces
+             if len(c.names()) > MAX_SETTINGS}
+    assert not large, f"settings classes above {MAX_SETTINGS} settings: {large}"

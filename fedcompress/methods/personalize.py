@@ -42,19 +42,16 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from fedcompress.config import ServerSettings, Settings, setting
+from fedcompress.config import FederationBase, ServerSettings, Settings, setting
 from fedcompress.layers.personalized import (
     CLASSES,
-    DEFAULT_RATIO_BOUND,
-    GRANULARITIES,
-    RULES,
-    ZERO_MODES,
     Classification,
     ClassifyConfig,
     mean_lm_loss,
     personalized_plan,
     plan_summary,
 )
+from fedcompress.layers.settings import PersonalizedPlanSettings, UnitClassSettings
 from fedcompress.masks.aggregate import TIE_BREAKS, global_mask
 from fedcompress.methods.base import Method
 from fedcompress.methods.evaluation import TaskEvalSettings, accuracy_cells, accuracy_columns
@@ -72,6 +69,8 @@ __all__ = [
     "CLASSES",
     "METHOD",
     "PersonalizeConfig",
+    "PersonalizeFederationSettings",
+    "PersonalizeMaskSettings",
     "RunSettings",
     "SparsityPlan",
     "TIE_ORDER",
@@ -105,12 +104,11 @@ GUARDS = ("heldout", "off")
 
 
 @dataclass(frozen=True)
-class PersonalizeConfig(Settings):
-    """One federated personalized-pruning run as the sites see it. Defaults: the embedded
-    SmolLM2, 8 sites with label-skewed text (Dirichlet 0.1 over the given corpora), 4
-    calibration windows of 256 tokens each, 50% sparsity, Alg. 1 with k = 4 units per draw."""
+class PersonalizeFederationSettings(FederationBase):
+    """The federation of a personalized-pruning run: the model and the sites' calibration and
+    held-out windows."""
 
-    label: ClassVar[str] = "Personalized pruning"
+    label: ClassVar[str] = "federation"
 
     model: str = setting("smollm2-135m", "Model spec: embedded name, local directory, .gguf "
                          "file or hub id.")
@@ -126,65 +124,43 @@ class PersonalizeConfig(Settings):
     partition: str = setting("dirichlet", "iid or dirichlet.", choices=PARTITIONS)
     alpha: float = setting(0.1, "Dirichlet concentration.", gt=0.0)
     seed: int = setting(0, "Seed of every random choice.", ge=0)
-    sparsity: float = setting(0.5, "Overall sparsity p of every site's model, in [0, 1).",
-                              ge=0.0, lt=1.0)
-    k: int = setting(4, "Units switched off per draw (the paper's Random Number).", ge=1)
-    max_iter: int = setting(32, "Draws of Alg. 1 per site.", ge=1)
-    granularity: str = setting("sublayer", "Unit: sublayer (attention / MLP of a block), "
-                               "linear or layer.", choices=GRANULARITIES)
-    zero: str = setting("weights", "Switch a unit off by zeroing its weights or skipping its "
-                        "outputs.", choices=ZERO_MODES)
-    personalized_factor: float = setting(0.5, "Eq. 4: ratio of a personalized unit as a "
-                                         "fraction of p (before rescaling to p).", ge=0.0)
-    others_factor: float = setting(0.75, "Eq. 4: ratio of an undecided unit as a fraction of "
-                                   "p (generic: 1).", ge=0.0)
+    batch_size: int = setting(4, "Windows per forward.", ge=1)
+
+
+@dataclass(frozen=True)
+class PersonalizeMaskSettings(Settings):
+    """The masks of personalized pruning: their weight importance, the server's vote, and the
+    site's guard against a worse personalized model."""
+
+    label: ClassVar[str] = "masks and vote"
+
     importance: str = setting("wanda", "Weight importance of every mask (vote and local): "
                               "wanda, magnitude or gradient (first-order Taylor |W * dL/dW|; "
                               "the paper's Table V 'weight' vs 'gradient').",
                               choices=IMPORTANCES)
-    adapt_steps: int = setting(0, "Alg. 1 line 2: LoRA steps on the site's calibration windows "
-                               "before classification (0: classify the shared model as is); "
-                               "the adapted copy serves the classification only.", ge=0)
-    adapt_lr: float = setting(1e-3, "Learning rate of that adaptation (AdamW, LoRA r 8).",
-                              gt=0.0)
-    class_rule: str = setting("paper", "Alg. 1's threshold: paper (the untouched model's "
-                              "loss: on a pretrained LM nearly every drawn unit ends "
-                              "personalized) or relative (the --class-quantile of the draws' "
-                              "own losses).", choices=RULES)
-    class_quantile: float = setting(0.5, "The relative rule's quantile of the draws' losses.",
-                                    gt=0.0, lt=1.0)
-    ratio_bound: float = setting(DEFAULT_RATIO_BOUND, "No unit's ratio strays more than this "
-                                 "from p (Eq. 4's proportions kept inside it; it binds only "
-                                 "where Eq. 4 alone would go further); 1: no bound.",
-                                 ge=0.0, le=1.0)
     guard: str = setting("heldout", "Each site keeps the better of its personalized model and "
                          "uniform FedPrLLM by its held-out perplexity (heldout), or always its "
                          "personalized one (off).", choices=GUARDS)
     group: str = setting("layer", "Server's comparison group for the vote.", choices=GROUPS)
     tie_break: str = setting("magnitude", "Among equal vote counts prune first.",
                              choices=TIE_BREAKS)
-    batch_size: int = setting(4, "Windows per forward.", ge=1)
+
+
+@dataclass(frozen=True)
+class PersonalizeConfig(PersonalizeFederationSettings, UnitClassSettings,
+                        PersonalizedPlanSettings, PersonalizeMaskSettings):
+    """One federated personalized-pruning run as the sites see it, composed of pieces: the
+    federation, the unit classification
+    (:class:`~fedcompress.layers.settings.UnitClassSettings`), the sparsity plan
+    (:class:`~fedcompress.layers.settings.PersonalizedPlanSettings`) and the masks. Defaults:
+    the embedded SmolLM2, 8 sites with label-skewed text (Dirichlet 0.1 over the given
+    corpora), 4 calibration windows of 256 tokens each, 50% sparsity, Alg. 1 with k = 4 units
+    per draw."""
+
+    label: ClassVar[str] = "Personalized pruning"
 
     def validate(self) -> None:
-        if self.min_clients > self.clients:
-            raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
-        if self.ratio_bound < 1 and self.sparsity + self.ratio_bound >= 1:
-            raise self.invalid("ratio_bound", f"below 1 - sparsity = {1 - self.sparsity:g} "
-                               "(a unit's ratio would reach 1), or 1 for no bound")
-
-    @property
-    def bound(self) -> float | None:
-        """The ratio bound of the plans (None: Eq. 4 alone)."""
-        return None if self.ratio_bound >= 1 else self.ratio_bound
-
-    @property
-    def required_clients(self) -> int:
-        return self.min_clients or self.clients
-
-    @property
-    def factors(self) -> dict[str, float]:
-        return {"generic": 1.0, "personalized": self.personalized_factor,
-                "others": self.others_factor}
+        """No check across the pieces (each piece checks its own fields)."""
 
     def classify_config(self, partition: int) -> ClassifyConfig:
         return classify_config(self.k, self.max_iter, self.granularity, self.zero, self.seed,

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcompress.config import ServerSettings, Settings, setting
+from fedcompress.config import FederationBase, ServerSettings, setting
 from fedcompress.data.partition import dirichlet_partition, iid_partition
 from fedcompress.data.tasks import load_task
 from fedcompress.distill import (
@@ -63,6 +63,7 @@ from fedcompress.distill import (
     retrain_client,
     task_accuracy,
 )
+from fedcompress.distill.settings import CoTDistillSettings
 from fedcompress.layers import (
     LayerImportance,
     RemovalPlan,
@@ -72,9 +73,12 @@ from fedcompress.layers import (
     lowest_score_plan,
     seq_plan,
 )
+from fedcompress.layers.settings import PRUNE_POLICIES, BlockInfluenceSettings  # noqa: F401
 from fedcompress.methods.base import Method
 from fedcompress.methods.evaluation import TaskEvalSettings, accuracy_cells, accuracy_columns
 from fedcompress.models import num_layers, remove_layers
+from fedcompress.privacy.settings import MECHANISMS, TextDPSettings  # noqa: F401
+from fedcompress.synth.settings import SynthSettings
 
 if TYPE_CHECKING:
     from fedcompress.privacy.ledger import Ledger
@@ -87,6 +91,7 @@ __all__ = [
     "InvalidClientText",
     "NotEnoughSyntheticData",
     "PPCGPTConfig",
+    "PPCGPTFederationSettings",
     "RunSettings",
     "adapter_arrays",
     "client_data",
@@ -108,8 +113,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PARTITIONS = ("iid", "dirichlet")
-PRUNE_POLICIES = ("bi", "seq")
-MECHANISMS = ("santext", "custext")
 # Limits on what a client may send (a larger payload is garbage, not data).
 MAX_EXAMPLES_PER_CLIENT = 100_000
 MAX_TEXT_CHARS = 4_000
@@ -125,20 +128,11 @@ class NotEnoughSyntheticData(RuntimeError):
 
 
 @dataclass(frozen=True)
-class PPCGPTConfig(Settings):
-    """Settings of one PPC-GPT run as the clients see it (flat, so they travel in a Flower
-    ``ConfigRecord``); every field's help says what it does. Defaults: the embedded SmolLM2-135M
-    as LLM_o (and LLM_syn), StrategyQA, 4 clients x 16 private examples, eps 3 per word
-    (CusText groups of 20), 30% of the layers removed by Block Influence, LoRA r=8.
+class PPCGPTFederationSettings(FederationBase):
+    """The federation of a PPC-GPT run: LLM_o, the multiple-choice task and the clients'
+    private shares of it (labelled training examples and test examples)."""
 
-    With ``synth_url``, ``synth_timeout`` is seconds per HTTP response and ``synth_workers`` the
-    requests in flight (match the server's parallel slots: a CPU server answering 4 long
-    prompts at once takes minutes, not seconds). A site never releases an out-of-vocabulary
-    word: it is replaced by a uniform candidate (the sanitizer's ``oov='random'``; ``keep`` is
-    not reachable from PPC-GPT).
-    """
-
-    label: ClassVar[str] = "PPC-GPT"
+    label: ClassVar[str] = "federation"
 
     model: str = setting("smollm2-135m", "LLM_o, the model to compress (as in `eval`).")
     dtype: str = setting("float32", "Model dtype.", choices=("float32", "bfloat16", "float16"))
@@ -154,67 +148,29 @@ class PPCGPTConfig(Settings):
     partition: str = setting("iid", "iid or dirichlet (label skew).", choices=PARTITIONS)
     alpha: float = setting(1.0, "Dirichlet concentration.", gt=0.0)
     seed: int = setting(0, "Seed of every random choice.", ge=0)
-    eps: float = setting(3.0, "DP budget per perturbed word (exponential mechanism).", gt=0.0)
-    noise_seed: int = setting(-1, "Seed of the clients' perturbation draws: -1 (default) a "
-                              "fresh secret seed per client and run (OS entropy, never "
-                              "recorded or sent); >= 0 reproducible draws, mixed with the "
-                              "client's partition (research only: the eps then does not hold "
-                              "against anyone who knows it).", ge=-1)
-    mechanism: str = setting("custext", "santext or custext.", choices=MECHANISMS)
-    top_k: int = setting(20, "CusText group size.", ge=2)
-    keep_stopwords: bool = setting(False, "Release English stop words in the clear "
-                                   "(CusText+; opt-in). Out-of-vocabulary words are always "
-                                   "replaced.")
-    synth_model: str = setting("", "LLM_syn: model spec of the generator (empty: --model); "
-                               "with --synth-url the served model name.")
-    synth_url: str = setting("", "OpenAI-compatible server for LLM_syn (vLLM, Ollama, TGI), "
-                             "e.g. http://localhost:8000/v1.")
-    synth_api: str = setting("chat", "API of --synth-url: chat or completions.",
-                             choices=("chat", "completions"))
-    synth_ratio: float = setting(1.0, "Synthetic samples wanted per client example.", gt=0.0)
-    answer_samples: int = setting(3, "Chain-of-thought answers per question (kept when they "
-                                  "agree).", ge=1)
-    question_tokens: int = setting(128, "Token budget of a synthetic question.", ge=1)
-    answer_tokens: int = setting(192, "Token budget of a chain-of-thought answer.", ge=1)
-    rationale_tokens: int = setting(96, "Token budget of a rationale.", ge=1)
-    synth_batch_size: int = setting(8, "Generation batch size.", ge=1)
-    synth_time_limit: float = setting(0.0, "Seconds of generation at most (0: no limit).",
-                                      ge=0.0)
-    synth_timeout: float = setting(300.0, "Seconds per HTTP response of --synth-url.", gt=0.0)
-    synth_workers: int = setting(4, "Requests to --synth-url in flight.", ge=1)
-    min_synthetic: int = setting(4, "Fewest accepted synthetic samples to go on with.", ge=1)
-    prune_ratio: float = setting(0.3, "Fraction of decoder layers removed, in [0, 1).",
-                                 ge=0.0, lt=1.0)
-    prune_policy: str = setting("bi", "bi (Block Influence) or seq (the deepest layers).",
-                                choices=PRUNE_POLICIES)
-    rationales: bool = setting(True, "Use rationales (BI and loss).")
-    server_retrain: bool = setting(True, "CoT distillation on the server.")
-    server_epochs: float = setting(2.0, "Distillation epochs.", gt=0.0)
-    server_steps: int = setting(0, "Distillation steps (> 0: instead of epochs).", ge=0)
-    client_epochs: float = setting(2.0, "Client retraining epochs.", gt=0.0)
-    client_steps: int = setting(0, "Client retraining steps (> 0: instead of epochs).", ge=0)
-    lr: float = setting(3e-4, "LoRA learning rate.", gt=0.0)
-    batch_size: int = setting(4, "Training batch size.", ge=1)
-    grad_accum: int = setting(2, "Gradient accumulation steps.", ge=1)
-    lora_r: int = setting(8, "LoRA rank.", ge=1)
-    lora_alpha: float = setting(32.0, "LoRA alpha.", gt=0.0)
-    lora_dropout: float = setting(0.1, "LoRA dropout, in [0, 1).", ge=0.0, lt=1.0)
-    max_length: int = setting(192, "Tokens per training example.", ge=1)
     eval_batch_size: int = setting(16, "Evaluation batch size.", ge=1)
 
+
+@dataclass(frozen=True)
+class PPCGPTConfig(PPCGPTFederationSettings, TextDPSettings, SynthSettings,
+                   BlockInfluenceSettings, CoTDistillSettings):
+    """Settings of one PPC-GPT run as the clients see it (flat, so they travel in a Flower
+    ``ConfigRecord``), composed of pieces: the federation, the sites' text perturbation
+    (:class:`~fedcompress.privacy.settings.TextDPSettings`), the synthetic data
+    (:class:`~fedcompress.synth.settings.SynthSettings`), the layer removal
+    (:class:`~fedcompress.layers.settings.BlockInfluenceSettings`) and the distillation
+    (:class:`~fedcompress.distill.settings.CoTDistillSettings`); every field's help says what
+    it does. Defaults: the embedded SmolLM2-135M as LLM_o (and LLM_syn), StrategyQA, 4 clients
+    x 16 private examples, eps 3 per word (CusText groups of 20), 30% of the layers removed by
+    Block Influence, LoRA r=8.
+    """
+
+    label: ClassVar[str] = "PPC-GPT"
+
     def validate(self) -> None:
-        if self.min_clients > self.clients:
-            raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
+        """No check across the pieces (each piece checks its own fields)."""
 
     # Derived settings ---------------------------------------------------------------------------
-    @property
-    def required_clients(self) -> int:
-        """Fewest valid client replies a round may go on with."""
-        return self.min_clients or self.clients
-
-    def lora(self) -> LoraSettings:
-        return LoraSettings(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout)
-
     def train_config(self, side: str) -> TrainConfig:
         """LoRA training of the ``server`` (distillation) or a ``client`` (retraining)."""
         steps = self.server_steps if side == "server" else self.client_steps

@@ -60,16 +60,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcompress.config import ServerSettings, Settings, setting
+from fedcompress.config import FederationBase, ServerSettings, Settings, setting
 from fedcompress.data.corpora import load_corpus
 from fedcompress.data.partition import dirichlet_partition, iid_partition
 from fedcompress.data.tasks import classification_data
-from fedcompress.layers.redundancy import MEASURES, CosineMatrix, cosine_matrix, greedy_removal
+from fedcompress.layers.redundancy import CosineMatrix, cosine_matrix, greedy_removal
 from fedcompress.layers.removal import RemovalPlan, lowest_score_plan
+from fedcompress.layers.settings import REMOVALS, SOURCES, RedundancySettings  # noqa: F401
 from fedcompress.methods.base import Method
 from fedcompress.methods.evaluation import TaskEvalSettings, accuracy_cells, accuracy_columns
 from fedcompress.models import embedded_model_dir, num_layers
-from fedcompress.privacy.accounting import ACCOUNTANTS, epsilon_spent, noise_multiplier
+from fedcompress.privacy.accounting import epsilon_spent, noise_multiplier
 from fedcompress.privacy.classifier import (
     Encoded,
     LabelTokenClassifier,
@@ -85,14 +86,17 @@ from fedcompress.privacy.extraction import (
     extraction_attack,
     sequence_log_perplexities,
 )
-from fedcompress.privacy.finetune import MODES, FinetuneConfig, train_prepared
+from fedcompress.privacy.finetune import FinetuneConfig, train_prepared
 from fedcompress.privacy.ledger import DpSgdMechanism, Ledger
 from fedcompress.privacy.policy import SitePolicy
+from fedcompress.privacy.settings import DPSGDSettings, ExtractionAttackSettings
 from fedcompress.privacy.site import ledger_metrics
 
 __all__ = [
     "METHOD",
+    "FederatedDPSettings",
     "PrivyTuneConfig",
+    "PrivyTuneFederationSettings",
     "RunSettings",
     "SiteData",
     "build_model",
@@ -112,8 +116,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OBJECTIVES = ("classify", "lm")
-REMOVALS = ("ratio", "greedy", "none")
-SOURCES = ("sites", "public")
 PARTITIONS = ("iid", "dirichlet")
 #: Site-level central DP on the server's average (Flower's DP strategy wrappers): none, clipping
 #: of each site's update on the server, or on the site (Flower's ``fixedclipping_mod``).
@@ -121,13 +123,11 @@ CENTRAL_DP = ("none", "server", "client")
 
 
 @dataclass(frozen=True)
-class PrivyTuneConfig(Settings):
-    """Settings of one PrunePrivyTune run as the sites see it (flat, so they travel in a Flower
-    ``ConfigRecord``). Defaults: the embedded MiniLM-L6 encoder on ``epistemic_reasoning`` (the
-    RTE stand-in), 4 sites, 20% of the layers removed by pairwise redundancy, DP-LoRA at
-    epsilon 8 per site, 3 rounds of one local epoch."""
+class PrivyTuneFederationSettings(FederationBase):
+    """The federation of a PrunePrivyTune run: the model, the sites' private data (a labelled
+    task or a corpus) and how it is shared among them."""
 
-    label: ClassVar[str] = "PrunePrivyTune"
+    label: ClassVar[str] = "federation"
 
     model: str = setting("minilm-l6", "Model to compress: an encoder (BERT family, gets a "
                          "classification head) or a causal LM (as in `eval`).")
@@ -149,32 +149,20 @@ class PrivyTuneConfig(Settings):
     alpha: float = setting(1.0, "Dirichlet concentration.", gt=0.0)
     seed: int = setting(0, "Seed of every random choice.", ge=0)
     max_length: int = setting(128, "Tokens per example.", ge=8)
-    removal: str = setting("ratio", "ratio (remove --ratio of the layers), greedy (Alg. 1 under "
-                           "--max-drop) or none.", choices=REMOVALS)
-    measure: str = setting("pairwise", "Redundancy: pairwise (avg_cos, Eq. 5) or adjacent (the "
-                           "Cosine baseline).", choices=MEASURES)
-    ratio: float = setting(0.2, "Fraction of layers removed (removal ratio), in [0, 1).",
-                           ge=0.0, lt=1.0)
-    max_drop: float = setting(0.02, "Delta of Alg. 1: the largest allowed drop of validation "
-                              "accuracy (or of -log perplexity), >= 0.", ge=0.0)
-    tau: float = setting(-1.0, "Eq. 6 threshold: only layers with redundancy above it are "
-                         "greedy candidates (-1: all).", ge=-1.0, le=1.0)
-    similarity_source: str = setting("public", "Cosine matrix from public text on the server "
-                                     "(default: nothing leaves a site before DP training), or "
-                                     "from the sites' data (each sends its (L+1)^2 matrix, "
-                                     "averaged; not DP-protected).", choices=SOURCES)
-    similarity_texts: int = setting(64, "Texts per site (or public) for the cosine matrix.",
-                                    ge=1)
-    mode: str = setting("lora", "lora (W + LR) or full (Train).", choices=MODES)
-    epsilon: float = setting(8.0, "DP-SGD target epsilon per site (0: no DP).", ge=0.0)
-    dp_delta: float = setting(1e-5, "DP-SGD target delta, in (0, 1).", gt=0.0, lt=1.0)
-    max_grad_norm: float = setting(1.0, "Per-example clipping norm C.", gt=0.0)
-    accountant: str = setting("rdp", "Privacy accountant.", choices=ACCOUNTANTS)
-    dp_noise_seed: int = setting(-1, "Seed of the sites' DP-SGD noise: -1 (default) a fresh "
-                                 "secret seed per run (OS entropy, never recorded or sent); "
-                                 ">= 0 reproducible noise, mixed with each site's and round's "
-                                 "seed (research only: the epsilon then does not hold against "
-                                 "anyone who knows it).", ge=-1)
+
+    def label_subset(self) -> tuple[str, ...] | None:
+        names = tuple(x.strip() for x in self.labels.split(",") if x.strip())
+        return names or None
+
+
+@dataclass(frozen=True)
+class FederatedDPSettings(Settings):
+    """The federated rounds of DP-LoRA: the sites' local epochs, the server's FedAvg(M) of their
+    updates, and the optional site-level central DP on that average (Flower's DP strategy
+    wrappers)."""
+
+    label: ClassVar[str] = "rounds and central DP"
+
     rounds: int = setting(3, "Federated rounds.", ge=1)
     local_epochs: float = setting(1.0, "Epochs over a site's data per round.", gt=0.0)
     server_lr: float = setting(1.0, "Server learning rate on the sites' average update "
@@ -183,18 +171,6 @@ class PrivyTuneConfig(Settings):
                                "epoch makes (post-processing: no privacy cost).", gt=0.0)
     server_momentum: float = setting(0.0, "Server momentum of FedAvgM (0: none).", ge=0.0,
                                      lt=1.0)
-    batch_size: int = setting(16, "Examples per step (under DP: the expected Poisson batch).",
-                              ge=1)
-    physical_batch: int = setting(32, "Most examples per forward/backward pass; a larger batch "
-                                  "is processed in chunks for one step (bounds the memory of "
-                                  "DP's per-example gradients; 0: the whole batch).", ge=0)
-    lr: float = setting(1e-3, "AdamW learning rate of LoRA (and of the new head).", gt=0.0)
-    full_lr: float = setting(5e-5, "AdamW learning rate of full fine-tuning (mode full): every "
-                             "pretrained weight moves, so a smaller rate.", gt=0.0)
-    lora_r: int = setting(8, "LoRA rank.", ge=1)
-    lora_alpha: int = setting(16, "LoRA alpha.", ge=1)
-    attack_samples: int = setting(32, "Members (and non-members) per site attacked by the "
-                                  "extraction audit (0: no attack).", ge=0)
     central_dp: str = setting("none", "Site-level central DP on the FedAvg of every round "
                               "(Flower's DP strategy wrappers, on top of each site's DP-SGD): "
                               "none, server (the server clips each site's update) or client "
@@ -213,16 +189,10 @@ class PrivyTuneConfig(Settings):
                                   "central DP.", gt=0.0)
 
     def validate(self) -> None:
-        if self.min_clients > self.clients:
-            raise self.invalid("min_clients", f"at most clients={self.clients} (0: all)")
         if self.central_dp != "none":
             if self.central_noise <= 0:
                 raise self.invalid("central_noise", f"> 0 with central_dp={self.central_dp!r} "
                                    "(the accountant needs noise)")
-            if self.required_clients != self.clients:
-                raise self.invalid("min_clients", f"0 or clients={self.clients} with "
-                                   f"central_dp={self.central_dp!r}: the central accountant "
-                                   "counts every site in every round")
             if self.server_lr != 1.0 or self.server_momentum != 0.0:
                 raise self.invalid("server_lr", f"1 (and server_momentum 0) with central_dp="
                                    f"{self.central_dp!r}: Flower's central-DP wrapper and its "
@@ -232,17 +202,27 @@ class PrivyTuneConfig(Settings):
     def central(self) -> bool:
         return self.central_dp != "none"
 
-    @property
-    def private(self) -> bool:
-        return self.epsilon > 0
 
-    @property
-    def required_clients(self) -> int:
-        return self.min_clients or self.clients
+@dataclass(frozen=True)
+class PrivyTuneConfig(PrivyTuneFederationSettings, RedundancySettings, DPSGDSettings,
+                      FederatedDPSettings, ExtractionAttackSettings):
+    """Settings of one PrunePrivyTune run as the sites see it (flat, so they travel in a Flower
+    ``ConfigRecord``), composed of pieces: the federation, the layer removal
+    (:class:`~fedcompress.layers.settings.RedundancySettings`), the sites' DP-SGD
+    (:class:`~fedcompress.privacy.settings.DPSGDSettings`), the rounds and central DP, and the
+    audit (:class:`~fedcompress.privacy.settings.ExtractionAttackSettings`). Defaults: the
+    embedded MiniLM-L6 encoder on ``epistemic_reasoning`` (the RTE stand-in), 4 sites, 20% of
+    the layers removed by pairwise redundancy, DP-LoRA at epsilon 8 per site, 3 rounds of one
+    local epoch."""
 
-    def label_subset(self) -> tuple[str, ...] | None:
-        names = tuple(x.strip() for x in self.labels.split(",") if x.strip())
-        return names or None
+    label: ClassVar[str] = "PrunePrivyTune"
+
+    def validate(self) -> None:
+        """Across the pieces: central DP counts every site in every round."""
+        if self.central_dp != "none" and self.required_clients != self.clients:
+            raise self.invalid("min_clients", f"0 or clients={self.clients} with "
+                               f"central_dp={self.central_dp!r}: the central accountant "
+                               "counts every site in every round")
 
     def finetune_config(self, epochs: float, seed: int) -> FinetuneConfig:
         return FinetuneConfig(mode=self.mode, epochs=epochs, batch_size=self.batch_size,
@@ -253,15 +233,6 @@ class PrivyTuneConfig(Settings):
                               accountant=self.accountant, seed=seed,
                               physical_batch_size=self.physical_batch,
                               noise_seed=None if self.dp_noise_seed < 0 else self.dp_noise_seed)
-
-    def noise_note(self) -> str | None:
-        """What the report says about the sites' DP-SGD noise (None without DP)."""
-        if not self.private:
-            return None
-        if self.dp_noise_seed < 0:
-            return "secret (fresh OS entropy per run, never recorded or sent)"
-        return (f"reproducible from dp_noise_seed={self.dp_noise_seed}: the epsilon does NOT "
-                "hold against anyone who knows it (research only)")
 
 
 @dataclass(frozen=True)

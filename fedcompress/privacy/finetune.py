@@ -75,6 +75,7 @@ from fedcompress.privacy.classifier import (
     logits_of,
     pad_batch,
 )
+from fedcompress.privacy.settings import MODES
 
 __all__ = [
     "MODES",
@@ -88,8 +89,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: What is trained: LoRA adapters (+ a new head) or every weight.
-MODES = ("lora", "full")
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -1,4 +1,5 @@
-"""Privacy's settings: secure aggregation (SecAgg+) and differential privacy of statistics.
+"""Privacy's settings: secure aggregation (SecAgg+), differential privacy of statistics, the
+sites' text perturbation (PPC-GPT), DP-SGD fine-tuning and the extraction audit (PrunePrivyTune).
 
 Pieces of a method's settings (:class:`fedcompress.config.Settings`). What the server asks
 here is what a site checks against its own policy (:mod:`fedcompress.privacy.policy`): a
@@ -11,7 +12,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedcompress.config import Settings, setting
+from fedcompress.privacy.accounting import ACCOUNTANTS
 from fedcompress.privacy.dp_stats import check_public_text, is_digest
+
+#: What DP fine-tuning trains (:mod:`fedcompress.privacy.finetune`): LoRA adapters (+ a new
+#: head) or every weight.
+MODES = ("lora", "full")
 
 
 @dataclass(frozen=True)
@@ -131,3 +137,83 @@ class DPStatsSettings(Settings):
     def dp(self) -> bool:
         """Whether the sites' statistics are released with differential privacy."""
         return self.dp_epsilon > 0
+
+
+#: The exponential mechanisms of the sites' word-level text perturbation.
+MECHANISMS = ("santext", "custext")
+
+
+@dataclass(frozen=True)
+class TextDPSettings(Settings):
+    """The sites' text perturbation by the exponential mechanism (word-level DP,
+    :mod:`fedcompress.privacy.sanitize`). A site never releases an out-of-vocabulary word: it is
+    replaced by a uniform candidate (the sanitizer's ``oov='random'``; ``keep`` is not
+    reachable from here)."""
+
+    label: ClassVar[str] = "text perturbation (exponential mechanism)"
+
+    eps: float = setting(3.0, "DP budget per perturbed word (exponential mechanism).", gt=0.0)
+    noise_seed: int = setting(-1, "Seed of the clients' perturbation draws: -1 (default) a "
+                              "fresh secret seed per client and run (OS entropy, never "
+                              "recorded or sent); >= 0 reproducible draws, mixed with the "
+                              "client's partition (research only: the eps then does not hold "
+                              "against anyone who knows it).", ge=-1)
+    mechanism: str = setting("custext", "santext or custext.", choices=MECHANISMS)
+    top_k: int = setting(20, "CusText group size.", ge=2)
+    keep_stopwords: bool = setting(False, "Release English stop words in the clear "
+                                   "(CusText+; opt-in). Out-of-vocabulary words are always "
+                                   "replaced.")
+
+
+@dataclass(frozen=True)
+class DPSGDSettings(Settings):
+    """Fine-tuning with DP-SGD (LoRA, "W + LR", or every weight, "Train") and its accountant
+    (:mod:`fedcompress.privacy.finetune`): per-example clipping, Gaussian noise set to reach
+    ``(epsilon, dp_delta)``."""
+
+    label: ClassVar[str] = "DP-SGD fine-tuning"
+
+    mode: str = setting("lora", "lora (W + LR) or full (Train).", choices=MODES)
+    epsilon: float = setting(8.0, "DP-SGD target epsilon per site (0: no DP).", ge=0.0)
+    dp_delta: float = setting(1e-5, "DP-SGD target delta, in (0, 1).", gt=0.0, lt=1.0)
+    max_grad_norm: float = setting(1.0, "Per-example clipping norm C.", gt=0.0)
+    accountant: str = setting("rdp", "Privacy accountant.", choices=ACCOUNTANTS)
+    dp_noise_seed: int = setting(-1, "Seed of the sites' DP-SGD noise: -1 (default) a fresh "
+                                 "secret seed per run (OS entropy, never recorded or sent); "
+                                 ">= 0 reproducible noise, mixed with each site's and round's "
+                                 "seed (research only: the epsilon then does not hold against "
+                                 "anyone who knows it).", ge=-1)
+    batch_size: int = setting(16, "Examples per step (under DP: the expected Poisson batch).",
+                              ge=1)
+    physical_batch: int = setting(32, "Most examples per forward/backward pass; a larger batch "
+                                  "is processed in chunks for one step (bounds the memory of "
+                                  "DP's per-example gradients; 0: the whole batch).", ge=0)
+    lr: float = setting(1e-3, "AdamW learning rate of LoRA (and of the new head).", gt=0.0)
+    full_lr: float = setting(5e-5, "AdamW learning rate of full fine-tuning (mode full): every "
+                             "pretrained weight moves, so a smaller rate.", gt=0.0)
+    lora_r: int = setting(8, "LoRA rank.", ge=1)
+    lora_alpha: int = setting(16, "LoRA alpha.", ge=1)
+
+    @property
+    def private(self) -> bool:
+        return self.epsilon > 0
+
+    def noise_note(self) -> str | None:
+        """What the report says about the sites' DP-SGD noise (None without DP)."""
+        if not self.private:
+            return None
+        if self.dp_noise_seed < 0:
+            return "secret (fresh OS entropy per run, never recorded or sent)"
+        return (f"reproducible from dp_noise_seed={self.dp_noise_seed}: the epsilon does NOT "
+                "hold against anyone who knows it (research only)")
+
+
+@dataclass(frozen=True)
+class ExtractionAttackSettings(Settings):
+    """The training-data extraction audit of a fine-tuned model
+    (:mod:`fedcompress.privacy.extraction`)."""
+
+    label: ClassVar[str] = "extraction attack"
+
+    attack_samples: int = setting(32, "Members (and non-members) per site attacked by the "
+                                  "extraction audit (0: no attack).", ge=0)
