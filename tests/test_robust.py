@@ -97,7 +97,7 @@ def test_reject_outliers_by_robust_deviation():
 
 # -- settings ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, message", [
-    (dict(attackers=5), "attackers=5 is invalid: expected at most clients=4"),
+    (dict(attack="random", attackers=5), "attackers=5 is invalid: expected at most clients=4"),
     (dict(attack="random"), "attackers=0 is invalid: expected 0 with attack none, and >= 1"),
     (dict(attackers=1), "attackers=1 is invalid"),
     (dict(attack="flip", attackers=1), "attack='flip' is invalid"),
