@@ -5,6 +5,9 @@ per layer), vote, prune the global model, evaluate it next to the dense model an
 save the pruned model in its smallest faithful dtype (``save_dtype``), and write
 ``report.json``/``report.md``.
 
+The federated part (:func:`federate`: start-up, OWL, the strategy's rounds, their cost) is
+shared with the bench, which runs it on an in-process grid (:mod:`server.bench`).
+
 ``app`` reads its settings from the Flower run config (``flwr run . --run-config ...``);
 :func:`make_app` builds an app around settings given in Python (the ``fedcompress prune`` CLI).
 """
@@ -14,8 +17,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 # transformers at module level, before the library imports it: see server/app.py.
 import transformers  # noqa: F401
@@ -24,7 +29,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedcompress.methods.fedprllm import METHOD
 from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig, RunSettings
-from fedcompress.methods.fedprllm.experiment import prepare_experiment
+from fedcompress.methods.fedprllm.experiment import Experiment, prepare_experiment
 from fedcompress.methods.fedprllm.federated import (
     ServerConfig,
     expected_shapes,
@@ -40,7 +45,7 @@ from server.common import (
     save_run_model,
     startup_section,
 )
-from strategies.fedprllm import make_strategy
+from strategies.fedprllm import FedPrLLM, make_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -102,21 +107,110 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
         with report.phase("eval"):
             report.add_result(exp.evaluate("dense", exp.model))
 
-    if config.layer_sparsity:
-        check_global_ratio(config.prune.plan, exp.model)
-    with report.phase("wire_reference"):
-        reference = public_reference_wire(exp.model, exp.tokenizer, config)
     per_layer = config.mode == "iterative" or config.aggregate == "stats"
     checkpoint = out / "checkpoint" if per_layer else None
-    strategy = make_strategy(config, exp.model, reference, checkpoint, exp.tokenizer)
     if server.resume and checkpoint is None:
         raise ValueError("resume=True is invalid: expected mode iterative (a one-shot run has "
                          "one round: run it again)")
+    federated = federate(grid, config, exp, report, server.timeout, checkpoint, server.resume)
+    strategy, comm = federated.strategy, federated.comm
+
+    for variant in server_variants(config, server.variants):
+        model = exp.fresh_copy()
+        with report.phase("aggregate"):
+            strategy.prune(model, variant)
+        name = result_name(config, variant)
+        if quant is not None:  # e.g. fedprllm-stats-row+w4a16-gptq
+            name += f"+{quant.scheme}-{quant.method}"
+        with report.phase("eval"):
+            report.add_result(exp.evaluate(
+                name, model, **comm,
+                server_group=variant.group, scale=variant.scale))
+        if server.save_model and variant == config.server:
+            with report.phase("save"):
+                quantized = None
+                if quant is not None:
+                    from fedcompress.quant.compressed_tensors import packed_layers
+
+                    quantized = (packed_layers(model, strategy.quantized),  # type: ignore
+                                 quant)
+                save_run_model(report, model, out / "model", exp.tokenizer, exp.loaded,
+                               exp.model, server.save_dtype, config.dtype, quantized)
+        del model
+    if strategy.defence:
+        report.extra["defence_outcome"] = strategy.defence
+
+    if "centralized" in baselines:
+        with report.phase("centralized"):
+            model, seconds = exp.centralized()
+        with report.phase("eval"):
+            report.add_result(exp.evaluate("centralized", model, prune_seconds=seconds))
+    if "rtn" in baselines:
+        with report.phase("rtn"):
+            model, seconds = exp.round_to_nearest()
+        with report.phase("eval"):
+            report.add_result(exp.evaluate(f"rtn-{config.quant}", model, prune_seconds=seconds))
+    if "local-only" in baselines:
+        with report.phase("local_only"):
+            model, seconds = exp.local_only(0)
+        with report.phase("eval"):
+            report.add_result(exp.evaluate("local-only", model, prune_seconds=seconds,
+                                           client=0))
+    if exp.plans:
+        report.extra.setdefault("sparsity_profile", {})["baselines"] = exp.plans
+
+
+def make_app(settings: dict | None = None) -> ServerApp:
+    """A ServerApp running FedPrLLM with ``settings`` (the CLI), or with the Flower run
+    config's ``fedprllm.*`` settings."""
+    return make_server_app(METHOD, run, settings)
+
+
+def result_name(config: FedPrLLMConfig, variant: ServerConfig) -> str:
+    """The name of a run's result for server ``variant`` (``fedprllm-oneshot-row``,
+    ``fedprllm-stats-row``, ``fedspallm-layer``, ...), as reports and the bench read it."""
+    return (f"fedprllm-stats-{config.local_group}" if config.aggregate == "stats"
+            else f"fedspallm-{variant.group}" if config.aggregate == "fedspallm"
+            else f"fedprllm-{config.mode}-{variant.label}")
+
+
+@dataclass
+class Federated:
+    """A run's finished rounds: the strategy (its vote or summed statistics, ready to prune
+    copies of the global model, :meth:`~strategies.fedprllm.FedPrLLM.prune`) and what the
+    rounds cost (``comm``: rounds, bytes per client, seconds, as the report's results carry
+    them; ``reference_seconds``: the public reference of the compressed wire format)."""
+
+    strategy: FedPrLLM
+    comm: dict[str, Any]
+    reference_seconds: float = 0.0
+
+
+def federate(grid: Grid, config: FedPrLLMConfig, exp: Experiment, report: RunReport,
+             timeout: float, checkpoint: Path | None = None, resume: bool = False,
+             spill: Path | None = None, observe: Callable[[FedPrLLM], None] | None = None
+             ) -> Federated:
+    """The federated part of a FedPrLLM run, on any Grid (the Simulation Engine's, a
+    deployment's, the bench's in-process one): the public wire reference, the strategy of
+    ``config`` (:func:`~strategies.fedprllm.make_strategy`), the sites' start-up, OWL's
+    outlier round, the rounds (resumed from ``checkpoint`` when ``resume``); what they cost
+    and what the sites said go to ``report``. ``spill``: a folder for FedSpaLLM's sum;
+    ``observe``: called with the strategy before its first message (the bench times its
+    rounds)."""
+    if config.layer_sparsity:
+        check_global_ratio(config.prune.plan, exp.model)
+    start = time.perf_counter()
+    with report.phase("wire_reference"):
+        reference = public_reference_wire(exp.model, exp.tokenizer, config)
+    reference_seconds = time.perf_counter() - start
+    strategy = make_strategy(config, exp.model, reference, checkpoint, exp.tokenizer, spill)
+    if observe is not None:
+        observe(strategy)
     with report.phase("engine_startup"):
-        startup = strategy.warmup(grid, timeout=server.timeout)
+        startup = strategy.warmup(grid, timeout=timeout)
     if config.sparsity_profile == "owl" and not config.layer_sparsity:
         with report.phase("owl_outliers"):
-            sites = strategy.collect_outliers(grid, timeout=server.timeout)
+            sites = strategy.collect_outliers(grid, timeout=timeout)
             plan = owl_plan_from_sites(sites, config, exp.model)
             strategy.set_plan(plan.to_text())
         report.extra["sparsity_profile"] = {"rule": "owl", "m": config.owl_m,
@@ -125,12 +219,11 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
                                             "plan": plan.to_dict()}
     elif config.layer_sparsity:
         report.extra["sparsity_profile"] = {"rule": "given", "plan": config.prune.plan.to_dict()}
-    if server.resume:  # after the OWL plan, which the checkpoint's settings carry
+    if resume:  # after the OWL plan, which the checkpoint's settings carry
         report.extra["resumed_layers"] = strategy.resume(checkpoint)  # type: ignore
     start = time.perf_counter()
     with report.phase("federated_pruning"):
-        strategy.start(grid, ArrayRecord(), num_rounds=strategy.num_rounds,
-                       timeout=server.timeout)
+        strategy.start(grid, ArrayRecord(), num_rounds=strategy.num_rounds, timeout=timeout)
     fed_seconds = time.perf_counter() - start
     outcome = strategy.outcome
     client_seconds = [m["seconds"] for m in outcome.client_metrics]
@@ -190,55 +283,4 @@ def _run(grid: Grid, config: FedPrLLMConfig, eval_config: EvalConfig, server: Ru
     if section := startup_section(report.extra["client_startup"]):
         report.sections.append(section)
     report.extra["clients"] = outcome.client_metrics
-
-    for variant in server_variants(config, server.variants):
-        model = exp.fresh_copy()
-        with report.phase("aggregate"):
-            strategy.prune(model, variant)
-        name = (f"fedprllm-stats-{config.local_group}" if config.aggregate == "stats"
-                else f"fedspallm-{variant.group}" if config.aggregate == "fedspallm"
-                else f"fedprllm-{config.mode}-{variant.label}")
-        if quant is not None:  # e.g. fedprllm-stats-row+w4a16-gptq
-            name += f"+{quant.scheme}-{quant.method}"
-        with report.phase("eval"):
-            report.add_result(exp.evaluate(
-                name, model, **comm,
-                server_group=variant.group, scale=variant.scale))
-        if server.save_model and variant == config.server:
-            with report.phase("save"):
-                quantized = None
-                if quant is not None:
-                    from fedcompress.quant.compressed_tensors import packed_layers
-
-                    quantized = (packed_layers(model, strategy.quantized),  # type: ignore
-                                 quant)
-                save_run_model(report, model, out / "model", exp.tokenizer, exp.loaded,
-                               exp.model, server.save_dtype, config.dtype, quantized)
-        del model
-    if strategy.defence:
-        report.extra["defence_outcome"] = strategy.defence
-
-    if "centralized" in baselines:
-        with report.phase("centralized"):
-            model, seconds = exp.centralized()
-        with report.phase("eval"):
-            report.add_result(exp.evaluate("centralized", model, prune_seconds=seconds))
-    if "rtn" in baselines:
-        with report.phase("rtn"):
-            model, seconds = exp.round_to_nearest()
-        with report.phase("eval"):
-            report.add_result(exp.evaluate(f"rtn-{config.quant}", model, prune_seconds=seconds))
-    if "local-only" in baselines:
-        with report.phase("local_only"):
-            model, seconds = exp.local_only(0)
-        with report.phase("eval"):
-            report.add_result(exp.evaluate("local-only", model, prune_seconds=seconds,
-                                           client=0))
-    if exp.plans:
-        report.extra.setdefault("sparsity_profile", {})["baselines"] = exp.plans
-
-
-def make_app(settings: dict | None = None) -> ServerApp:
-    """A ServerApp running FedPrLLM with ``settings`` (the CLI), or with the Flower run
-    config's ``fedprllm.*`` settings."""
-    return make_server_app(METHOD, run, settings)
+    return Federated(strategy, comm, reference_seconds)

@@ -50,11 +50,12 @@ logger = logging.getLogger(__name__)
 
 def make_strategy(config: FedPrLLMConfig, model: torch.nn.Module,
                   reference_wire: dict | None = None, checkpoint: Path | None = None,
-                  tokenizer=None) -> FedPrLLM:
+                  tokenizer=None, spill: Path | None = None) -> FedPrLLM:
     """The strategy of ``config``; ``tokenizer``: for the public clip windows of DP
-    statistics (``--dp-epsilon`` with the default ``--dp-clip``)."""
+    statistics (``--dp-epsilon`` with the default ``--dp-clip``); ``spill``: a folder for
+    FedSpaLLM's sum (:class:`~fedcompress.methods.fedspallm.L0Sum`, memory-mapped there)."""
     if config.aggregate == "fedspallm":
-        return FedSpaLLMStrategy(config, model)
+        return FedSpaLLMStrategy(config, model, spill=spill)
     if config.aggregate == "stats":
         if not config.secagg:
             logger.warning("statistics mode without --secagg: the server sees each site's "

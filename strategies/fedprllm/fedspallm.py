@@ -6,6 +6,7 @@ and kept weights; the server's l0-norm average and mask expansion
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -39,11 +40,14 @@ class FedSpaLLMStrategy(FedPrLLM):
     exactly its layers, valid masks, one finite value per kept weight), else it is rejected
     with its reason. The valid releases are added to one :class:`~fedcompress.methods.fedspallm.
     L0Sum` as they come, in node order, and dropped (the server holds the sum, not the
-    releases); :meth:`prune` expands it."""
+    releases; ``spill``: a folder that holds the sum on disk instead); :meth:`prune` expands it,
+    for the configured server comparison group or another one (the releases serve every
+    group)."""
 
     action = "train.fedspallm"
 
-    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0):
+    def __init__(self, config: FedPrLLMConfig, model: torch.nn.Module, node_wait: float = 120.0,
+                 spill: Path | None = None):
         super().__init__(config, model, node_wait, reference_wire=None, streaming=False)
         self.n_layers = len(ModelAdapter(model))
         budget = config.fedspallm_layers or self.n_layers
@@ -54,7 +58,7 @@ class FedSpaLLMStrategy(FedPrLLM):
         self.assignment = assign_layers(self.n_layers, [budget] * config.clients, config.seed)
         self.node_layers: dict[int, list[int]] = {}
         #: the server's l0 sum of the valid releases, and their nodes in the order added
-        self.total = L0Sum(model)
+        self.total = L0Sum(model, spill)
         self.released: list[int] = []
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -99,13 +103,15 @@ class FedSpaLLMStrategy(FedPrLLM):
 
     def prune(self, model: torch.nn.Module, server: Any = None) -> dict[str, float]:
         """Prune (and set the weights of) ``model`` with the l0 average and mask expansion of
-        the valid releases' sum, one decoder layer at a time; returns each linear layer's
-        pruned fraction."""
+        the valid releases' sum, one decoder layer at a time, within the comparison group of
+        ``server`` (default: the configured one); returns each linear layer's pruned
+        fraction."""
         from fedcompress.masks.codec import mask_key
         from fedcompress.pruning.local import apply_layer_masks
 
         fractions: dict[str, float] = {}
-        for index, masks, weights in self.total.layers(self.config.sparsity, self.config.group):
+        for index, masks, weights in self.total.layers(self.config.sparsity,
+                                                      (server or self.config.server).group):
             apply_layer_masks(model, index, masks, weights)
             fractions.update({mask_key(index, name): float(m.float().mean())
                               for name, m in masks.items()})
