@@ -383,6 +383,11 @@ def bench_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the plan (cells, "
                                                               "pending) and the empty tables.")
                        ] = False,
+    site_threads: Annotated[Optional[int], typer.Option(
+        "--site-threads", min=1, help="Torch threads while a simulated site computes (default: "
+                                      "this process's; 1: a Simulation Engine site's, whose "
+                                      "floats `fedcompress prune` gives).",
+        show_default=False)] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress",
                                            help="Progress bars.")] = True,
     log_level: LogOpt = "INFO",
@@ -393,13 +398,13 @@ def bench_command(
     PrunePrivyTune's Tables 1-4 and 6, personalized layer pruning and its ablations
     ([study.NAME] kind = ...); resumable; tables, plots, report."""
     _setup_logging(log_level)
-    from fedcompress.bench.run import run_bench
+    from fedcompress.api import bench
 
     overrides = {"eval_windows": eval_windows, "eval_text": eval_text, "tasks": tasks,
                  "tasks_path": tasks_path, "task_limit": task_limit, "synth_url": synth_url,
                  "synth_model": synth_model}
-    report = run_bench(config_file, out, overrides,
-                       None if device in (None, "auto") else device, progress, dry_run)
+    report = bench(config_file, out, overrides, None if device in (None, "auto") else device,
+                   progress, dry_run, site_threads=site_threads)
     _print_sections(report)
 
 

@@ -30,6 +30,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 SLOW_FILES_FIRST = (  # seconds of a file's tests, `make test` of 2026-12-06 (--durations)
     "tests/test_deploy.py",                    # 449 (one worker's share: started first)
     "tests/test_faults_simulation.py",         # 185
+    "tests/test_bench_flower.py",              # 168 (four simulations, measured alone)
     "tests/test_flwr_run.py",                  # 132 without its refusal (now in test_deploy)
     "tests/test_fedprllm.py",                  # 85
     "tests/test_integration.py",               # 81

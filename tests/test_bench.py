@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fedcompress.bench.run import run_bench
+from fedcompress.api import bench as run_bench  # the FedPrLLM cells through the strategies
 from fedcompress.bench.sweep import BenchConfigError, load_results, plan
 from fedcompress.bench.tables import study_table
 
@@ -110,6 +110,7 @@ def test_bench_runs_resumes_and_records_failures(tiny_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(local, "local_masks", boom)
     monkeypatch.setattr("fedcompress.methods.fedprllm.experiment.local_masks", boom)
+    monkeypatch.setattr("clients.fedprllm.local_masks", boom)  # the sites' kept replies
     # ... resumed at another commit on another CPU: the report keeps both apart
     elsewhere = {"commit": "0123abc", "cpu_model": "Other CPU", "cpu_capability": "AVX2",
                  "torch_threads": 1}
@@ -161,6 +162,43 @@ def test_table_with_a_server_setting_as_columns(tiny_dir):
     assert header == ["local_group", "strategy", "group=layer", "group=row"]
     assert rows == [["row", "FedPrLLM one-shot", "1.00", "1.00"],
                     ["column", "FedPrLLM one-shot", "1.00", "1.00"]]
+
+
+def test_kept_site_replies_serve_a_later_vote_and_an_older_cache(tiny_dir, tmp_path,
+                                                                 monkeypatch):
+    """The honest sites' one-shot replies (masks, OWL's outlier ratios) are kept under
+    ``[bench] cache``: another bench of the same client settings (another server variant)
+    asks no site for them; a cache of the bench's former mask pass (its masks and a
+    ``meta.json``) serves too."""
+    import numpy as np
+
+    config = _config(tiny_dir, sparsity=0.6, group="layer", baselines=[],
+                     sparsity_profile="owl", owl_m=2.0, owl_lambda=0.1)
+    config["bench"]["cache"] = str(tmp_path / "cache")
+    assert run_bench(_write(tmp_path, config), tmp_path / "a", progress=False).status == "ok"
+    (folder,) = (tmp_path / "cache").iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "client-0000.json", "client-0000.npz", "client-0001.json", "client-0001.npz",
+        "outliers-0000.npy", "outliers-0001.npy"]
+    first = json.loads((tmp_path / "a" / "results.jsonl").read_text())
+    # the former cache's layout: the masks, the sites' seconds and ratios in meta.json
+    ratios = [np.load(folder / f"outliers-{i:04d}.npy").tolist() for i in range(2)]
+    for path in [*folder.glob("*.json"), *folder.glob("outliers-*")]:
+        path.unlink()
+    (folder / "meta.json").write_text(json.dumps({"clients": 2, "client_seconds": [1.5, 2.5],
+                                                  "sites_outlier_ratios": ratios}))
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a site computed what the cache keeps")
+
+    monkeypatch.setattr("clients.fedprllm.local_masks", boom)
+    monkeypatch.setattr("clients.fedprllm.outlier_ratios", boom)
+    config["study"]["main"]["group"] = "row"
+    assert run_bench(_write(tmp_path, config), tmp_path / "b", progress=False).status == "ok"
+    second = json.loads((tmp_path / "b" / "results.jsonl").read_text())
+    assert second["client_seconds_mean"] == 2.0 and second["group"] == "row"
+    assert second["sparsity_per_layer"] == pytest.approx(first["sparsity_per_layer"], abs=0.04)
+    assert len(set(first["sparsity_per_layer"])) > 1  # the OWL plan, from the kept ratios
 
 
 def test_records_from_before_a_setting_existed_keep_their_cells(tiny_dir, tmp_path):
@@ -294,8 +332,10 @@ def test_bench_runs_statistics_mode_and_fedspallm_cells(tiny_dir, tmp_path, monk
     calls = []
     real = fs.site_release
     monkeypatch.setattr(fs, "site_release", lambda *a, **k: calls.append(1) or real(*a, **k))
+    import strategies.fedprllm.fedspallm as strategy
+
     spills, real_sum = [], fs.L0Sum
-    monkeypatch.setattr(fs, "L0Sum", lambda m, spill=None: spills.append(spill)
+    monkeypatch.setattr(strategy, "L0Sum", lambda m, spill=None: spills.append(spill)
                         or real_sum(m, spill))
     out = tmp_path / "out"
     report = run_bench(_write(tmp_path, config), out, progress=False)

@@ -32,7 +32,8 @@ STUDY_KEYS = ("title", "baselines", "total_windows", "columns", "kind")
 STUDY_KINDS = ("fedprllm", "network", "leakage", "ppcgpt", "privytune", "personalize", "dp",
                "dp-leakage")
 #: The wire-format settings: the client masks are the same in every format (only the bytes
-#: differ), so one-shot cells of any format share the cached bit-packed masks.
+#: differ), so one-shot cells of any format share their client id; each format keeps its own
+#: replies (:attr:`Cell.replies_id`).
 WIRE_KEYS = ("wire", "wire_reference")
 BENCH_KEYS = ("device", "out", "cache")
 BASELINES = ("dense", "centralized", "local-only")
@@ -76,6 +77,28 @@ class Cell:
         wire = {k: client[k] for k in WIRE_KEYS if k in client}
         return (self.client_id + (f"-{digest(attack)}" if attack.get("attackers") else "")
                 + (f"-{digest(wire)}" if wire.get("wire", "packed") != "packed" else ""))
+
+    @property
+    def run_id(self) -> str:
+        """The federated run of a FedPrLLM cell (``OUT/runs/<run_id>``): the cells of one
+        one-shot vote or FedSpaLLM run share it (their sites' replies serve every server
+        variant); an iterative or statistics-mode cell has a run of its own (its rounds
+        depend on the server)."""
+        client = dict(self.client)
+        if client.get("mode") == "iterative" or client.get("aggregate") == "stats":
+            return self.id
+        return self.vote_id
+
+    @property
+    def replies_id(self) -> str:
+        """The folder of the honest sites' kept one-shot replies: :attr:`client_id` (their
+        masks bit-packed, the default wire format: the bench's mask cache since its first
+        version), with the wire format's digest for another format (its payloads differ)."""
+        client = dict(self.client)
+        wire = {k: client[k] for k in WIRE_KEYS if k in client}
+        if wire.get("wire", "packed") == "packed":
+            return self.client_id
+        return f"{self.client_id}-{digest(wire)}"
 
     def config(self) -> FedPrLLMConfig:
         return FedPrLLMConfig.from_dict({**dict(self.client), **dict(self.server)})

@@ -13,6 +13,7 @@ from fedcompress.bench.studies import KINDS
 from fedcompress.bench.sweep import (
     BenchConfigError,
     BenchRunner,
+    Federation,
     Study,
     kind_overrides,
     load_bench,
@@ -27,8 +28,11 @@ logger = logging.getLogger(__name__)
 
 def run_bench(config_path: str | Path, out: str | Path | None = None,
               overrides: dict | None = None, device: str | None = None,
-              progress: bool = True, dry_run: bool = False) -> RunReport:
-    """Plan, run the pending cells (resuming ``out``), and write the report."""
+              progress: bool = True, dry_run: bool = False,
+              federation: Federation | None = None) -> RunReport:
+    """Plan, run the pending cells (resuming ``out``), and write the report. ``federation``:
+    what runs the FedPrLLM cells (:class:`~fedcompress.bench.sweep.Federation`; the
+    composition root gives it: :func:`fedcompress.api.bench`)."""
     raw = load_bench(config_path)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     studies = plan(raw, overrides)
@@ -40,7 +44,7 @@ def run_bench(config_path: str | Path, out: str | Path | None = None,
                                                         overrides)}
                        for name, table in raw["study"].items()}}
     runner = BenchRunner(studies, out, device=device, progress=progress,
-                         cache=raw.get("bench", {}).get("cache"))
+                         cache=raw.get("bench", {}).get("cache"), federation=federation)
     report = RunReport(out, "bench", saved)
     report.reproduce = f"fedcompress bench {out / 'config.toml'} --out {out}"
     report.markdown_results = False  # every cell is in report.json; the tables are above

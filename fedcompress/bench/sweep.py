@@ -24,16 +24,22 @@ study:
   reported the same way.
 
 Every (client setting, server setting) pair is a *cell*, identified by a hash of its settings,
-so cells shared by studies run once. One-shot client masks do not depend on the server's
-comparison group, scaling or tie-break: they are computed once per client setting (model,
-method, local group, sparsity, partition, seed, ...), stored bit-packed under
-``OUT/cache/<id>/`` (or ``[bench] cache``, a folder that several sweeps may share) and reused
-by every server variant and by a resumed sweep. Each finished
-cell is appended to ``OUT/results.jsonl`` at once; a rerun skips finished cells and retries
-failed ones; a failing cell is recorded with its error and the sweep goes on.
+so cells shared by studies run once. Each finished cell is appended to ``OUT/results.jsonl`` at
+once; a rerun skips finished cells and retries failed ones; a failing cell is recorded with its
+error and the sweep goes on.
 
-Client masks are computed in-process by the same library functions the Flower ClientApp calls
-(their equality with a Flower federation is tested), so a sweep needs no simulation engine.
+**One orchestration path.** A FedPrLLM cell runs through the strategies that ``fedcompress
+prune`` and ``flwr run`` run: the runner is given a :class:`Federation` (``server/bench.py``:
+the ServerApp's federated part, ``server.fedprllm.federate``, on an in-process grid whose
+sites run the one ClientApp's handlers in this process, without Ray) and asks it for one run
+per group of cells that share their sites' replies (:attr:`~fedcompress.bench.cells.Cell.
+run_id`): the server variants of one one-shot vote (comparison group, scaling, tie-break,
+defence: the same masks), the comparison groups of one FedSpaLLM run, or one iterative or
+statistics-mode cell. Honest one-shot replies (the sites' bit-packed masks, OWL's outlier
+ratios) are kept under ``OUT/cache/<id>/`` (or ``[bench] cache``, a folder that several
+sweeps may share; :attr:`~fedcompress.bench.cells.Cell.replies_id`) and reused by every later
+run of the same client settings and by a resumed sweep. The baselines (dense, centralized,
+local-only) run in process, as the ServerApp runs them.
 
 This module plans (:func:`plan`), runs (:class:`BenchRunner`) and resumes (:func:`load_results`)
 a sweep; the cells and studies themselves, the settings' keys and the expansion of a FedPrLLM
@@ -50,9 +56,7 @@ import time
 import tomllib
 import traceback
 from pathlib import Path
-from typing import Any, Iterator
-
-import numpy as np
+from typing import Any, Iterator, Protocol
 
 from fedcompress.bench.cells import (  # noqa: F401 (this module's public names)
     ATTACK_KEYS,
@@ -73,16 +77,8 @@ from fedcompress.bench.cells import (  # noqa: F401 (this module's public names)
     data_key,
     fedprllm_study,
 )
-from fedcompress.masks.aggregate import load_kernels
 from fedcompress.methods.fedprllm.experiment import Experiment, prepare_experiment
-from fedcompress.methods.fedprllm.federated import (
-    InvalidMaskError,
-    MaskAggregator,
-    encode_masks,
-    iterative_vote,
-    payload_nbytes,
-    with_site_plan,
-)
+from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
 
 logger = logging.getLogger(__name__)
 
@@ -171,55 +167,48 @@ def kind_overrides(kind: str, overrides: dict) -> dict:
 # Running
 # ------------------------------------------------------------------------------------------
 
-class MaskCache:
-    """Bit-packed one-shot client masks on disk, one folder per client setting."""
+class FederatedRun(Protocol):
+    """One federated run of a group of cells (:meth:`Federation.run`)."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def counts(self) -> tuple[dict[str, Any], int] | None:
+        """A one-shot vote's counts per linear layer and its number of sites (None: the run
+        has no such vote)."""
 
-    def folder(self, client_id: str) -> Path:
-        return self.root / client_id
+    def result(self, config: FedPrLLMConfig) -> dict[str, Any]:
+        """The record fields of the cell of ``config`` (its server variant): the global
+        model pruned by the run and evaluated, with what the run measured."""
 
-    def load(self, client_id: str, aggregator: MaskAggregator) -> dict | None:
-        folder = self.folder(client_id)
-        meta_file = folder / "meta.json"
-        if not meta_file.exists():
-            return None
-        meta = json.loads(meta_file.read_text())
-        for i in range(meta["clients"]):
-            with np.load(folder / f"client-{i:04d}.npz") as data:
-                aggregator.add_packed({k: data[k] for k in aggregator.shapes})
-        return meta
+    def close(self) -> None:
+        """Let the run's vote go."""
 
-    def store(self, client_id: str, client: int, payload: dict[str, np.ndarray]) -> None:
-        folder = self.folder(client_id)
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"client-{client:04d}.tmp.npz"
-        np.savez(tmp, **payload)
-        tmp.replace(folder / f"client-{client:04d}.npz")
 
-    def load_client(self, client_id: str, client: int) -> dict[str, np.ndarray] | None:
-        path = self.folder(client_id) / f"client-{client:04d}.npz"
-        if not path.exists():
-            return None
-        with np.load(path) as data:
-            return {k: data[k] for k in data.files}
+class Federation(Protocol):
+    """What runs the FedPrLLM cells: the ServerApp's strategies on a grid of the one
+    ClientApp (``server/bench.py``'s ``InProcessFederation``, which the composition root
+    gives: this package imports no Flower)."""
 
-    def finish(self, client_id: str, meta: dict) -> None:
-        (self.folder(client_id) / "meta.json").write_text(json.dumps(meta, indent=2))
+    def run(self, exp: Experiment, configs: list[FedPrLLMConfig], out: Path,
+            cache: Path | None = None, spill: Path | None = None) -> FederatedRun:
+        """One run of the sites of ``configs`` (cells that differ only in their server
+        variant) with ``exp``'s model and data: the ServerApp's report in ``out``, honest
+        one-shot replies kept in ``cache``, a sum too large for memory in ``spill``."""
 
 
 class BenchRunner:
-    """Runs the pending cells of some studies into ``out``; see the module docstring."""
+    """Runs the pending cells of some studies into ``out``; see the module docstring.
+    ``federation``: what runs the FedPrLLM cells (without one they fail, named)."""
 
     def __init__(self, studies: list[Study], out: str | Path, device: str | None = None,
-                 progress: bool = True, cache: str | Path | None = None):
+                 progress: bool = True, cache: str | Path | None = None,
+                 federation: Federation | None = None):
         self.studies = studies
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.device = device
         self.progress = progress
-        self.cache = MaskCache(Path(cache) if cache else self.out / "cache")
+        #: the sites' kept one-shot replies, one folder per client setting
+        self.cache = Path(cache) if cache else self.out / "cache"
+        self.federation = federation
         self.results_file = self.out / "results.jsonl"
         self.results: dict[str, dict] = load_results(self.results_file)
         self.stats: dict[str, dict] = {}
@@ -313,27 +302,17 @@ class BenchRunner:
             self._run_group(exp, group)
 
     def _run_group(self, exp: Experiment, cells: list[Cell]) -> None:
-        """Cells sharing the model, calibration windows and evaluation text."""
-        fed: dict[str, list[Cell]] = {}
-        peers: dict[str, list[Cell]] = {}  # FedSpaLLM cells, by their sites' releases
+        """Cells sharing the model, calibration windows and evaluation text: the dense model,
+        each federated run (:meth:`_run_federated`) and the baselines."""
+        runs: dict[str, list[Cell]] = {}
         for cell in cells:
-            if cell.kind != "fedprllm":
-                continue
-            aggregate = dict(cell.client)["aggregate"]
-            if aggregate == "votes":
-                fed.setdefault(cell.vote_id, []).append(cell)
-            elif aggregate == "fedspallm":
-                peers.setdefault(cell.client_id, []).append(cell)
+            if cell.kind == "fedprllm":
+                runs.setdefault(cell.run_id, []).append(cell)
         for cell in cells:
             if cell.kind == "dense":
                 self.run_cell(cell, lambda: exp.evaluate("dense", exp.model))
-        for vote_id, variants in fed.items():
-            self._run_federated(exp, vote_id, variants)
-        for cell in cells:
-            if cell.kind == "fedprllm" and dict(cell.client)["aggregate"] == "stats":
-                self.run_cell(cell, lambda cell=cell: self._stats_mode(exp, cell))
-        for variants in peers.values():
-            self._run_fedspallm(exp, variants)
+        for run_id, variants in runs.items():
+            self._run_federated(exp, run_id, variants)
         for cell in cells:
             if cell.kind == "centralized":
                 self.run_cell(cell, lambda cell=cell: self._centralized(exp, cell))
@@ -355,155 +334,41 @@ class BenchRunner:
         model, seconds = view.local_only(0)
         return view.evaluate("local-only", model, prune_seconds=seconds, client=0)
 
-    def _run_federated(self, exp: Experiment, vote_id: str, variants: list[Cell]) -> None:
-        config = variants[0].config()
-        client_id = variants[0].client_id
+    def _run_federated(self, exp: Experiment, run_id: str, variants: list[Cell]) -> None:
+        """The cells of one federated run (:attr:`Cell.run_id`: they differ only in their
+        server variant) through :attr:`federation`: the run once, then each cell's result;
+        a run that fails fails each of its cells."""
         view = self._experiment_for(exp, variants[0])
-        if config.mode == "iterative":
-            for cell in variants:
-                self.run_cell(cell, lambda cell=cell: self._iterative(view, cell))
-            return
+        configs = [cell.config() for cell in variants]
         try:
-            aggregator, meta = self._client_masks(view, client_id)
+            if self.federation is None:
+                raise RuntimeError("this bench runner has no federation: run FedPrLLM cells "
+                                   "with `fedcompress bench` or fedcompress.api.bench")
+            run = self.federation.run(view, configs, self.out / "runs" / run_id,
+                                      cache=self.cache / variants[0].replies_id,
+                                      spill=self.out)
         except Exception as err:
             for cell in variants:
                 self.run_cell(cell, lambda err=err: _raise(err))
             return
-        if config.wire != "packed":
-            try:
-                meta = {**meta, **self._wire_bytes(view, client_id, aggregator.shapes)}
-            except Exception as err:
-                for cell in variants:
-                    self.run_cell(cell, lambda err=err: _raise(err))
-                return
-        start = time.perf_counter()  # the kernels' one-off load, apart from the counting
-        load_kernels(aggregator.max_clients)
-        meta = {**meta, "kernel_load_seconds": time.perf_counter() - start}
-        start = time.perf_counter()
-        aggregator.counts()  # cached for every variant; timed apart as the counting cost
-        meta = {**meta, "count_seconds": time.perf_counter() - start}
-        self._mask_stats(vote_id, aggregator)
-        for cell in variants:
-            self.run_cell(cell, lambda cell=cell, agg=aggregator: self._oneshot(view, cell, agg,
-                                                                                 meta))
-        del aggregator
+        try:
+            counts = run.counts()
+            if counts is not None:
+                self._mask_stats(variants[0].vote_id, *counts)
+            for cell, config in zip(variants, configs):
+                self.run_cell(cell, lambda config=config: run.result(config))
+        finally:
+            run.close()
 
-    def _client_masks(self, exp: Experiment, client_id: str) -> tuple[MaskAggregator, dict]:
-        """Every client's one-shot masks: from the cache, or computed and cached."""
-        from fedcompress.pruning.local import local_masks
-
-        config = exp.config
-        aggregator = MaskAggregator(exp.model, config.clients, cache_counts=True)
-        meta = self.cache.load(client_id, aggregator)
-        if meta is not None:
-            logger.info("client masks %s: %d clients from the cache", client_id, meta["clients"])
-            return self._attacked(exp, aggregator, meta)
-        start = time.perf_counter()
-        config, sites = with_site_plan(config, exp.model, exp.windows)  # federated OWL
-        owl_seconds = time.perf_counter() - start
-        seconds = []
-        for i, windows in enumerate(_progress(exp.windows, self.progress,
-                                              f"client masks ({config.method} "
-                                              f"{config.sparsity}, {config.clients} clients)")):
-            payload = self.cache.load_client(client_id, i)
-            if payload is None:
-                start = time.perf_counter()
-                result = local_masks(exp.model, windows, config.prune,
-                                     batch_size=config.batch_size)
-                seconds.append(time.perf_counter() - start)
-                payload = encode_masks(result.masks)
-                self.cache.store(client_id, i, payload)
-            aggregator.add_packed(payload)
-        meta = {"clients": config.clients, "client_seconds": seconds,
-                "client_seconds_mean": float(np.mean(seconds)) if seconds else None,
-                "bytes_up_per_client": payload_nbytes(aggregator.shapes),
-                "settings": config.to_dict(), "layer_sparsity": config.layer_sparsity}
-        if sites is not None:
-            meta.update({"sites_outlier_ratios": sites, "owl_seconds": owl_seconds})
-        self.cache.finish(client_id, meta)
-        return self._attacked(exp, aggregator, meta)
-
-    def _wire_bytes(self, exp: Experiment, client_id: str, shapes: dict[str, tuple]) -> dict:
-        """Each (honest) client's cached masks sent in the cell's wire format, as its ClientApp
-        sends them (:func:`~fedcompress.methods.fedprllm.federated.encode_wire`, against the
-        public reference the server broadcasts), and decoded as the server decodes them (checked
-        equal to the cached masks): measured bytes and seconds."""
-        from fedcompress.masks.codec import decode_mask
-        from fedcompress.methods.fedprllm.federated import (
-            decode_wire,
-            encode_wire,
-            public_reference_wire,
-        )
-
-        config = exp.config
-        start = time.perf_counter()
-        reference = public_reference_wire(exp.model, exp.tokenizer, config)
-        reference_seconds = time.perf_counter() - start
-        sizes, encode, decode = [], [], []
-        for i in range(config.clients):
-            packed = self.cache.load_client(client_id, i)
-            if packed is None:
-                raise RuntimeError(f"client {i}'s cached masks of {client_id} are missing")
-            masks = {k: decode_mask(packed[k], shape, k) for k, shape in shapes.items()}
-            start = time.perf_counter()
-            payload = encode_wire(masks, exp.model, config, reference)
-            encode.append(time.perf_counter() - start)
-            sizes.append(sum(int(a.nbytes) for a in payload.values()))
-            start = time.perf_counter()
-            decoded = decode_wire(payload, shapes, exp.model, config, reference)
-            decode.append(time.perf_counter() - start)
-            if any(not np.array_equal(decoded[k], packed[k]) for k in shapes):
-                raise RuntimeError(f"client {i}: the {config.wire} payload does not decode to "
-                                   "its masks")
-        return {"bytes_up_per_client": float(np.mean(sizes)), "wire_bytes_up": sizes,
-                "wire_encode_seconds_mean": float(np.mean(encode)),
-                "wire_decode_seconds_total": float(np.sum(decode)),
-                "bytes_down_per_client": sum(int(a.nbytes) for a in (reference or {}).values()),
-                "reference_seconds": reference_seconds}
-
-    def _attacked(self, exp: Experiment, aggregator: MaskAggregator, meta: dict
-                  ) -> tuple[MaskAggregator, dict]:
-        """The honest sites' aggregator with the simulated attackers' masks in place of
-        theirs (:mod:`fedcompress.methods.fedprllm.attacks`); an attacker's payload goes through
-        the server's payload check like any reply, and is left out when it fails it."""
-        from fedcompress.methods.fedprllm.attacks import attack_masks
-        from fedcompress.methods.fedprllm.federated import check_payload
-
-        config = exp.config
-        if not config.attackers:
-            return aggregator, meta
-        if meta.get("layer_sparsity"):
-            config = config.replace(layer_sparsity=meta["layer_sparsity"])
-        replaced, refused = {}, []
-        for i in range(config.attackers):
-            masks = attack_masks(config.attack, exp.model, exp.windows[i], config.prune,
-                                 config.seed, i, config.batch_size, exp.windows[0])
-            payload = encode_masks(masks)
-            try:
-                replaced[i] = check_payload(payload, aggregator.shapes, config.prune.plan,
-                                            config.mask_tolerance)
-            except InvalidMaskError as err:
-                refused.append({"site": i, "reason": str(err)})
-        attacked = aggregator.with_sites(replaced)
-        if refused:
-            refused_sites = {r["site"] for r in refused}
-            attacked = attacked.subset([i for i in range(attacked.clients)
-                                        if i not in refused_sites])
-        logger.info("%d attackers (%s): %d masks refused by the payload check",
-                    config.attackers, config.attack, len(refused))
-        return attacked, {**meta, "attack": {"kind": config.attack, "sites": config.attackers,
-                                             "refused_by_check": refused}}
-
-    def _mask_stats(self, client_id: str, aggregator: MaskAggregator) -> None:
+    def _mask_stats(self, vote_id: str, counts: dict, m: int) -> None:
+        """The vote's histogram and per-layer agreement (``stats.json``), once per vote."""
         from fedcompress.masks.stats import mean_pairwise_hamming, unanimity, vote_histogram
 
-        if client_id in self.stats:
+        if vote_id in self.stats:
             return
-        counts = aggregator.counts()
-        m = aggregator.clients
         hist = vote_histogram(counts, m)
         stats = {"clients": m, "vote_histogram": hist.overall.tolist()}
-        by_layer = {}
+        by_layer: dict[int, dict] = {}
         for key, c in counts.items():
             layer = int(key.split(".")[1])
             by_layer.setdefault(layer, {})[key] = c
@@ -512,138 +377,12 @@ class BenchRunner:
                 layer: {"unanimity": unanimity(c, m).overall,
                         "mean_pairwise_hamming": mean_pairwise_hamming(c, m).overall}
                 for layer, c in sorted(by_layer.items())}
-        self.stats[client_id] = stats
+        self.stats[vote_id] = stats
         (self.out / "stats.json").write_text(json.dumps(self.stats, indent=1, default=float))
-
-    def _oneshot(self, exp: Experiment, cell: Cell, aggregator: MaskAggregator,
-                 meta: dict) -> dict:
-        config = cell.config()
-        if meta.get("layer_sparsity"):  # the plan the sites' masks were made with (OWL)
-            config = config.replace(layer_sparsity=meta["layer_sparsity"])
-        model = exp.fresh_copy()
-        start = time.perf_counter()
-        aggregator.prune(model, config.server, config.prune.plan,
-                         config.prune.nm_pattern)
-        aggregate = time.perf_counter() - start
-        name = f"fedprllm-oneshot-{config.server.label}"
-        wire = {k: meta[k] for k in ("wire_bytes_up", "wire_encode_seconds_mean",
-                                     "wire_decode_seconds_total", "bytes_down_per_client",
-                                     "reference_seconds") if k in meta}
-        return exp.evaluate(name, model, aggregate_seconds=aggregate,
-                            count_seconds=meta["count_seconds"], rounds=1,
-                            client_seconds_mean=meta.get("client_seconds_mean"),
-                            bytes_up_per_client=meta["bytes_up_per_client"],
-                            bytes_up_total=meta["bytes_up_per_client"] * config.clients,
-                            **wire,
-                            **({"attack_outcome": meta["attack"]} if "attack" in meta else {}),
-                            **({"defence_outcome": aggregator.rejection.to_dict()}
-                               if aggregator.rejection is not None else {}))
-
-    def _stats_mode(self, exp: Experiment, cell: Cell) -> dict:
-        """A statistics-mode cell: the sites' summed statistics, one round per decoder layer
-        (:func:`~fedcompress.methods.fedprllm.stats.stats_prune`; the bytes are a site's
-        statistics over every round)."""
-        from fedcompress.methods.fedprllm.stats import stats_prune
-        from fedcompress.pruning.local import apply_masks
-
-        config = cell.config()
-        start = time.perf_counter()
-        run = stats_prune(exp.model, exp.windows, config, tokenizer=exp.tokenizer)
-        seconds = time.perf_counter() - start
-        model = apply_masks(exp.fresh_copy(), run.masks, run.weights)
-        up = int(sum(run.bytes_up_per_site))
-        return exp.evaluate(f"fedprllm-stats-{config.local_group}", model,
-                            prune_seconds=seconds, rounds=len(run.masks),
-                            bytes_up_per_client=up, bytes_up_total=up * config.clients,
-                            client_seconds_mean=float(sum(run.site_seconds)) / config.clients,
-                            server_seconds=float(sum(run.server_seconds)))
-
-    def _run_fedspallm(self, exp: Experiment, variants: list[Cell]) -> None:
-        """FedSpaLLM cells sharing their sites' releases (the same client settings: only the
-        server's comparison ``group`` differs): the releases once, summed as they come (one in
-        memory at a time) into a sum held on disk under the output folder (memory-mapped,
-        unlinked at once: :class:`~fedcompress.methods.fedspallm.L0Sum`; for Qwen2.5-1.5B it
-        would not fit in 24 GiB beside the model), then each cell's l0 average and mask
-        expansion, one decoder layer at a time (:mod:`fedcompress.methods.fedspallm`)."""
-        from fedcompress.methods.fedspallm import run_sites
-
-        config = variants[0].config()
-        budgets = ([config.fedspallm_layers] * config.clients if config.fedspallm_layers
-                   else None)
-        try:
-            runs = run_sites(exp.model, exp.windows, config.sparsity, budgets,
-                             config.local_group, config.seed, config.batch_size, config.onload,
-                             wrap=lambda w: _progress(w, self.progress,
-                                                      f"FedSpaLLM releases ({config.clients} "
-                                                      "sites)"),
-                             spill=self.out)
-        except Exception as err:
-            for cell in variants:
-                self.run_cell(cell, lambda err=err: _raise(err))
-            return
-        for cell in variants:
-            self.run_cell(cell, lambda cell=cell: self._fedspallm(exp, cell, runs))
-
-    def _fedspallm(self, exp: Experiment, cell: Cell, runs: Any) -> dict:
-        from fedcompress.pruning.local import apply_layer_masks
-
-        config = cell.config()
-        model = exp.fresh_copy()
-        aggregate = 0.0  # the server's seconds: each layer's average and expansion, not applying
-        layers = runs.total.layers(config.sparsity, config.group)
-        while True:
-            start = time.perf_counter()
-            item = next(layers, None)
-            aggregate += time.perf_counter() - start
-            if item is None:
-                break
-            apply_layer_masks(model, *item)
-            del item
-        return exp.evaluate(f"fedspallm-{config.group}", model, rounds=1,
-                            aggregate_seconds=aggregate,
-                            client_seconds_mean=float(np.mean(runs.seconds)),
-                            bytes_up_per_client=int(np.mean(runs.bytes_up)),
-                            bytes_up_total=int(sum(runs.bytes_up)),
-                            layers_per_site=[len(layers) for layers in runs.assignment])
-
-    def _iterative(self, exp: Experiment, cell: Cell) -> dict:
-        config = cell.config()
-        start = time.perf_counter()
-        timings: dict[str, list] = {}
-        aggregators = iterative_vote(exp.model, exp.windows, config, timings=timings)
-        vote_seconds = time.perf_counter() - start
-        model = exp.fresh_copy()
-        for aggregator in aggregators.values():
-            aggregator.prune(model, config.server, config.prune.plan,
-                             config.prune.nm_pattern)
-        layer_up = [payload_nbytes(aggregators[layer].shapes) for layer in sorted(aggregators)]
-        # Each round but the first carries the previous layer's global mask down.
-        layer_down = [0] + layer_up[:-1]
-        return exp.evaluate(f"fedprllm-iterative-{config.server.label}", model,
-                            rounds=len(aggregators), iterative_seconds=vote_seconds,
-                            bytes_up_per_client=sum(layer_up),
-                            bytes_up_total=sum(layer_up) * config.clients,
-                            bytes_down_masks_per_client=sum(layer_down),
-                            client_seconds_mean=float(np.sum(timings["client_seconds"])
-                                                      / config.clients),
-                            layer_bytes_up_per_client=layer_up,
-                            layer_bytes_down_per_client=layer_down,
-                            layer_client_seconds_mean=[float(np.mean(s))
-                                                       for s in timings["client_seconds"]],
-                            layer_server_seconds=timings["server_seconds"])
 
 
 def _raise(err: BaseException):
     raise err
-
-
-def _progress(items, enabled: bool, description: str):
-    if not enabled:
-        yield from items
-        return
-    from tqdm.auto import tqdm
-
-    yield from tqdm(items, desc=description, leave=False)
 
 
 # Settings added to FedPrLLM after results were first recorded, with the value every earlier
