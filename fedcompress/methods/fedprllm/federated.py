@@ -16,7 +16,6 @@ implementation:
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -743,39 +742,3 @@ def resync_inputs(model: nn.Module, windows: torch.Tensor, layer: int,
             inputs = forward_layer(source, inputs, batch_size, global_masks[i], weights,
                                    in_place=adapter.onloader is not None)
     return inputs.hidden, captured.layer_kwargs
-
-
-def iterative_vote(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMConfig,
-                   batch_size: int | None = None, timings: dict[str, list] | None = None
-                   ) -> dict[int, MaskAggregator]:
-    """Iterative FedPrLLM in one process (benchmarks): the same client steps and per-layer
-    votes as the Flower strategy, clients run one after another. Returns each decoder layer's
-    aggregator; ``aggregator.prune(model, config.server, ...)`` applies its global mask.
-    ``timings`` (a dict) receives the measured seconds: ``client_seconds[layer][client]`` (a
-    client's step of that round) and ``server_seconds[layer]`` (the vote of that round)."""
-    config, _ = with_site_plan(config, model, windows)
-    prune = config.prune
-    state: list[tuple[torch.Tensor | None, list[dict] | None]] = [(None, None)] * len(windows)
-    aggregators: dict[int, MaskAggregator] = {}
-    previous: dict[str, torch.Tensor] | None = None
-    timings = {} if timings is None else timings
-    timings.update(client_seconds=[], server_seconds=[])
-    for layer in range(len(ModelAdapter(model))):
-        aggregator = MaskAggregator(model, len(windows), [layer])
-        seconds = []
-        for c, client_windows_ in enumerate(windows):
-            start = time.perf_counter()
-            hidden, kwargs = state[c]
-            masks, hidden, kwargs = iterative_client_step(
-                model, client_windows_, layer, hidden, previous, prune, kwargs,
-                batch_size or config.batch_size)
-            state[c] = (hidden, kwargs)
-            seconds.append(time.perf_counter() - start)
-            aggregator.add({mask_key(layer, name): m for name, m in masks.items()})
-        start = time.perf_counter()
-        flat = aggregator.global_masks(config.server, prune.plan, prune.nm_pattern)
-        previous = masks_by_layer(flat)[layer]
-        timings["server_seconds"].append(time.perf_counter() - start)
-        timings["client_seconds"].append(seconds)
-        aggregators[layer] = aggregator
-    return aggregators
