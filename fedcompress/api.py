@@ -102,22 +102,6 @@ def simulate(name: str, settings: Mapping[str, Any]) -> dict[str, Any]:
     return json.loads((Path(settings["out"]) / "report.json").read_text())
 
 
-def bench(config_path: str | Path, out: str | Path | None = None,
-          overrides: Mapping[str, Any] | None = None, device: str | None = None,
-          progress: bool = True, dry_run: bool = False, site_threads: int | None = None):
-    """``fedcompress bench CONFIG``: plan, run and report a bench
-    (:func:`fedcompress.bench.run.run_bench`), its FedPrLLM cells through the ServerApp's
-    strategies on an in-process grid of the one ClientApp (``server/bench.py``; the path of
-    ``fedcompress prune`` without Ray). ``site_threads``: torch's threads while a site
-    computes (None: this process's; 1: a Simulation Engine site's, for its very floats).
-    Returns the bench's :class:`~fedcompress.report.RunReport`."""
-    from fedcompress.bench.run import run_bench
-    from server.bench import InProcessFederation
-
-    return run_bench(config_path, out, dict(overrides or {}), device, progress, dry_run,
-                     federation=InProcessFederation(threads=site_threads))
-
-
 def stage_runner(cpus_per_site: float = 1.0, ray_address: str = ""):
     """A stage's run on the Simulation Engine: ``fedcompress prune``'s path (its summary
     table printed, as the command prints it)."""

@@ -398,13 +398,15 @@ def bench_command(
     PrunePrivyTune's Tables 1-4 and 6, personalized layer pruning and its ablations
     ([study.NAME] kind = ...); resumable; tables, plots, report."""
     _setup_logging(log_level)
-    from fedcompress.api import bench
+    from fedcompress.bench.run import run_bench
+    from server.bench import InProcessFederation  # the FedPrLLM cells through the strategies
 
     overrides = {"eval_windows": eval_windows, "eval_text": eval_text, "tasks": tasks,
                  "tasks_path": tasks_path, "task_limit": task_limit, "synth_url": synth_url,
                  "synth_model": synth_model}
-    report = bench(config_file, out, overrides, None if device in (None, "auto") else device,
-                   progress, dry_run, site_threads=site_threads)
+    report = run_bench(config_file, out, overrides,
+                       None if device in (None, "auto") else device, progress, dry_run,
+                       federation=InProcessFederation(threads=site_threads))
     _print_sections(report)
 
 

@@ -6,7 +6,7 @@ which ``fedcompress prune`` and ``flwr run`` run) on an in-process grid
 
 The bench (:class:`fedcompress.bench.sweep.BenchRunner`, which imports no Flower) is given an
 :class:`InProcessFederation` by its composition root (``fedcompress bench``,
-:func:`fedcompress.api.bench`) and calls :meth:`InProcessFederation.run` once per group of cells
+``fedcompress/cli.py``) and calls :meth:`InProcessFederation.run` once per group of cells
 that share their sites' replies: the server variants of one one-shot vote (its masks serve every
 comparison group, scaling, tie-break and defence), the comparison groups of one FedSpaLLM run
 (its releases serve every group), or one iterative or statistics-mode cell (its rounds depend on

@@ -556,3 +556,14 @@ class Agent:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def run_bench(config_path, out=None, overrides=None, device=None, progress=True,
+              dry_run=False, site_threads=None):
+    """``fedcompress bench``'s run (the command composes the same): the bench's FedPrLLM cells
+    through the ServerApp's strategies on the in-process grid (``server/bench.py``)."""
+    from fedcompress.bench.run import run_bench as plan_and_run
+    from server.bench import InProcessFederation
+
+    return plan_and_run(config_path, out, overrides, device, progress, dry_run,
+                        federation=InProcessFederation(threads=site_threads))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_bench  # fedcompress bench: FedPrLLM cells through the strategies
 
-from fedcompress.api import bench as run_bench  # the FedPrLLM cells through the strategies
 from fedcompress.bench.sweep import BenchConfigError, load_results, plan
 from fedcompress.bench.tables import study_table
 

@@ -8,9 +8,8 @@ import json
 
 import pytest
 import torch
-from conftest import write_bench_config
+from conftest import run_bench, write_bench_config
 
-from fedcompress.api import bench as run_bench  # the FedPrLLM cells through the strategies
 from fedcompress.bench import dp_study
 from fedcompress.bench.sweep import BenchConfigError, Cell, load_results, plan
 

@@ -13,9 +13,8 @@ import json
 
 import pytest
 import torch
-from conftest import write_bench_config
+from conftest import run_bench, write_bench_config
 
-from fedcompress.api import bench
 from fedcompress.methods.fedprllm.config import FedPrLLMConfig
 from fedcompress.methods.fedprllm.experiment import EvalConfig, prepare_experiment
 from fedcompress.models import load_model
@@ -46,9 +45,8 @@ def test_a_bench_cell_equals_fedcompress_prune(tiny_dir, tmp_path, kind):
 
     # the bench: the cell's record, resumed from results.jsonl like every cell
     out = tmp_path / "bench"
-    done = bench(write_bench_config(tmp_path, {"bench": {**BASE, **EVAL, "model": tiny_dir},
-                                               "study": {kind: KINDS[kind]}}),
-                 out, progress=False, site_threads=1)
+    config = {"bench": {**BASE, **EVAL, "model": tiny_dir}, "study": {kind: KINDS[kind]}}
+    done = run_bench(write_bench_config(tmp_path, config), out, progress=False, site_threads=1)
     assert done.status == "ok"
     (record,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert record["name"] == flower["name"]

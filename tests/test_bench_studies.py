@@ -7,9 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import write_bench_config
+from conftest import run_bench, write_bench_config
 
-from fedcompress.api import bench as run_bench  # the FedPrLLM cells through the strategies
 from fedcompress.bench import network as net
 from fedcompress.bench.studies import network_rows
 from fedcompress.bench.sweep import BenchConfigError, Cell, Study, plan

@@ -32,7 +32,7 @@ def run_bench(config_path: str | Path, out: str | Path | None = None,
               federation: Federation | None = None) -> RunReport:
     """Plan, run the pending cells (resuming ``out``), and write the report. ``federation``:
     what runs the FedPrLLM cells (:class:`~fedcompress.bench.sweep.Federation`; the
-    composition root gives it: :func:`fedcompress.api.bench`)."""
+    composition root gives it: the ``bench`` command of ``fedcompress/cli.py``)."""
     raw = load_bench(config_path)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     studies = plan(raw, overrides)

@@ -343,7 +343,7 @@ class BenchRunner:
         try:
             if self.federation is None:
                 raise RuntimeError("this bench runner has no federation: run FedPrLLM cells "
-                                   "with `fedcompress bench` or fedcompress.api.bench")
+                                   "with `fedcompress bench`, which gives server/bench.py's")
             run = self.federation.run(view, configs, self.out / "runs" / run_id,
                                       cache=self.cache / variants[0].replies_id,
                                       spill=self.out)
