@@ -41,8 +41,8 @@ from fedcompress.masks.reference import linear_weights, reference_scores
 from fedcompress.masks.stats import flatten_masks
 from fedcompress.models import load_model
 from fedcompress.pruning.local import PruneConfig, column_norms
-from fedcompress.pruning.select import select_prune_mask
 from fedcompress.report import RunReport, markdown_table
+from fedcompress.solver.select import select_prune_mask
 
 
 def gini(x: np.ndarray) -> float:

@@ -17,7 +17,7 @@ from fedcompress.masks.compress import (
     encode_mask_ctx,
     encode_masks_ctx,
 )
-from fedcompress.pruning.select import select_prune_mask
+from fedcompress.solver.select import select_prune_mask
 
 HEADER = mc._HEADER.size
 

@@ -10,13 +10,13 @@ from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.local import PruneConfig, apply_masks, local_masks, sparsity_report
 from fedcompress.pruning.scores import (
     RIA_ALPHA,
-    CholeskyError,
     ria_scores,
     sparsegpt_prune,
     wanda_scores,
 )
-from fedcompress.pruning.select import parse_nm, select_prune_mask
 from fedcompress.pruning.walker import capture_layer_inputs, forward_layer, walk
+from fedcompress.solver.obs import CholeskyError
+from fedcompress.solver.select import parse_nm, select_prune_mask
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text", "opt", "gpt2"])
@@ -63,7 +63,7 @@ def test_linear_time_selection_is_the_stable_sort_rule(values):
     """The selection (introselect + ties in index order) picks exactly the weights a stable
     ascending sort puts first, in every group, at every k, on the CPU and through the torch
     path other devices take."""
-    from fedcompress.pruning import select
+    from fedcompress.solver import select
 
     g = torch.Generator().manual_seed(0)
     if values == "ties":
@@ -91,7 +91,7 @@ def test_compiled_row_select_is_the_stable_sort_rule(values):
     """Groups of at least KERNEL_MIN float32 scores go through the compiled radix select
     (several histogram steps where a bucket stays large): exactly the stable sort's set, at
     every k; rows with a negative score or -0.0 fall back to the partition, the same set."""
-    from fedcompress.pruning import select
+    from fedcompress.solver import select
 
     g = torch.Generator().manual_seed(3)
     shape = (6, 1000)
@@ -120,7 +120,7 @@ def test_compiled_row_select_is_the_stable_sort_rule(values):
 def test_radix_select_steps_find_every_kth():
     """The radix select's steps (down to a one-value bucket or a few keys) give every k-th
     smallest of keys that need one, two or several steps."""
-    from fedcompress.pruning import radix
+    from fedcompress.solver import radix
 
     rng = np.random.default_rng(4)
     for keys in (rng.integers(0, 2**31, 5000), rng.integers(0, 300, 5000),
@@ -135,7 +135,7 @@ def test_radix_select_steps_find_every_kth():
 def test_selection_in_blocks_of_groups_on_threads_is_the_same(monkeypatch, threads):
     """Large score matrices are selected in blocks of groups on torch's threads: the same
     masks as one block (more threads than groups included), with ties, N:M and every group."""
-    from fedcompress.pruning import select
+    from fedcompress.solver import select
 
     g = torch.Generator().manual_seed(2)
     scores = torch.randint(0, 6, (24, 40), generator=g).float()
@@ -152,7 +152,7 @@ def test_selection_in_blocks_of_groups_on_threads_is_the_same(monkeypatch, threa
 
 def test_torch_selection_path_equals_the_numpy_path(monkeypatch):
     """Devices other than the CPU select with torch.kthvalue: the same masks."""
-    from fedcompress.pruning import select
+    from fedcompress.solver import select
 
     scores = torch.randint(0, 5, (16, 30), generator=torch.Generator().manual_seed(1)).float()
     cpu = [select._lowest_k_along(scores, k, d) for d in (0, 1) for k in (1, 7, 15)]
@@ -299,7 +299,7 @@ def test_sparsegpt_prunes_exactly_the_target_though_it_chooses_block_by_block(sp
     for ``layer``) together prune exactly ``floor(sparsity * group size)``, what Wanda's
     choice over the whole group prunes (flooring each block alone gave 76 of 128 at 60%:
     59.4%). At 50% with blocks of even width each block's count is its own floor, as before."""
-    from fedcompress.pruning.select import block_prune_count
+    from fedcompress.solver.select import block_prune_count
 
     gen = torch.Generator().manual_seed(1)
     rows, cols, block = 6, 200, 16  # 12 full blocks and one of 8 columns

@@ -8,8 +8,7 @@ import torch
 
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.local import PruneConfig, apply_masks, local_masks, token_nll
-from fedcompress.pruning.scores import prepare_obs, sparsegpt_prune
-from fedcompress.pruning.select import select_prune_mask
+from fedcompress.pruning.scores import sparsegpt_prune
 from fedcompress.quant import QuantConfig
 from fedcompress.quant.solver import (
     _obs_quantize,
@@ -20,6 +19,8 @@ from fedcompress.quant.solver import (
     rtn_quantize,
     sparsegpt_quantize,
 )
+from fedcompress.solver.obs import prepare_obs
+from fedcompress.solver.select import select_prune_mask
 
 
 def _problem(rows=16, cols=64, tokens=400, seed=0):
@@ -258,7 +259,7 @@ def _sparsegpt_algorithm_1(weight, hessian, sparsity, group="layer", nm=None, bl
     ``percdamp * mean(diag H)``; ``Hinv`` is the upper Cholesky factor of ``H^-1``. The mask of
     columns ``[i, i + B)`` is chosen when the sweep reaches column ``i`` from
     ``w^2 / Hinv_jj^2`` (N:M: each run of M columns when the sweep reaches it)."""
-    from fedcompress.pruning.select import block_prune_count
+    from fedcompress.solver.select import block_prune_count
 
     W = weight.double().clone()
     H = hessian.double().clone()

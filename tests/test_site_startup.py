@@ -76,12 +76,12 @@ def test_clientapp_path_imports_nothing_a_site_does_not_need(site):
     """The ClientApp module imports neither transformers (a SecAgg stage needs no model) nor
     numba; a site's FedPrLLM messages import none of the evaluation, data-hub, fine-tuning or
     plotting libraries nor the server's vote kernels (numba comes with the site's own compiled
-    selection, fedcompress.pruning.radix, at its first mask)."""
+    selection, fedcompress.solver.radix, at its first mask)."""
     for run in (site["first"], site["second"]):
         after_app, after = set(run["after_app"]), set(run["after"])
         assert "transformers" not in after_app and "numba" not in after_app
         assert "transformers" in after  # the model's messages load it
-        assert "fedcompress.pruning.radix" in after
+        assert "fedcompress.solver.radix" in after
         assert not after & set(NOT_ON_THE_SITE_PATH), sorted(after & set(NOT_ON_THE_SITE_PATH))
 
 

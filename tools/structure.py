@@ -128,8 +128,9 @@ FLOWER = ("clients", "server", "strategies")
 
 def part(module: str) -> str:
     """The part of the drawing a module belongs to: a Flower layer, a subpackage of
-    ``fedcompress`` (``fedcompress/pruning``), or a top module of it (``report_*`` with
-    ``report``)."""
+    ``fedcompress`` (``fedcompress/pruning``), or a top module of it (the report page's modules
+    ``report_*`` together: they draw a bench's results, so they sit above ``bench``, which
+    writes ``report``'s records)."""
     top, _, rest = module.partition(".")
     if top in FLOWER:
         return top
@@ -137,7 +138,7 @@ def part(module: str) -> str:
         return "fedcompress/__init__"
     head = rest.split(".")[0]
     if head.startswith("report_"):
-        head = "report"
+        head = "report_*"
     return f"fedcompress/{head}"
 
 

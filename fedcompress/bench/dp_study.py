@@ -181,7 +181,7 @@ def epsilon_label(epsilon: float) -> str:
 def _options(name: str, table: Mapping[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """The study's own settings, checked: budgets, epsilons, placements, baselines."""
     from fedcompress.methods.fedprllm.stats import STATS_METHODS
-    from fedcompress.pruning.select import GROUPS
+    from fedcompress.solver.select import GROUPS
 
     if "budgets" in table:
         given = sorted(set(BUDGET_KEYS) & set(table))

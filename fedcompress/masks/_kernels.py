@@ -1,6 +1,6 @@
 """Compiled kernels (numba) of the server's aggregation hot path: counting votes on bit-packed
 masks, selecting the top counts per comparison group, and applying the global mask (the radix
-select of tied keys is a site's, :mod:`fedcompress.pruning.radix`).
+select of tied keys is a site's, :mod:`fedcompress.solver.radix`).
 
 Each kernel is one or two sequential passes over a layer, releases the GIL (``nogil``) so the
 caller can run layers in parallel threads, and is compiled once per argument type (cached on
@@ -15,9 +15,9 @@ from functools import lru_cache
 import numba
 import numpy as np
 
-from fedcompress.pruning.radix import JIT as _JIT
-from fedcompress.pruning.radix import NON_FINITE as _NON_FINITE
-from fedcompress.pruning.radix import kth_smallest_radix as _kth_smallest_radix
+from fedcompress.solver.radix import JIT as _JIT
+from fedcompress.solver.radix import NON_FINITE as _NON_FINITE
+from fedcompress.solver.radix import kth_smallest_radix as _kth_smallest_radix
 
 # ---- vote counting -----------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ weight by ``(m - count) / m``, the fraction of clients that kept it.
 
 The compiled kernels (numba, :mod:`fedcompress.masks._kernels`) are imported on first use: a
 site's ClientApp, which imports this module for its constants and codecs, never loads the
-server's kernels (its own selection loads numba for :mod:`fedcompress.pruning.radix` alone).
+server's kernels (its own selection loads numba for :mod:`fedcompress.solver.radix` alone).
 
 Tie-break among equal vote counts (``tie_break``):
 
@@ -28,7 +28,7 @@ import torch
 
 from fedcompress.masks.codec import encode_mask
 from fedcompress.models import CALC_DTYPE
-from fedcompress.pruning.select import check_group, check_sparsity
+from fedcompress.solver.select import check_group, check_sparsity
 
 TIE_BREAKS = ("magnitude", "random", "index")
 

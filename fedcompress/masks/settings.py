@@ -13,7 +13,7 @@ from typing import ClassVar
 from fedcompress.config import Settings, setting
 from fedcompress.masks.aggregate import TIE_BREAKS
 from fedcompress.masks.robust import DEFAULT_Z, DEFENCES
-from fedcompress.pruning.select import GROUPS
+from fedcompress.solver.select import GROUPS
 
 MODES = ("oneshot", "iterative")
 WIRES = ("packed", "compressed")

@@ -59,8 +59,8 @@ from fedcompress.methods.fedprllm.config import PARTITIONS
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.allocation import SparsityPlan
 from fedcompress.pruning.local import layer_sizes
-from fedcompress.pruning.select import GROUPS
 from fedcompress.pruning.walker import walk
+from fedcompress.solver.select import GROUPS
 
 if TYPE_CHECKING:
     from fedcompress.methods.fedprllm.federated import MaskAggregator

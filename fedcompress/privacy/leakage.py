@@ -87,7 +87,7 @@ def log2_binomial(n: int, k: int) -> float:
 def selection_bits(shape: Sequence[int], sparsity: float, group: str = "row") -> float:
     """``log2`` of the number of masks of ``shape`` that a comparison group allows at
     ``sparsity`` (``k = floor(sparsity * group size)`` pruned per group, as
-    :func:`fedcompress.pruning.select.select_prune_mask` prunes)."""
+    :func:`fedcompress.solver.select.select_prune_mask` prunes)."""
     rows, cols = (int(v) for v in shape)
     if group == "layer":
         n = rows * cols

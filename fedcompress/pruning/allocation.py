@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from fedcompress.models import CALC_DTYPE
-from fedcompress.pruning.select import check_sparsity
+from fedcompress.solver.select import check_sparsity
 
 __all__ = [
     "PROFILES",

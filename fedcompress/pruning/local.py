@@ -24,7 +24,6 @@ from fedcompress.pruning.scores import (
     taylor_scores,
     wanda_scores,
 )
-from fedcompress.pruning.select import check_group, check_sparsity, parse_nm, select_prune_mask
 from fedcompress.pruning.walker import LayerStats, WalkResult, walk
 from fedcompress.quant.config import QuantConfig
 from fedcompress.quant.solver import (
@@ -33,6 +32,7 @@ from fedcompress.quant.solver import (
     rtn_quantize,
     sparsegpt_quantize,
 )
+from fedcompress.solver.select import check_group, check_sparsity, parse_nm, select_prune_mask
 
 METHODS = ("magnitude", "wanda", "ria", "sparsegpt", "gradient")
 #: Local methods whose statistics are sums over tokens, so that statistics mode prunes with them

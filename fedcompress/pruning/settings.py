@@ -14,7 +14,7 @@ from fedcompress.config import Settings, setting
 from fedcompress.pruning.allocation import PROFILES
 from fedcompress.pruning.local import METHODS, NO_PRUNING
 from fedcompress.pruning.scores import SPARSEGPT_BLOCKSIZE, SPARSEGPT_PERCDAMP
-from fedcompress.pruning.select import GROUPS
+from fedcompress.solver.select import GROUPS
 
 
 @dataclass(frozen=True)

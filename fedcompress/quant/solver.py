@@ -22,7 +22,7 @@ schemes), written here in plain torch:
   error of that value.
 * **GPTQ** (:func:`gptq_quantize`): the scales come from the dense weights up front (a server
   that holds the model computes them without any data); then the optimal-brain-surgeon sweep
-  that SparseGPT uses (:func:`~fedcompress.pruning.scores.obs_sweep`) with this quantizer:
+  that SparseGPT uses (:func:`~fedcompress.solver.obs.obs_sweep`) with this quantizer:
   dampening ``dampening * mean(diag H)``, dead columns (``H_jj = 0``: weights zeroed, diagonal
   set to 1), activation order, blocks of ``block_size`` columns with lazy batch updates, the
   upper Cholesky factor of the inverse Hessian. With a pruning rule the same sweep prunes and
@@ -47,7 +47,7 @@ Where this differs from llm-compressor (see :data:`HESSIAN_DTYPE` and :data:`SWE
   sweep (the ratio ``[H^-1]_ij / [H^-1]_ii``) beyond float rounding;
 * a Hessian that is not positive definite even dampened: llm-compressor quantizes that layer
   by round-to-nearest (a logged fallback); here, as for SparseGPT, the dampening is raised
-  tenfold (logged) up to six times, then :class:`~fedcompress.pruning.scores.CholeskyError`;
+  tenfold (logged) up to six times, then :class:`~fedcompress.solver.obs.CholeskyError`;
 * the all-zero groups of an asymmetric scheme: compressed-tensors computes their zero point as
   ``qmin - 0 / 0`` (NaN cast to int8); here it is ``qmin`` (after the epsilon scale), and any
   zero point represents the group's zeros exactly.
@@ -62,8 +62,8 @@ import torch
 
 from fedcompress.models import CALC_DTYPE
 from fedcompress.models import HESSIAN_DTYPE as _HESSIAN_DTYPE
-from fedcompress.pruning.scores import obs_sweep, prepare_obs
 from fedcompress.quant.config import QuantConfig
+from fedcompress.solver.obs import obs_sweep, prepare_obs
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ def rtn_quantize(weight: torch.Tensor, config: QuantConfig, *,
 
 
 class _ColumnQuantizer:
-    """The quantizer :func:`~fedcompress.pruning.scores.obs_sweep` calls on each column (in the
+    """The quantizer :func:`~fedcompress.solver.obs.obs_sweep` calls on each column (in the
     sweep's order): records the integers, returns the dequantized column."""
 
     def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, groups: torch.Tensor,

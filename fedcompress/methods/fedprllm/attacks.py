@@ -27,8 +27,8 @@ from torch import nn
 from fedcompress.models import ModelAdapter, weight_matrix
 from fedcompress.pruning.local import PruneConfig, local_masks
 from fedcompress.pruning.scores import magnitude_scores, wanda_scores
-from fedcompress.pruning.select import select_prune_mask
 from fedcompress.pruning.walker import unpruned_masks, walk
+from fedcompress.solver.select import select_prune_mask
 
 #: How far above the requested sparsity a lying site prunes (``sparsity`` attack).
 LIE = 0.25

@@ -18,13 +18,13 @@ from fedcompress.methods.evaluation import TaskEvalSettings
 from fedcompress.privacy.settings import DPStatsSettings, SecAggSettings
 from fedcompress.pruning.local import NO_PRUNING, STATS_METHODS
 from fedcompress.pruning.scores import SPARSEGPT_BLOCKSIZE, SPARSEGPT_PERCDAMP
-from fedcompress.pruning.select import check_group
 from fedcompress.pruning.settings import PruningSettings
 from fedcompress.quant.settings import (  # noqa: F401 (this module's public names)
     QUANT_SCHEMES,
     SAVED_ACTORDERS,
     QuantSettings,
 )
+from fedcompress.solver.select import check_group
 
 #: What sites send: their masks (the vote of FedPrLLM) or their inputs' statistics (exact).
 AGGREGATES = ("votes", "stats", "fedspallm")

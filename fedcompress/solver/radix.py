@@ -98,7 +98,7 @@ def lowest_k_rows(bits, k, out):
     (``[rows, cols]``, the float32 bits of non-negative scores, whose order is the bits' order
     as unsigned integers) and, of the keys equal to a row's ``k``-th lowest, the first ones in
     index order: the set a stable ascending sort puts first (a site's selection,
-    :func:`fedcompress.pruning.select.select_prune_mask`). The ``k``-th lowest by
+    :func:`fedcompress.solver.select.select_prune_mask`). The ``k``-th lowest by
     :func:`kth_smallest_radix`, a few passes over a row and no sort. Returns False at the
     first row holding a negative score, ``-0.0`` or a NaN (bits above ``+inf``'s): the caller
     selects those rows otherwise; ``+inf`` orders last, as it should."""
