@@ -18,6 +18,8 @@ from fedcompress.recipe import (
     SparseGPTModifier,
     WandaPruningModifier,
     load_recipe,
+    passes,
+    recipe_from_dict,
     recipe_of,
     run_recipe,
     stage_settings,
@@ -223,7 +225,7 @@ def test_prune_settings_are_shorthands_for_recipes():
     stats = recipe_of({"aggregate": "stats", "method": "sparsegpt", "local_group": "layer",
                        "quant": "w4a16", "quant_group_size": 64})
     assert [type(m) for m in stats.modifiers] == [SparseGPTModifier, GPTQModifier]
-    (run,) = stage_settings(stats, {})
+    (run,) = stage_settings(stats, {"pipeline": "joint"})  # prune --quant: one joint pass
     assert (run["method"], run["quant"], run["quant_group_size"]) == ("sparsegpt", "w4a16", 64)
     rtn = recipe_of({"aggregate": "stats", "method": "none", "sparsity": 0, "quant": "w8a16",
                      "quant_method": "rtn"})
@@ -384,3 +386,46 @@ def test_sparsegpts_block_size_and_dampening_are_settings_of_the_run():
         FedPrLLMConfig.from_dict({**run, "quant": "w4a16"})
     with pytest.raises(SettingsError, match="sparsegpt_dampening=0.05.*method wanda"):
         FedPrLLMConfig(method="wanda", sparsegpt_dampening=0.05)
+
+
+ONE_STAGE = """
+compress_stage:
+  compress_modifiers:
+    SparseGPTModifier:
+      sparsity: 0.5
+      mask_structure: "0:0"
+      ignore: ["re:.*lm_head"]
+    GPTQModifier:
+      scheme: W4A16
+      targets: Linear
+      ignore: [lm_head]
+"""
+
+
+def test_a_stage_with_pruning_and_quantization_runs_as_llmcompressors_default():
+    """``pipeline independent`` (the default, llm-compressor's ``oneshot`` default): a stage's
+    pruning and quantization modifiers are two passes, the same runs as the two-stage recipe;
+    ``joint``: one pass (SparseGPT and GPTQ in one sweep); llm-compressor's ``sequential`` is
+    refused by name, as is any other value."""
+    recipe = load_recipe(ONE_STAGE)
+    two = stage_settings(recipe, {"clients": 4})
+    assert two == stage_settings(load_recipe(BOTH), {"clients": 4})
+    assert [p.name for p in passes(recipe)] == ["compress-pruning",
+                                                "compress-quantization"]
+    assert stage_settings(recipe, {"pipeline": "independent", "clients": 4}) == two
+    (joint,) = stage_settings(recipe, {"pipeline": "joint", "clients": 4})
+    assert joint == {**two[0], **{k: v for k, v in two[1].items()
+                                  if k not in ("method", "sparsity")}}
+    assert (joint["method"], joint["quant"]) == ("sparsegpt", "w4a16")
+    assert passes(load_recipe(BOTH), "independent") == load_recipe(BOTH).stages
+    with pytest.raises(RecipeError, match="pipeline 'sequential'.*not implemented"):
+        stage_settings(recipe, {"pipeline": "sequential"})
+    with pytest.raises(RecipeError, match="pipeline 'basic': expected one of independent, joint"):
+        passes(recipe, "basic")
+    votes = recipe_from_dict({"s_stage": {"m_modifiers": {"WandaPruningModifier": {"sparsity": 0.5},
+                                          "FedPrLLMVoteModifier": {"comparison": "row"},
+                                          "QuantizationModifier": {"scheme": "W8A16",
+                                                                   "ignore": ["lm_head"]}}}})
+    first, second = passes(votes)
+    assert [m.NAME for m in first.modifiers] == ["WandaPruningModifier", "FedPrLLMVoteModifier"]
+    assert [m.NAME for m in second.modifiers] == ["QuantizationModifier"]

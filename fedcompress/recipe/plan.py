@@ -32,26 +32,71 @@ RECIPE_KEYS = ("method", "sparsity", "nm", "local_group", "sparsity_profile", "o
 #: The aggregation a recipe runs with unless told otherwise: the exact one (the sites' summed
 #: statistics; the server computes what centralized compression on the pooled windows would).
 DEFAULT_AGGREGATE = "stats"
+#: How a stage holding a pruning and a quantization modifier runs (``--pipeline``, beside the
+#: recipe, as ``oneshot``'s ``pipeline`` argument is beside llm-compressor's):
+#:
+#: * ``independent`` (the default, llm-compressor's ``oneshot`` default): each modifier in a
+#:   pass of its own over the decoder layers, in the stage's order, as if each were a stage;
+#:   the same recipe gives the model llm-compressor's default gives;
+#: * ``joint``: the stage's modifiers in one pass, a layer pruned and quantized before the next
+#:   layer's inputs are computed; SparseGPT with GPTQ in one optimal-brain-surgeon sweep (the
+#:   SparseGPT paper's joint pruning and quantization, every pruned weight exactly 0), another
+#:   pruning rule's mask kept by GPTQ. ``fedcompress prune --quant`` runs this way.
+#:
+#: llm-compressor's ``sequential`` (each modifier's own sweep of a layer, one after the other,
+#: before the next layer) is not implemented: refused by name.
+PIPELINES = ("independent", "joint")
+DEFAULT_PIPELINE = "independent"
 _PRUNING = {"wanda": WandaPruningModifier, "ria": RIAPruningModifier,
             "sparsegpt": SparseGPTModifier}
 
 
+def check_pipeline(pipeline: Any) -> str:
+    """``pipeline`` if it is one of :data:`PIPELINES`, else a :class:`RecipeError`."""
+    if pipeline not in PIPELINES:
+        known = ("; llm-compressor's sequential pipeline (one sweep per modifier and layer) is "
+                 "not implemented") if pipeline == "sequential" else ""
+        raise RecipeError(f"pipeline {pipeline!r}: expected one of {', '.join(PIPELINES)}"
+                          f"{known}")
+    return str(pipeline)
+
+
+def passes(recipe: Recipe, pipeline: str = DEFAULT_PIPELINE) -> tuple[Stage, ...]:
+    """The runs a recipe makes, in order (:data:`PIPELINES`): its stages, with ``independent``
+    a stage holding a pruning and a quantization modifier split in two, named
+    ``<stage>-<kind>`` (a vote modifier goes with the pruning, which it aggregates)."""
+    if check_pipeline(pipeline) == "joint":
+        return recipe.stages
+    out: list[Stage] = []
+    for stage in recipe.stages:
+        quant = stage.of_kind("quantization")
+        rest = tuple(m for m in stage.modifiers if m is not quant)
+        if quant is None or stage.of_kind("pruning") is None:
+            out.append(stage)
+        else:
+            out += [Stage(f"{stage.name}-pruning", rest),
+                    Stage(f"{stage.name}-quantization", (quant,))]
+    return tuple(out)
+
+
 def stage_settings(recipe: Recipe, beside: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The flat FedPrLLM settings of each stage's run: ``beside`` (keys with ``-`` or ``_``)
-    and the stage's modifiers. Refuses a key of :data:`RECIPE_KEYS` beside the recipe, a vote
-    modifier without ``aggregate votes`` and a stage after a quantizing one (fedcompress
-    compresses float models)."""
+    """The flat FedPrLLM settings of each run of the recipe (:func:`passes`, by ``beside``'s
+    ``pipeline``, default :data:`DEFAULT_PIPELINE`): ``beside`` (keys with ``-`` or ``_``,
+    ``pipeline`` excluded) and the run's modifiers. Refuses a key of :data:`RECIPE_KEYS` beside
+    the recipe, a vote modifier without ``aggregate votes`` and a stage after a quantizing one
+    (fedcompress compresses float models)."""
     beside = {str(k).replace("-", "_"): v for k, v in beside.items()}
+    stages = passes(recipe, beside.pop("pipeline", DEFAULT_PIPELINE))
     owned = sorted(k for k in beside if k in RECIPE_KEYS)
     if owned:
         raise RecipeError(f"{', '.join('--' + k.replace('_', '-') for k in owned)}: set by the "
                           "recipe: expected it in the recipe's modifiers, not beside it")
     beside.setdefault("aggregate", DEFAULT_AGGREGATE)
     runs = []
-    for i, stage in enumerate(recipe.stages):
-        if i and recipe.stages[i - 1].of_kind("quantization") is not None:
+    for i, stage in enumerate(stages):
+        if i and stages[i - 1].of_kind("quantization") is not None:
             raise RecipeError(f"stage {stage.name!r} follows the quantizing stage "
-                              f"{recipe.stages[i - 1].name!r}: fedcompress compresses float "
+                              f"{stages[i - 1].name!r}: fedcompress compresses float "
                               "models: expected quantization in the last stage")
         if stage.of_kind("aggregation") is not None and beside["aggregate"] != "votes":
             raise RecipeError(f"stage {stage.name!r}: FedPrLLMVoteModifier sets FedPrLLM's "
@@ -63,9 +108,10 @@ def stage_settings(recipe: Recipe, beside: Mapping[str, Any]) -> list[dict[str, 
 
 def recipe_of(settings: Mapping[str, Any]) -> Recipe | None:
     """The one-stage recipe a FedPrLLM run's compression settings (flat, a
-    ``FedPrLLMConfig``'s or a subset with its defaults) are a shorthand for; None when they
-    have none (magnitude or gradient pruning, a per-layer plan, or a comparison group other
-    than the modifier's own)."""
+    ``FedPrLLMConfig``'s or a subset with its defaults) are a shorthand for, run with
+    ``pipeline joint`` (a ``prune`` run that prunes and quantizes does both in one pass); None
+    when they have none (magnitude or gradient pruning, a per-layer plan, or a comparison
+    group other than the modifier's own)."""
     s = {str(k).replace("-", "_"): v for k, v in settings.items()}
     modifiers: list = []
     method = s.get("method", "wanda")

@@ -8,7 +8,9 @@ path as ``fedcompress prune``). Layout of ``out``::
     out/recipe.yaml         the recipe as run (llm-compressor's format)
     out/config.toml         everything beside it: fedcompress compress --config out/config.toml
     out/report.json|md      the stages' results side by side, timings, the command
-    out/stages/1-<name>/    each stage's own run folder (report, its model)
+    out/stages/1-<name>/    each run's own folder (report, its model): a stage's, or with
+                            pipeline independent a mixed stage's pruning and quantization
+                            passes (<stage>-pruning, <stage>-quantization)
     out/model/              the last stage's model (compressed-tensors when quantized), with
                             recipe.yaml, as llm-compressor's oneshot writes its output folder
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 from fedcompress.recipe.errors import RecipeError
 from fedcompress.recipe.parse import Recipe
-from fedcompress.recipe.plan import stage_settings
+from fedcompress.recipe.plan import DEFAULT_PIPELINE, passes, stage_settings
 from fedcompress.report import RunReport
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ def run_recipe(recipe: Recipe, beside: Mapping[str, Any], run_stage: StageRunner
         raise RecipeError("save_model false: a later stage starts from the model the stage "
                           "before it saved: expected true with several stages")
     runs = stage_settings(recipe, beside)  # every refusal before anything runs
+    beside.setdefault("pipeline", DEFAULT_PIPELINE)
+    stages_run = passes(recipe, beside["pipeline"])
     model = str(beside.get("model", "smollm2-135m"))
     if check_model is not None:
         check_model(recipe, model)
@@ -72,7 +76,7 @@ def run_recipe(recipe: Recipe, beside: Mapping[str, Any], run_stage: StageRunner
     report = RunReport(out, "compress", config, argv=argv)
     stages: list[dict[str, Any]] = []
     with report:
-        for i, (stage, settings) in enumerate(zip(recipe.stages, runs, strict=True)):
+        for i, (stage, settings) in enumerate(zip(stages_run, runs, strict=True)):
             folder = out / "stages" / f"{i + 1}-{stage.name}"
             last = i == len(runs) - 1
             settings = {**settings, "model": model, "out": str(folder)}
@@ -97,6 +101,6 @@ def run_recipe(recipe: Recipe, beside: Mapping[str, Any], run_stage: StageRunner
             (model_dir / "recipe.yaml").write_text(recipe.to_yaml())
         report.extra["stages"] = [{"stage": s.name, "modifiers": [m.NAME for m in s.modifiers],
                                    "out": str(out / "stages" / f"{i + 1}-{s.name}")}
-                                  for i, s in enumerate(recipe.stages)]
+                                  for i, s in enumerate(stages_run)]
         report.extra["model_dir"] = str(model_dir) if model_dir else None
     return RecipeRun(out, model_dir, json.loads((out / "report.json").read_text()), stages)
