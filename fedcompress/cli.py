@@ -663,25 +663,13 @@ def _compress_command() -> None:
     """``fedcompress compress --recipe FILE``: FedPrLLM's options less the ones a recipe owns."""
     from fedcompress.api import COMPRESS_BASELINES
     from fedcompress.methods import get_method
-    from fedcompress.recipe import DEFAULT_AGGREGATE, DEFAULT_PIPELINE, PIPELINES, RECIPE_KEYS
+    from fedcompress.recipe import DEFAULT_AGGREGATE, RECIPE_KEYS
 
     method = get_method("fedprllm")
     defaults = {k: v for k, v in method_defaults(method).items() if k not in RECIPE_KEYS}
-    defaults.update(aggregate=DEFAULT_AGGREGATE, baselines=COMPRESS_BASELINES, recipe=None,
-                    pipeline=DEFAULT_PIPELINE)
+    defaults.update(aggregate=DEFAULT_AGGREGATE, baselines=COMPRESS_BASELINES)
     params = [p for p in _method_parameters(method)
               if p.name not in RECIPE_KEYS and not p.name.startswith("alias_")]
-    recipe_opt = typer.Option("--recipe", help="Recipe file (llm-compressor's format, YAML or "
-                              "JSON): the compression steps, in stages.", show_default=False)
-    pipeline_opt = _option(
-        defaults, "--pipeline", f"How a stage with a pruning and a quantization modifier runs: "
-        f"{' or '.join(PIPELINES)}: each modifier in a pass of its own (llm-compressor's "
-        "oneshot default), or both in one pass (SparseGPT with GPTQ in one joint sweep, as "
-        "`prune --quant`).")
-    params.insert(0, inspect.Parameter("pipeline", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                       annotation=Annotated[Optional[str], pipeline_opt]))
-    params.insert(0, inspect.Parameter("recipe", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                       annotation=Annotated[Optional[str], recipe_opt]))
 
     def command(**options: Any) -> None:
         from fedcompress.api import stage_runner

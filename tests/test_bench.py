@@ -446,3 +446,36 @@ def test_the_peers_config_plans_every_strategy():
             0.5, 0.7}, pair
     assert {c["group"] for c in fed if c["aggregate"] == "votes"} == {"layer", "row", "column"}
     assert {c["fedspallm_layers"] for c in fed if c["aggregate"] == "fedspallm"} == {7}
+
+
+def test_a_study_sweeps_recipes(tiny_dir, tmp_path):
+    """``recipe`` in a FedPrLLM study (one file or a list, swept): each recipe's one pass
+    sets its cell's settings, so a recipe's cell is the cell of its settings (the same id and
+    cache); a recipe of several passes is refused, naming ``fedcompress compress``."""
+    import yaml
+
+    sparse, wanda = tmp_path / "sparse.yaml", tmp_path / "wanda.yaml"
+    sparse.write_text(yaml.safe_dump({"s_stage": {"m_modifiers": {
+        "SparseGPTModifier": {"sparsity": 0.5, "ignore": ["re:.*lm_head"]}}}}))
+    wanda.write_text(yaml.safe_dump({"s_stage": {"m_modifiers": {
+        "WandaPruningModifier": {"sparsity": 0.3, "ignore": ["re:.*lm_head"]}}}}))
+    base = {"baselines": ["centralized"], "aggregate": "stats"}
+    config = _config(tiny_dir, recipe=[str(sparse), str(wanda)], **base)
+    for key in ("sparsity", "group", "scale"):
+        del config["study"]["main"][key]
+    (by_recipe,) = plan(config)
+    flags = _config(tiny_dir, **base)
+    flags["study"] = {"a": {**base, "method": "sparsegpt", "sparsity": 0.5,
+                            "local_group": "layer"},
+                      "b": {**base, "method": "wanda", "sparsity": 0.3}}
+    a, b = plan(flags)
+    assert [c.id for c in by_recipe.cells] == [c.id for c in a.cells + b.cells]
+    assert by_recipe.columns == "recipe"
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump({
+        "s_stage": {"m_modifiers": {"SparseGPTModifier": {"sparsity": 0.5,
+                                                          "ignore": ["re:.*lm_head"]}}},
+        "q_stage": {"m_modifiers": {"QuantizationModifier": {"scheme": "W8A16",
+                                                             "ignore": ["lm_head"]}}}}))
+    with pytest.raises(BenchConfigError, match="2 passes.*fedcompress compress"):
+        plan(_config(tiny_dir, recipe=str(two), **base))

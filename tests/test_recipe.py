@@ -429,3 +429,64 @@ def test_a_stage_with_pruning_and_quantization_runs_as_llmcompressors_default():
     first, second = passes(votes)
     assert [m.NAME for m in first.modifiers] == ["WandaPruningModifier", "FedPrLLMVoteModifier"]
     assert [m.NAME for m in second.modifiers] == ["QuantizationModifier"]
+
+
+def test_prune_flwr_run_and_the_bench_carry_out_a_one_pass_recipe(tmp_path):
+    """The ``recipe`` setting (``prune --recipe``, ``fedprllm.recipe`` in a run config, a bench
+    study's ``recipe``): its one pass sets the pruning and quantization settings; a recipe of
+    several passes is ``compress``'s; a setting the recipe owns, set beside it to another value
+    than its default or the recipe's, is refused; the report's config (expanded, the recipe
+    kept) parses again to the same settings."""
+    from fedcompress.methods import get_method, settings_from_run_config
+
+    method = get_method("fedprllm")
+    sparse = tmp_path / "sparse.yaml"
+    sparse.write_text(SPARSEGPT)
+    config, _, server = method.parse({"recipe": str(sparse), "aggregate": "stats"})
+    assert (config.method, config.sparsity, config.local_group, server.recipe) == (
+        "sparsegpt", 0.5, "layer", str(sparse))
+    again = method.parse({**config.to_dict(), **server.to_dict()})
+    assert again[0] == config
+    with pytest.raises(RecipeError, match=r"sparsity: set by the recipe .*sparse.yaml"):
+        method.parse({"recipe": str(sparse), "aggregate": "stats", "sparsity": 0.6})
+    both = tmp_path / "both.yaml"
+    both.write_text(BOTH)
+    with pytest.raises(RecipeError, match=r"2 passes \(sparsity, quant\).*fedcompress compress"):
+        method.parse({"recipe": str(both)})
+    one = tmp_path / "one.yaml"
+    one.write_text(ONE_STAGE)
+    with pytest.raises(RecipeError, match=r"2 passes \(compress-pruning, compress-quantization"):
+        method.parse({"recipe": str(one), "aggregate": "stats"})
+    joint, _, _ = method.parse({"recipe": str(one), "aggregate": "stats", "pipeline": "joint"})
+    assert (joint.method, joint.quant, joint.quant_method) == ("sparsegpt", "w4a16", "gptq")
+    chosen, flat = settings_from_run_config({**{f"fedprllm.{k}": v for k, v in
+                                                method.run_config_defaults().items()},
+                                             "method": "fedprllm",
+                                             "fedprllm.recipe": str(sparse),
+                                             "fedprllm.aggregate": "stats"})
+    assert chosen is method and method.parse(flat)[0] == config
+    with pytest.raises(RecipeError, match="FedPrLLMVoteModifier sets FedPrLLM's vote"):
+        votes = tmp_path / "votes.yaml"
+        votes.write_text(yaml.safe_dump({"s_stage": {"m_modifiers": {
+            "WandaPruningModifier": {"sparsity": 0.5}, "FedPrLLMVoteModifier": {}}}}))
+        method.parse({"recipe": str(votes), "aggregate": "stats"})
+
+
+def test_prune_with_a_recipe_equals_prune_with_its_settings(tiny_dir, tmp_path):
+    """A one-pass recipe through the FedPrLLM apps gives the model its settings give."""
+    from safetensors.torch import load_file
+
+    sparse = tmp_path / "sparse.yaml"
+    sparse.write_text(SPARSEGPT)
+    common = dict(model=tiny_dir, clients=2, samples_per_client=2, seqlen=16, batch_size=2,
+                  eval_seqlen=16, eval_windows=2, device="cpu", baselines="none",
+                  aggregate="stats")
+    by_recipe = _in_process_stage({**common, "recipe": str(sparse),
+                                   "out": str(tmp_path / "recipe")})
+    by_flags = _in_process_stage({**common, "method": "sparsegpt", "sparsity": 0.5,
+                                  "local_group": "layer", "out": str(tmp_path / "flags")})
+    assert by_recipe["config"]["recipe"] == str(sparse)
+    assert by_recipe["results"][0]["perplexity"] == by_flags["results"][0]["perplexity"]
+    a = load_file(str(tmp_path / "recipe/model/model.safetensors"))
+    b = load_file(str(tmp_path / "flags/model/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

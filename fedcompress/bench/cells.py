@@ -16,6 +16,7 @@ from typing import Any, Iterator
 from fedcompress.methods.evaluation import TaskEvalSettings
 from fedcompress.methods.fedprllm.experiment import EvalConfig
 from fedcompress.methods.fedprllm.federated import FedPrLLMConfig
+from fedcompress.recipe.plan import expand_settings
 
 SERVER_KEYS = ("group", "scale", "tie_break", "defence", "trim", "reject_z")
 #: Client settings that do not change an honest site's masks (a simulated attack replaces the
@@ -36,6 +37,11 @@ STUDY_KINDS = ("fedprllm", "network", "leakage", "ppcgpt", "privytune", "persona
 #: replies (:attr:`Cell.replies_id`).
 WIRE_KEYS = ("wire", "wire_reference")
 BENCH_KEYS = ("device", "out", "cache")
+#: A FedPrLLM study's recipe (a file, llm-compressor's format) and how a stage of it runs: its
+#: one pass sets the cell's pruning and quantization settings
+#: (:func:`fedcompress.recipe.plan.expand_settings`); a cell of a recipe is the cell of the
+#: settings it stands for (the same id, the same cache).
+RECIPE_KEYS = ("recipe", "pipeline")
 BASELINES = ("dense", "centralized", "local-only")
 
 
@@ -142,7 +148,7 @@ def fedprllm_study(name: str, settings: dict) -> Study:
     """A FedPrLLM study (``kind = "fedprllm"``) of its settings: the cartesian product of the
     swept ones, each point's FedPrLLM cell and baselines (:func:`fedprllm_cells`)."""
     known = set(CLIENT_KEYS) | set(SERVER_KEYS) | set(EVAL_KEYS) | set(STUDY_KEYS) | set(
-        BENCH_KEYS)
+        BENCH_KEYS) | set(RECIPE_KEYS)
     unknown = sorted(set(settings) - known)
     if unknown:
         raise BenchConfigError(f"study {name!r}: unknown setting(s) {unknown}; expected some of "
@@ -196,7 +202,9 @@ def fedprllm_cells(study: str, point: dict, baselines: list[str]) -> Iterator[Ce
     """The cells of one point of a FedPrLLM study: its FedPrLLM cell, then its baselines'."""
     evals = {k: point[k] for k in EVAL_KEYS if k in point}
     try:
-        config = FedPrLLMConfig.from_dict({k: v for k, v in point.items() if k not in EVAL_KEYS})
+        point = expand_settings(point, FedPrLLMConfig.defaults())
+        config = FedPrLLMConfig.from_dict({k: v for k, v in point.items()
+                                           if k not in EVAL_KEYS and k not in RECIPE_KEYS})
         eval_config = EvalConfig(**evals)
     except (TypeError, ValueError) as err:
         raise BenchConfigError(f"study {study!r}: {err}") from err

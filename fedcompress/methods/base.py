@@ -39,6 +39,8 @@ class Method:
         aliases: deprecated option name -> current setting name.
         clear_releases: action -> what it releases of a site in the clear (its masks, its
             statistics): a site whose policy requires SecAgg+ (``require-secagg``) refuses it.
+        expand: ``(flat settings, defaults) -> flat settings``, applied by :meth:`parse`
+            first: settings that stand for others (FedPrLLM's ``recipe``).
     """
 
     name: str
@@ -52,6 +54,7 @@ class Method:
     summary: Callable[[dict], tuple[str, list[str], list[list[str]], list[str]]] | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
     clear_releases: Mapping[str, str] = field(default_factory=dict)
+    expand: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
@@ -99,6 +102,8 @@ class Method:
         for old, new in self.aliases.items():
             if old in flat:
                 flat.setdefault(new, flat.pop(old))
+        if self.expand is not None:
+            flat = self.expand(flat, self.defaults())
         known = {k for cls in self.settings for k in cls.names()}
         unknown = sorted(set(flat) - known)
         if unknown:

@@ -21,7 +21,7 @@ from fedcompress.recipe.modifiers import (
     SparseGPTModifier,
     WandaPruningModifier,
 )
-from fedcompress.recipe.parse import Recipe, Stage
+from fedcompress.recipe.parse import Recipe, Stage, load_recipe
 from fedcompress.recipe.schemes import WeightScheme
 
 #: FedPrLLM settings a recipe owns: given beside it, they are refused.
@@ -153,3 +153,50 @@ def recipe_of(settings: Mapping[str, Any]) -> Recipe | None:
     if not any(m.KIND != "aggregation" for m in modifiers):
         return None
     return Recipe((Stage("default", tuple(modifiers)),))
+
+
+def expand_settings(flat: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """A FedPrLLM run's flat settings with its ``recipe`` (a file; empty: none) carried out:
+    the recipe's one pass (:func:`passes`, by the settings' ``pipeline``) sets the keys of
+    :data:`RECIPE_KEYS`, the rest stay as given (``recipe`` and ``pipeline`` too, so that the
+    report's config runs again). This is how ``fedcompress prune``, ``flwr run`` and a bench
+    study take a recipe. A key the recipe owns set beside it to another value than its default
+    or the recipe's, and a recipe of several passes (``fedcompress compress`` runs those, each
+    from the model the one before made), are refused. ``defaults``: every setting's default."""
+    source = flat.get("recipe") or ""
+    if not source:
+        return dict(flat)
+    recipe = load_recipe(str(source))
+    beside = {"pipeline": flat.get("pipeline", DEFAULT_PIPELINE),
+              "aggregate": flat.get("aggregate", DEFAULT_AGGREGATE)}
+    stages = passes(recipe, beside["pipeline"])
+    if len(stages) > 1:
+        raise RecipeError(f"recipe {source}: {len(stages)} passes "
+                          f"({', '.join(s.name for s in stages)}) and a run carries out one: "
+                          "expected one stage (a pruning and a quantization modifier in it run "
+                          "as one pass with pipeline joint), or fedcompress compress, which runs "
+                          "the passes in order")
+    (run,) = stage_settings(recipe, beside)
+    owned = sorted(k for k in RECIPE_KEYS if k in flat
+                   and not _same(flat[k], defaults.get(k)) and not _same(flat[k], run.get(k)))
+    if owned:
+        raise RecipeError(f"{', '.join(owned)}: set by the recipe {source}: expected "
+                          f"{'it' if len(owned) == 1 else 'them'} in the recipe's modifiers, "
+                          "not beside it")
+    return {**{k: v for k, v in flat.items() if k not in RECIPE_KEYS}, **run}
+
+
+def _same(value: Any, reference: Any) -> bool:
+    """Whether a setting as given (a string from a command line or a run config, or a typed
+    value) is ``reference``."""
+    if reference is None or isinstance(value, type(reference)) and value == reference:
+        return reference is not None
+    try:
+        if isinstance(reference, bool):
+            return str(value).lower() in (("true", "1", "yes") if reference else
+                                          ("false", "0", "no"))
+        if isinstance(reference, (int, float)):
+            return float(value) == float(reference)
+    except (TypeError, ValueError):
+        return False
+    return str(value) == str(reference)

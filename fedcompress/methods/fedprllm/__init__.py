@@ -15,6 +15,7 @@ from __future__ import annotations
 from fedcompress.methods.base import Method
 from fedcompress.methods.evaluation import accuracy_cells, accuracy_columns
 from fedcompress.methods.fedprllm.config import EvalConfig, FedPrLLMConfig, RunSettings
+from fedcompress.recipe.plan import expand_settings
 
 __all__ = ["METHOD", "EvalConfig", "FedPrLLMConfig", "RunSettings"]
 
@@ -59,4 +60,5 @@ METHOD = Method(
     client_module="clients.fedprllm",
     server_module="server.fedprllm",
     summary=summary,
+    expand=expand_settings,
 )

@@ -24,6 +24,7 @@ from fedcompress.quant.settings import (  # noqa: F401 (this module's public nam
     SAVED_ACTORDERS,
     QuantSettings,
 )
+from fedcompress.recipe.plan import DEFAULT_PIPELINE, PIPELINES
 from fedcompress.solver.select import check_group
 
 #: What sites send: their masks (the vote of FedPrLLM) or their inputs' statistics (exact).
@@ -339,3 +340,11 @@ class RunSettings(ServerSettings):
                             "masks: configured or all (3 groups x scaling).", choices=VARIANTS)
     resume: bool = setting(False, "Iterative mode: continue an interrupted run from OUT/"
                            "checkpoint (every aggregated layer is saved there as it completes).")
+    recipe: str = setting("", "Recipe file (llm-compressor's format, YAML or JSON): its "
+                          "modifiers set the pruning and quantization settings (leave those "
+                          "at their defaults). prune, flwr run and a bench study carry out one "
+                          "pass; compress runs a recipe's stages in order (empty: none).")
+    pipeline: str = setting(DEFAULT_PIPELINE, "How a recipe's stage with a pruning and a "
+                            "quantization modifier runs: independent (each in a pass of its "
+                            "own, llm-compressor's oneshot default) or joint (both in one pass: "
+                            "SparseGPT with GPTQ in one sweep, as --quant).", choices=PIPELINES)
