@@ -42,15 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--group-size", type=int, default=64,
                    help="W4A16's columns per scale (128 does not divide SmolLM2's 576)")
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--samples-per-client", type=int, default=4)
-    p.add_argument("--seqlen", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--calib-text", default="wiki")
+    for flag, default in (("--clients", 16), ("--samples-per-client", 4), ("--seqlen", 128),
+                          ("--seed", 0), ("--eval-seqlen", 256), ("--batch-size", 8)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--eval-windows", type=int, default=8,
                    help="evaluation windows of each model (not timed)")
-    p.add_argument("--eval-seqlen", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--calib-text", default="wiki")
     p.add_argument("--cpus-per-client", type=float, default=1.0)
     p.add_argument("--log-level", default="INFO")
     opts = p.parse_args(argv)
