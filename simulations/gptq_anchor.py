@@ -421,11 +421,15 @@ def solver_module(solver):
 def hessian_precision(solver, dtype: torch.dtype | None):
     """Our solver with the Hessian in ``dtype`` up to its inverse's Cholesky factor and for the
     activation order (llm-compressor's choice: float32) instead of float64: the named constants
-    ``HESSIAN_DTYPE`` of the solver's module and of :mod:`fedcompress.pruning.scores` (its OBS
-    sweep's factorisation) for the duration of the block; ``None``: unchanged."""
-    from fedcompress.pruning import scores
+    ``HESSIAN_DTYPE`` of the solver's module and of :mod:`fedcompress.solver.obs` (the OBS
+    sweep's factorisation) for the duration of the block; ``None``: unchanged. A module without
+    the constant is an error (a solver that moved must not leave the swap silently undone)."""
+    from fedcompress.solver import obs
 
-    modules = [m for m in (solver_module(solver), scores) if hasattr(m, "HESSIAN_DTYPE")]
+    modules = [solver_module(solver), obs]
+    missing = [m.__name__ for m in modules if not hasattr(m, "HESSIAN_DTYPE")]
+    if missing:
+        raise AttributeError(f"{missing}: expected a HESSIAN_DTYPE constant to swap")
     saved = [m.HESSIAN_DTYPE for m in modules]
     if dtype is not None:
         for m in modules:

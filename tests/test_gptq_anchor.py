@@ -290,7 +290,7 @@ def test_hessian_precision_swaps_the_named_constants_and_restores_them(monkeypat
     import sys
     import types
 
-    from fedcompress.pruning import scores
+    from fedcompress.solver import obs as scores  # the OBS sweep's factorisation
 
     fake = types.ModuleType("fake_solver_module")
     fake.HESSIAN_DTYPE = torch.float64
@@ -308,6 +308,10 @@ def test_hessian_precision_swaps_the_named_constants_and_restores_them(monkeypat
     with pytest.raises(RuntimeError), anchor.hessian_precision(solver, torch.float32):
         raise RuntimeError("restored even when the block fails")
     assert scores.HESSIAN_DTYPE == torch.float64
+    del fake.HESSIAN_DTYPE
+    with pytest.raises(AttributeError, match="fake_solver_module"), \
+            anchor.hessian_precision(solver, torch.float32):
+        pass
 
 
 def test_llmc_only_needs_the_oneshot():
