@@ -66,31 +66,42 @@ def recipe_text(name: str, group_size: int) -> str:
     return {"sparsegpt50": sparse, "w4a16": quant, "sparsegpt50-w4a16": sparse + quant}[name]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="simulations/results/recipe-anchor")
+def recipe_options(p: argparse.ArgumentParser, out: str, eval_windows: int,
+                   eval_help: str | None = None) -> argparse.ArgumentParser:
+    """The options of a script over :data:`RECIPES` (this one, ``recipe_time.py``): the
+    recipes, the model, the federation, the evaluation, logging."""
+    p.add_argument("--out", default=out)
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--group-size", type=int, default=64,
                    help="W4A16's columns per scale (128 does not divide SmolLM2's 576)")
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--samples-per-client", type=int, default=4)
-    p.add_argument("--seqlen", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    for flag, default in (("--clients", 16), ("--samples-per-client", 4), ("--seqlen", 128),
+                          ("--seed", 0), ("--eval-seqlen", 256), ("--batch-size", 8)):
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--eval-windows", type=int, default=eval_windows, help=eval_help)
     p.add_argument("--calib-text", default="wiki")
-    p.add_argument("--eval-windows", type=int, default=64)
-    p.add_argument("--eval-seqlen", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--cpus-per-client", type=float, default=1.0)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def checked_options(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``p``'s options of ``argv``; a count of :func:`recipe_options` below 1 is an error."""
+    opts = p.parse_args(argv)
+    if min(opts.group_size, opts.clients, opts.samples_per_client, opts.eval_windows) < 1:
+        p.error("--group-size, --clients, --samples-per-client and --eval-windows must be "
+                "positive")
+    return opts
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = recipe_options(argparse.ArgumentParser(description=__doc__.split("\n")[0]),
+                       "simulations/results/recipe-anchor", 64)
     p.add_argument("--venv", default=None,
                    help="llm-compressor's venv (default: $FEDCOMPRESS_CACHE/llmc), created "
                         "when missing")
     p.add_argument("--python", default="python3.11", help="interpreter that creates the venv")
-    p.add_argument("--cpus-per-client", type=float, default=1.0)
-    p.add_argument("--log-level", default="INFO")
-    opts = p.parse_args(argv)
-    if opts.group_size < 1 or opts.clients < 1 or opts.eval_windows < 1:
-        p.error("--group-size, --clients and --eval-windows must be positive")
-    return opts
+    return checked_options(p, argv)
 
 
 def linear_weights(folder: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -30,31 +30,20 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recipe_anchor import RECIPES, recipe_text  # noqa: E402  (the anchor's three recipes)
+from recipe_anchor import (  # noqa: E402  (the anchor's three recipes, its options)
+    checked_options,
+    recipe_options,
+    recipe_text,
+)
 
 logger = logging.getLogger("recipe_time")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="simulations/results/recipe-time")
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--group-size", type=int, default=64,
-                   help="W4A16's columns per scale (128 does not divide SmolLM2's 576)")
-    for flag, default in (("--clients", 16), ("--samples-per-client", 4), ("--seqlen", 128),
-                          ("--seed", 0), ("--eval-seqlen", 256), ("--batch-size", 8)):
-        p.add_argument(flag, type=int, default=default)
-    p.add_argument("--eval-windows", type=int, default=8,
-                   help="evaluation windows of each model (not timed)")
-    p.add_argument("--calib-text", default="wiki")
-    p.add_argument("--cpus-per-client", type=float, default=1.0)
-    p.add_argument("--log-level", default="INFO")
-    opts = p.parse_args(argv)
-    if min(opts.group_size, opts.clients, opts.samples_per_client, opts.eval_windows) < 1:
-        p.error("--group-size, --clients, --samples-per-client and --eval-windows must be "
-                "positive")
-    return opts
+    p = recipe_options(argparse.ArgumentParser(description=__doc__.split("\n")[0]),
+                       "simulations/results/recipe-time", 8,
+                       "evaluation windows of each model (not timed)")
+    return checked_options(p, argv)
 
 
 def stage_times(stage: str, report: dict[str, Any]) -> dict[str, Any]:

@@ -449,6 +449,10 @@ def test_prune_flwr_run_and_the_bench_carry_out_a_one_pass_recipe(tmp_path):
     assert again[0] == config
     with pytest.raises(RecipeError, match=r"sparsity: set by the recipe .*sparse.yaml"):
         method.parse({"recipe": str(sparse), "aggregate": "stats", "sparsity": 0.6})
+    with pytest.raises(RecipeError, match=r"sparsity: set by the recipe"):  # a command line's
+        method.parse({"recipe": str(sparse), "aggregate": "stats", "sparsity": "0.6"})
+    assert method.parse({"recipe": str(sparse), "aggregate": "stats", "sparsity": "0.5",
+                         "method": "sparsegpt"})[0] == config
     both = tmp_path / "both.yaml"
     both.write_text(BOTH)
     with pytest.raises(RecipeError, match=r"2 passes \(sparsity, quant\).*fedcompress compress"):

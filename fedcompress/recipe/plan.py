@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fedcompress.config import SettingsError, convert
 from fedcompress.recipe.errors import RecipeError
 from fedcompress.recipe.modifiers import (
     FedPrLLMVoteModifier,
@@ -178,7 +179,8 @@ def expand_settings(flat: Mapping[str, Any], defaults: Mapping[str, Any]) -> dic
                           "the passes in order")
     (run,) = stage_settings(recipe, beside)
     owned = sorted(k for k in RECIPE_KEYS if k in flat
-                   and not _same(flat[k], defaults.get(k)) and not _same(flat[k], run.get(k)))
+                   and not _same(k, flat[k], defaults.get(k))
+                   and not _same(k, flat[k], run.get(k)))
     if owned:
         raise RecipeError(f"{', '.join(owned)}: set by the recipe {source}: expected "
                           f"{'it' if len(owned) == 1 else 'them'} in the recipe's modifiers, "
@@ -186,17 +188,13 @@ def expand_settings(flat: Mapping[str, Any], defaults: Mapping[str, Any]) -> dic
     return {**{k: v for k, v in flat.items() if k not in RECIPE_KEYS}, **run}
 
 
-def _same(value: Any, reference: Any) -> bool:
+def _same(key: str, value: Any, reference: Any) -> bool:
     """Whether a setting as given (a string from a command line or a run config, or a typed
-    value) is ``reference``."""
-    if reference is None or isinstance(value, type(reference)) and value == reference:
-        return reference is not None
-    try:
-        if isinstance(reference, bool):
-            return str(value).lower() in (("true", "1", "yes") if reference else
-                                          ("false", "0", "no"))
-        if isinstance(reference, (int, float)):
-            return float(value) == float(reference)
-    except (TypeError, ValueError):
+    value) is ``reference``, read as every settings source is read
+    (:func:`fedcompress.config.convert`)."""
+    if reference is None:
         return False
-    return str(value) == str(reference)
+    try:
+        return convert(type(reference), key, value) == reference
+    except SettingsError:
+        return False
