@@ -211,6 +211,34 @@ def stage_results(run) -> list[dict[str, Any]]:
     return rows
 
 
+def script_run(script: str, opts: argparse.Namespace, prefix: str):
+    """What a script comparing with llm-compressor starts with: the runner module, ``--out``,
+    the :class:`~fedcompress.report.RunReport` of ``script``, a temporary work folder named
+    ``prefix...`` and the runner's log (``--out``/``cache/llmc-runner.log``, emptied)."""
+    from fedcompress.report import RunReport
+
+    out = Path(opts.out)
+    log = out / "cache" / "llmc-runner.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    return (gptq_anchor.load_runner(), out,
+            RunReport.for_script(script, opts, seeds={"seed": opts.seed}),
+            Path(tempfile.mkdtemp(prefix=prefix)), log)
+
+
+def llmc_python(report, opts: argparse.Namespace, work: Path, log: Path) -> Path:
+    """The interpreter of llm-compressor's venv (``opts.venv``, created when missing), its
+    pins checked and its versions in ``report``'s ``llmc_venv`` (phase ``llmc-venv``)."""
+    with report.phase("llmc-venv"):
+        venv = Path(opts.venv) if opts.venv else gptq_anchor.default_venv()
+        exe = gptq_anchor.ensure_venv(venv, opts.python)
+        gptq_anchor.run_runner(exe, ["versions", str(work / "versions.json")], log)
+        versions = json.loads((work / "versions.json").read_text())
+        gptq_anchor.check_pins(versions)
+    report.extra["llmc_venv"] = {"path": str(venv), "versions": versions}
+    return exe
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     logging.basicConfig(level=getattr(logging, opts.log_level.upper()),
@@ -223,23 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     from fedcompress.models import load_model
     from fedcompress.recipe import load_recipe, run_recipe
     from fedcompress.recipe.targets import check_recipe
-    from fedcompress.report import RunReport
 
-    runner = gptq_anchor.load_runner()
-    out = Path(opts.out)
-    report = RunReport.for_script(__file__, opts, seeds={"seed": opts.seed})
-    work = Path(tempfile.mkdtemp(prefix="recipe-anchor-"))
-    log = out / "cache" / "llmc-runner.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text("")
+    runner, out, report, work, log = script_run(__file__, opts, "recipe-anchor-")
     with report:
-        with report.phase("llmc-venv"):
-            venv = Path(opts.venv) if opts.venv else gptq_anchor.default_venv()
-            exe = gptq_anchor.ensure_venv(venv, opts.python)
-            gptq_anchor.run_runner(exe, ["versions", str(work / "versions.json")], log)
-            llmc_versions = json.loads((work / "versions.json").read_text())
-            gptq_anchor.check_pins(llmc_versions)
-        report.extra["llmc_venv"] = {"path": str(venv), "versions": llmc_versions}
+        exe = llmc_python(report, opts, work, log)
         with report.phase("load"):
             loaded = load_model(opts.model, device="cpu", dtype="float32")
             config = FedPrLLMConfig(model=opts.model, clients=opts.clients,

@@ -127,7 +127,8 @@ class StrategyOutcome:
              ) -> list[tuple[Message, T]]:
         """:func:`collect_valid_replies`, recording the rejections (with the ``asked`` nodes
         that did not reply) and every valid reply's metrics (with ``stage``, ``round``,
-        ``node``); fewer than ``required`` valid replies is :class:`NotEnoughClientsError`."""
+        ``node``); fewer than ``required`` valid replies is :class:`NotEnoughClientsError`.
+        Returns the valid pairs :func:`in_partition_order`."""
         valid, rejected = collect_valid_replies(replies, validate, stage=stage,
                                                 server_round=server_round, what=what,
                                                 asked=asked, timeout=timeout)
@@ -138,7 +139,7 @@ class StrategyOutcome:
                                         **reply_metrics(reply)})
         require_valid(len(valid), required, stage, server_round,
                       [r["reason"] for r in rejected])
-        return valid
+        return in_partition_order(valid)
 
 
 class RecordsReplies:
@@ -265,6 +266,22 @@ def collect_valid_replies(replies: Iterable[Message], validate: Callable[[Messag
     rejected += silent_nodes(asked, [r.metadata.src_node_id for r in replies], stage,
                              server_round, timeout)
     return valid, rejected
+
+
+def in_partition_order(valid: list[tuple[Message, T]]) -> list[tuple[Message, T]]:
+    """``valid`` (:func:`collect_valid_replies`' pairs) in the order of the sites' partitions
+    (each reply's ``partition`` metric, then node IDs): the order in which a strategy adds the
+    sites' floating-point values. Node IDs are no fixed order: the Simulation Engine draws them
+    anew each run, and a float64 sum in another order rounds differently, a difference that
+    SparseGPT's masks amplify layer after layer (docs/stats-mode.md); in partition order a
+    simulation sums as the in-process runs do (sites 0, 1, ...), run after run. A reply with
+    no integer ``partition`` metric comes after the others, by node. The metric is the site's
+    own word: a site that lies about it moves only its place in the sum's rounding."""
+    def key(pair: tuple[Message, T]) -> tuple[float, int]:
+        partition = reply_metrics(pair[0]).get("partition")
+        return (float(partition) if isinstance(partition, int) else float("inf"),
+                pair[0].metadata.src_node_id)
+    return sorted(valid, key=key)
 
 
 def stream_replies(grid: Any, messages: Iterable[Message], timeout: float | None

@@ -75,3 +75,21 @@ def test_recipe_time_end_to_end(tiny_dir, tmp_path, monkeypatch):
                                             / result["centralized_seconds"])
     assert [s["stage"] for s in report["stages"]["sparsegpt50"]] == ["sparsity"]
     assert report["reproduce"].startswith("python simulations/recipe_time.py --out")
+
+
+def test_the_rounding_spread_orders_and_shares():
+    """Order 0 is partition order, the others seeded permutations of the same sites; a mask
+    share counts equal zero patterns; a spread is the highest over the lowest, less one."""
+    spread = load_tool("rounding_spread", "simulations")
+    orders = spread.site_orders(5, 3, seed=0)
+    assert orders[0] == [0, 1, 2, 3, 4] and orders == spread.site_orders(5, 3, seed=0)
+    assert all(sorted(o) == [0, 1, 2, 3, 4] for o in orders) and orders[1] != orders[2]
+    a = {"l": torch.tensor([[True, False], [False, False]])}
+    b = {"l": torch.tensor([[True, True], [False, False]])}
+    assert spread.same_mask_share(a, a) == 1.0 and spread.same_mask_share(a, b) == 0.75
+    with pytest.raises(ValueError, match="different linear layers"):
+        spread.same_mask_share(a, {"m": a["l"]})
+    assert spread.spread([2.0, 2.5, 3.0]) == {"mean": 2.5, "lowest": 2.0, "highest": 3.0,
+                                              "spread": 0.5}
+    with pytest.raises(SystemExit):
+        spread.parse_args(["--orders", "1"])

@@ -271,6 +271,42 @@ def test_strategy_rounds_equal_the_library_and_centralized(tiny_dir, tiny, metho
     assert up == {run.bytes_up_per_site[0]}
 
 
+def test_the_sites_statistics_are_summed_in_partition_order_not_node_order(tiny_dir, tiny,
+                                                                            monkeypatch):
+    """Float64 sums round by their order, and SparseGPT's masks amplify the difference; the
+    Simulation Engine draws node IDs anew each run, so the server adds the sites' statistics
+    in the order of their partitions: node IDs that reverse the partitions sum as the
+    in-process run does, site 0 first, bit for bit."""
+    from fedcompress.methods.fedprllm import stats as stats_module
+
+    config = config_for(tiny_dir, method="sparsegpt")
+
+    class Reversed(Federation):  # node 100 holds the last partition
+        def __init__(self, n):
+            super().__init__(n)
+            for i, context in enumerate(self.contexts.values()):
+                context.node_config["partition-id"] = n - 1 - i
+
+    added: list[float] = []
+    add = stats_module.StatsAggregator.add
+
+    def recording(self, stats):
+        added.append(float(next(iter(stats.values())).sq_sum.sum()))
+        return add(self, stats)
+
+    strategy = make_strategy(config, tiny.model)
+    monkeypatch.setattr(stats_module.StatsAggregator, "add", recording)
+    run_rounds(strategy, Reversed(4))
+    assert strategy.site_nodes[1] == [103, 102, 101, 100]
+    served = added[:4]
+    added.clear()
+    run = stats_prune(tiny.model, federation_windows(tiny.tokenizer, config)[0], config)
+    assert served == added[:4] and len(set(served)) == 4  # the same sites, in the same order
+    for layer in range(3):
+        for name, w in run.weights[layer].items():
+            assert torch.equal(strategy.global_weights[layer][name], w)
+
+
 def test_a_site_with_garbage_statistics_is_left_out(tiny_dir, tiny):
     config = config_for(tiny_dir, min_clients=3)
     strategy = make_strategy(config, tiny.model)
