@@ -137,6 +137,8 @@ class InProcessGrid(Grid):
 
     # -- a site --------------------------------------------------------------------------------
     def _handle(self, message: Message) -> Message:
+        from fedcompress.models.common import torch_threads
+
         context = self._contexts[message.metadata.dst_node_id]
         if self.cache is not None:
             kept = self.cache.get(message, context)
@@ -145,7 +147,7 @@ class InProcessGrid(Grid):
                 return kept
         start = time.perf_counter()
         try:
-            with _torch_threads(self.threads):
+            with torch_threads(self.threads):
                 reply = self._client_app()(message, context)
         except Exception as err:  # the Simulation Engine's error reply (flwr 1.42 vce_api)
             logger.error("node %d (%s): %s", message.metadata.dst_node_id,
@@ -164,25 +166,4 @@ class InProcessGrid(Grid):
 
             self._app = local_app()
         return self._app
-
-
-class _torch_threads:
-    """torch's thread count set to ``threads`` inside the block (None: unchanged)."""
-
-    def __init__(self, threads: int | None):
-        self.threads = threads
-        self.before = 0
-
-    def __enter__(self) -> None:
-        if self.threads:
-            import torch
-
-            self.before = torch.get_num_threads()
-            torch.set_num_threads(self.threads)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.threads:
-            import torch
-
-            torch.set_num_threads(self.before)
 

@@ -17,7 +17,9 @@ others: seeded permutations of the sites):
 
 1. **ours, federated**: the statistics-mode run in one process
    (:func:`fedcompress.methods.fedprllm.stats.stats_prune`: the Flower strategy's site steps,
-   wire round trip and server step, sites one after another) with the sites in that order;
+   wire round trip and server step, sites one after another, each with ``--site-threads``
+   torch threads: 1, a Simulation Engine actor's, makes order 0 the model ``fedcompress
+   compress`` computes) with the sites in that order;
 2. **llm-compressor**: ``oneshot`` of the recipe (in its own venv, ``simulations/
    gptq_anchor.py``'s ``--venv``) on the pooled windows, the sites' blocks of windows in that
    order;
@@ -66,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.set_defaults(recipes=["sparsegpt50"])
     p.add_argument("--orders", type=int, default=4,
                    help="orders of the sites per side (order 0: partition order)")
+    p.add_argument("--site-threads", type=int, default=1,
+                   help="torch's threads for ours' site steps (1: a Simulation Engine actor's, "
+                        "so that order 0 is what the Flower run computes, bit for bit)")
     p.add_argument("--venv", default=None,
                    help="llm-compressor's venv (default: $FEDCOMPRESS_CACHE/llmc), created "
                         "when missing")
@@ -164,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
             for k, order in enumerate(orders):
                 with report.phase(f"{name}-ours-{k}"):
-                    run = stats_prune(loaded.model, [windows[i] for i in order], config)
+                    run = stats_prune(loaded.model, [windows[i] for i in order], config,
+                                      site_threads=opts.site_threads)
                     record.add("ours-federated", k, apply_masks(
                         load_model(opts.model, device="cpu", dtype="float32").model, run.masks,
                         run.weights))

@@ -307,6 +307,29 @@ def test_the_sites_statistics_are_summed_in_partition_order_not_node_order(tiny_
             assert torch.equal(strategy.global_weights[layer][name], w)
 
 
+def test_site_threads_hold_for_the_sites_steps_only(tiny_dir, tiny, monkeypatch):
+    """``site_threads=1``: the sites' steps with a Simulation Engine actor's one thread (the
+    floats a ``prune`` run's sites compute), the server's step and the caller with theirs."""
+    import fedcompress.methods.fedprllm.federated as federated
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    original = federated.site_layer_stats
+
+    def counting(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(federated, "site_layer_stats", counting)
+    config = config_for(tiny_dir, method="sparsegpt")
+    windows = federation_windows(tiny.tokenizer, config)[0]
+    run = stats_prune(tiny.model, windows, config, site_threads=1)
+    assert seen == [1] * 12 and torch.get_num_threads() == before  # 4 sites x 3 layers
+    again = stats_prune(tiny.model, windows, config)
+    assert all(torch.equal(run.masks[i][k], again.masks[i][k]) for i in range(3)
+               for k in run.masks[i])
+
+
 def test_a_site_with_garbage_statistics_is_left_out(tiny_dir, tiny):
     config = config_for(tiny_dir, min_clients=3)
     strategy = make_strategy(config, tiny.model)

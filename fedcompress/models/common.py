@@ -1,11 +1,14 @@
 """What every module of :mod:`fedcompress.models` shares: the precision of the arithmetic on
-model weights, the errors raised while resolving, loading or onloading a model, the cache root,
-the device and dtype choices, and giving freed heap memory back to the system."""
+model weights (and torch's thread count, :func:`torch_threads`), the errors raised while
+resolving, loading or onloading a model, the cache root, the device and dtype choices, and
+giving freed heap memory back to the system."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -83,3 +86,20 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``threads`` inside the block (None: unchanged). A
+    float sum split over threads adds in another order: a Ray actor of the Simulation Engine
+    computes with one thread per CPU it is given (1 by default), so code that stands for a site
+    in another process sets the actor's count to compute its floats bit for bit."""
+    if not threads:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -409,8 +409,8 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
                 dp_seed: int | None = None, keep_release: bool = False,
                 dp_calibration: PublicCalibration | None = None,
                 prune: PruneConfig | None = None,
-                sum_fixed: Callable[[int, list[np.ndarray]], np.ndarray] | None = None
-                ) -> StatsRun:
+                sum_fixed: Callable[[int, list[np.ndarray]], np.ndarray] | None = None,
+                site_threads: int | None = None) -> StatsRun:
     """Statistics-mode federated pruning in one process (tests, benchmarks): the same site
     steps, wire round trip and server step as the Flower strategy, sites one after another.
     ``frac_bits``: the sites' statistics are summed as SecAgg+ sums them (fixed point, 64-bit
@@ -429,9 +429,13 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
     :attr:`~fedcompress.pruning.local.PruneConfig.quant`; not with DP, whose request is built
     from ``config``); the quantization's integers are in :attr:`StatsRun.quant`.
     ``sum_fixed(layer, vectors)``: the sum of the sites' fixed-point vectors of a layer, mod
-    2^64 (default: added here; e.g. a SecAgg+ vote over them, which must give the same sum)."""
+    2^64 (default: added here; e.g. a SecAgg+ vote over them, which must give the same sum).
+    ``site_threads``: torch's threads for the sites' steps (None: this process's; 1: a
+    Simulation Engine actor's, the floats a ``prune`` run's sites compute, bit for bit; the
+    server's step keeps this process's threads, as the ServerApp does)."""
     from fedcompress.methods.fedprllm import dp as dpm
     from fedcompress.methods.fedprllm.federated import advance_to_layer, site_layer_stats
+    from fedcompress.models.common import torch_threads
     from fedcompress.privacy.dp_stats import secret_rng
 
     if prune is not None and config.dp:
@@ -481,23 +485,24 @@ def stats_prune(model: nn.Module, windows: list[torch.Tensor], config: FedPrLLMC
         vectors: list[np.ndarray] = []
         for site, site_windows in enumerate(windows):
             start = time.perf_counter()
-            hidden, kwargs = state[site]
-            inputs = advance_to_layer(model, site_windows, layer, hidden, prev_masks, kwargs,
-                                      batch, prev_weights)
-            site_plan = site_plans[site] if plan is not None else None
-            if site_plan is not None:
-                ledger = dp_sites[site].ledger if dp_sites else None
-                if ledger is not None:
-                    site_eps[site] = dpm.record_release(ledger, run_id, site_plan,
-                                                        layer).run_epsilon
+            with torch_threads(site_threads):  # a site's arithmetic
+                hidden, kwargs = state[site]
+                inputs = advance_to_layer(model, site_windows, layer, hidden, prev_masks, kwargs,
+                                          batch, prev_weights)
+                site_plan = site_plans[site] if plan is not None else None
+                if site_plan is not None:
+                    ledger = dp_sites[site].ledger if dp_sites else None
+                    if ledger is not None:
+                        site_eps[site] = dpm.record_release(ledger, run_id, site_plan,
+                                                            layer).run_epsilon
+                    else:
+                        site_eps[site] = site_plan.epsilon_after(layer + 1)
+                    stats = dpm.site_release(model, inputs, site_plan, layer, hessian,
+                                             batch).stats
                 else:
-                    site_eps[site] = site_plan.epsilon_after(layer + 1)
-                stats = dpm.site_release(model, inputs, site_plan, layer, hessian,
-                                         batch).stats
-            else:
-                stats = site_layer_stats(model, inputs, hessian, batch)
-            arrays, shared = encode_stats(stats, layer)
-            state[site] = (inputs.hidden, inputs.layer_kwargs)
+                    stats = site_layer_stats(model, inputs, hessian, batch)
+                arrays, shared = encode_stats(stats, layer)
+                state[site] = (inputs.hidden, inputs.layer_kwargs)
             site_seconds += time.perf_counter() - start
             sent = max(sent, sum(int(a.nbytes) for a in arrays.values()))
             if frac_bits is None:
