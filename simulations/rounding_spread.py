@@ -78,6 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts = checked_options(p, argv)
     if opts.orders < 2:
         p.error(f"--orders {opts.orders}: expected at least 2 (a spread needs two orders)")
+    from fedcompress.recipe import load_recipe
+    from fedcompress.recipe.plan import passes
+
+    many = [n for n in opts.recipes if len(passes(load_recipe(recipe_text(n, opts.group_size))))
+            > 1]
+    if many:
+        p.error(f"--recipes {' '.join(many)}: more than one pass; this script runs one-pass "
+                "recipes (its in-process run is one statistics-mode pass)")
     return opts
 
 

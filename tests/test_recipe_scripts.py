@@ -93,3 +93,11 @@ def test_the_rounding_spread_orders_and_shares():
                                               "spread": 0.5}
     with pytest.raises(SystemExit):
         spread.parse_args(["--orders", "1"])
+
+
+def test_the_rounding_spread_refuses_a_recipe_of_two_passes(capsys):
+    spread = load_tool("rounding_spread", "simulations")
+    assert spread.parse_args(["--recipes", "w4a16"]).recipes == ["w4a16"]
+    with pytest.raises(SystemExit):
+        spread.parse_args(["--recipes", "sparsegpt50-w4a16"])
+    assert "--recipes sparsegpt50-w4a16: more than one pass" in capsys.readouterr().err
