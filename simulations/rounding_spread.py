@@ -36,6 +36,7 @@ means. Writes ``report.json`` / ``report.md`` / ``config.toml``; llm-compressor'
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import shutil
@@ -180,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     run = stats_prune(loaded.model, [windows[i] for i in order], config,
                                       site_threads=opts.site_threads)
                     record.add("ours-federated", k, apply_masks(
-                        load_model(opts.model, device="cpu", dtype="float32").model, run.masks,
-                        run.weights))
+                        copy.deepcopy(loaded.model), run.masks, run.weights))
                     del run
                 request = work / f"{name}-{k}.safetensors"
                 ids = torch.cat([windows[i] for i in order]).to(torch.int64)
@@ -202,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = local_masks(loaded.model, torch.cat(windows), config.prune,
                                      batch_size=opts.batch_size, keep_weights=True)
                 central = record.add("ours-centralized", 0, apply_masks(
-                    load_model(opts.model, device="cpu", dtype="float32").model, result.masks,
-                    result.weights))
+                    copy.deepcopy(loaded.model), result.masks, result.weights))
             ours, llmc = spread(record.ppl["ours-federated"]), spread(record.ppl["llmc"])
             summary[name] = {"ours_federated": ours, "llmc": llmc,
                              "ours_centralized": central,

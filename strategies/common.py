@@ -127,8 +127,7 @@ class StrategyOutcome:
              ) -> list[tuple[Message, T]]:
         """:func:`collect_valid_replies`, recording the rejections (with the ``asked`` nodes
         that did not reply) and every valid reply's metrics (with ``stage``, ``round``,
-        ``node``); fewer than ``required`` valid replies is :class:`NotEnoughClientsError`.
-        Returns the valid pairs :func:`in_partition_order`."""
+        ``node``); fewer than ``required`` valid replies is :class:`NotEnoughClientsError`."""
         valid, rejected = collect_valid_replies(replies, validate, stage=stage,
                                                 server_round=server_round, what=what,
                                                 asked=asked, timeout=timeout)
@@ -139,7 +138,7 @@ class StrategyOutcome:
                                         **reply_metrics(reply)})
         require_valid(len(valid), required, stage, server_round,
                       [r["reason"] for r in rejected])
-        return in_partition_order(valid)
+        return valid
 
 
 class RecordsReplies:
@@ -257,15 +256,16 @@ def collect_valid_replies(replies: Iterable[Message], validate: Callable[[Messag
                           asked: Iterable[int] | None = None, timeout: float | None = None
                           ) -> tuple[list[tuple[Message, T]], list[dict[str, Any]]]:
     """:func:`sort_replies` of every reply, in node order, into the valid ``(reply,
-    validate(reply))`` pairs and the rejection records, then those of the :func:`silent_nodes`
-    of ``asked``."""
+    validate(reply))`` pairs (returned :func:`in_partition_order`, the order a strategy adds
+    their values in) and the rejection records, then those of the :func:`silent_nodes` of
+    ``asked``."""
     replies = sorted(replies, key=lambda r: r.metadata.src_node_id)
     rejected: list[dict[str, Any]] = []
     valid = list(sort_replies(replies, validate, stage=stage, server_round=server_round,
                               what=what, errors=errors, rejected=rejected))
     rejected += silent_nodes(asked, [r.metadata.src_node_id for r in replies], stage,
                              server_round, timeout)
-    return valid, rejected
+    return in_partition_order(valid), rejected
 
 
 def in_partition_order(valid: list[tuple[Message, T]]) -> list[tuple[Message, T]]:

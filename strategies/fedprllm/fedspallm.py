@@ -23,7 +23,6 @@ from fedcompress.methods.fedspallm import (
 from fedcompress.models import ModelAdapter
 from strategies.common import (
     collect_valid_replies,
-    in_partition_order,
     reply_metrics,
     require_valid,
     settings_record,
@@ -90,7 +89,7 @@ class FedSpaLLMStrategy(FedPrLLM):
             replies, validate, stage="release", server_round=server_round, what="release",
             asked=self.asked.get(server_round), timeout=self.round_timeout)
         self.outcome.add_rejected(rejected)
-        for reply, release in in_partition_order(valid):  # float sums: a fixed order
+        for reply, release in valid:  # (in partition order: float sums in a fixed order)
             node = reply.metadata.src_node_id
             self.total.add(release)
             self.released.append(node)

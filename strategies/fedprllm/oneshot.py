@@ -23,7 +23,6 @@ from strategies.common import (
     StrategyOutcome,
     StreamingGrid,
     collect_valid_replies,
-    in_partition_order,
     reply_metrics,
     require_valid,
     settings_record,
@@ -135,7 +134,7 @@ class FedPrLLM(Strategy):
         self.outcome.add_rejected(rejected)
         require_valid(len(valid), self.config.required_clients, "outlier ratios", 0,
                       [r["reason"] for r in rejected])
-        return [ratios for _, ratios in in_partition_order(valid)]  # their mean: a fixed order
+        return [ratios for _, ratios in valid]  # (in partition order: their mean, a fixed order)
 
     def set_plan(self, layer_sparsity: str) -> None:
         """Prune every later round with this per-layer plan (it travels in the config)."""

@@ -20,7 +20,6 @@ from fedcompress.models import ModelAdapter
 from strategies.common import (
     NotEnoughClientsError,
     collect_valid_replies,
-    in_partition_order,
     reply_metrics,
     require_valid,
 )
@@ -107,7 +106,7 @@ class StatsFedPrLLM(IterativeFedPrLLM):
                                                 asked=self.asked.get(server_round),
                                                 timeout=self.round_timeout)
         self.outcome.add_rejected(rejected, layer=layer)
-        for reply, stats in in_partition_order(valid):  # float64 sums: a fixed order
+        for reply, stats in valid:  # (in partition order: float64 sums in a fixed order)
             aggregator.add(stats)
             self.site_nodes.setdefault(layer + 1, []).append(reply.metadata.src_node_id)
             self.outcome.client_metrics.append({"stage": "stats", "round": layer + 1,
