@@ -25,6 +25,12 @@ others: seeded permutations of the sites):
    order;
 3. once, **ours, centralized**: the centralized pass on the pooled windows in partition order.
 
+A recipe of several passes (``sparsegpt50-w4a16``: SparseGPT, then GPTQ on the pruned model)
+runs its passes in order on each side, each order's pass on the model that order's pass before
+it made (:func:`chained`, as ``fedcompress compress`` runs them; llm-compressor's ``oneshot``
+runs its own stages), so the first pass's rounding reaches the second pass's statistics as it
+does in a real run.
+
 Each model's perplexity on the first ``--eval-windows`` windows of ``--eval-seqlen`` tokens of
 the wiki test split (the anchor's evaluator), and the share of its weights whose mask (zero or
 not) equals that of the same side's order 0. The summary: per side the mean, the lowest and the
@@ -79,14 +85,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts = checked_options(p, argv)
     if opts.orders < 2:
         p.error(f"--orders {opts.orders}: expected at least 2 (a spread needs two orders)")
-    from fedcompress.recipe import load_recipe
-    from fedcompress.recipe.plan import passes
-
-    many = [n for n in opts.recipes if len(passes(load_recipe(recipe_text(n, opts.group_size))))
-            > 1]
-    if many:
-        p.error(f"--recipes {' '.join(many)}: more than one pass; this script runs one-pass "
-                "recipes (its in-process run is one statistics-mode pass)")
     return opts
 
 
@@ -110,6 +108,22 @@ def same_mask_share(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
         raise ValueError("the two models hold different linear layers")
     same = sum(int((a[k] == b[k]).sum()) for k in a)
     return same / sum(a[k].numel() for k in a)
+
+
+Compress = Callable[[torch.nn.Module, Any], tuple[dict, dict]]
+
+
+def chained(model: torch.nn.Module, configs: list[Any], compress: Compress) -> torch.nn.Module:
+    """The model after each of ``configs``' passes in order, each pass compressing the model
+    the pass before it made (as ``fedcompress compress`` runs a recipe's passes: a stage's model
+    is the next stage's input); ``compress(model, config)`` returns the pass's masks and
+    weights. ``model`` itself is left as it is."""
+    from fedcompress.pruning.local import apply_masks
+
+    for config in configs:
+        masks, weights = compress(model, config)
+        model = apply_masks(copy.deepcopy(model), masks, weights)
+    return model
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -146,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedcompress.methods.fedprllm.federated import FedPrLLMConfig, federation_windows
     from fedcompress.methods.fedprllm.stats import stats_prune
     from fedcompress.models import load_model
-    from fedcompress.pruning.local import apply_masks, local_masks
+    from fedcompress.pruning.local import local_masks
     from fedcompress.recipe import load_recipe
     from fedcompress.recipe.plan import stage_settings
 
@@ -170,19 +184,20 @@ def main(argv: list[str] | None = None) -> int:
         summary: dict[str, Any] = {}
         for name in opts.recipes:
             text = recipe_text(name, opts.group_size)
-            (settings,) = stage_settings(load_recipe(text), {"aggregate": "stats",
-                                                             "quant_scale_dtype": "float32"})
-            config = FedPrLLMConfig(**federation, **settings)
-            bits = 4 if config.prune.quant is not None else 32
+            configs = [FedPrLLMConfig(**federation, **settings) for settings in
+                       stage_settings(load_recipe(text), {"aggregate": "stats",
+                                                          "quant_scale_dtype": "float32"})]
+            bits = 4 if configs[-1].prune.quant is not None else 32
             record = Recorder(report, name, evaluate)
 
             for k, order in enumerate(orders):
-                with report.phase(f"{name}-ours-{k}"):
-                    run = stats_prune(loaded.model, [windows[i] for i in order], config,
+                def federated(model, config, order=order):
+                    run = stats_prune(model, [windows[i] for i in order], config,
                                       site_threads=opts.site_threads)
-                    record.add("ours-federated", k, apply_masks(
-                        copy.deepcopy(loaded.model), run.masks, run.weights))
-                    del run
+                    return run.masks, run.weights
+
+                with report.phase(f"{name}-ours-{k}"):
+                    record.add("ours-federated", k, chained(loaded.model, configs, federated))
                 request = work / f"{name}-{k}.safetensors"
                 ids = torch.cat([windows[i] for i in order]).to(torch.int64)
                 runner.save_exchange(request, {"input_ids": ids},
@@ -198,11 +213,14 @@ def main(argv: list[str] | None = None) -> int:
                               if bits < 32 else {})
                     record.add("llmc", k, AutoModelForCausalLM.from_pretrained(str(folder),
                                                                            **kwargs))
-            with report.phase(f"{name}-ours-centralized"):
-                result = local_masks(loaded.model, torch.cat(windows), config.prune,
+            def centralized(model, config):
+                result = local_masks(model, torch.cat(windows), config.prune,
                                      batch_size=opts.batch_size, keep_weights=True)
-                central = record.add("ours-centralized", 0, apply_masks(
-                    copy.deepcopy(loaded.model), result.masks, result.weights))
+                return result.masks, result.weights
+
+            with report.phase(f"{name}-ours-centralized"):
+                central = record.add("ours-centralized", 0,
+                                     chained(loaded.model, configs, centralized))
             ours, llmc = spread(record.ppl["ours-federated"]), spread(record.ppl["llmc"])
             summary[name] = {"ours_federated": ours, "llmc": llmc,
                              "ours_centralized": central,

@@ -95,9 +95,39 @@ def test_the_rounding_spread_orders_and_shares():
         spread.parse_args(["--orders", "1"])
 
 
-def test_the_rounding_spread_refuses_a_recipe_of_two_passes(capsys):
+def test_the_rounding_spread_chains_a_recipes_passes(tiny_dir):
+    """Each pass compresses the model the pass before it made (statistics mode, the tiny
+    model): SparseGPT then GPTQ keeps the pruned weights at zero and leaves at most 2^4 values
+    per row and group; the model given is not changed; both passes run in one script run."""
+    from fedcompress.methods.fedprllm.federated import FedPrLLMConfig, federation_windows
+    from fedcompress.methods.fedprllm.stats import stats_prune
+    from fedcompress.models import load_model
+    from fedcompress.recipe import load_recipe
+    from fedcompress.recipe.plan import stage_settings
+
     spread = load_tool("rounding_spread", "simulations")
-    assert spread.parse_args(["--recipes", "w4a16"]).recipes == ["w4a16"]
-    with pytest.raises(SystemExit):
-        spread.parse_args(["--recipes", "sparsegpt50-w4a16"])
-    assert "--recipes sparsegpt50-w4a16: more than one pass" in capsys.readouterr().err
+    anchor = load_tool("recipe_anchor", "simulations")
+    assert spread.parse_args(["--recipes", "sparsegpt50-w4a16"]).recipes == ["sparsegpt50-w4a16"]
+    loaded = load_model(tiny_dir, device="cpu", dtype="float32")
+    federation = dict(model=tiny_dir, clients=2, samples_per_client=1, seqlen=16, seed=0)
+    windows = federation_windows(loaded.tokenizer, FedPrLLMConfig(**federation))[0]
+    configs = [FedPrLLMConfig(**federation, **settings) for settings in stage_settings(
+        load_recipe(anchor.recipe_text("sparsegpt50-w4a16", 16)),
+        {"aggregate": "stats", "quant_scale_dtype": "float32"})]
+    assert [c.prune.quant is None for c in configs] == [True, False]
+    seen: list[torch.Tensor] = []
+
+    def federated(model, config):
+        seen.append(model.model.layers[0].mlp.down_proj.weight.detach().clone())
+        run = stats_prune(model, windows, config)
+        return run.masks, run.weights
+
+    before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    out = spread.chained(loaded.model, configs, federated)
+    assert all(torch.equal(v, loaded.model.state_dict()[k]) for k, v in before.items())
+    assert torch.equal(seen[0], before["model.layers.0.mlp.down_proj.weight"])
+    assert (seen[1] == 0).float().mean() == pytest.approx(0.5, abs=0.02)  # pass 2 sees pass 1's
+    weight = out.model.layers[0].mlp.down_proj.weight.detach()
+    assert not torch.equal(weight, seen[1])
+    groups = weight.reshape(weight.shape[0], -1, 16)
+    assert max(len(torch.unique(g)) for row in groups for g in row) <= 16
