@@ -64,6 +64,30 @@ def test_radix_digits_round_trip_and_sum_without_carries(sites):
     assert radix_lanes(17) == 15 and radix_lanes(65) == 10 and radix_lanes(2) == 64
 
 
+def test_radix_words_are_the_digits_polynomial_for_every_input_type():
+    """The compiled packing is ``sum_l d_l radix^l`` per word (Python's integers as the
+    reference) for bools and every integer type; a value out of range, negative or not an
+    integer is refused by name, never clipped or truncated."""
+    from fedcompress.privacy.secagg import pack_radix, radix_lanes, unpack_radix
+
+    radix, lanes = 17, radix_lanes(17)
+    digits = np.random.default_rng(0).integers(0, radix, 2 * lanes + 3)
+    expected = [sum(int(d) * radix ** i for i, d in enumerate(digits[w:w + lanes]))
+                for w in range(0, digits.size, lanes)]
+    for dtype in (np.uint8, np.int16, np.int64, np.uint64):
+        words = pack_radix(digits.astype(dtype), radix, radix - 1)
+        assert [int(w) for w in words] == expected
+        assert np.array_equal(unpack_radix(words, radix, digits.size), digits)
+    votes = digits > 8
+    assert np.array_equal(unpack_radix(pack_radix(votes, radix, 1), radix, votes.size), votes)
+    for bad in (np.array([0, -1]), np.array([0, 1 << 40]), np.array([1, 2], np.uint8)):
+        with pytest.raises(SecAggError, match=r"values must be a flat vector in \[0, 1\]"):
+            pack_radix(bad, radix, 1)
+    for bad in (np.array([0.0, 1.0]), np.ones((2, 2), int)):
+        with pytest.raises(SecAggError, match="expected a flat vector of integers in"):
+            pack_radix(bad, radix, 1)
+
+
 def _run(n=5, t=3, numel=777, drop_before_share=(), drop_before_mask=(),
          drop_before_unmask=(), seed=0):
     rng = np.random.default_rng(seed)
