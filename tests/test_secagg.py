@@ -127,6 +127,11 @@ def test_masks_added_in_place_equal_the_whole_stream(n_words):
         assert np.array_equal(subtracted, words - stream)
     apply_mask(added, secret, vote, b"pair", subtract=True)
     assert np.array_equal(added, words)
+    for threads in (2, 3, 5):  # runs of whole pieces, each from its own place in the stream
+        threaded = words.copy()
+        apply_mask(threaded, secret, vote, b"pair", threads=threads)
+        with np.errstate(over="ignore"):
+            assert np.array_equal(threaded, words + stream)
 
 
 def test_masks_in_place_refuse_what_they_cannot_write():

@@ -101,6 +101,7 @@ import logging
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -147,6 +148,7 @@ from fedcompress.privacy.secagg_lanes import (  # noqa: F401 (the protocol's pub
     apply_mask,
     lane_bits,
     mask_stream,
+    mask_threads,
     pack_blobs,
     pack_ints,
     pack_lanes,
@@ -574,12 +576,13 @@ class SecAggSite:
         if words.size != cfg.n_words:
             raise SecAggError(f"a vector of {np.asarray(values).size} coordinates: expected "
                               f"{cfg.numel}")
-        apply_mask(words, self._seed, cfg.vote_id, b"self")
+        mask = partial(apply_mask, words, vote_id=cfg.vote_id, threads=mask_threads())
+        mask(self._seed, purpose=b"self")
         for node in u2:
             if node == self.node:
                 continue
             pair = agree(self._s, _load_public(self._u1[node].s, f"node {node}"))
-            apply_mask(words, pair, cfg.vote_id, b"pair", subtract=self.node > node)
+            mask(pair, purpose=b"pair", subtract=self.node > node)
         self._received.update(received)
         self._u2 = u2
         return words
@@ -767,6 +770,7 @@ class SecAggServer:
         graph = masking_graph(graph_seed(DOMAIN, vote_id, keys), keys, cfg.neighbours)
         threshold = share_threshold(cfg.neighbours, len(keys), cfg.threshold)
         total = np.zeros(cfg.n_words, dtype=np.uint64)
+        unmask = partial(apply_mask, total, vote_id=vote_id, threads=mask_threads())
         with np.errstate(over="ignore"):
             for node in survivors:
                 total += masked[node]
@@ -783,7 +787,7 @@ class SecAggServer:
                 if node in masked:
                     if len(secret) != SEED_BYTES:
                         raise SecAggError(f"node {node}'s rebuilt seed has {len(secret)} bytes")
-                    apply_mask(total, secret, vote_id, b"self", subtract=True)
+                    unmask(secret, purpose=b"self", subtract=True)
                     continue
                 key = _key_from_scalar(secret, f"node {node}'s rebuilt key")
                 if _public_bytes(key) != Advert(*self.public[node]).s:
@@ -791,5 +795,5 @@ class SecAggServer:
                 for other in sorted(graph[node] & set(survivors)):  # undo its pairwise masks
                     pair = agree(key, _load_public(Advert(*self.public[other]).s,
                                                    f"node {other}"))
-                    apply_mask(total, pair, vote_id, b"pair", subtract=node > other)
+                    unmask(pair, purpose=b"pair", subtract=node > other)
         return cfg.unpack(total)

@@ -6,6 +6,7 @@ place. Plain numpy and ``cryptography``, no Flower."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
@@ -239,24 +240,54 @@ _ZERO_CHUNK = bytes(8 * MASK_CHUNK_WORDS)
 
 
 def apply_mask(words: np.ndarray, secret: bytes, vote_id: bytes, purpose: bytes,
-               subtract: bool = False) -> None:
+               subtract: bool = False, threads: int = 1) -> None:
     """``words`` (uint64, contiguous) plus (``subtract``: minus) :func:`mask_stream` of the same
     secret, vote and purpose, modulo 2^64, in place: the AES-CTR keystream is written into one
-    preallocated piece of :data:`MASK_CHUNK_WORDS` words at a time (the encryptor's counter
-    runs on across pieces, so the stream is the same as one call's) and added to its slice of
-    ``words`` without a temporary."""
+    preallocated piece of :data:`MASK_CHUNK_WORDS` words at a time and added to its slice of
+    ``words`` without a temporary. With ``threads`` > 1 the words are cut into that many runs
+    of whole pieces, each masked on its own thread from its own place in the stream (CTR's
+    counter started at the run's first block; the cipher and numpy's add release the GIL):
+    the same words as one thread's."""
     if words.dtype != np.uint64 or not words.flags.c_contiguous or not words.flags.writeable:
         raise SecAggError(f"apply_mask needs writable contiguous uint64 words, got "
                           f"{words.dtype} (contiguous {words.flags.c_contiguous})")
-    stream = Cipher(algorithms.AES(_mask_key(secret, vote_id, purpose)),
-                    modes.CTR(bytes(16))).encryptor()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise SecAggError(f"threads={threads!r}: expected an int >= 1")
+    key = _mask_key(secret, vote_id, purpose)
+    flat = words.reshape(-1)
+    pieces = -(-flat.size // MASK_CHUNK_WORDS)
+    runs = min(threads, pieces)
+    if runs <= 1:
+        _mask_run(flat, key, 0, flat.size, subtract)
+        return
+    bounds = [min(flat.size, MASK_CHUNK_WORDS * (pieces * i // runs)) for i in range(runs + 1)]
+    with ThreadPoolExecutor(runs) as pool:
+        for done in [pool.submit(_mask_run, flat, key, a, b, subtract)
+                     for a, b in zip(bounds[:-1], bounds[1:], strict=True)]:
+            done.result()
+
+
+def _mask_run(flat: np.ndarray, key: bytes, start: int, stop: int, subtract: bool) -> None:
+    """:func:`apply_mask` on ``flat[start:stop]``, ``start`` a whole number of AES blocks (two
+    words) into the stream: the counter starts at block ``start // 2``."""
+    stream = Cipher(algorithms.AES(key), modes.CTR((start // 2).to_bytes(16, "big"))
+                    ).encryptor()
     piece = bytearray(8 * MASK_CHUNK_WORDS + 15)  # update_into wants block size - 1 spare
     zeros = memoryview(_ZERO_CHUNK)
-    flat = words.reshape(-1)
     op = np.subtract if subtract else np.add
     with np.errstate(over="ignore"):
-        for start in range(0, flat.size, MASK_CHUNK_WORDS):
-            n = min(MASK_CHUNK_WORDS, flat.size - start)
+        for first in range(start, stop, MASK_CHUNK_WORDS):
+            n = min(MASK_CHUNK_WORDS, stop - first)
             stream.update_into(zeros[:8 * n], piece)
-            target = flat[start:start + n]
+            target = flat[first:first + n]
             op(target, np.frombuffer(piece, dtype="<u8", count=n), out=target)
+
+
+
+def mask_threads() -> int:
+    """The threads a party masks with: as many as its torch computations use (a Simulation
+    Engine actor of one CPU: one; a process of its own: its cores). Only speed depends on it;
+    the words are the same."""
+    import torch
+
+    return max(1, torch.get_num_threads())
