@@ -70,18 +70,29 @@ def recipe_options(p: argparse.ArgumentParser, out: str, eval_windows: int,
                    eval_help: str | None = None) -> argparse.ArgumentParser:
     """The options of a script over :data:`RECIPES` (this one, ``recipe_time.py``): the
     recipes, the model, the federation, the evaluation, logging."""
-    p.add_argument("--out", default=out)
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", default=out, help="the result's folder (default: %(default)s)")
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES,
+                   help="the recipes to run, in order (default: all)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a model name of fedcompress's registry or a local folder")
     p.add_argument("--group-size", type=int, default=64,
                    help="W4A16's columns per scale (128 does not divide SmolLM2's 576)")
-    for flag, default in (("--clients", 16), ("--samples-per-client", 4), ("--seqlen", 128),
-                          ("--seed", 0), ("--eval-seqlen", 256), ("--batch-size", 8)):
-        p.add_argument(flag, type=int, default=default)
-    p.add_argument("--eval-windows", type=int, default=eval_windows, help=eval_help)
-    p.add_argument("--calib-text", default="wiki")
-    p.add_argument("--cpus-per-client", type=float, default=1.0)
-    p.add_argument("--log-level", default="INFO")
+    for flag, default, text in (
+            ("--clients", 16, "sites of the federation"),
+            ("--samples-per-client", 4, "calibration windows per site"),
+            ("--seqlen", 128, "tokens per calibration window"),
+            ("--seed", 0, "the seed of the windows' draw and partition"),
+            ("--eval-seqlen", 256, "tokens per evaluation window"),
+            ("--batch-size", 8, "windows per forward pass")):
+        p.add_argument(flag, type=int, default=default, help=f"{text} (default: %(default)s)")
+    p.add_argument("--eval-windows", type=int, default=eval_windows,
+                   help=eval_help or "wiki test windows the perplexity is measured on "
+                                     "(default: %(default)s)")
+    p.add_argument("--calib-text", default="wiki",
+                   help="the corpus the sites' windows come from (default: %(default)s)")
+    p.add_argument("--cpus-per-client", type=float, default=1.0,
+                   help="CPUs of a Simulation Engine site (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return p
 
 
