@@ -97,8 +97,8 @@ def test_the_rounding_spread_orders_and_shares():
 
 def test_the_rounding_spread_chains_a_recipes_passes(tiny_dir):
     """Each pass compresses the model the pass before it made (statistics mode, the tiny
-    model): SparseGPT then GPTQ keeps the pruned weights at zero and leaves at most 2^4 values
-    per row and group; the model given is not changed; both passes run in one script run."""
+    model): GPTQ's pass sees SparseGPT's pruned model and leaves at most 2^4 values per row and
+    group; the model given is not changed."""
     from fedcompress.methods.fedprllm.federated import FedPrLLMConfig, federation_windows
     from fedcompress.methods.fedprllm.stats import stats_prune
     from fedcompress.models import load_model

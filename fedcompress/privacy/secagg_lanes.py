@@ -283,7 +283,6 @@ def _mask_run(flat: np.ndarray, key: bytes, start: int, stop: int, subtract: boo
             op(target, np.frombuffer(piece, dtype="<u8", count=n), out=target)
 
 
-
 def mask_threads() -> int:
     """The threads a party masks with: as many as its torch computations use (a Simulation
     Engine actor of one CPU: one; a process of its own: its cores). Only speed depends on it;
